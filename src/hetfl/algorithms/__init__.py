@@ -1,0 +1,91 @@
+"""Federated methods. ``build_algorithm("fedprox", params, setup)`` makes one.
+
+A method name may carry post-hoc steps joined with ``+`` (``fedavg+ccvr``);
+their settings live in a sub-table of ``algorithm`` named after the step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from hetfl.algorithms.base import Algorithm, Setup
+from hetfl.params import ConfigError, build
+
+# name -> "module:Class"; modules are imported on first use.
+_REGISTRY: dict[str, str] = {
+    "fedavg": "hetfl.algorithms.fedavg:FedAvg",
+    "fedavgm": "hetfl.algorithms.fedavgm:FedAvgM",
+    "fedprox": "hetfl.algorithms.fedprox:FedProx",
+    "scaffold": "hetfl.algorithms.scaffold:Scaffold",
+    "feddyn": "hetfl.algorithms.feddyn:FedDyn",
+    "fednova": "hetfl.algorithms.fednova:FedNova",
+    "moon": "hetfl.algorithms.moon:Moon",
+    "local": "hetfl.algorithms.personalized:LocalOnly",
+    "freeze": "hetfl.algorithms.freeze:Freeze",
+    "fedbabu": "hetfl.algorithms.freeze:FedBABU",
+}
+# methods registered at run time (plugins, notebooks) with @register
+_CLASSES: dict[str, type[Algorithm]] = {}
+# post-hoc steps composable with any trainer via "+" (CCVR lands with the seed methods)
+_POSTHOC: dict[str, str] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make a method available as ``algorithm.name = cls.name``."""
+    if not cls.name or "+" in cls.name:
+        raise ValueError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+    _CLASSES[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """Names of every method: built in (when its module is installed) and registered."""
+    names = [n for n, target in _REGISTRY.items() if importlib.util.find_spec(target.split(":")[0])]
+    return names + [n for n in _CLASSES if n not in _REGISTRY]
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    if name in _CLASSES:
+        return _CLASSES[name]
+    if name not in available():
+        raise ConfigError("algorithm.name", name, "allowed: " + ", ".join(available()))
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def load_plugin(path: str) -> None:
+    """Import a Python file that registers methods (``hetfl run --plugin FILE``)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("--plugin", path, "no such file")
+    spec = importlib.util.spec_from_file_location(f"hetfl_plugin_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+
+
+def parse_name(full_name: str) -> tuple[str, list[str]]:
+    """'fedavg+ccvr' -> ('fedavg', ['ccvr']), validating each part."""
+    trainer, *steps = full_name.split("+")
+    algorithm_class(trainer)
+    for step in steps:
+        if step not in _POSTHOC:
+            allowed = ", ".join(_POSTHOC) or "none yet"
+            raise ConfigError("algorithm.name", full_name, f"unknown post-hoc step {step!r}; allowed: {allowed}")
+    return trainer, steps
+
+
+def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
+    """Validated settings of the trainer of ``full_name`` (unknown keys are errors)."""
+    trainer, steps = parse_name(full_name)
+    own = {k: v for k, v in params.items() if k not in steps}
+    return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+
+
+def build_algorithm(full_name: str, params: dict[str, Any], setup: Setup) -> Algorithm:
+    trainer, _ = parse_name(full_name)
+    return algorithm_class(trainer)(hyperparameters(full_name, params), setup)

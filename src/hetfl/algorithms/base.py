@@ -1,0 +1,270 @@
+"""The algorithm interface: what a federated method is made of.
+
+A method is a small class with hooks named for when they run (the shape of
+FedJAX's ``client_init / client_step / client_final`` and of Flower strategies):
+
+server side
+    ``init_server``   the round-0 server state (model + method tensors)
+    ``payload``       what the server sends to one client (counted as bytes down)
+    ``aggregate``     new server state from the clients' uploads
+client side
+    ``begin``         per-round client set-up, before training (e.g. MOON's flag)
+    ``start_state``   the local model the client starts from
+    ``stages``        the local procedure: a list of :class:`Stage`, each a loss,
+                      the tensors it optimises and its SGD settings
+    ``finish``        what the client uploads (counted as bytes up) and its new
+                      persistent state
+evaluation
+    ``client_model``  the model a client is evaluated with (personalised methods)
+
+Every hook is a plain function of tensors and dicts: the algorithm never sees
+how clients are executed (sequentially, vectorised, or on Flower), never holds
+per-client state in hidden attributes (it lives in the engine's client store
+and in checkpoints), and never draws random numbers from global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from hetfl.engine.optim import SGDConfig
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class NoHyper:
+    """Settings of a method without hyperparameters."""
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor  # prepared model input (float, normalised, augmented)
+    y: torch.Tensor  # int64 labels
+
+
+class ModelCaller:
+    """Calls the model with an explicit state dict (``functional_call``).
+
+    The state dict may hold more than the model's tensors (method tensors such
+    as control variates): only the model's own names are passed through.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model
+        self.param_names = tuple(name for name, _ in model.named_parameters())
+        self.buffer_names = tuple(name for name, _ in model.named_buffers())
+        self.state_names = self.param_names + self.buffer_names
+
+    def __call__(
+        self, state: Tensors, x: torch.Tensor, features: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        own = {name: state[name] for name in self.state_names}
+        return functional_call(self.module, own, (x,), {"return_features": features})
+
+    def logits(self, state: Tensors, x: torch.Tensor) -> torch.Tensor:
+        return self(state, x)  # type: ignore[return-value]
+
+    def features_and_logits(self, state: Tensors, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(state, x, features=True)  # type: ignore[return-value]
+
+    def reference_features(self, state: Tensors, x: torch.Tensor) -> torch.Tensor:
+        """Features of a fixed reference model (MOON's global and previous models):
+        no gradient, and BatchNorm statistics updated on copies, never on ``state``."""
+        with torch.no_grad():
+            own = {n: state[n].clone() if n in self.buffer_names else state[n] for n in self.state_names}
+            feats, _ = functional_call(self.module, own, (x,), {"return_features": True})
+        return feats
+
+
+@dataclass
+class Setup:
+    """What a method may know about the federation it runs in."""
+
+    model: ModelCaller
+    groups: dict[str, list[str]]  # "encoder" / "projector" / "classifier" -> parameter names
+    num_clients: int
+    num_classes: int
+    client_sizes: list[int]  # training samples per client
+    train: Any  # hetfl.config.TrainConfig
+    seed: int
+
+    def sgd(self, lr: float, *, momentum: float | None = None, weight_decay: float | None = None) -> SGDConfig:
+        """The run's client SGD settings at learning rate ``lr`` (overridable per stage)."""
+        return SGDConfig(
+            lr=lr,
+            momentum=self.train.momentum if momentum is None else momentum,
+            weight_decay=self.train.weight_decay if weight_decay is None else weight_decay,
+        )
+
+
+@dataclass
+class ClientContext:
+    """Everything one client's local training sees in one round."""
+
+    client_id: int
+    round: int  # 1-based
+    num_samples: int
+    lr: float  # this round's client learning rate (after the schedule)
+    payload: Tensors  # what the server sent
+    state: Tensors  # the client's persistent state at the start of the round
+    extras: Tensors = field(default_factory=dict)  # computed by Algorithm.begin
+
+
+LossFn = Callable[[Tensors, Batch, ClientContext], tuple[torch.Tensor, Tensors]]
+GradFn = Callable[[Tensors, Tensors, ClientContext], Tensors]
+
+
+@dataclass
+class Stage:
+    """One phase of local training: SGD on ``trainable`` tensors of the local state.
+
+    Attributes:
+        name: for logs ("local", "classifier", "encoder" ...).
+        loss: ``(state, batch, ctx) -> (loss, metrics)``; ``state`` holds every
+            local tensor, trainable or not.
+        trainable: names of the tensors this stage optimises.
+        sgd: optimiser settings; the optimiser state starts at zero per stage.
+        epochs: passes over the client's data (ignored if ``steps`` > 0).
+        steps: a fixed number of steps instead of epochs.
+        grad_transform: ``(grads, state, ctx) -> grads`` applied before the
+            update (SCAFFOLD's correction).
+    """
+
+    name: str
+    loss: LossFn
+    trainable: tuple[str, ...]
+    sgd: SGDConfig
+    epochs: int = 1
+    steps: int = 0
+    grad_transform: GradFn | None = None
+
+
+@dataclass
+class Upload:
+    """What one client sends back after a round."""
+
+    client_id: int
+    tensors: Tensors
+    num_samples: int
+    steps: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ServerState:
+    """The server's state: the global model state dict plus method tensors."""
+
+    model: Tensors
+    extra: Tensors = field(default_factory=dict)
+
+
+def cross_entropy_loss(model: ModelCaller) -> LossFn:
+    """Plain cross-entropy: the local objective of FedAvg."""
+
+    def loss(state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
+        logits = model.logits(state, batch.x)
+        ce = torch.nn.functional.cross_entropy(logits, batch.y)
+        return ce, {"ce": ce.detach()}
+
+    return loss
+
+
+def weighted_mean(states: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
+    """Weighted average of state dicts (FedAvg, McMahan et al. 2017, eq. in Alg. 1).
+
+    Floating tensors are averaged with weights normalised to sum to one;
+    integer buffers (BatchNorm's ``num_batches_tracked``) take the maximum.
+    """
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weighted_mean needs a positive total weight")
+    out: Tensors = {}
+    for name, first in states[0].items():
+        if first.is_floating_point():
+            acc = torch.zeros_like(first)
+            for s, w in zip(states, weights, strict=True):
+                acc.add_(s[name], alpha=w / total)
+            out[name] = acc
+        else:
+            out[name] = torch.stack([s[name] for s in states]).amax(0)
+    return out
+
+
+class Algorithm:
+    """Base class: FedAvg behaviour at every hook; methods override a few.
+
+    Subclasses set ``name``, ``Hyper`` (a frozen dataclass of settings built
+    with :func:`hetfl.params.setting`, docstring citing the paper) and
+    ``citation``.
+    """
+
+    name: ClassVar[str] = ""
+    Hyper: ClassVar[type] = NoHyper
+    citation: ClassVar[str] = ""
+    personalized: ClassVar[bool] = False  # no single global model -> no global_acc
+
+    def __init__(self, hyper: Any, setup: Setup) -> None:
+        self.hp = hyper
+        self.setup = setup
+        self.model = setup.model
+
+    # ----------------------------------------------------------------- server
+    def init_server(self, model_state: Tensors) -> ServerState:
+        return ServerState(model=model_state)
+
+    def payload(self, server: ServerState, client_id: int) -> Tensors:
+        return server.model
+
+    def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
+        model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        return ServerState(model=model, extra=server.extra)
+
+    # ----------------------------------------------------------------- client
+    def init_client_state(self, client_id: int, server: ServerState) -> Tensors:
+        return {}
+
+    def begin(self, ctx: ClientContext) -> Tensors:
+        return {}
+
+    def start_state(self, ctx: ClientContext) -> Tensors:
+        return {name: ctx.payload[name] for name in self.model.state_names}
+
+    def trainable_names(self) -> tuple[str, ...]:
+        return self.model.param_names
+
+    def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
+        return cross_entropy_loss(self.model)(state, batch, ctx)
+
+    def stages(self, ctx: ClientContext) -> list[Stage]:
+        train = self.setup.train
+        return [
+            Stage(
+                name="local",
+                loss=self.loss,
+                trainable=self.trainable_names(),
+                sgd=self.setup.sgd(ctx.lr),
+                epochs=train.local_epochs,
+                steps=train.local_steps,
+            )
+        ]
+
+    def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
+        """(upload, new persistent client state). Default: upload the local model."""
+        return {name: local[name] for name in self.model.state_names}, ctx.state
+
+    # ------------------------------------------------------------- evaluation
+    def client_model(self, server: ServerState, client_state: Tensors, client_id: int) -> Tensors:
+        """The model state client ``client_id`` is evaluated with (default: the global model)."""
+        return server.model
+
+    def personalize_stages(self, ctx: ClientContext) -> list[Stage]:
+        """Local training run on a copy of ``client_model`` before evaluating it
+        (fine-tuning: FedBABU, FedAvg+FT). Default: none."""
+        return []

@@ -1,0 +1,99 @@
+"""Freeze and FedBABU: a randomly initialised classifier that is never trained.
+
+Freeze (the FedUV paper's baseline, Son et al. CVPR 2024, sec. 5): the
+classifier is initialised orthogonally, frozen, and only the encoder is
+trained and averaged.
+
+FedBABU (Oh, Kim, Yun. "FedBABU: Toward Enhanced Representation for Federated
+Image Classification." ICLR 2022): the same body-only federated training; at
+evaluation each client fine-tunes a copy of the global model on its own
+training data (the head by default, as in hetfl's issue; ``finetune_part =
+"full"`` fine-tunes the whole model, the paper's main setting) before being
+evaluated on its own test split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
+from hetfl.engine.rng import torch_generator
+from hetfl.params import setting
+
+
+def orthogonal_(weight: torch.Tensor, generator: torch.Generator, gain: float = 1.0) -> torch.Tensor:
+    """Orthogonal matrix of ``weight``'s shape drawn from ``generator`` (Saxe et al. 2014)."""
+    rows, cols = weight.shape
+    flat = torch.randn(max(rows, cols), min(rows, cols), generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(flat)
+    q = q * torch.sign(torch.diagonal(r))  # unique, uniformly distributed
+    q = q if rows >= cols else q.T
+    return (gain * q[:rows, :cols]).to(weight.dtype).to(weight.device)
+
+
+@dataclass(frozen=True)
+class FreezeHyper:
+    """Freeze settings: gain of the orthogonal classifier initialisation."""
+
+    gain: float = setting(1.0, gt=0.0, doc="gain of the orthogonal classifier init")
+
+
+class Freeze(Algorithm):
+    name = "freeze"
+    Hyper = FreezeHyper
+    citation = "FedUV's baseline, Son et al., CVPR 2024"
+
+    def classifier_names(self) -> list[str]:
+        return self.setup.groups["classifier"]
+
+    def init_server(self, model_state: Tensors) -> ServerState:
+        state = dict(model_state)
+        gen = torch_generator(self.setup.seed, "init", 1)
+        for name in self.classifier_names():
+            t = state[name]
+            state[name] = orthogonal_(t, gen, self.hp.gain) if t.dim() == 2 else torch.zeros_like(t)
+        return ServerState(model=state)
+
+    def trainable_names(self) -> tuple[str, ...]:
+        frozen = set(self.classifier_names())
+        return tuple(n for n in self.model.param_names if n not in frozen)
+
+    def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
+        frozen = set(self.classifier_names())  # the head never changes: not uploaded
+        return {n: local[n] for n in self.model.state_names if n not in frozen}, ctx.state
+
+    def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
+        model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        model.update({n: server.model[n] for n in self.classifier_names()})
+        return ServerState(model=model, extra=server.extra)
+
+
+@dataclass(frozen=True)
+class FedBABUHyper:
+    """FedBABU settings (Oh et al. 2022).
+
+    gain: orthogonal init gain of the frozen head.
+    finetune_epochs: local fine-tuning epochs before personalised evaluation.
+    finetune_part: "head" (classifier only) or "full" (whole model).
+    finetune_lr: fine-tuning learning rate (0 = the run's train.lr).
+    """
+
+    gain: float = setting(1.0, gt=0.0, doc="gain of the orthogonal classifier init")
+    finetune_epochs: int = setting(5, ge=0, doc="fine-tuning epochs at evaluation")
+    finetune_part: str = setting("head", choices=("head", "full"), doc="what is fine-tuned")
+    finetune_lr: float = setting(0.0, ge=0.0, doc="fine-tuning lr (0 = train.lr)")
+
+
+class FedBABU(Freeze):
+    name = "fedbabu"
+    Hyper = FedBABUHyper
+    citation = "Oh et al., ICLR 2022"
+
+    def personalize_stages(self, ctx: ClientContext) -> list[Stage]:
+        if self.hp.finetune_epochs == 0:
+            return []
+        names = tuple(self.classifier_names()) if self.hp.finetune_part == "head" else self.model.param_names
+        lr = self.hp.finetune_lr or self.setup.train.lr
+        return [Stage("finetune", self.loss, names, self.setup.sgd(lr), epochs=self.hp.finetune_epochs)]

@@ -1,0 +1,68 @@
+"""MOON: model-contrastive federated learning.
+
+Li, He, Song. "Model-Contrastive Federated Learning." CVPR 2021, eq. (2)-(3):
+``ℓ_con = -log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) )``
+with z the projection-head output (the classifier input of hetfl's models with
+a projector), z_glob from the received global model, z_prev from the
+client's own model of its previous round; the local loss is ``CE + μ ℓ_con``.
+
+The previous local model lives in the client store. In a client's first round
+it has none, and the contrastive term is zero (the reference code uses the
+global model there, which gives the constant log 2 and no gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
+from hetfl.params import setting
+
+PREV = "moon.prev/"
+
+
+def model_contrastive_loss(
+    z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """MOON's ℓ_con (eq. 2), averaged over the batch: cross-entropy with the
+    global model's representation as the positive and the previous one as the negative."""
+    positive = F.cosine_similarity(z, z_glob, dim=-1)
+    negative = F.cosine_similarity(z, z_prev, dim=-1)
+    logits = torch.stack([positive, negative], dim=1) / temperature
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+@dataclass(frozen=True)
+class MoonHyper:
+    """MOON settings (Li et al. 2021).
+
+    mu: weight of the model-contrastive loss (CCVR: 5 at α=0.05, else 1; FedUV: 1).
+    temperature: τ (0.5 in the paper).
+    """
+
+    mu: float = setting(1.0, ge=0.0, doc="contrastive weight mu")
+    temperature: float = setting(0.5, gt=0.0, doc="temperature tau")
+
+
+class Moon(Algorithm):
+    name = "moon"
+    Hyper = MoonHyper
+    citation = "Li et al., CVPR 2021"
+
+    def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
+        z, logits = self.model.features_and_logits(state, batch.x)
+        ce = F.cross_entropy(logits, batch.y)
+        if not ctx.state:  # first participation: no previous local model, no term
+            return ce, {"ce": ce.detach()}
+        z_glob = self.model.reference_features(ctx.payload, batch.x)
+        previous = {n: ctx.state[PREV + n] for n in self.model.state_names}
+        z_prev = self.model.reference_features(previous, batch.x)
+        con = model_contrastive_loss(z, z_glob, z_prev, self.hp.temperature)
+        return ce + self.hp.mu * con, {"ce": ce.detach(), "contrastive": con.detach()}
+
+    def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
+        model = {n: local[n] for n in self.model.state_names}
+        return model, {PREV + n: t for n, t in model.items()}

@@ -1,0 +1,324 @@
+"""The ``hetfl`` command line: run, compare, partition, list.
+
+Exit codes: 0 success, 2 bad input (configuration, dataset files, checkpoint,
+run directory; the one-line message names the key, the value and what is
+allowed), 1 any other failure, 130 interrupted. Bad input is detected before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hetfl import __version__
+from hetfl import config as config_mod
+from hetfl.params import ConfigError
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (exit code 2)."""
+    from hetfl.data.base import DatasetError
+    from hetfl.data.partition import PartitionError
+    from hetfl.engine.checkpoint import CheckpointError
+    from hetfl.engine.experiment import RunDirError
+    from hetfl.models import ModelError
+
+    return (ConfigError, DatasetError, PartitionError, ModelError, CheckpointError, RunDirError)
+
+
+# ----------------------------------------------------------------- progress
+class RichReporter:
+    """Progress bars for rounds and clients, and a summary table at the end."""
+
+    def __init__(self, console: Console, enabled: bool) -> None:
+        self.console, self.enabled = console, enabled
+        self.progress: Progress | None = None
+
+    def start(self, cfg: config_mod.RunConfig, start_round: int, exp: Any) -> None:
+        if not self.enabled:
+            return
+        c = cfg
+        self.console.print(
+            f"[bold]hetfl[/] {c.algorithm.name} on {c.data.dataset} ({c.data.partition}, "
+            f"{c.data.num_clients} clients), model {c.model.name} ({exp.num_params:,} parameters), "
+            f"device {exp.device}" + (f", resuming after round {start_round}" if start_round else "")
+        )
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"), console=self.console, transient=False,
+        )
+        self.progress.start()
+        self.rounds = self.progress.add_task("rounds", total=c.train.rounds, completed=start_round, status="")
+        self.clients = self.progress.add_task("  clients", total=1, status="")
+
+    def round_start(self, round_: int, num_clients: int) -> None:
+        if self.progress:
+            self.progress.reset(self.clients, total=num_clients, status=f"round {round_}")
+
+    def client_done(self) -> None:
+        if self.progress:
+            self.progress.advance(self.clients)
+
+    def round_end(self, line: dict[str, Any]) -> None:
+        if not self.progress:
+            return
+        parts = [f"loss {line['train_loss']:.3f}"]
+        if "global_acc" in line:
+            parts.append(f"global {100 * line['global_acc']:.2f}%")
+        if "client_acc_mean" in line:
+            parts.append(f"clients {100 * line['client_acc_mean']:.2f}%")
+        self.progress.update(self.rounds, advance=1, status=", ".join(parts))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.progress:
+            self.progress.stop()
+        if self.enabled:
+            self.console.print(summary_table(summary))
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=f"summary: {summary['algorithm']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
+        if key in summary:
+            table.add_row(key, f"{100 * summary[key]:.2f}%")
+    table.add_row("rounds", str(summary["rounds"]))
+    table.add_row("wall_time_s", f"{summary['wall_time_s']:.1f}")
+    up, down = summary["bytes_up_total"] / 1e6, summary["bytes_down_total"] / 1e6
+    table.add_row("MB up / down", f"{up:.1f} / {down:.1f}")
+    return table
+
+
+# ----------------------------------------------------------------- commands
+def default_run_dir(cfg: config_mod.RunConfig) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = cfg.algorithm.name.replace("+", "-")
+    return Path("runs") / f"{stamp}-{name}-{cfg.data.dataset}-seed{cfg.seed}"
+
+
+def check_new_run_dir(path: Path) -> None:
+    from hetfl.engine.experiment import RunDirError
+
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise RunDirError(f"--out {path}: already exists and is not empty; use --resume {path} or another --out")
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from hetfl.engine.experiment import CONFIG_NAME, Experiment, RunDirError
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if args.config or args.set or args.out:
+            raise ConfigError("--resume", str(run_dir), "takes no CONFIG, --set or --out: the run's config.toml is used")
+        if not (run_dir / CONFIG_NAME).is_file():
+            raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
+        cfg = config_mod.load(run_dir / CONFIG_NAME)
+    else:
+        cfg = config_mod.load(args.config, args.set)
+        run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+        check_new_run_dir(run_dir)
+    if args.quiet:
+        cfg = _with(cfg, runtime={"progress": False})
+    exp = Experiment(cfg)
+    reporter = RichReporter(console, exp.cfg.runtime.progress)
+    try:
+        exp.run(run_dir, resume=bool(args.resume), reporter=reporter)
+    finally:
+        reporter.close()
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.RunConfig:
+    tree = config_mod.to_tree(cfg)
+    for name, values in sections.items():
+        tree.setdefault(name, {}).update(values)
+    return config_mod.from_dict(tree)
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from hetfl import compare
+    from hetfl.engine.checkpoint import atomic_write_text
+    from hetfl.engine.experiment import Experiment
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError("--seeds", args.seeds, "must be comma-separated integers, e.g. 0,1,2") from None
+    if not methods or not seeds:
+        raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "need at least one of each")
+    if args.target is not None and not 0 < args.target <= 1:
+        raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    out = Path(args.out)
+    plans = []
+    for method in methods:  # validate every combination before running anything
+        for seed in seeds:
+            overrides = [*args.set, f"algorithm.name={method}", f"seed={seed}"]
+            cfg = config_mod.load(args.config, overrides)
+            if args.quiet:
+                cfg = _with(cfg, runtime={"progress": False})
+            from hetfl.algorithms import hyperparameters
+
+            hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+            plans.append((method, seed, cfg, out / f"{method.replace('+', '-')}-seed{seed}"))
+    records = []
+    for method, seed, cfg, run_dir in plans:
+        if (run_dir / "summary.json").exists():
+            console.print(f"{run_dir}: finished earlier, reusing")
+        else:
+            exp = Experiment(cfg)
+            reporter = RichReporter(console, exp.cfg.runtime.progress)
+            resume = (run_dir / "config.toml").exists()
+            try:
+                exp.run(run_dir, resume=resume, reporter=reporter)
+            finally:
+                reporter.close()
+        records.append(compare.read_run(run_dir, method, seed))
+    rows = compare.table_rows(records, args.target)
+    markdown = compare.to_markdown(rows, args.target)
+    atomic_write_text(out / "comparison.md", markdown)
+    atomic_write_text(out / "comparison.csv", compare.to_csv(rows))
+    console.print(markdown)
+    print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace, console: Console) -> int:
+    from hetfl.data.datasets import load_dataset
+    from hetfl.data.partition_report import format_table, partition_table, plot_partition
+    from hetfl.engine.experiment import build_partition, resolve
+
+    cfg = config_mod.load(args.config, args.set)
+    dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=cfg.data.download, seed=cfg.seed,
+                           **cfg.data.options)
+    cfg = resolve(cfg, dataset)
+    part = build_partition(cfg, dataset)
+    train_y, test_y = dataset.train.y.numpy(), dataset.test.y.numpy()
+    rows = partition_table(part, train_y, test_y, dataset.info.num_classes)
+    console.print(format_table(rows))
+    if args.plot:
+        title = f"{cfg.data.dataset}, {cfg.data.partition}, {cfg.data.num_clients} clients"
+        plot_partition(part, train_y, dataset.info.num_classes, args.plot, class_names=list(dataset.info.classes),
+                       title=title)
+        print(f"heat map: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, console: Console) -> int:
+    from hetfl import algorithms
+    from hetfl.data.datasets import DATASETS
+    from hetfl.data.partition import PARTITIONS
+    from hetfl.models import MODELS
+    from hetfl.params import describe
+
+    what = args.what
+    if what in ("all", "algorithms"):
+        table = Table(title="algorithms (algorithm.name; settings under algorithm.)")
+        for col in ("name", "paper", "settings (default)"):
+            table.add_column(col)
+        for name in algorithms.available():
+            cls = algorithms.algorithm_class(name)
+            settings = ", ".join(f"{n}={d}" for n, d, _ in describe(cls.Hyper)) or "-"
+            table.add_row(name, cls.citation, settings)
+        console.print(table)
+    if what in ("all", "datasets"):
+        console.print("datasets (data.dataset): " + ", ".join(DATASETS))
+    if what in ("all", "partitions"):
+        console.print("partitions (data.partition): " + ", ".join(PARTITIONS))
+    if what in ("all", "models"):
+        console.print("models (model.name): " + ", ".join(MODELS))
+    if what in ("all", "config"):
+        table = Table(title="configuration keys (--set KEY=VALUE)")
+        for col in ("key", "default", "meaning"):
+            table.add_column(col)
+        table.add_row("seed", "0", "seed of every random stream")
+        table.add_row("algorithm.name", "'fedavg'", "method; post-hoc steps join with +")
+        for section, cls in config_mod.SECTIONS.items():
+            for name, default, doc in describe(cls):
+                table.add_row(f"{section}.{name}", default, doc)
+        console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetfl", description="Federated learning on heterogeneous clients.")
+    parser.add_argument("--version", action="version", version=f"hetfl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_plugin_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                       help="Python file that registers extra methods with @hetfl.algorithms.register")
+
+    def add_config_args(p: argparse.ArgumentParser) -> None:
+        add_plugin_arg(p)
+        p.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set train.lr=0.01 (repeatable)")
+
+    run = sub.add_parser("run", help="run one experiment")
+    add_config_args(run)
+    run.add_argument("--out", help="run directory (default: runs/<time>-<method>-<dataset>-seed<k>)")
+    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.set_defaults(func=cmd_run)
+
+    cmp = sub.add_parser("compare", help="several methods x seeds on one setting: mean ± std table")
+    add_config_args(cmp)
+    cmp.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,scaffold")
+    cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    cmp.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
+    cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv")
+    cmp.add_argument("--quiet", action="store_true")
+    cmp.set_defaults(func=cmd_compare)
+
+    part = sub.add_parser("partition", help="show how a dataset is split over clients")
+    add_config_args(part)
+    part.add_argument("--plot", metavar="FILE", help="write a PNG heat map of class counts per client")
+    part.add_argument("--json", metavar="FILE", help="write the per-client statistics as JSON")
+    part.set_defaults(func=cmd_partition)
+
+    lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys")
+    lst.add_argument("what", nargs="?", default="all",
+                     choices=("all", "algorithms", "datasets", "partitions", "models", "config"))
+    add_plugin_arg(lst)
+    lst.set_defaults(func=cmd_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        from hetfl.algorithms import load_plugin
+
+        for plugin in args.plugin:
+            load_plugin(plugin)
+        return int(args.func(args, console))
+    except _user_errors() as err:
+        print(f"hetfl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetfl: interrupted; continue with `hetfl run --resume DIR`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The run configuration: one typed object, loaded from TOML, overridden by ``--set``.
+
+Keys are the outside contract of DESIGN.md (``seed``, ``algorithm.name``,
+``data.dataset``, ``train.lr`` ...). Every key is validated before anything is
+written: unknown keys and out-of-range values raise :class:`ConfigError`.
+Method hyperparameters live under ``algorithm.`` (``algorithm.mu``); the
+settings of a post-hoc step live in a sub-table named after it
+(``algorithm.ccvr.num_virtual``) and are validated by the method itself.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from hetfl.params import ConfigError, build, setting, to_dict
+
+DATASET_NAMES = (
+    "synthetic", "mnist", "fmnist", "emnist", "cifar10", "cifar100", "cinic10", "stl10",
+    "tinyimagenet", "imagefolder", "pacs", "officehome", "domainnet",
+)
+PARTITION_NAMES = (
+    "auto", "iid", "dirichlet", "shards", "dominant", "quantity", "domain", "natural",
+    "rotation", "concept",
+)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = setting("synthetic", choices=DATASET_NAMES, doc="dataset name")
+    root: str = setting("", doc="local folder with the dataset files ('' = ~/.cache/hetfl/data/<name>)")
+    download: bool = setting(True, doc="download missing files from the official source")
+    options: dict = setting({}, doc="loader options, e.g. {alpha = 1.0, beta = 1.0} for synthetic")
+    partition: str = setting("auto", choices=PARTITION_NAMES,
+                             doc="client split; auto = natural for datasets with groups, else dirichlet")
+    num_clients: int = setting(30, ge=1, doc="number of clients")
+    alpha: float = setting(0.5, gt=0.0, doc="Dirichlet concentration (dirichlet, rotation/concept base)")
+    min_size: int = setting(10, ge=0, doc="minimum training samples per client (dirichlet, quantity)")
+    classes_per_client: int = setting(2, ge=1, doc="classes per client (shards)")
+    uniform_share: float = setting(0.2, ge=0.0, le=1.0, doc="share drawn uniformly over classes (dominant)")
+    samples_per_client: int = setting(600, ge=1, doc="training samples per client (dominant)")
+    test_per_client: int = setting(0, ge=0, doc="personal test samples per client (0 = scheme default)")
+    dominant_groups: int = setting(5, ge=1, doc="client groups (dominant)")
+    classes_per_group: int = setting(3, ge=1, doc="dominant classes per group (dominant)")
+    quantity_sigma: float = setting(1.0, gt=0.0, doc="log-normal sigma of client sizes (quantity)")
+    clients_per_domain: int = setting(1, ge=1, doc="clients per domain (domain)")
+    angles: list[float] = setting([], doc="per-client rotation angles in degrees (rotation; [] = spread)")
+    base: str = setting("iid", choices=("iid", "dirichlet"), doc="label split under rotation/concept")
+    concept_groups: int = setting(2, ge=1, doc="client groups with distinct label permutations (concept)")
+    augment: str = setting("auto", choices=("auto", "none", "crop_flip", "flip"),
+                           doc="batched train augmentation; auto = crop_flip for RGB images of 32-96 px")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = setting("auto", doc="model name (see `hetfl list`); auto = picked for the dataset")
+    options: dict = setting({}, doc="model options, e.g. {norm = 'gn'} or {hidden = []}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    rounds: int = setting(20, ge=1, doc="communication rounds")
+    clients_per_round: int = setting(0, ge=0, doc="clients sampled per round (0 = all)")
+    local_epochs: int = setting(1, ge=1, doc="local epochs per round")
+    local_steps: int = setting(0, ge=0, doc="fixed local steps per round instead of epochs (0 = epochs)")
+    batch_size: int = setting(32, ge=1, doc="local batch size")
+    drop_last: bool = setting(False, doc="drop each client's last incomplete batch")
+    lr: float = setting(0.05, gt=0.0, doc="client learning rate")
+    lr_schedule: str = setting("constant", choices=("constant", "cosine"),
+                               doc="client lr over rounds")
+    lr_min: float = setting(0.0, ge=0.0, doc="final lr of the cosine schedule")
+    momentum: float = setting(0.0, ge=0.0, lt=1.0, doc="client SGD momentum")
+    weight_decay: float = setting(0.0, ge=0.0, doc="client SGD weight decay")
+    max_grad_norm: float = setting(0.0, ge=0.0, doc="clip each client's gradient norm (0 = off)")
+    eval_every: int = setting(1, ge=1, doc="evaluate every this many rounds (and at the last)")
+    eval_batch_size: int = setting(1024, ge=1, doc="batch size of evaluation")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    executor: str = setting("sequential", choices=("sequential",),
+                            doc="how clients are run (vectorized and flower: later releases)")
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"), doc="auto = cuda when present")
+    checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
+    threads: int = setting(0, ge=0, doc="torch CPU threads (0 = torch's default)")
+    progress: bool = setting(True, doc="progress bars and summary table on the terminal")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "fedavg"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = setting(0, ge=0, doc="seed of every random stream")
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig}
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML syntax when it parses (numbers, booleans, lists,
+    quoted strings, inline tables), otherwise the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``KEY=VALUE`` override (dotted key) to a nested dict in place."""
+    if "=" not in assignment:
+        raise ConfigError("--set", assignment, "must look like KEY=VALUE, e.g. train.lr=0.01")
+    key, _, text = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError("--set", assignment, "the key must be dotted names, e.g. train.lr")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), child, "is a value, not a table")
+        node = child
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Validate a nested dict into a RunConfig (algorithm params validated later by the method)."""
+    allowed = {"seed", "algorithm", *SECTIONS}
+    for key in tree:
+        if key not in allowed:
+            raise ConfigError(key, tree[key], "unknown key; allowed: " + ", ".join(sorted(allowed)))
+    sections = {}
+    for name, cls in SECTIONS.items():
+        value = tree.get(name, {})
+        if not isinstance(value, dict):
+            raise ConfigError(name, value, "must be a table")
+        sections[name] = build(cls, value, prefix=name + ".")
+    algo = dict(tree.get("algorithm", {}))
+    if not isinstance(algo, dict):
+        raise ConfigError("algorithm", algo, "must be a table")
+    name = algo.pop("name", "fedavg")
+    if not isinstance(name, str):
+        raise ConfigError("algorithm.name", name, "must be a string such as 'fedavg' or 'fedavg+ccvr'")
+    top = build(_Top, {k: v for k, v in tree.items() if k == "seed"})
+    return RunConfig(seed=top.seed, algorithm=AlgorithmConfig(name, algo), **sections)
+
+
+@dataclass(frozen=True)
+class _Top:
+    seed: int = setting(0, ge=0)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a TOML file (optional), apply ``--set`` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("CONFIG", str(path), "no such file")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError("CONFIG", str(path), f"not valid TOML ({err})") from None
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return from_dict(tree)
+
+
+def to_tree(cfg: RunConfig) -> dict[str, Any]:
+    """RunConfig -> nested dict in the TOML layout (algorithm params flattened in)."""
+    tree = to_dict(cfg)
+    algo = tree.pop("algorithm")
+    tree["algorithm"] = {"name": algo["name"], **algo.get("params", {})}
+    return tree
+
+
+def dumps(cfg: RunConfig) -> str:
+    return tomli_w.dumps(to_tree(cfg))

@@ -1,0 +1,116 @@
+"""Checkpoints: one safetensors file per run, replaced atomically.
+
+Tensors (server model, server method state, every client's persistent state)
+are stored as safetensors; everything else (round, wall time, a fingerprint of
+the config) as JSON in the safetensors header's metadata. One file means one
+atomic ``os.replace``: a kill at any moment leaves either the previous or the
+new checkpoint, never a mix. RNG states need no saving: every stream is
+derived from ``(seed, round, client)`` (see :mod:`hetfl.engine.rng`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hetfl.algorithms.base import ServerState, Tensors
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used (corrupt, from another config, another version)."""
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    server: ServerState
+    clients: dict[int, Tensors]
+    info: dict[str, Any]
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in ckpt.server.model.items():
+        tensors[f"server.model/{name}"] = t
+    for name, t in ckpt.server.extra.items():
+        tensors[f"server.extra/{name}"] = t
+    for cid, state in ckpt.clients.items():
+        for name, t in state.items():
+            tensors[f"client.{cid}/{name}"] = t
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    meta = {"format": str(FORMAT_VERSION), "round": str(ckpt.round), "info": json.dumps(ckpt.info)}
+    path = run_dir / CHECKPOINT_NAME
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{CHECKPOINT_NAME}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(run_dir: Path, device: torch.device) -> Checkpoint | None:
+    """The run's checkpoint, or None if it has none yet."""
+    path = run_dir / CHECKPOINT_NAME
+    if not path.exists():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+        tensors = load_file(str(path), device=str(device))
+        if meta.get("format") != str(FORMAT_VERSION):
+            raise CheckpointError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+        round_ = int(meta["round"])
+        info = json.loads(meta["info"])
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, KeyError, ValueError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is corrupt or not a hetfl checkpoint ({type(err).__name__}: {err}); "
+            "delete it to restart the run from round 1"
+        ) from None
+    server = ServerState(model={}, extra={})
+    clients: dict[int, Tensors] = {}
+    for key, t in tensors.items():
+        scope, _, name = key.partition("/")
+        if scope == "server.model":
+            server.model[name] = t
+        elif scope == "server.extra":
+            server.extra[name] = t
+        elif scope.startswith("client."):
+            clients.setdefault(int(scope.removeprefix("client.")), {})[name] = t
+        else:
+            raise CheckpointError(f"{path}: unexpected tensor {key!r}; delete it to restart the run")
+    return Checkpoint(round=round_, server=server, clients=clients, info=info)

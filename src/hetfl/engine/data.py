@@ -1,0 +1,114 @@
+"""Federated data on the training device.
+
+The whole dataset is moved to the device once; each client is a list of
+indices into it. Batches are gathered by index, converted to float and
+augmented as one batched tensor operation on the device (DESIGN.md property 4:
+no DataLoader workers, nothing re-read from disk).
+
+Partitions that transform client data (rotation, concept shift) are applied
+here, once: every training sample belongs to exactly one client, so one
+transformed copy of the training tensors serves all clients; each client's
+personal test split is materialised with its client's transform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hetfl.algorithms.base import Batch
+from hetfl.data.augment import apply_crop_flip, augment_params, rotate, to_float
+from hetfl.data.base import Dataset
+from hetfl.data.partition import Partition
+from hetfl.params import ConfigError
+
+
+@dataclass
+class ClientTest:
+    x: torch.Tensor  # raw inputs (uint8 images or float features) on the device
+    y: torch.Tensor
+
+
+class FederatedData:
+    """A dataset split over clients, held on ``device``."""
+
+    def __init__(self, dataset: Dataset, partition: Partition, device: torch.device, augment: str) -> None:
+        self.info = dataset.info
+        self.device = device
+        self.partition = partition
+        self.num_clients = partition.num_clients
+        self.augment = self._resolve_augment(augment)
+        self.padding = max(1, self.info.input_shape[-1] // 8) if self.info.is_image else 0
+        train_x, train_y = dataset.train.x, dataset.train.y.clone()
+        test_x, test_y = dataset.test.x, dataset.test.y
+        self.client_train = [torch.as_tensor(np.asarray(i), dtype=torch.long) for i in partition.train]
+        if partition.rotation is not None:
+            train_x = train_x.clone()
+            for idx, angle in zip(self.client_train, partition.rotation, strict=True):
+                if angle and len(idx):
+                    train_x[idx] = rotate(train_x[idx], float(angle))
+        if partition.label_perm is not None:
+            for idx, perm in zip(self.client_train, partition.label_perm, strict=True):
+                train_y[idx] = torch.as_tensor(np.asarray(perm), dtype=torch.long)[train_y[idx]]
+        self.train_x, self.train_y = train_x.to(device), train_y.to(device)
+        self.client_train = [idx.to(device) for idx in self.client_train]
+        self.transformed = partition.rotation is not None or partition.label_perm is not None
+        self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
+        if self.transformed:  # the global test set is the union of the transformed client tests
+            self.test_x = torch.cat([t.x for t in self.client_tests])
+            self.test_y = torch.cat([t.y for t in self.client_tests])
+        else:
+            self.test_x, self.test_y = test_x.to(device), test_y.to(device)
+        self.client_sizes = [len(idx) for idx in self.client_train]
+        self.client_test_idx = [torch.as_tensor(np.asarray(i), dtype=torch.long) for i in partition.test]
+
+    def _resolve_augment(self, augment: str) -> str:
+        if augment != "auto":
+            if augment != "none" and not self.info.is_image:
+                raise ConfigError("data.augment", augment, f"needs image data; {self.info.name} has feature vectors")
+            return augment
+        shape = self.info.input_shape
+        rgb = self.info.is_image and shape[0] == 3 and 32 <= shape[-1] <= 96
+        return "crop_flip" if rgb else "none"
+
+    def _client_test(self, test_x: torch.Tensor, test_y: torch.Tensor, client: int) -> ClientTest:
+        idx = torch.as_tensor(np.asarray(self.partition.test[client]), dtype=torch.long)
+        x, y = test_x[idx], test_y[idx]
+        if self.partition.rotation is not None and self.partition.rotation[client]:
+            x = rotate(x, float(self.partition.rotation[client]))
+        if self.partition.label_perm is not None:
+            y = torch.as_tensor(np.asarray(self.partition.label_perm[client]), dtype=torch.long)[y]
+        return ClientTest(x.to(self.device), y.to(self.device))
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw inputs -> model inputs (uint8 images become normalised floats)."""
+        if x.dtype == torch.uint8:
+            return to_float(x, self.info.mean, self.info.std)
+        return x
+
+    def train_batches(
+        self,
+        client: int,
+        schedule: list[torch.Tensor],
+        augment_gen: torch.Generator,
+    ) -> Iterator[Batch]:
+        """The client's batches for ``schedule`` (indices into its own samples)."""
+        own = self.client_train[client]
+        for local_idx in schedule:
+            idx = own[local_idx.to(self.device)]
+            x = self.train_x[idx]
+            if self.augment != "none":
+                dx, dy, flips = augment_params(len(idx), self.padding, True, augment_gen)
+                padding = self.padding if self.augment == "crop_flip" else 0
+                if padding == 0:
+                    dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
+                x = apply_crop_flip(x, dx.to(self.device), dy.to(self.device), flips.to(self.device), padding)
+            yield Batch(self.prepare(x), self.train_y[idx])
+
+    def client_train_split(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.client_train[client]
+        return self.train_x[idx], self.train_y[idx]

@@ -1,0 +1,339 @@
+"""One experiment: set-up (everything validated before any file is written) and
+the round loop (sample, train clients, aggregate, evaluate, log, checkpoint).
+
+The run directory contract (DESIGN.md): ``config.toml`` (resolved config),
+``metrics.jsonl`` (one line per round), ``summary.json``, and
+``checkpoint.safetensors`` for ``hetfl run --resume``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetfl import config as config_mod
+from hetfl.algorithms import build_algorithm, hyperparameters, parse_name
+from hetfl.algorithms.base import ClientContext, ModelCaller, ServerState, Setup, Tensors, Upload
+from hetfl.config import RunConfig
+from hetfl.data.base import Dataset
+from hetfl.data.datasets import load_dataset
+from hetfl.data.partition import Partition, make_partition
+from hetfl.engine.checkpoint import Checkpoint, atomic_write_text, load_checkpoint, save_checkpoint
+from hetfl.engine.data import FederatedData
+from hetfl.engine.evaluate import accuracy_and_loss
+from hetfl.engine.local import run_stages, train_client
+from hetfl.engine.rng import derive_seed, numpy_generator
+from hetfl.models import build_model
+from hetfl.models.base import param_groups
+from hetfl.params import ConfigError, to_dict
+
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+CONFIG_NAME = "config.toml"
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used (exists with another run, nothing to resume)."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device", name, "CUDA is not available on this machine; use auto or cpu")
+    return torch.device(name)
+
+
+def auto_model(dataset: Dataset) -> tuple[str, dict[str, Any]]:
+    """The default model for a dataset: logistic regression for Synthetic (as FedProx),
+    the 2-conv CNN for 28x28 images, MOON's simple CNN for 32x32, ResNet-18 beyond."""
+    info = dataset.info
+    if not info.is_image:
+        return "mlp", {"hidden": [] if info.name == "synthetic" else [200, 200]}
+    if info.input_shape[-1] <= 28:
+        return "cnn2", {}
+    if info.input_shape[-1] <= 32:
+        return "simple_cnn", {}
+    return "resnet18", {"norm": "gn"}
+
+
+def resolve(cfg: RunConfig, dataset: Dataset) -> RunConfig:
+    """Replace every ``auto`` by its value for this dataset, and fill the method's defaults."""
+    data, model = cfg.data, cfg.model
+    if data.partition == "auto":
+        data = dataclasses.replace(data, partition="natural" if dataset.info.groups else "dirichlet")
+    if model.name == "auto":
+        name, options = auto_model(dataset)
+        model = dataclasses.replace(model, name=name, options={**options, **model.options})
+    params = cfg.algorithm.params
+    _, steps = parse_name(cfg.algorithm.name)
+    hyper = to_dict(hyperparameters(cfg.algorithm.name, params))
+    full_params = {**hyper, **{s: params[s] for s in steps if s in params}}
+    algorithm = dataclasses.replace(cfg.algorithm, params=full_params)
+    return dataclasses.replace(cfg, data=data, model=model, algorithm=algorithm)
+
+
+def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
+    d = cfg.data
+    group = dataset.train.group
+    test_group = dataset.test.group
+    return make_partition(
+        d.partition,
+        dataset.train.y.numpy(),
+        dataset.test.y.numpy(),
+        d.num_clients,
+        seed=derive_seed(cfg.seed, "partition"),
+        num_classes=dataset.info.num_classes,
+        train_groups=None if group is None else group.numpy(),
+        test_groups=None if test_group is None else test_group.numpy(),
+        alpha=d.alpha,
+        min_size=d.min_size,
+        classes_per_client=d.classes_per_client,
+        uniform_share=d.uniform_share,
+        samples_per_client=d.samples_per_client,
+        test_per_client=d.test_per_client or None,
+        dominant_groups=d.dominant_groups,
+        classes_per_group=d.classes_per_group,
+        quantity_sigma=d.quantity_sigma,
+        clients_per_domain=d.clients_per_domain,
+        angles=list(d.angles) or None,
+        base=d.base,
+        concept_groups=d.concept_groups,
+    )
+
+
+def lr_at(cfg: RunConfig, round_: int) -> float:
+    """Client learning rate of a 1-based round under the schedule."""
+    t = cfg.train
+    if t.lr_schedule == "cosine" and t.rounds > 1:
+        return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1 + math.cos(math.pi * (round_ - 1) / (t.rounds - 1)))
+    return t.lr
+
+
+def nbytes(tensors: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Experiment:
+    """A prepared experiment; :meth:`run` executes it into a run directory."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        """Load data, partition, build model and method. Raises a ConfigError,
+        DatasetError, PartitionError or ModelError on bad input, before any output."""
+        self.device = pick_device(cfg.runtime.device)
+        if cfg.runtime.threads:
+            torch.set_num_threads(cfg.runtime.threads)
+        parse_name(cfg.algorithm.name)
+        hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
+        root = cfg.data.root or None
+        self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, seed=cfg.seed,
+                                    **cfg.data.options)
+        self.cfg = cfg = resolve(cfg, self.dataset)
+        if cfg.train.clients_per_round > cfg.data.num_clients:
+            raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
+                              f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
+        self.partition = build_partition(cfg, self.dataset)
+        self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment)
+        info = self.dataset.info
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(cfg.seed, "init"))
+            self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)
+        self.model.to(self.device).train()
+        self.caller = ModelCaller(self.model)
+        self.setup = Setup(
+            model=self.caller,
+            groups=param_groups(self.model),
+            num_clients=cfg.data.num_clients,
+            num_classes=info.num_classes,
+            client_sizes=self.data.client_sizes,
+            train=cfg.train,
+            seed=cfg.seed,
+        )
+        self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+
+    # --------------------------------------------------------------- pieces
+    def initial_server(self) -> ServerState:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return self.algorithm.init_server(state)
+
+    def sample_clients(self, round_: int) -> list[int]:
+        n, k = self.cfg.data.num_clients, self.cfg.train.clients_per_round
+        if k == 0 or k >= n:
+            return list(range(n))
+        rng = numpy_generator(self.cfg.seed, "sample", round_)
+        return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+
+    def evaluate(self, server: ServerState, clients: dict[int, Tensors], round_: int) -> dict[str, Any]:
+        cfg, algo, data = self.cfg, self.algorithm, self.data
+        bs = cfg.train.eval_batch_size
+        out: dict[str, Any] = {}
+        global_correct = None
+        if not algo.personalized:
+            global_correct, acc, loss = accuracy_and_loss(self.caller, server.model, data.test_x, data.test_y, data, bs)
+            out["global_acc"], out["global_loss"] = acc, loss
+        accs = []
+        for c in range(data.num_clients):
+            state_c = clients.get(c) or algo.init_client_state(c, server)
+            model_c = algo.client_model(server, state_c, c)
+            ctx = ClientContext(c, round_, data.client_sizes[c], lr_at(cfg, round_), algo.payload(server, c), state_c)
+            tune = algo.personalize_stages(ctx)
+            if tune:
+                model_c = run_stages(tune, model_c, ctx, data, seed=cfg.seed, batch_size=cfg.train.batch_size,
+                                     drop_last=cfg.train.drop_last, stream=1).state
+            test = data.client_tests[c]
+            if len(test.y) == 0:
+                continue
+            if model_c is server.model and global_correct is not None and not data.transformed:
+                accs.append(global_correct[data.client_test_idx[c].to(self.device)].float().mean().item())
+            else:
+                accs.append(accuracy_and_loss(self.caller, model_c, test.x, test.y, data, bs)[1])
+        out["client_acc_mean"] = float(np.mean(accs))
+        out["client_acc_std"] = float(np.std(accs))
+        out["client_acc"] = [round(a, 6) for a in accs]
+        return out
+
+    # ------------------------------------------------------------------ run
+    def run(self, run_dir: str | Path, *, resume: bool = False, reporter: Reporter | None = None) -> dict[str, Any]:
+        """Run (or continue) the experiment in ``run_dir``; returns the summary."""
+        cfg = self.cfg
+        run_dir = Path(run_dir)
+        reporter = reporter or Reporter()
+        ckpt = load_checkpoint(run_dir, self.device) if resume else None
+        if ckpt is not None and ckpt.info.get("config") != config_mod.to_tree(cfg):
+            raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
+        server = ckpt.server if ckpt else self.initial_server()
+        clients: dict[int, Tensors] = ckpt.clients if ckpt else {}
+        start = ckpt.round if ckpt else 0
+        wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
+        history = truncate_metrics(run_dir / METRICS_NAME, start)
+        reporter.start(cfg, start, self)
+        with open(run_dir / METRICS_NAME, "a") as metrics_file:
+            for round_ in range(start + 1, cfg.train.rounds + 1):
+                t0 = time.perf_counter()
+                line = self.round(server, clients, round_, reporter)
+                server = line.pop("_server")
+                if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
+                    t_eval = time.perf_counter()
+                    line.update(self.evaluate(server, clients, round_))
+                    line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
+                line["round_time_s"] = round(time.perf_counter() - t0, 4)
+                wall += line["round_time_s"]
+                metrics_file.write(json.dumps(line) + "\n")
+                metrics_file.flush()
+                history.append(line)
+                every = cfg.runtime.checkpoint_every
+                if every and (round_ % every == 0 or round_ == cfg.train.rounds):
+                    info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall}
+                    save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
+                reporter.round_end(line)
+        summary = make_summary(cfg, history, wall, self)
+        atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        reporter.finish(summary)
+        return summary
+
+    def round(self, server: ServerState, clients: dict[int, Tensors], round_: int, reporter: Reporter) -> dict:
+        cfg, algo = self.cfg, self.algorithm
+        sampled = self.sample_clients(round_)
+        lr = lr_at(cfg, round_)
+        uploads: list[Upload] = []
+        bytes_down = bytes_up = 0
+        loss_sum = 0.0
+        steps_total = 0
+        reporter.round_start(round_, len(sampled))
+        for c in sampled:
+            state_c = clients.get(c)
+            if state_c is None:
+                state_c = algo.init_client_state(c, server)
+            payload = algo.payload(server, c)
+            bytes_down += nbytes(payload)
+            ctx = ClientContext(c, round_, self.data.client_sizes[c], lr, payload, state_c)
+            result = train_client(algo, ctx, self.data, seed=cfg.seed, train_cfg=cfg.train)
+            upload, new_state = algo.finish(ctx, result.state, result.steps)
+            if new_state:
+                clients[c] = new_state
+            bytes_up += nbytes(upload)
+            uploads.append(Upload(c, upload, self.data.client_sizes[c], result.steps,
+                                  {"loss": result.loss_sum / max(result.steps, 1)}))
+            loss_sum += result.loss_sum
+            steps_total += result.steps
+            reporter.client_done()
+        new_server = algo.aggregate(server, uploads, round_)
+        return {
+            "round": round_,
+            "train_loss": loss_sum / max(steps_total, 1),
+            "lr": lr,
+            "clients": len(sampled),
+            "local_steps": steps_total,
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            "_server": new_server,
+        }
+
+
+def truncate_metrics(path: Path, last_round: int) -> list[dict[str, Any]]:
+    """Keep the metrics lines of rounds <= ``last_round`` (drop anything after the
+    checkpoint, including a line half-written by a kill); return them."""
+    if not path.exists():
+        return []
+    kept, lines = [], []
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            break
+        if line.get("round", math.inf) > last_round:
+            break
+        kept.append(line)
+        lines.append(raw)
+    atomic_write_text(path, "".join(raw + "\n" for raw in lines))
+    return kept
+
+
+def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
+    evaluated = [m for m in history if "client_acc_mean" in m]
+    summary: dict[str, Any] = {
+        "algorithm": cfg.algorithm.name,
+        "rounds": len(history),
+        "wall_time_s": round(wall, 3),
+        "num_params": exp.num_params,
+        "bytes_up_total": sum(m["bytes_up"] for m in history),
+        "bytes_down_total": sum(m["bytes_down"] for m in history),
+    }
+    if evaluated and "global_acc" in evaluated[-1]:
+        summary["final_global_acc"] = evaluated[-1]["global_acc"]
+        summary["best_global_acc"] = max(m["global_acc"] for m in evaluated)
+    if evaluated:
+        summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
+        summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)
+    summary["final_train_loss"] = history[-1]["train_loss"] if history else None
+    summary["config"] = config_mod.to_tree(cfg)
+    return summary
+
+
+class Reporter:
+    """Progress callbacks of a run; the base class is silent (see hetfl.cli for the rich one)."""
+
+    def start(self, cfg: RunConfig, start_round: int, exp: Experiment) -> None: ...
+    def round_start(self, round_: int, num_clients: int) -> None: ...
+    def client_done(self) -> None: ...
+    def round_end(self, line: dict[str, Any]) -> None: ...
+    def finish(self, summary: dict[str, Any]) -> None: ...
+
+
+def run_experiment(cfg: RunConfig, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
+    """Prepare and run in one call (library use)."""
+    return Experiment(cfg).run(run_dir, **kwargs)
+
+
+__all__ = ["Experiment", "Reporter", "RunDirError", "run_experiment"]

@@ -1,0 +1,126 @@
+"""Local training of one client: the stages of an algorithm, step by step.
+
+A step is ``torch.func.grad`` of the stage's loss with respect to the stage's
+trainable tensors, an optional gradient transform, and a functional SGD
+update. Written over plain dicts of tensors so that the same step can be
+``vmap``-ed across clients by a vectorised executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import grad
+
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
+from hetfl.engine.optim import sgd_init, sgd_update
+from hetfl.engine.rng import torch_generator
+from hetfl.engine.schedule import batch_schedule
+
+if TYPE_CHECKING:
+    from hetfl.engine.data import FederatedData
+
+
+@dataclass
+class LocalResult:
+    state: Tensors
+    steps: int
+    loss_sum: float
+    metric_sums: dict[str, float]
+
+
+def clip_grads(grads: Tensors, max_norm: float) -> Tensors:
+    """Scale gradients so their global L2 norm is at most ``max_norm``."""
+    norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads.values()))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return {name: g * scale for name, g in grads.items()}
+
+
+def sgd_step(
+    stage: Stage,
+    state: Tensors,
+    opt_state: Tensors,
+    batch: Batch,
+    ctx: ClientContext,
+    first_step: bool,
+    max_grad_norm: float = 0.0,
+) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+    """One optimisation step of ``stage``; returns (trainable, opt_state, loss, metrics)."""
+    trainable = {name: state[name] for name in stage.trainable}
+    frozen = {name: t for name, t in state.items() if name not in trainable}
+
+    def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]:
+        loss, metrics = stage.loss({**frozen, **train}, batch, ctx)
+        return loss, (loss.detach(), metrics)
+
+    grads, (loss, metrics) = grad(objective, has_aux=True)(trainable)
+    if stage.grad_transform is not None:
+        grads = stage.grad_transform(grads, state, ctx)
+    if max_grad_norm > 0:
+        grads = clip_grads(grads, max_grad_norm)
+    new_trainable, opt_state = sgd_update(trainable, grads, opt_state, stage.sgd, first_step)
+    return new_trainable, opt_state, loss, metrics
+
+
+def run_stages(
+    stages: list[Stage],
+    start: Tensors,
+    ctx: ClientContext,
+    data: FederatedData,
+    *,
+    seed: int,
+    batch_size: int,
+    drop_last: bool,
+    max_grad_norm: float = 0.0,
+    stream: int = 0,
+) -> LocalResult:
+    """Run ``stages`` on client ``ctx.client_id``'s data, starting from ``start``.
+
+    Batch order and augmentation come from generators derived from
+    ``(seed, round, client, stream)`` (stream 0: training, 1: fine-tuning at
+    evaluation), so a client's result does not depend on what ran before it.
+    """
+    client = ctx.client_id
+    batch_gen = torch_generator(seed, "batches", ctx.round, client, stream)
+    augment_gen = torch_generator(seed, "augment", ctx.round, client, stream)
+    state = {name: t.detach().clone() for name, t in start.items()}
+    n_samples = data.client_sizes[client]
+    steps, loss_sum = 0, torch.zeros((), device=data.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        schedule = batch_schedule(n_samples, batch_size, stage.epochs, stage.steps, drop_last, batch_gen)
+        opt_state = sgd_init({n: state[n] for n in stage.trainable}, stage.sgd)
+        for i, batch in enumerate(data.train_batches(client, schedule, augment_gen)):
+            new, opt_state, loss, metrics = sgd_step(
+                stage, state, opt_state, batch, ctx, first_step=(i == 0), max_grad_norm=max_grad_norm
+            )
+            state.update(new)
+            steps += 1
+            loss_sum += loss
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value.float()
+    return LocalResult(
+        state=state,
+        steps=steps,
+        loss_sum=float(loss_sum),
+        metric_sums={k: float(v) for k, v in metric_sums.items()},
+    )
+
+
+def train_client(
+    algorithm: Algorithm, ctx: ClientContext, data: FederatedData, *, seed: int, train_cfg: object
+) -> LocalResult:
+    """A client's whole local round: ``begin``, the algorithm's stages, from ``start_state``."""
+    ctx.extras = algorithm.begin(ctx)
+    return run_stages(
+        algorithm.stages(ctx),
+        algorithm.start_state(ctx),
+        ctx,
+        data,
+        seed=seed,
+        batch_size=train_cfg.batch_size,  # type: ignore[attr-defined]
+        drop_last=train_cfg.drop_last,  # type: ignore[attr-defined]
+        max_grad_norm=train_cfg.max_grad_norm,  # type: ignore[attr-defined]
+    )

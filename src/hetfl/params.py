@@ -1,0 +1,176 @@
+"""Typed, validated settings: the one mechanism behind the run config and every
+algorithm's hyperparameters.
+
+A settings class is a frozen dataclass whose fields are declared with
+:func:`setting`, which records the allowed range or choices. :func:`build`
+turns a plain dict (from TOML or ``--set``) into an instance, rejecting unknown
+keys, wrong types and out-of-range values with a :class:`ConfigError` that
+names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; ``hetfl`` exits with code 2 on it."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key} = {value!r}: {allowed}")
+
+
+def setting(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: Sequence[Any] | None = None,
+    doc: str = "",
+) -> Any:
+    """A dataclass field with validation metadata (range, choices, help text)."""
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "doc": doc}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert ``value`` to the annotated type ``tp`` or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(key, value, option)
+            except ConfigError as err:
+                errors.append(err.allowed)
+        raise ConfigError(key, value, " or ".join(errors))
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, value, "must be a list")
+        (item_type, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, value, "must be a table of key = value pairs")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, value, "must be true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, value, "must be an integer")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, value, "must be a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, value, "must be a string")
+    raise ConfigError(key, value, f"must be of type {_type_name(tp)}")
+
+
+def _check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(key, value, "allowed: " + ", ".join(map(str, choices)))
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return
+    bounds = [
+        ("ge", lambda b: value >= b, ">="),
+        ("gt", lambda b: value > b, ">"),
+        ("le", lambda b: value <= b, "<="),
+        ("lt", lambda b: value < b, "<"),
+    ]
+    for name, ok, symbol in bounds:
+        bound = meta.get(name)
+        if bound is not None and not ok(bound):
+            raise ConfigError(key, value, f"must be {symbol} {bound}")
+
+
+def build(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
+    """Instantiate settings class ``cls`` from ``values``, validating every key.
+
+    Nested settings classes are built recursively from nested mappings.
+    ``prefix`` is the dotted path of ``cls`` inside the whole config, used in
+    error messages (``train.lr``).
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    for key in values:
+        if key not in fields:
+            allowed = ", ".join(sorted(fields)) or "(none: this method has no settings)"
+            raise ConfigError(prefix + key, values[key], f"unknown key; allowed: {allowed}")
+    kwargs = {}
+    for name, fld in fields.items():
+        if name not in values:
+            continue
+        key, tp = prefix + name, hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(values[name], Mapping):
+                raise ConfigError(key, values[name], "must be a table")
+            kwargs[name] = build(tp, values[name], key + ".")
+            continue
+        value = _coerce(key, values[name], tp)
+        _check_range(key, value, fld.metadata)
+        kwargs[name] = value
+    instance = cls(**kwargs)
+    for name, fld in fields.items():  # defaults obey the same rules
+        if name not in values and not dataclasses.is_dataclass(hints[name]):
+            _check_range(prefix + name, getattr(instance, name), fld.metadata)
+    check = getattr(instance, "check", None)
+    if callable(check):
+        check(prefix)
+    return instance
+
+
+def to_dict(instance: Any) -> dict[str, Any]:
+    """Settings instance -> plain nested dict (lists for tuples; None dropped, as TOML has no null)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                    if getattr(value, f.name) is not None}
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if v is not None}
+        return value
+
+    return plain(instance)
+
+
+def describe(cls: type) -> list[tuple[str, str, str]]:
+    """(name, default, doc) for each field of a settings class, for `hetfl list`."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f.name, repr(default), f.metadata.get("doc", "")))
+    return rows

@@ -1,0 +1,57 @@
+"""Small shared pieces for the tests: a tiny model with the encoder/classifier split."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetfl.algorithms.base import ClientContext, ModelCaller, Setup, Tensors
+from hetfl.config import TrainConfig
+
+
+class TinyNet(nn.Module):
+    """4 -> 8 encoder, optional 8 -> 8 projector, 8 -> 3 classifier."""
+
+    def __init__(self, projector: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.projector = nn.Sequential(nn.Linear(8, 8), nn.ReLU()) if projector else None
+        self.classifier = nn.Linear(8, 3)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(x)
+        return self.projector(z) if self.projector is not None else z
+
+    def forward(self, x, return_features: bool = False):
+        z = self.features(x)
+        logits = self.classifier(z)
+        return (z, logits) if return_features else logits
+
+
+def tiny_setup(num_clients: int = 4, momentum: float = 0.0, **train) -> Setup:
+    model = TinyNet()
+    names = [n for n, _ in model.named_parameters()]
+    groups = {part: [n for n in names if n.startswith(part + ".")] for part in ("encoder", "projector", "classifier")}
+    return Setup(
+        model=ModelCaller(model),
+        groups=groups,
+        num_clients=num_clients,
+        num_classes=3,
+        client_sizes=[10] * num_clients,
+        train=TrainConfig(momentum=momentum, **train),
+        seed=0,
+    )
+
+
+def initial_state(setup: Setup) -> Tensors:
+    return {k: v.detach().clone() for k, v in setup.model.module.state_dict().items()}
+
+
+def context(client: int, payload: Tensors, state: Tensors | None = None, lr: float = 0.1) -> ClientContext:
+    return ClientContext(client, 1, 10, lr, payload, state or {})
+
+
+def perturbed(state: Tensors, scale: float, seed: int) -> Tensors:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state.items()}

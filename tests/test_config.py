@@ -1,0 +1,70 @@
+"""Config loading, overrides and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetfl import config
+from hetfl.params import ConfigError
+
+
+def test_defaults_are_the_offline_experiment():
+    cfg = config.load()
+    assert cfg.algorithm.name == "fedavg"
+    assert cfg.data.dataset == "synthetic"
+    assert cfg.runtime.executor == "sequential"
+
+
+def test_set_overrides_parse_toml_values(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('seed = 3\n[train]\nlr = 0.1\n[algorithm]\nname = "fedprox"\nmu = 0.5\n')
+    cfg = config.load(path, ["train.lr=0.02", "train.rounds=7", "data.angles=[0, 90]", "model.name=mlp",
+                             "data.download=false"])
+    assert cfg.seed == 3
+    assert cfg.train.lr == 0.02 and cfg.train.rounds == 7
+    assert cfg.data.angles == [0.0, 90.0]
+    assert cfg.model.name == "mlp" and cfg.data.download is False
+    assert cfg.algorithm.name == "fedprox" and cfg.algorithm.params == {"mu": 0.5}
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = config.load(None, ["algorithm.name=fedprox", "algorithm.mu=0.1", "data.options={alpha = 0.5}"])
+    path = tmp_path / "r.toml"
+    path.write_text(config.dumps(cfg))
+    assert config.load(path) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "hint"),
+    [
+        ("train.lrr=0.1", "train.lrr", "unknown key"),
+        ("train.lr=-0.1", "train.lr", "> 0.0"),
+        ("train.lr=abc", "train.lr", "number"),
+        ("train.rounds=0", "train.rounds", ">= 1"),
+        ("train.rounds=2.5", "train.rounds", "integer"),
+        ("data.alpha=0", "data.alpha", "> 0.0"),
+        ("data.partition=weird", "data.partition", "allowed: auto, iid"),
+        ("data.dataset=imagenet22k", "data.dataset", "allowed:"),
+        ("runtime.device=tpu", "runtime.device", "allowed: auto, cpu, cuda"),
+        ("train.momentum=1.0", "train.momentum", "< 1.0"),
+        ("bogus=1", "bogus", "unknown key"),
+        ("data.uniform_share=1.5", "data.uniform_share", "<= 1.0"),
+        ("runtime.progress=maybe", "runtime.progress", "true or false"),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(override, key, hint):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    message = str(err.value)
+    assert message.startswith(key) and hint in message
+
+
+def test_malformed_set_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        config.load(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="no such file"):
+        config.load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(bad)
