@@ -79,7 +79,8 @@ def main() -> None:
     title = f"# Foundation reference runs ({device}, {machine['threads']} threads, torch {machine['torch']})"
     lines = [title, "",
              "Data: MNIST (exact); CIFAR-10 (JPEG q75 copy). FedAvg, Dirichlet alpha 0.1, 20 clients, seed 0.", "",
-             "| run | final global acc | best | client mean | s/round | total s | command |", "|---|---|---|---|---|---|---|"]
+             "| run | final global acc | best | client mean | s/round | total s | command |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['name']} | {100 * r['final_global_acc']:.2f}% | {100 * r['best_global_acc']:.2f}% | "
                      f"{100 * r['final_client_acc_mean']:.2f}% | {r['seconds_per_round']:.1f} | "

@@ -123,7 +123,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         if args.config or args.set or args.out:
-            raise ConfigError("--resume", str(run_dir), "takes no CONFIG, --set or --out: the run's config.toml is used")
+            raise ConfigError("--resume", str(run_dir),
+                              "takes no CONFIG, --set or --out (the run's config.toml is used)")
         if not (run_dir / CONFIG_NAME).is_file():
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
         cfg = config_mod.load(run_dir / CONFIG_NAME)
