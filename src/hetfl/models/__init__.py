@@ -1,0 +1,90 @@
+"""Model registry: every model is an :class:`FLModel` with ``encoder`` / ``projector`` / ``classifier``.
+
+``build_model(name, input_shape, num_classes, **options)`` builds one; an unknown
+name, an unknown or bad option, or an input shape the model cannot take raises
+:class:`ModelError` (a ``ValueError`` whose message names the parameter, the
+value and what is allowed). ``model_options(name)`` lists a model's options with
+their defaults.
+
+Models (options with defaults; feature_dim = classifier input size):
+
+* ``simple_cnn``: MOON / CCVR simple CNN with projection head; ``projector=True``; 256 (84 without projector).
+* ``cnn2``: McMahan et al. 2017 CNN as PFLlib's FedAvgCNN; ``padding=0`` (2 = "same"); 512.
+* ``mlp``: McMahan's 2NN, or logistic regression (FedProx); ``hidden=(200, 200)`` (``()`` = logistic); last width.
+* ``resnet18`` / ``resnet50``: CIFAR stem; ``norm="bn"`` (or "gn"), ``gn_groups=2``; 512 / 2048.
+* ``mobilenetv2``: CIFAR strides; ``width=1.0``, ``norm="bn"``, ``gn_groups=2``; 1280.
+* ``vgg11``: FedMA / FedBR CIFAR VGG-11; ``norm="none"`` (or "bn", "gn"), ``gn_groups=2``, ``dropout=0.0``; 512.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from hetfl.models.base import FLModel, ModelError, orthogonal_classifier_, param_groups
+from hetfl.models.cnn import CNN2, SimpleCNN
+from hetfl.models.mlp import MLP
+from hetfl.models.mobilenet import MobileNetV2
+from hetfl.models.resnet import ResNet, resnet18, resnet50
+from hetfl.models.vgg import VGG11
+
+__all__ = [
+    "CNN2",
+    "MLP",
+    "MODELS",
+    "VGG11",
+    "FLModel",
+    "MobileNetV2",
+    "ModelError",
+    "ResNet",
+    "SimpleCNN",
+    "build_model",
+    "model_options",
+    "orthogonal_classifier_",
+    "param_groups",
+]
+
+_BUILDERS: dict[str, Callable[..., FLModel]] = {
+    "simple_cnn": SimpleCNN,
+    "cnn2": CNN2,
+    "mlp": MLP,
+    "resnet18": resnet18,
+    "resnet50": resnet50,
+    "mobilenetv2": MobileNetV2,
+    "vgg11": VGG11,
+}
+
+MODELS: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def _check_name(name: str) -> Callable[..., FLModel]:
+    if name not in _BUILDERS:
+        raise ModelError("model.name", name, "allowed: " + ", ".join(MODELS))
+    return _BUILDERS[name]
+
+
+def model_options(name: str) -> dict[str, Any]:
+    """The options ``build_model`` accepts for ``name``, with their defaults."""
+    params = inspect.signature(_check_name(name)).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options: Any) -> FLModel:
+    """Build model ``name`` for inputs of shape ``input_shape`` (no batch dim) and ``num_classes`` outputs.
+
+    Parameters are initialised from the global torch RNG (seed it, or fork it, for reproducibility).
+    """
+    builder = _check_name(name)
+    allowed = model_options(name)
+    for key, value in options.items():
+        if key not in allowed:
+            choices = ", ".join(allowed) if allowed else "none"
+            raise ModelError(f"model.options.{key}", value, f"not an option of {name}; options: {choices}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ModelError("num_classes", num_classes, "must be a positive integer")
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise ModelError("input_shape", input_shape, "must be a tuple of positive integers") from None
+    return builder(shape, num_classes, **options)
