@@ -1,0 +1,60 @@
+"""CCVR's statistics: pooled client statistics equal those of all features pooled (eq. 3-4)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetfl.algorithms.gaussian_stats import (
+    class_statistics,
+    gaussian_factor,
+    pool_statistics,
+    sample_gaussian,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), clients=st.integers(1, 6), d=st.integers(1, 5))
+def test_pooled_statistics_equal_statistics_of_concatenated_features(seed, clients, d):
+    gen = torch.Generator().manual_seed(seed)
+    num_classes = 3
+    n = int(torch.randint(2, 40, (1,), generator=gen))
+    z = torch.randn(n, d, generator=gen, dtype=torch.float64) * 3 + 1
+    y = torch.randint(0, num_classes, (n,), generator=gen)
+    owner = torch.randint(0, clients, (n,), generator=gen)  # random split: some clients get 0 or 1 of a class
+    stats = [class_statistics(z[owner == k], y[owner == k], num_classes) for k in range(clients)]
+    pooled = pool_statistics(stats)
+    for c in range(num_classes):
+        zc = z[y == c]
+        assert pooled.counts[c] == len(zc)
+        if len(zc) >= 1:
+            torch.testing.assert_close(pooled.means[c], zc.mean(0), rtol=1e-10, atol=1e-10)
+        if len(zc) >= 2:
+            torch.testing.assert_close(pooled.covs[c], torch.cov(zc.T, correction=1).reshape(d, d),
+                                       rtol=1e-9, atol=1e-9)
+        else:
+            assert torch.count_nonzero(pooled.covs[c]) == 0
+
+
+def test_client_statistics_single_and_missing_classes():
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 8.0]])
+    y = torch.tensor([0, 0, 1])
+    s = class_statistics(z, y, 3)
+    assert s.counts.tolist() == [2, 1, 0]
+    torch.testing.assert_close(s.means[0], torch.tensor([2.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(s.covs[0], torch.tensor([[2.0, 2.0], [2.0, 2.0]], dtype=torch.float64))  # ddof 1
+    assert torch.count_nonzero(s.covs[1]) == 0 and torch.count_nonzero(s.means[2]) == 0
+    assert s.num_floats == 2 * (1 + 2 + 3)
+
+
+def test_sampling_is_robust_to_singular_covariances():
+    v = torch.tensor([[1.0], [2.0], [0.0]], dtype=torch.float64)
+    cov = v @ v.T  # rank 1
+    factor = gaussian_factor(cov)
+    torch.testing.assert_close(factor @ factor.T, cov, rtol=1e-9, atol=1e-9)
+    draws = sample_gaussian(torch.tensor([1.0, -1.0, 0.5]), cov, 20_000, torch.Generator().manual_seed(0))
+    assert torch.allclose(draws[:, 2], torch.tensor(0.5, dtype=torch.float64))  # no variance along that axis
+    torch.testing.assert_close(torch.cov(draws.T), cov, rtol=0.05, atol=0.05)
+    zero = sample_gaussian(torch.zeros(3), torch.zeros(3, 3), 5, torch.Generator().manual_seed(0))
+    assert torch.count_nonzero(zero) == 0
