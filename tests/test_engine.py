@@ -88,3 +88,45 @@ def test_kill_and_resume_gives_identical_metrics(tmp_path):
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["final_global_acc"] == full["final_global_acc"]
+
+
+README_PLUGIN = '''
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+from hetfl.params import setting
+
+
+@dataclass(frozen=True)
+class FeatureNormHyper:
+    """weight: strength of the feature-norm penalty."""
+    weight: float = setting(0.01, ge=0.0, doc="penalty weight")
+
+
+@register
+class FeatureNorm(Algorithm):
+    name = "featnorm"
+    Hyper = FeatureNormHyper
+    citation = "an example"
+
+    def loss(self, state, batch, ctx):
+        features, logits = self.model.features_and_logits(state, batch.x)
+        ce = F.cross_entropy(logits, batch.y)
+        penalty = features.pow(2).sum(1).mean()
+        return ce + self.hp.weight * penalty, {"ce": ce.detach(), "penalty": penalty.detach()}
+'''
+
+
+def test_readme_plugin_example_runs(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "class FeatureNorm(Algorithm)" in readme, "keep this test in sync with the README example"
+    plugin = tmp_path / "my_method.py"
+    plugin.write_text(README_PLUGIN)
+    out = tmp_path / "r"
+    code = main(["run", "--plugin", str(plugin), "--set", "algorithm.name=featnorm", "--set", "algorithm.weight=0.05",
+                 "--set", "train.rounds=2", "--out", str(out), "--quiet"])
+    assert code == 0
+    assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}

@@ -8,6 +8,7 @@ update. Written over plain dicts of tensors so that the same step can be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,31 @@ def clip_grads(grads: Tensors, max_norm: float) -> Tensors:
     return {name: g * scale for name, g in grads.items()}
 
 
+Objective = Callable[[Tensors], tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]]
+GradFn = Callable[[Objective, Tensors], tuple[Tensors, tuple[torch.Tensor, Tensors]]]
+
+
+def autograd_grad(objective: Objective, trainable: Tensors) -> tuple[Tensors, tuple[torch.Tensor, Tensors]]:
+    """Gradient of ``objective`` by reverse-mode autograd on detached leaf copies.
+
+    Same value as ``torch.func.grad``; faster for a single client on the CPU
+    (measured 1.5x on the 2-conv CNN), so the sequential executor uses it and
+    the vectorised executor, which needs ``vmap``, uses :func:`functional_grad`.
+    """
+    leaves = {name: t.detach().requires_grad_() for name, t in trainable.items()}
+    with torch.enable_grad():
+        loss, aux = objective(leaves)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return {
+        name: torch.zeros_like(t) if g is None else g for (name, t), g in zip(leaves.items(), grads, strict=True)
+    }, aux
+
+
+def functional_grad(objective: Objective, trainable: Tensors) -> tuple[Tensors, tuple[torch.Tensor, Tensors]]:
+    """Gradient of ``objective`` with ``torch.func.grad`` (composable with ``vmap``)."""
+    return grad(objective, has_aux=True)(trainable)
+
+
 def sgd_step(
     stage: Stage,
     state: Tensors,
@@ -46,6 +72,7 @@ def sgd_step(
     ctx: ClientContext,
     first_step: bool,
     max_grad_norm: float = 0.0,
+    grad_fn: GradFn = autograd_grad,
 ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
     """One optimisation step of ``stage``; returns (trainable, opt_state, loss, metrics)."""
     trainable = {name: state[name] for name in stage.trainable}
@@ -53,9 +80,9 @@ def sgd_step(
 
     def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]:
         loss, metrics = stage.loss({**frozen, **train}, batch, ctx)
-        return loss, (loss.detach(), metrics)
+        return loss, (loss.detach(), {k: v.detach() for k, v in metrics.items()})
 
-    grads, (loss, metrics) = grad(objective, has_aux=True)(trainable)
+    grads, (loss, metrics) = grad_fn(objective, trainable)
     if stage.grad_transform is not None:
         grads = stage.grad_transform(grads, state, ctx)
     if max_grad_norm > 0:
