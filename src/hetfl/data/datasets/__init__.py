@@ -196,7 +196,7 @@ def _folder_loader(name: str) -> Callable[..., Dataset]:
                                "<split or domain>/<class>/<image> files")
         folder = _folder_root(root) or root
         if layout == "auto":
-            layout = "split" if (imagefolder.is_archive(folder) is False and (folder / "train").is_dir()) else "domain"
+            layout = "split" if {"train", "test"} <= imagefolder.top_folders(folder) else "domain"
         key = {"dataset": name, "layout": layout, "domains": list(domains), "image_size": image_size,
                "channels": channels, "test_fraction": test_fraction, "seed": seed if layout == "domain" else 0,
                "source": fingerprint([folder])}

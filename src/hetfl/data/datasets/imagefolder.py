@@ -41,11 +41,8 @@ def list_images(root: Path) -> Iterator[tuple[tuple[str, ...], bytes]]:
     """
     if is_archive(root):
         with tarfile.open(root, "r:*") as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and PurePosixPath(m.name).suffix.lower()
-                       in IMAGE_SUFFIXES]
-            tops = {PurePosixPath(m.name).parts[0] for m in members}
-            strip = 1 if len(tops) == 1 and all(len(PurePosixPath(m.name).parts) > 3 for m in members) else 0
-            for m in sorted(members, key=lambda m: m.name):
+            members, strip = _archive_images(tar)
+            for m in members:
                 fh = tar.extractfile(m)
                 if fh is not None:
                     yield PurePosixPath(m.name).parts[strip:], fh.read()
@@ -53,6 +50,24 @@ def list_images(root: Path) -> Iterator[tuple[tuple[str, ...], bytes]]:
     for path in sorted(root.rglob("*")):
         if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file() and ".hetfl-cache" not in path.parts:
             yield path.relative_to(root).parts, path.read_bytes()
+
+
+def _archive_images(tar: tarfile.TarFile) -> tuple[list[tarfile.TarInfo], int]:
+    """Image members sorted by name, and how many leading folders to strip (1 if all share one top)."""
+    members = sorted((m for m in tar.getmembers() if m.isfile() and PurePosixPath(m.name).suffix.lower()
+                      in IMAGE_SUFFIXES), key=lambda m: m.name)
+    tops = {PurePosixPath(m.name).parts[0] for m in members}
+    strip = 1 if len(tops) == 1 and all(len(PurePosixPath(m.name).parts) > 3 for m in members) else 0
+    return members, strip
+
+
+def top_folders(root: Path) -> set[str]:
+    """First path component of every image (after stripping an archive's single top folder)."""
+    if is_archive(root):
+        with tarfile.open(root, "r:*") as tar:
+            members, strip = _archive_images(tar)
+        return {PurePosixPath(m.name).parts[strip] for m in members}
+    return {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
 
 
 def decode(data: bytes, source: str, size: tuple[int, int] | None, channels: int) -> np.ndarray:
