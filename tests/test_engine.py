@@ -130,3 +130,24 @@ def test_readme_plugin_example_runs(tmp_path):
                  "--set", "train.rounds=2", "--out", str(out), "--quiet"])
     assert code == 0
     assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}
+
+
+@pytest.mark.parametrize("method", ["scaffold", "moon", "feddyn", "fedavgm", "local"])
+def test_interrupted_stateful_methods_resume_exactly(method, tmp_path, monkeypatch):
+    """Client state (control variates, previous models) and server state survive a crash."""
+    cfg = quick("train.rounds=4", f"algorithm.name={method}", "train.clients_per_round=10")
+    Experiment(cfg).run(tmp_path / "full")
+    original = Experiment.round
+
+    def crash_in_round_3(self, server, clients, round_, reporter):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(tmp_path / "crashed")
+    monkeypatch.setattr(Experiment, "round", original)
+    assert len(metrics(tmp_path / "crashed")) == 2
+    Experiment(cfg).run(tmp_path / "crashed", resume=True)
+    assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
