@@ -22,11 +22,12 @@ def labels(n: int, classes: int, seed: int) -> np.ndarray:
        n=st.integers(200, 800))
 def test_every_training_sample_is_assigned_exactly_once(scheme, seed, clients, n):
     y, y_test = labels(n, 5, seed), labels(200, 5, seed + 1)
-    part = make_partition(scheme, y, y_test, clients, seed=seed, alpha=1.0, min_size=2, classes_per_client=2)
+    kwargs = {"alpha": 1.0, "min_size": 2, "classes_per_client": 2, "concept_groups": min(2, clients)}
+    part = make_partition(scheme, y, y_test, clients, seed=seed, **kwargs)
     joined = np.concatenate(part.train)
     assert len(joined) == n and np.array_equal(np.sort(joined), np.arange(n))
     assert all(np.all(np.diff(p) > 0) for p in part.train)  # sorted, no duplicates
-    again = make_partition(scheme, y, y_test, clients, seed=seed, alpha=1.0, min_size=2, classes_per_client=2)
+    again = make_partition(scheme, y, y_test, clients, seed=seed, **kwargs)
     assert all(np.array_equal(a, b) for a, b in zip(part.train, again.train, strict=True))
     assert all(np.array_equal(a, b) for a, b in zip(part.test, again.test, strict=True))
 

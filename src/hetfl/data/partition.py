@@ -1,16 +1,44 @@
 """Client partitions: which samples each client holds.
 
-Every scheme is a small function of the labels (and natural groups) and a
-seeded ``numpy.random.Generator``: the same seed gives the same split. Each
-client gets a training split (disjoint across clients) and a personal test
-split drawn from the global test set with the client's own training label
-distribution (for personalised evaluation; test splits of different clients
-may overlap). Transforming schemes also return per-client rotations or label
-permutations, which the engine applies.
+Every scheme is a small function of the training labels (or natural groups)
+and a seeded ``numpy.random.Generator``, so the same seed gives the same split
+and no global random state is touched. Each client gets
+
+* a training split: sorted indices into the training set, disjoint across
+  clients (every scheme except ``dominant`` hands out every sample);
+* a personal test split: indices into the global test set whose label
+  distribution follows the client's own training label distribution (the
+  evaluation protocol of personalised FL, e.g. FedPAC); test splits of
+  different clients may overlap. For ``domain`` / ``natural`` it is the
+  client's own group's test data instead.
+
+Transforming schemes also return per-client rotation angles (``rotation``) or
+label permutations (``concept``); the engine applies them to the client's
+train and test samples.
+
+References:
+    McMahan et al., Communication-Efficient Learning of Deep Networks from
+    Decentralized Data, AISTATS 2017 (IID and pathological shard splits).
+    Hsu, Qi & Brown, Measuring the Effects of Non-Identical Data Distribution
+    for Federated Visual Classification, 2019 (Dirichlet label skew).
+    Li, Diao, Chen & He, Federated Learning on Non-IID Data Silos: An
+    Experimental Study (NIID-Bench), ICDE 2022; its code is the Dirichlet split
+    used by MOON (CVPR 2021) and CCVR (NeurIPS 2021).
+    Xu, Tong & Huang, Personalized Federated Learning with Feature Alignment
+    and Classifier Collaboration (FedPAC), ICLR 2023.
+    Guo, Tang & Lin, FedBR: Improving Federated Learning on Heterogeneous Data
+    via Local Learning Bias Reduction, ICML 2023 (RotatedMNIST clients).
+    Li et al., Federated Optimization in Heterogeneous Networks (FedProx),
+    MLSys 2020 (natural devices, log-normal client sizes).
+    Sattler, Müller & Samek, Clustered Federated Learning, IEEE TNNLS 2021, and
+    Kairouz et al., Advances and Open Problems in Federated Learning, 2021,
+    sec. 3.1 (concept shift: same inputs, different labels per client group).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,22 +47,42 @@ import numpy as np
 PARTITIONS: tuple[str, ...] = (
     "iid", "dirichlet", "shards", "dominant", "quantity", "domain", "natural", "rotation", "concept",
 )
+BASES: tuple[str, ...] = ("iid", "dirichlet")  # label splits under ``rotation`` / ``concept``
+
+# FedBR's RotatedMNIST rotates its 10 clients by 0, 15, ..., 135 degrees; the
+# default angles spread the clients evenly over the same range [0, 150).
+DEFAULT_ANGLE_RANGE = 150.0
+DEFAULT_DOMINANT_SAMPLES = 600  # FedPAC: 600 training samples per client (and 300 test)
 
 
 class PartitionError(ValueError):
-    """A partition that cannot be made; the message names the setting and what is allowed."""
+    """A partition that cannot be made.
+
+    The message is one line: the parameter (its config key, ``data.<name>``,
+    where it has one), its value, and what is allowed or what went wrong.
+    """
+
+
+def _error(key: str, value: object, what: str) -> PartitionError:
+    shown = value if isinstance(value, str) and value.startswith("<") else repr(value)  # "<...>": a description
+    return PartitionError(f"{key} = {shown}: {what}")
 
 
 @dataclass
 class Partition:
-    """Per-client sample indices (and transforms).
+    """Per-client sample indices (and the transforms some schemes add).
 
     Attributes:
-        train: per client, sorted int64 indices into the training split (disjoint).
-        test: per client, int64 indices into the test split (its personal test set).
-        rotation: per-client rotation angle in degrees (``rotation`` scheme).
-        label_perm: per-client label permutation, client label = ``perm[label]`` (``concept``).
-        group: per-client group / domain id where the scheme defines one.
+        train: per client, sorted int64 indices into the training split.
+        test: per client, sorted int64 indices into the test split (its
+            personal test set; may overlap other clients' test sets).
+        rotation: per-client rotation angle in degrees (``rotation``), else None.
+        label_perm: per-client label permutation, client label = ``perm[label]``
+            (``concept``), else None.
+        group: per-client group id where the scheme defines one (the natural
+            group / domain id for ``domain`` and ``natural``, the FedPAC group
+            for ``dominant``, the concept group for ``concept``), else None.
+        scheme: name of the scheme that made it ('' if built by hand).
     """
 
     train: list[np.ndarray]
@@ -42,74 +90,225 @@ class Partition:
     rotation: list[float] | None = None
     label_perm: list[np.ndarray] | None = None
     group: list[int] | None = None
+    scheme: str = ""
+
+    def __post_init__(self) -> None:
+        k = len(self.train)
+        for key, value in (("test", self.test), ("rotation", self.rotation), ("label_perm", self.label_perm),
+                           ("group", self.group)):
+            if value is not None and len(value) != k:
+                raise _error(f"Partition.{key}", f"<{len(value)} entries>", f"needs one entry per client ({k})")
 
     @property
     def num_clients(self) -> int:
         return len(self.train)
 
+    def summary(self, train_labels: np.ndarray | None = None, num_classes: int | None = None) -> str:
+        """One line for logs: client and sample counts, plus classes per client
+        (given the training labels), groups, angles or permutations."""
+        sizes = np.array([len(p) for p in self.train])
+        tests = np.array([len(p) for p in self.test])
+        head = f"{self.scheme} partition: " if self.scheme else ""
+        if self.num_clients == 0:
+            return f"{head}0 clients"
+        parts = [
+            f"{head}{self.num_clients} clients",
+            f"train {sizes.sum()} samples ({sizes.min()}-{sizes.max()} per client, mean {sizes.mean():.1f})",
+            f"test {tests.min()}-{tests.max()} per client",
+        ]
+        if train_labels is not None:
+            labels = np.asarray(train_labels)
+            c = int(num_classes or labels.max(initial=0) + 1)
+            held = [np.count_nonzero(np.bincount(labels[p], minlength=c)) for p in self.train]
+            parts.append(f"classes per client {np.mean(held):.2f} of {c}")
+        if self.group is not None:
+            parts.append(f"{len(set(self.group))} groups")
+        if self.rotation is not None:
+            parts.append(f"angles {min(self.rotation):g}-{max(self.rotation):g} deg")
+        if self.label_perm is not None:
+            parts.append(f"{len({tuple(np.asarray(p).tolist()) for p in self.label_perm})} label permutations")
+        return "; ".join(parts)
 
-def _fail(key: str, value: object, allowed: str) -> PartitionError:
-    return PartitionError(f"{key} = {value!r}: {allowed}")
+
+# --------------------------------------------------------------------- helpers
+def _by_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """Indices grouped by ``owner[i]`` (client of sample i, -1 = nobody), each sorted."""
+    assigned = np.flatnonzero(owner >= 0)
+    clients = owner[assigned]
+    order = np.argsort(clients, kind="stable")  # stable: indices stay ascending within a client
+    cuts = np.cumsum(np.bincount(clients, minlength=num_clients))[:-1]
+    return [part.astype(np.int64) for part in np.split(assigned[order], cuts)]
 
 
-# ----------------------------------------------------------------- label schemes
+def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """Integers proportional to ``weights`` that sum to ``total`` (largest
+    remainders, Hamilton's method): each is the floor or ceiling of its exact share."""
+    exact = total * weights / weights.sum()
+    out = np.floor(exact).astype(np.int64)
+    short = int(total - out.sum())
+    if short > 0:
+        out[np.argsort(out - exact, kind="stable")[:short]] += 1
+    return out
+
+
+def _class_index(labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices sorted by class (stable) and the start offset of each class in it."""
+    order = np.argsort(labels, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(np.bincount(labels, minlength=num_classes))))
+    return order, starts
+
+
+# ---------------------------------------------------------------- label schemes
 def split_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Uniformly random, (almost) equal-sized split."""
-    return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
+    """IID split (McMahan et al. 2017): a random permutation cut into
+    ``num_clients`` parts whose sizes differ by at most one."""
+    n = len(labels)
+    owner = np.empty(n, dtype=np.int64)
+    owner[rng.permutation(n)] = np.arange(n) * num_clients // n
+    return _by_owner(owner, num_clients)
 
 
 def split_dirichlet(
-    labels: np.ndarray, num_clients: int, rng: np.random.Generator, alpha: float, min_size: int, max_retries: int
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    alpha: float,
+    min_size: int,
+    max_retries: int,
 ) -> list[np.ndarray]:
-    """Dirichlet label skew (Hsu et al. 2019; the NIID-Bench / MOON / CCVR code, Li et al. ICDE 2022).
+    """Dirichlet label skew (Hsu et al. 2019) as coded in NIID-Bench (Li et al.,
+    ICDE 2022) and reused by MOON and CCVR.
 
-    For every class, the proportions of its samples over clients are drawn
-    from ``Dir(alpha)``; a client that already holds ``>= N / num_clients``
-    samples gets no more (the reference code's balancing rule). The draw is
-    repeated until every client holds ``min_size`` samples, at most
-    ``max_retries`` times.
+    For each class, the proportions of its samples over clients are drawn from
+    ``Dir(alpha)``; a client that already holds ``>= N / num_clients`` samples
+    gets none of the next class (the reference code's balancing rule). Small
+    alpha: few classes per client; large alpha: close to IID. The whole split
+    is redrawn until every client holds at least ``min_size`` samples (the
+    reference loops forever; here at most ``max_retries`` times, then an error
+    that reports the smallest client reached).
     """
     n = len(labels)
-    classes = np.unique(labels)
-    by_class = [np.flatnonzero(labels == c) for c in classes]
-    smallest = 0
+    order, starts = _class_index(labels, int(labels.max(initial=0)) + 1)
+    classes = [order[a:b] for a, b in itertools.pairwise(starts) if b > a]
+    cap = n / num_clients
+    best = -1
     for _ in range(max_retries):
-        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        owner = np.empty(n, dtype=np.int64)
         sizes = np.zeros(num_clients, dtype=np.int64)
-        for idx in by_class:
-            idx = rng.permutation(idx)
-            p = rng.dirichlet(np.full(num_clients, alpha))
-            p = p * (sizes < n / num_clients)
-            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1 / num_clients)
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for k, chunk in enumerate(np.split(idx, cuts)):
-                parts[k].extend(chunk.tolist())
-                sizes[k] += len(chunk)
-        smallest = int(sizes.min())
-        if smallest >= min_size:
-            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+        for idx in classes:
+            open_ = sizes < cap
+            p = np.nan_to_num(rng.dirichlet(np.full(num_clients, alpha))) * open_
+            p = p / p.sum() if p.sum() > 0 else open_ / open_.sum()
+            cuts = np.clip((np.cumsum(p)[:-1] * len(idx)).astype(np.int64), 0, len(idx))
+            counts = np.diff(np.concatenate(([0], cuts, [len(idx)])))
+            owner[rng.permutation(idx)] = np.repeat(np.arange(num_clients), counts)
+            sizes += counts
+        best = max(best, int(sizes.min()))
+        if sizes.min() >= min_size:
+            return _by_owner(owner, num_clients)
     raise PartitionError(
-        f"data.min_size = {min_size}: no Dirichlet(alpha={alpha}) split over {num_clients} clients gave every client "
-        f"that many samples in {max_retries} tries (smallest client: {smallest}); use a larger data.alpha, "
-        f"a smaller data.min_size or fewer clients"
+        f"data.min_size = {min_size}: no Dirichlet(alpha={alpha}) split of {n} samples over {num_clients} clients "
+        f"gave every client that many samples in {max_retries} tries (best smallest client: {best}); "
+        f"use a larger data.alpha, a smaller data.min_size or fewer clients"
     )
 
 
+def _deal_distinct(
+    shard_class: np.ndarray, num_clients: int, k: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``[num_clients, k]`` shard ids: a random deal in which no client gets two
+    shards of one class (needs at most ``num_clients`` shards per class).
+
+    Deals at random, then repairs each duplicate by swapping it with a shard of
+    a client that lacks that class and whose shard's class the first client
+    lacks (each swap removes one duplicate and adds none). If no such swap
+    exists, falls back to dealing the class-sorted shards round-robin, which
+    never repeats a class because a class occupies at most ``num_clients``
+    consecutive positions.
+    """
+    deal = rng.permutation(len(shard_class)).reshape(num_clients, k)
+    for _ in range(len(shard_class) + 1):
+        cls = shard_class[deal]
+        srt = np.sort(cls, axis=1)
+        rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        if len(rows) == 0:
+            return deal
+        i = int(rows[0])
+        row = cls[i]
+        a = next(b for b in range(1, k) if row[b] in row[:b])  # a repeated position
+        has_c = (cls == row[a]).any(axis=1)
+        ok = ~np.isin(cls, row) & ~has_c[:, None]
+        candidates = np.argwhere(ok)
+        if len(candidates) == 0:
+            break
+        j, b = candidates[rng.integers(len(candidates))]
+        deal[i, a], deal[j, b] = deal[j, b], deal[i, a]
+    # fallback: shards sorted by class, position p -> client p mod num_clients
+    ordered = np.argsort(shard_class, kind="stable")
+    return ordered.reshape(k, num_clients).T[rng.permutation(num_clients)]
+
+
 def split_shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator, k: int) -> list[np.ndarray]:
-    """Pathological non-IID split (McMahan et al. 2017): sort by label, cut into
-    ``num_clients * k`` shards, deal ``k`` shards to each client."""
-    order = np.argsort(labels, kind="stable")
-    shards = np.array_split(order, num_clients * k)
-    deal = rng.permutation(len(shards))
-    return [np.sort(np.concatenate([shards[s] for s in deal[i * k : (i + 1) * k]])) for i in range(num_clients)]
+    """Pathological non-IID split (McMahan et al. 2017, sec. 3: sort by label,
+    cut into ``num_clients * k`` shards, give each client ``k`` shards).
+
+    Two refinements make every client hold exactly ``k`` classes: shards are
+    cut within classes (each class gets a number of shards proportional to its
+    size, at least one and at most ``num_clients``, so shards do not straddle
+    two classes), and the deal gives no client two shards of the same class.
+    Within a class the samples are shuffled before cutting. On balanced data
+    (MNIST, CIFAR-10: 100 clients, k = 2 -> 200 shards of 300 / 250 samples)
+    this is McMahan's split with the same-class collisions removed.
+    """
+    present, counts = np.unique(labels, return_counts=True)
+    total = num_clients * k
+    if k > len(present):
+        raise _error("data.classes_per_client", k, f"only {len(present)} classes occur in the training labels")
+    if total < len(present):
+        raise _error("data.classes_per_client", k, f"{num_clients} clients x {k} shards cannot cover the "
+                     f"{len(present)} classes; use more clients or more classes per client")
+    cap = np.minimum(counts, num_clients)
+    if cap.sum() < total:
+        raise _error("data.classes_per_client", k, f"the class sizes {counts.tolist()} cannot give each of "
+                     f"{num_clients} clients {k} distinct classes; use fewer clients or classes per client")
+    exact = total * counts / counts.sum()
+    per_class = np.ones(len(present), dtype=np.int64)
+    while (short := total - int(per_class.sum())) > 0:  # capped largest-deficit apportionment
+        room = per_class < cap
+        deficit = np.where(room, exact - per_class, -np.inf)
+        per_class[np.argsort(-deficit, kind="stable")[: min(short, int(room.sum()))]] += 1
+    shard_class = np.repeat(np.arange(len(present)), per_class)
+    deal = _deal_distinct(shard_class, num_clients, k, rng)
+    client_of_shard = np.empty(total, dtype=np.int64)
+    client_of_shard[deal.ravel()] = np.repeat(np.arange(num_clients), k)
+    owner = np.empty(len(labels), dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(per_class)))
+    for c, label in enumerate(present):
+        idx = rng.permutation(np.flatnonzero(labels == label))
+        local = np.arange(len(idx)) * per_class[c] // len(idx)  # equal-sized shards within the class
+        owner[idx] = client_of_shard[first[c] + local]
+    return _by_owner(owner, num_clients)
 
 
 def dominant_classes(num_classes: int, groups: int, per_group: int) -> list[list[int]]:
-    """FedPAC's group classes: group g holds ``per_group`` consecutive classes from
-    ``g * step``, wrapping; for 10 classes, 5 groups, 3 per group:
-    {0,1,2}, {2,3,4}, {4,5,6}, {6,7,8}, {8,9,0} (the authors' code)."""
+    """FedPAC's dominant classes per client group: group g holds ``per_group``
+    consecutive classes starting at ``g * (num_classes // groups)``, wrapping;
+    for 10 classes, 5 groups, 3 per group: {0,1,2}, {2,3,4}, {4,5,6}, {6,7,8},
+    {8,9,0}, the sets hard-coded in the authors' code (JianXu95/FedPAC,
+    ``cifar_noniid_s``)."""
     step = max(1, num_classes // groups)
     return [[(g * step + j) % num_classes for j in range(per_group)] for g in range(groups)]
+
+
+def _spread(total: int, classes: Sequence[int], num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """``total`` samples over ``classes`` as evenly as possible; the remainder
+    goes one each to randomly chosen classes (the authors' code gives it all to
+    the last class; random avoids favouring one class)."""
+    out = np.zeros(num_classes, dtype=np.int64)
+    cls = np.asarray(classes, dtype=np.int64)
+    out[cls] = total // len(cls)
+    out[rng.choice(cls, total % len(cls), replace=False)] += 1
+    return out
 
 
 def split_dominant(
@@ -121,100 +320,80 @@ def split_dominant(
     uniform_share: float,
     groups: int,
     per_group: int,
-) -> list[np.ndarray]:
-    """FedPAC's split (Xu et al., ICLR 2023, sec. 5.1): every client has ``samples``
-    training samples, ``uniform_share`` of them drawn uniformly over all classes,
-    the rest from the dominant classes of its group (client i in group i mod G).
-    Samples are drawn without replacement across clients."""
-    pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)}
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """FedPAC's split (Xu et al., ICLR 2023, sec. 5.1; authors' ``*_noniid_s``).
+
+    Every client holds exactly ``samples`` training samples: ``round(samples *
+    uniform_share)`` spread evenly over all classes, the rest spread evenly over
+    the dominant classes of its group (client i in group i mod ``groups``, see
+    :func:`dominant_classes`). With the paper's 600 samples and s = 20 %: 12
+    per class plus 160 per dominant class. Unlike the authors' code, which
+    reuses samples once a class runs out, samples are drawn without replacement
+    across clients, and a shortage is an error. Returns the client indices and
+    the ``[num_clients, num_classes]`` counts.
+    """
     group_classes = dominant_classes(num_classes, groups, per_group)
     n_uniform = round(samples * uniform_share)
-    out = []
-    for i in range(num_clients):
-        wanted = np.zeros(num_classes, dtype=np.int64)
-        np.add.at(wanted, rng.integers(0, num_classes, n_uniform), 1)
-        dominant = group_classes[i % groups]
-        np.add.at(wanted, np.asarray(dominant)[rng.integers(0, len(dominant), samples - n_uniform)], 1)
-        picked = []
-        for c in range(num_classes):
-            if wanted[c] > len(pools[c]):
-                raise PartitionError(
-                    f"data.samples_per_client = {samples}: client {i} needs {wanted[c]} samples of class {c} but "
-                    f"only {len(pools[c])} are left; use fewer clients or fewer samples per client"
-                )
-            picked.extend(pools[c][: wanted[c]])
-            del pools[c][: wanted[c]]
-        out.append(np.sort(np.asarray(picked, dtype=np.int64)))
-    return out
+    wanted = np.stack([
+        _spread(n_uniform, range(num_classes), num_classes, rng)
+        + _spread(samples - n_uniform, group_classes[i % groups], num_classes, rng)
+        for i in range(num_clients)
+    ])
+    need = wanted.sum(axis=0)
+    have = np.bincount(labels, minlength=num_classes)
+    short = np.flatnonzero(need > have)
+    if len(short):
+        c = int(short[0])
+        raise _error("data.samples_per_client", samples, f"{num_clients} clients need {need[c]} training samples "
+                     f"of class {c} but only {have[c]} exist; use fewer clients, fewer samples per client or a "
+                     f"larger data.uniform_share")
+    owner = np.full(len(labels), -1, dtype=np.int64)
+    order, starts = _class_index(labels, num_classes)
+    for c in range(num_classes):
+        if need[c]:
+            pool = rng.permutation(order[starts[c] : starts[c + 1]])[: need[c]]
+            owner[pool] = np.repeat(np.arange(num_clients), wanted[:, c])
+    return _by_owner(owner, num_clients), wanted
 
 
 def split_quantity(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, sigma: float, min_size: int
 ) -> list[np.ndarray]:
-    """Quantity skew: IID labels, client sizes proportional to ``LogNormal(0, sigma)``
-    draws, each at least ``min_size``."""
+    """Quantity skew with IID labels: client sizes proportional to draws from
+    ``LogNormal(0, sigma)`` on top of ``min_size`` each (the log-normal sizes of
+    FedProx's reference data generator; NIID-Bench's quantity skew is the same
+    idea with Dirichlet proportions). ``sigma = 0`` gives equal sizes."""
     n = len(labels)
-    if min_size * num_clients > n:
-        raise _fail("data.min_size", min_size, f"{num_clients} clients x {min_size} exceeds the {n} samples")
-    weights = rng.lognormal(0.0, sigma, num_clients)
-    extra = np.floor(weights / weights.sum() * (n - min_size * num_clients)).astype(np.int64)
-    extra[: (n - min_size * num_clients) - extra.sum()] += 1
-    sizes = extra + min_size
-    cuts = np.cumsum(sizes)[:-1]
-    return [np.sort(p) for p in np.split(rng.permutation(n), cuts)]
+    sizes = min_size + _apportion(n - min_size * num_clients, rng.lognormal(0.0, sigma, num_clients))
+    owner = np.empty(n, dtype=np.int64)
+    owner[rng.permutation(n)] = np.repeat(np.arange(num_clients), sizes)
+    return _by_owner(owner, num_clients)
 
 
+# ---------------------------------------------------------------- group schemes
 def split_groups(
-    groups: np.ndarray, num_clients: int, rng: np.random.Generator, clients_per_group: int, key: str
+    groups: np.ndarray, rng: np.random.Generator, clients_per_group: int
 ) -> tuple[list[np.ndarray], list[int]]:
-    """Feature shift by domain: each natural group (domain, device) is split IID
-    over ``clients_per_group`` clients. Returns (indices, group of each client)."""
+    """Feature shift by domain / natural device: each group's samples split IID
+    over ``clients_per_group`` clients (one client per domain is the usual
+    PACS / Office-Home / DomainNet setting, e.g. FedBN, Li et al. ICLR 2021;
+    one client per device is FedProx's synthetic data). Returns the client
+    indices and each client's group id."""
     ids = np.unique(groups)
-    if num_clients != len(ids) * clients_per_group:
-        raise _fail(
-            "data.num_clients", num_clients,
-            f"must be {len(ids) * clients_per_group} here ({len(ids)} groups x {clients_per_group} clients per group)"
-            if key == "domain" else f"must equal the dataset's {len(ids)} natural groups",
-        )
-    parts, owner = [], []
-    for g in ids:
+    owner = np.empty(len(groups), dtype=np.int64)
+    for slot, g in enumerate(ids):
         idx = rng.permutation(np.flatnonzero(groups == g))
-        for chunk in np.array_split(idx, clients_per_group):
-            parts.append(np.sort(chunk))
-            owner.append(int(g))
-    return parts, owner
-
-
-# ------------------------------------------------------------ personal test sets
-def personal_test(
-    train_labels: np.ndarray,
-    test_labels: np.ndarray,
-    parts: list[np.ndarray],
-    num_classes: int,
-    per_client: int,
-    rng: np.random.Generator,
-) -> list[np.ndarray]:
-    """Per client, ``per_client`` test samples whose labels follow the client's
-    training label distribution (without replacement within a client)."""
-    by_class = [np.flatnonzero(test_labels == c) for c in range(num_classes)]
-    out = []
-    for idx in parts:
-        counts = np.bincount(train_labels[idx], minlength=num_classes)
-        share = counts / max(counts.sum(), 1)
-        wanted = np.floor(share * per_client).astype(np.int64)
-        remainder = per_client - wanted.sum()
-        if remainder > 0 and counts.sum() > 0:  # largest remainders first
-            order = np.argsort(-(share * per_client - wanted), kind="stable")
-            wanted[order[:remainder]] += 1
-        picked = [rng.choice(by_class[c], size=min(int(wanted[c]), len(by_class[c])), replace=False)
-                  for c in range(num_classes) if wanted[c] > 0]
-        out.append(np.sort(np.concatenate(picked)).astype(np.int64) if picked else np.zeros(0, dtype=np.int64))
-    return out
+        if len(idx) < clients_per_group:
+            raise _error("data.clients_per_domain", clients_per_group,
+                         f"group {int(g)} has only {len(idx)} training samples")
+        owner[idx] = slot * clients_per_group + np.arange(len(idx)) * clients_per_group // len(idx)
+    return _by_owner(owner, len(ids) * clients_per_group), [int(g) for g in np.repeat(ids, clients_per_group)]
 
 
 def group_test(test_groups: np.ndarray, owner: list[int], rng: np.random.Generator) -> list[np.ndarray]:
-    """Each group's test samples, split IID among the clients of that group."""
-    out: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * len(owner)
+    """Each client's test split: its group's test samples, split IID among the
+    clients of that group (disjoint within a group)."""
+    out: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in owner]
     for g in sorted(set(owner)):
         clients = [i for i, o in enumerate(owner) if o == g]
         idx = rng.permutation(np.flatnonzero(test_groups == g))
@@ -223,7 +402,107 @@ def group_test(test_groups: np.ndarray, owner: list[int], rng: np.random.Generat
     return out
 
 
-# ---------------------------------------------------------------------- entry
+# ----------------------------------------------------------- transform schemes
+def rotation_angles(num_clients: int, angles: Sequence[float] | None) -> list[float]:
+    """Per-client rotation angles in degrees (RotatedMNIST as FedBR uses it:
+    client i of 10 rotated by 15 * i degrees, LINs-lab/FedBR ``RotatedMNIST``).
+
+    Given ``angles``: one per client. Default: evenly spaced over [0, 150),
+    ``150 * i / num_clients``, which for FedBR's 10 clients is exactly its
+    0, 15, ..., 135 and for other client counts keeps the same range.
+    """
+    if angles is None:
+        return [DEFAULT_ANGLE_RANGE * i / num_clients for i in range(num_clients)]
+    return [float(a) for a in angles]
+
+
+def concept_permutations(num_classes: int, groups: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Label maps of the concept-shift groups (Sattler et al. 2021 swap labels
+    per client cluster; FedPAC's concept-shift experiment): group 0 keeps the
+    labels, every other group gets its own random permutation, distinct from
+    the identity and from the other groups'."""
+    perms = [np.arange(num_classes, dtype=np.int64)]
+    seen = {tuple(perms[0].tolist())}
+    while len(perms) < groups:
+        p = rng.permutation(num_classes).astype(np.int64)
+        if tuple(p.tolist()) not in seen:
+            seen.add(tuple(p.tolist()))
+            perms.append(p)
+    return perms
+
+
+# ------------------------------------------------------------ personal tests
+def personal_test(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    parts: list[np.ndarray],
+    num_classes: int,
+    per_client: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Per client, about ``per_client`` test samples whose labels follow the
+    client's training label distribution (FedPAC's evaluation: the local test
+    set has the local training distribution).
+
+    Class c gets ``per_client * p_i(c)`` samples rounded by largest remainders
+    (each count is the floor or ceiling of its exact share, and they sum to
+    ``per_client``), drawn without replacement within the client; a class with
+    fewer test samples gives all it has. Vectorised: one sort of random keys
+    per client picks the first ``wanted[c]`` of a random order of each class.
+    """
+    n_test = len(test_labels)
+    order, starts = _class_index(test_labels, num_classes)
+    sorted_labels = test_labels[order]
+    rank = np.arange(n_test) - starts[sorted_labels]  # position within its class
+    out = []
+    for idx in parts:
+        counts = np.bincount(train_labels[idx], minlength=num_classes)
+        if counts.sum() == 0 or n_test == 0:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        wanted = _apportion(per_client, counts.astype(np.float64))
+        # random order within each class: sort by (class, random key)
+        shuffled = order[np.lexsort((rng.random(n_test), sorted_labels))]
+        out.append(np.sort(shuffled[rank < wanted[sorted_labels]]).astype(np.int64))
+    return out
+
+
+# ----------------------------------------------------------------- validation
+def _labels(key: str, values: np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise _error(key, f"<array of shape {arr.shape}>", "must be 1-D")
+    integral = np.issubdtype(arr.dtype, np.integer) or (
+        np.issubdtype(arr.dtype, np.floating) and bool(np.all(arr == np.round(arr))))
+    if arr.size and not integral:
+        raise _error(key, f"<{arr.dtype} array>", "must hold integer labels")
+    arr = arr.astype(np.int64)
+    if arr.size and arr.min() < 0:
+        raise _error(key, f"<array with minimum {arr.min()}>", "labels must be >= 0")
+    return arr
+
+
+def _int(key: str, value: object, low: int, high: int | None = None, why: str = "") -> int:
+    ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        allowed = f"must be an integer in [{low}, {high}]" if high is not None else f"must be an integer >= {low}"
+        raise _error(key, value, allowed + (f" ({why})" if why else ""))
+    return int(value)  # type: ignore[arg-type]
+
+
+def _float(key: str, value: object, low: float, high: float | None = None, *, open_low: bool = False) -> float:
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        x = math.nan
+    bad = not math.isfinite(x) or (x <= low if open_low else x < low) or (high is not None and x > high)
+    if bad:
+        lo = f"> {low:g}" if open_low else f">= {low:g}"
+        raise _error(key, value, f"must be a finite number {lo}" + (f" and <= {high:g}" if high is not None else ""))
+    return x
+
+
+# ------------------------------------------------------------------------ entry
 def make_partition(
     name: str,
     train_labels: np.ndarray,
@@ -249,72 +528,143 @@ def make_partition(
     base: str = "iid",
     concept_groups: int = 2,
 ) -> Partition:
-    """Split a dataset over ``num_clients`` clients with scheme ``name`` (see PARTITIONS)."""
-    train_labels = np.asarray(train_labels, dtype=np.int64)
-    test_labels = np.asarray(test_labels, dtype=np.int64)
-    num_classes = int(num_classes or (max(train_labels.max(initial=0), test_labels.max(initial=0)) + 1))
-    n = len(train_labels)
+    """Split a dataset over ``num_clients`` clients with scheme ``name``.
+
+    Args:
+        name: one of :data:`PARTITIONS`.
+        train_labels, test_labels: 1-D integer labels of the two splits.
+        num_clients: number of clients.
+        seed: the only source of randomness (``numpy.random.default_rng``);
+            the training split, the test splits and the label permutations use
+            separate child streams, so e.g. changing ``test_per_client`` does
+            not change the training split.
+        num_classes: number of classes (default: largest label + 1).
+        train_groups, test_groups: natural group ids of the samples (domains,
+            devices); needed by ``domain`` and ``natural``.
+        alpha: Dirichlet concentration (``dirichlet``; ``base="dirichlet"``).
+        min_size: minimum training samples per client (``dirichlet``, ``quantity``).
+        max_retries: Dirichlet redraws allowed to reach ``min_size``.
+        classes_per_client: classes per client (``shards``).
+        uniform_share: share of each client's samples drawn uniformly over all
+            classes (``dominant``; FedPAC's s = 20 %).
+        samples_per_client: training samples per client (``dominant``; default 600).
+        test_per_client: personal test samples per client (label schemes);
+            default ``len(test) // num_clients``, for ``dominant``
+            ``samples_per_client // 2`` (FedPAC: 600 train / 300 test); 0 = default.
+        dominant_groups, classes_per_group: FedPAC's client groups and the
+            dominant classes of each (``dominant``; 5 and 3 for 10 classes).
+        quantity_sigma: log-normal sigma of client sizes (``quantity``).
+        clients_per_domain: clients per domain (``domain``).
+        angles: per-client rotation in degrees (``rotation``; default
+            :func:`rotation_angles`).
+        base: label split under ``rotation`` / ``concept``: ``iid`` or ``dirichlet``.
+        concept_groups: client groups with distinct label maps (``concept``;
+            client i in group i mod ``concept_groups``).
+
+    Raises:
+        PartitionError: a bad setting or an impossible split; the message names
+            the parameter (as its ``data.<key>`` config key where it has one).
+    """
     if name not in PARTITIONS:
-        raise _fail("data.partition", name, "allowed: " + ", ".join(PARTITIONS))
-    if num_clients < 1 or num_clients > n:
-        raise _fail("data.num_clients", num_clients, f"must be between 1 and the {n} training samples")
-    if alpha <= 0:
-        raise _fail("data.alpha", alpha, "must be > 0")
-    if min_size < 0:
-        raise _fail("data.min_size", min_size, "must be >= 0")
-    if min_size * num_clients > n and name in ("dirichlet", "quantity"):
-        raise _fail("data.min_size", min_size, f"{num_clients} clients x {min_size} exceeds the {n} samples")
-    if not 0 <= uniform_share <= 1:
-        raise _fail("data.uniform_share", uniform_share, "must be in [0, 1]")
-    if base not in ("iid", "dirichlet"):
-        raise _fail("data.base", base, "allowed: iid, dirichlet")
-    rng = np.random.default_rng(seed)
+        raise _error("data.partition", name, "allowed: " + ", ".join(PARTITIONS))
+    if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
+        raise _error("seed", seed, "must be a non-negative integer")
+    train_labels = _labels("train_labels", train_labels)
+    test_labels = _labels("test_labels", test_labels)
+    n = len(train_labels)
+    if n == 0:
+        raise _error("train_labels", "<empty array>", "there are no training samples to split")
+    top = int(max(train_labels.max(initial=0), test_labels.max(initial=0))) + 1
+    num_classes = top if num_classes is None else _int("num_classes", num_classes, top, why="largest label + 1")
+    num_clients = _int("data.num_clients", num_clients, 1, n, f"at most the {n} training samples")
+    alpha = _float("data.alpha", alpha, 0.0, open_low=True)
+    min_size = _int("data.min_size", min_size, 0)
+    max_retries = _int("max_retries", max_retries, 1)
+    uniform_share = _float("data.uniform_share", uniform_share, 0.0, 1.0)
+    quantity_sigma = _float("data.quantity_sigma", quantity_sigma, 0.0)
+    dominant_groups = _int("data.dominant_groups", dominant_groups, 1)
+    classes_per_group = _int("data.classes_per_group", classes_per_group, 1)
+    clients_per_domain = _int("data.clients_per_domain", clients_per_domain, 1)
+    concept_groups = _int("data.concept_groups", concept_groups, 1)
+    classes_per_client = _int("data.classes_per_client", classes_per_client, 1)
+    if samples_per_client is not None:
+        samples_per_client = _int("data.samples_per_client", samples_per_client, 1)
+    if test_per_client is not None:
+        test_per_client = _int("data.test_per_client", test_per_client, 0)
+    if base not in BASES:
+        raise _error("data.base", base, "allowed: " + ", ".join(BASES))
+    label_split = base if name in ("rotation", "concept") else name
+    if label_split in ("dirichlet", "quantity") and min_size * num_clients > n:
+        raise _error("data.min_size", min_size, f"{num_clients} clients x {min_size} exceeds the {n} training samples")
 
-    def label_split(scheme: str) -> list[np.ndarray]:
-        if scheme == "dirichlet":
-            return split_dirichlet(train_labels, num_clients, rng, alpha, min_size, max_retries)
-        return split_iid(train_labels, num_clients, rng)
-
-    rotation = label_perm = owner = None
+    train_rng, test_rng, perm_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    rotation: list[float] | None = None
+    label_perm: list[np.ndarray] | None = None
+    group: list[int] | None = None
     default_test = max(1, len(test_labels) // num_clients)
-    if name in ("iid", "dirichlet"):
-        train = label_split(name)
-    elif name == "shards":
-        if not 1 <= classes_per_client <= num_classes:
-            raise _fail("data.classes_per_client", classes_per_client, f"must be in [1, {num_classes}]")
-        train = split_shards(train_labels, num_clients, rng, classes_per_client)
-    elif name == "dominant":
-        if not 1 <= classes_per_group <= num_classes:
-            raise _fail("data.classes_per_group", classes_per_group, f"must be in [1, {num_classes}]")
-        samples = samples_per_client or 600
-        train = split_dominant(train_labels, num_clients, rng, num_classes, samples, uniform_share,
-                               dominant_groups, classes_per_group)
-        owner = [i % dominant_groups for i in range(num_clients)]
-        default_test = samples // 2
-    elif name == "quantity":
-        train = split_quantity(train_labels, num_clients, rng, quantity_sigma, min_size)
-    elif name in ("domain", "natural"):
+
+    if name in ("domain", "natural"):
         if train_groups is None or test_groups is None:
-            raise _fail("data.partition", name, "needs a dataset with natural groups (domains or devices)")
+            missing = "train_groups" if train_groups is None else "test_groups"
+            raise _error("data.partition", name, f"needs a dataset with natural groups (domains or devices); "
+                         f"{missing} is None")
+        tr_groups = _labels("train_groups", train_groups)
+        te_groups = _labels("test_groups", test_groups)
+        if len(tr_groups) != n or len(te_groups) != len(test_labels):
+            raise _error("train_groups", f"<{len(tr_groups)} / {len(te_groups)} ids>",
+                         f"needs one group id per train / test sample ({n} / {len(test_labels)})")
+        n_groups = len(np.unique(tr_groups))
         per_group = clients_per_domain if name == "domain" else 1
-        train, owner = split_groups(np.asarray(train_groups), num_clients, rng, per_group, name)
-        test = group_test(np.asarray(test_groups), owner, rng)
-        return Partition(train, test, group=owner)
-    elif name == "rotation":
-        train = label_split(base)
-        if angles is not None and len(angles) != num_clients:
-            raise _fail("data.angles", list(angles), f"needs one angle per client ({num_clients})")
-        rotation = [float(a) for a in angles] if angles is not None else [
-            float(a) for a in np.linspace(0.0, 180.0, num_clients, endpoint=False)]
-    else:  # concept
-        if not 1 <= concept_groups <= num_clients:
-            raise _fail("data.concept_groups", concept_groups, f"must be in [1, {num_clients}]")
-        train = label_split(base)
-        perms = [np.arange(num_classes)] + [rng.permutation(num_classes) for _ in range(concept_groups - 1)]
-        owner = [i % concept_groups for i in range(num_clients)]
-        label_perm = [perms[g] for g in owner]
+        if num_clients != n_groups * per_group:
+            if name == "natural":
+                what = (f"the natural partition makes one client per group and this dataset has {n_groups} groups; "
+                        f"set data.num_clients = {n_groups}")
+            else:
+                what = (f"{n_groups} domains x {per_group} clients per domain (data.clients_per_domain) "
+                        f"= {n_groups * per_group} clients")
+                if num_clients % n_groups == 0:
+                    what += f"; set data.clients_per_domain = {num_clients // n_groups} for {num_clients} clients"
+            raise _error("data.num_clients", num_clients, what)
+        train, group = split_groups(tr_groups, train_rng, per_group)
+        return Partition(train, group_test(te_groups, group, test_rng), group=group, scheme=name)
+
+    if label_split == "iid":
+        train = split_iid(train_labels, num_clients, train_rng)
+    elif label_split == "dirichlet":
+        train = split_dirichlet(train_labels, num_clients, train_rng, alpha, min_size, max_retries)
+    elif label_split == "shards":
+        if classes_per_client > num_classes:
+            raise _error("data.classes_per_client", classes_per_client, f"must be in [1, {num_classes}]")
+        train = split_shards(train_labels, num_clients, train_rng, classes_per_client)
+    elif label_split == "quantity":
+        train = split_quantity(train_labels, num_clients, train_rng, quantity_sigma, min_size)
+    else:  # dominant
+        if classes_per_group > num_classes:
+            raise _error("data.classes_per_group", classes_per_group, f"must be in [1, {num_classes}]")
+        samples = samples_per_client or DEFAULT_DOMINANT_SAMPLES
+        train, _ = split_dominant(train_labels, num_clients, train_rng, num_classes, samples, uniform_share,
+                                  dominant_groups, classes_per_group)
+        group = [i % dominant_groups for i in range(num_clients)]
+        default_test = max(1, samples // 2)
+
+    if name == "rotation":
+        if angles is not None:
+            angles = list(angles)
+            if len(angles) != num_clients:
+                raise _error("data.angles", angles, f"needs one angle per client ({num_clients})")
+            if not all(isinstance(a, int | float | np.number) and math.isfinite(a) for a in angles):
+                raise _error("data.angles", angles, "angles must be finite numbers (degrees)")
+        rotation = rotation_angles(num_clients, angles)
+    elif name == "concept":
+        limit = math.factorial(min(num_classes, 20))
+        if concept_groups > min(num_clients, limit):
+            raise _error("data.concept_groups", concept_groups,
+                         f"must be at most the {num_clients} clients and the {limit} label permutations of "
+                         f"{num_classes} classes")
+        perms = concept_permutations(num_classes, concept_groups, perm_rng)
+        group = [i % concept_groups for i in range(num_clients)]
+        label_perm = [perms[g].copy() for g in group]
+
     per_client = test_per_client or default_test
-    test = personal_test(train_labels, test_labels, train, num_classes, per_client, rng)
-    return Partition(train, test, rotation=rotation, label_perm=label_perm, group=owner)
-
-
+    test = personal_test(train_labels, test_labels, train, num_classes, per_client, test_rng)
+    return Partition(train, test, rotation=rotation, label_perm=label_perm, group=group, scheme=name)

@@ -1,12 +1,19 @@
-"""Fetching official files: download with checksum verification, atomic writes,
-and errors that tell an offline user which files to put where."""
+"""Fetching official files: download with checksum verification and atomic writes.
+
+A download goes to a temporary file next to its destination, is checked
+against the official checksum written in the code (the loaders' modules cite
+where each comes from) and only then ``os.replace``-d into place; a mismatch
+deletes it. Files a user already has are never checksummed (a local copy may
+be re-compressed: the loaders check the format instead). When a download is
+impossible (no network, download off) the error names the files to put where.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import tempfile
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,64 +21,87 @@ from pathlib import Path
 
 from hetfl.data.base import DatasetError
 
+TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class Remote:
-    """One official file: its name, mirror URLs (tried in order) and MD5."""
+    """One official file: its name, mirror URLs (tried in order) and checksum (MD5 or SHA-256)."""
 
     name: str
     urls: tuple[str, ...]
-    md5: str
+    md5: str = ""
+    sha256: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.md5 or self.sha256):
+            raise ValueError(f"{self.name}: a Remote needs an md5 or sha256 checksum")
 
 
-def md5sum(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of ``path`` (``md5`` or ``sha256``), read in 1 MiB blocks."""
+    digest = hashlib.new(algorithm, usedforsecurity=False)  # an integrity check, not security
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+        while block := fh.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
 
 
-def fetch(url: str, dest: Path, md5: str, timeout: float = 60.0) -> None:
-    """Download ``url`` to ``dest`` via a temporary file; keep it only if its MD5 matches."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-            while block := response.read(1 << 20):
-                out.write(block)
-        got = md5sum(Path(tmp))
-        if got != md5:
-            raise DatasetError(f"{url}: checksum mismatch (MD5 {got}, expected {md5}); the file was discarded")
-        os.replace(tmp, dest)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+def _expected(remote: Remote) -> tuple[str, str]:
+    return ("sha256", remote.sha256.lower()) if remote.sha256 else ("md5", remote.md5.lower())
 
 
-def ensure(root: Path, files: Sequence[Remote], download: bool, dataset: str) -> list[Path]:
-    """Paths of ``files`` under ``root``, downloading the missing ones if allowed.
+def fetch(remote: Remote, folder: Path) -> Path:
+    """Download ``remote`` into ``folder``, trying each mirror; the checksum must match.
 
-    Files already present are accepted as they are (a user's local copy may be
-    re-compressed; the loaders check their format instead of their checksum).
+    Raises :class:`DatasetError` listing every mirror's failure when none worked.
     """
-    missing = [f for f in files if not (root / f.name).exists()]
-    errors = []
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / remote.name
+    algorithm, expected = _expected(remote)
+    failures = []
+    for url in remote.urls:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{remote.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                while block := response.read(1 << 20):
+                    out.write(block)
+            got = file_digest(Path(tmp), algorithm)
+            if got != expected:
+                failures.append(f"{url}: checksum mismatch ({algorithm} {got}, expected {expected}), discarded")
+                continue
+            os.replace(tmp, dest)
+            return dest
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            failures.append(f"{url}: {getattr(err, 'reason', None) or err}")
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    raise DatasetError(f"could not download {remote.name} (" + "; ".join(failures) + ")")
+
+
+def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: str, alternative: str = "") -> list[Path]:
+    """Paths of ``remotes`` under folder ``root``, downloading the missing ones when ``download``.
+
+    Files already there are taken as they are. ``alternative`` describes other
+    accepted local layouts for the error message (e.g. "or the extracted folder").
+    """
+    missing = [r for r in remotes if not (root / r.name).is_file()]
+    problem = "downloading is off (data.download = false)"
     if missing and download:
-        for f in missing:
-            for url in f.urls:
-                try:
-                    fetch(url, root / f.name, f.md5)
-                    break
-                except DatasetError:
-                    raise
-                except (urllib.error.URLError, OSError, TimeoutError) as err:
-                    errors.append(f"{url}: {getattr(err, 'reason', err)}")
-        missing = [f for f in missing if not (root / f.name).exists()]
+        if root.exists() and not root.is_dir():
+            raise DatasetError(f"{dataset}: data.root = {str(root)!r} is a file, not a folder to download into; "
+                               f"set data.root to a folder")
+        try:
+            for remote in missing:
+                fetch(remote, root)
+            return [root / r.name for r in remotes]
+        except DatasetError as err:
+            problem = str(err)
     if missing:
-        names = ", ".join(f.name for f in missing)
-        how = "download failed (" + "; ".join(errors[:2]) + ")" if errors else "downloading is off"
+        names = ", ".join(r.name for r in missing)
+        other = f" {alternative}" if alternative else ""
         raise DatasetError(
-            f"{dataset}: missing {names} in {root}; {how}. Put the official files there, or point "
-            f"data.root at a folder that holds them"
+            f"{dataset}: {names} not found in {root} and {problem}. Put the official file(s){other} into {root}, "
+            f"or set data.root to the folder that holds them"
         )
-    return [root / f.name for f in files]
+    return [root / r.name for r in remotes]

@@ -1,143 +1,190 @@
-"""MNIST, Fashion-MNIST and EMNIST in their official IDX format (optionally gzipped).
+"""MNIST, Fashion-MNIST and EMNIST from their official IDX files (gzipped or not).
 
-IDX (LeCun et al.): a big-endian header ``0x00 0x00 <dtype> <ndim>``, ``ndim``
-uint32 sizes, then the raw array. Only unsigned-byte data is used here.
+IDX format (LeCun et al., yann.lecun.com/exdb/mnist): a big-endian magic
+number ``0x00 0x00 <type> <ndim>`` (type 0x08 = unsigned byte), ``ndim``
+uint32 sizes, then the raw array. Images are ``idx3`` (N x 28 x 28), labels
+``idx1`` (N).
+
+Checksums: MNIST and Fashion-MNIST MD5s as published with the files (the same
+values torchvision verifies); EMNIST's ``gzip.zip`` MD5 as in torchvision's
+EMNIST (NIST publishes no checksum).
 """
 
 from __future__ import annotations
 
 import gzip
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from hetfl.data.base import DatasetError
+from hetfl.data.base import Dataset, DatasetError
+from hetfl.data.datasets.cache import atomic_write, cached, fingerprint
+from hetfl.data.datasets.common import EMNIST_NORM, FMNIST_NORM, MNIST_NORM, Context, Norm, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
 
+FORMAT = 1  # bump when the decoded arrays change
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
-# official MD5s (yann.lecun.com, as torchvision lists them)
-MNIST_MD5 = {
-    "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-    "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
-    "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
-    "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
-}
-FMNIST_MIRRORS = ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",)
-FMNIST_MD5 = {  # Zalando Research's published checksums
-    "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
-    "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
-    "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
-    "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
-}
+FMNIST_MIRRORS = ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+                  "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/")
+FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+MNIST_MD5 = ("f68b3c2dcbeaaa9fbdd348bbdeb94873", "d53e105ee54ea40749a09fcbcd1e9432",
+             "9fb629c4189551a2d022fa330f9573f3", "ec29112dd5afa0611ce80d1b7f02629c")
+FMNIST_MD5 = ("8d4fb7e6c68d591d4c3dfef9ec88bf0d", "25c81989df183df01b3e8a0aad5dffbe",
+              "bef4ecab320f06d8554ea6380940ec79", "bb300cfdad3c16e7a12a480ee83cd310")
+# Module attributes (not constants captured elsewhere) so tests can point them at local file:// URLs.
+MNIST = tuple(Remote(n, tuple(m + n for m in MNIST_MIRRORS), md5) for n, md5 in zip(FILES, MNIST_MD5, strict=True))
+FMNIST = tuple(Remote(n, tuple(m + n for m in FMNIST_MIRRORS), md5) for n, md5 in zip(FILES, FMNIST_MD5, strict=True))
 EMNIST_ZIP = Remote("gzip.zip", ("https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",),
-                    "58c8d27c78d21e728a6bc7b3cc06412e")
-EMNIST_CLASSES = {
-    "byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10,
-}
+                    md5="58c8d27c78d21e728a6bc7b3cc06412e")
+
 MNIST_CLASSES = tuple(str(i) for i in range(10))
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                   "Ankle boot")
+_DIGITS = [str(i) for i in range(10)]
+_UPPER = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+_LOWER = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+_MERGED_LOWER = ["a", "b", "d", "e", "f", "g", "h", "n", "q", "r", "t"]  # lower-case classes bymerge keeps
+EMNIST_CLASSES: dict[str, tuple[str, ...]] = {  # Cohen et al. 2017, EMNIST, table II
+    "byclass": tuple(_DIGITS + _UPPER + _LOWER),
+    "bymerge": tuple(_DIGITS + _UPPER + _MERGED_LOWER),
+    "balanced": tuple(_DIGITS + _UPPER + _MERGED_LOWER),
+    "letters": tuple(_UPPER),
+    "digits": tuple(_DIGITS),
+    "mnist": tuple(_DIGITS),
+}
 
 
 def parse_idx(data: bytes, source: str, ndim: int) -> np.ndarray:
-    """Decode an IDX byte string holding unsigned bytes with ``ndim`` dimensions."""
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or data[3] != ndim:
-        raise DatasetError(f"{source}: not an IDX file of {ndim}-D unsigned bytes (bad magic number); "
-                           "replace it with the official file")
+    """Decode an IDX byte string of unsigned bytes that must have ``ndim`` dimensions."""
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08" or data[3] != ndim:
+        raise DatasetError(f"{source}: bad magic number {data[:4].hex() or 'empty'} (expected 000008{ndim:02x}, "
+                           f"an IDX file of {ndim}-D unsigned bytes); replace it with the official file")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DatasetError(f"{source}: truncated IDX header; replace it with the official file")
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    offset = 4 + 4 * ndim
-    if len(data) != offset + int(np.prod(shape)):
-        raise DatasetError(f"{source}: truncated or corrupt (header says {shape}, {len(data) - offset} bytes follow)")
-    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
+    if len(data) - header != int(np.prod(shape)):
+        raise DatasetError(f"{source}: truncated or corrupt (header says {shape}, {len(data) - header} bytes "
+                           "follow); replace it with the official file")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
 
 
 def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """Read a (possibly gzipped) IDX file."""
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as err:
-            raise DatasetError(f"{path}: corrupt gzip file ({err})") from None
+        except (OSError, EOFError, zlib.error) as err:
+            raise DatasetError(f"{path}: corrupt gzip file ({err}); replace it with the official file") from None
     return parse_idx(raw, str(path), ndim)
 
 
-def _locate(root: Path, name: str) -> Path | None:
-    """``name`` (gzipped) or its uncompressed twin under ``root``."""
-    for candidate in (root / name, root / name.removesuffix(".gz")):
-        if candidate.exists():
+def read_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``[N, 28, 28]`` and int64 labels, checked for 28x28 images and equal counts."""
+    images = read_idx(images_path, 3)
+    labels = read_idx(labels_path, 1).astype(np.int64)
+    if images.shape[1:] != (28, 28):
+        raise DatasetError(f"{images_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
+    if len(images) != len(labels):
+        raise DatasetError(f"{images_path} ({len(images)} images) and {labels_path} ({len(labels)} labels) "
+                           "differ in length; replace them with the official files")
+    return images, labels
+
+
+def check_labels(labels: np.ndarray, num_classes: int, source: Path) -> None:
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DatasetError(f"{source}: labels span {labels.min()}..{labels.max()}, expected 0..{num_classes - 1}; "
+                           "replace it with the official file")
+
+
+def locate(folder: Path, name: str) -> Path | None:
+    """``folder/name`` (``.gz``) or its uncompressed twin, whichever exists."""
+    for candidate in (folder / name, folder / name.removesuffix(".gz")):
+        if candidate.is_file():
             return candidate
     return None
 
 
-def load_idx_pair(root: Path, prefix: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    images = read_idx(_require(root, f"{prefix}-images-idx3-ubyte.gz"), 3)
-    labels = read_idx(_require(root, f"{prefix}-labels-idx1-ubyte.gz"), 1).astype(np.int64)
-    if len(images) != len(labels):
-        raise DatasetError(f"{root}: {prefix} images ({len(images)}) and labels ({len(labels)}) differ in number")
-    if labels.size and labels.max() >= num_classes:
-        raise DatasetError(f"{root}: {prefix} labels go up to {labels.max()}, expected < {num_classes}")
-    return images[:, None, :, :].copy(), labels
-
-
-def _require(root: Path, name: str) -> Path:
-    path = _locate(root, name)
-    if path is None:
-        raise DatasetError(f"missing {name} in {root}")
-    return path
-
-
-def fetch_mnist_like(root: Path, download: bool, dataset: str, mirrors: tuple[str, ...], md5: dict[str, str]) -> None:
-    """Make sure the four official files are under ``root`` (plain or gzipped)."""
-    missing = [n for n in md5 if _locate(root, n) is None]
+def _load_mnist_like(ctx: Context, remotes: tuple[Remote, ...], classes: tuple[str, ...], norm: Norm) -> Dataset:
+    if ctx.root.is_file():
+        raise DatasetError(f"{ctx.name}: data.root = {str(ctx.root)!r} is a file; set it to the folder holding "
+                           f"{', '.join(FILES)}")
+    missing = [r for r in remotes if locate(ctx.root, r.name) is None]
     if missing:
-        ensure(root, [Remote(n, tuple(m + n for m in mirrors), md5[n]) for n in missing], download, dataset)
+        ensure(ctx.root, missing, download=ctx.download, dataset=ctx.name, alternative="(gzipped or not)")
+    files = [p for name in FILES if (p := locate(ctx.root, name)) is not None]  # train images, labels, test ...
+
+    def build() -> dict[str, np.ndarray]:
+        arrays = {}
+        for split, (images, labels) in (("train", files[:2]), ("test", files[2:])):
+            x, y = read_pair(images, labels)
+            check_labels(y, len(classes), labels)
+            arrays[f"{split}_x"], arrays[f"{split}_y"] = x[:, None], y
+        return arrays
+
+    arrays = cached(ctx.cache_dir, {"dataset": ctx.name, "format": FORMAT, "source": fingerprint(files)}, build)
+    return image_dataset(ctx.name, arrays, classes, norm, notes=[f"{ctx.name} from {ctx.root}"])
 
 
-def load_emnist(root: Path, split: str, download: bool) -> dict[str, np.ndarray]:
-    """EMNIST (Cohen et al. 2017) ``split`` from ``emnist-<split>-*.gz`` files or NIST's ``gzip.zip``.
+def load_mnist(ctx: Context) -> Dataset:
+    """MNIST (LeCun et al. 1998): 60,000 + 10,000 digits, 1x28x28."""
+    return _load_mnist_like(ctx, MNIST, MNIST_CLASSES, MNIST_NORM)
+
+
+def load_fmnist(ctx: Context) -> Dataset:
+    """Fashion-MNIST (Xiao et al. 2017): 60,000 + 10,000 clothing images, 1x28x28."""
+    return _load_mnist_like(ctx, FMNIST, FMNIST_CLASSES, FMNIST_NORM)
+
+
+def emnist_files(split: str) -> list[str]:
+    """The four official file names of EMNIST ``split`` (train images, train labels, test images, test labels)."""
+    return [f"emnist-{split}-{part}-{kind}-ubyte.gz"
+            for part in ("train", "test") for kind in ("images-idx3", "labels-idx1")]
+
+
+def _extract_emnist(root: Path, names: list[str]) -> Path:
+    """Extract ``names`` from NIST's ``gzip.zip`` (members ``gzip/<name>``) into ``root/gzip``, atomically."""
+    archive_path, folder = root / EMNIST_ZIP.name, root / "gzip"
+    try:
+        with zipfile.ZipFile(archive_path) as archive:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                if not (folder / name).is_file():
+                    data = archive.read(f"gzip/{name}")
+                    atomic_write(folder / name, lambda fh, d=data: fh.write(d))
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as err:
+        raise DatasetError(f"{archive_path}: not NIST's EMNIST gzip.zip or corrupt ({err}); replace it") from None
+    return folder
+
+
+def load_emnist(ctx: Context, split: str) -> Dataset:
+    """EMNIST (Cohen et al. 2017) ``split``, from ``emnist-<split>-*`` files in root or root/gzip, or gzip.zip.
 
     The official images are stored transposed; they are turned upright here.
     ``letters`` labels run 1..26 in the files and become 0..25.
     """
-    names = [f"emnist-{split}-{part}-{kind}-idx{d}-ubyte.gz"
-             for part in ("train", "test") for kind, d in (("images", 3), ("labels", 1))]
-    folder = next((d for d in (root, root / "gzip") if all(_locate(d, n) for n in names)), None)
+    names = emnist_files(split)
+    folder = next((d for d in (ctx.root, ctx.root / "gzip") if all(locate(d, n) for n in names)), None)
     if folder is None:
-        if not (root / EMNIST_ZIP.name).exists():
-            try:
-                ensure(root, [EMNIST_ZIP], download, "emnist")
-            except DatasetError as err:
-                raise DatasetError(f"{err} (or the extracted {', '.join(names)})") from None
-        folder = root / "gzip"
-        with zipfile.ZipFile(root / EMNIST_ZIP.name) as archive:
-            for n in names:
-                target = folder / n
-                if not target.exists():
-                    folder.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(archive.read(f"gzip/{n}"))
-    arrays = {}
-    for part in ("train", "test"):
-        images = read_idx(_require(folder, f"emnist-{split}-{part}-images-idx3-ubyte.gz"), 3)
-        labels = read_idx(_require(folder, f"emnist-{split}-{part}-labels-idx1-ubyte.gz"), 1).astype(np.int64)
-        if split == "letters":
-            labels = labels - 1
-        if labels.size and (labels.min() < 0 or labels.max() >= EMNIST_CLASSES[split]):
-            raise DatasetError(f"{folder}: emnist-{split} labels outside 0..{EMNIST_CLASSES[split] - 1}")
-        arrays[f"{part}_x"] = images.transpose(0, 2, 1)[:, None].copy()
-        arrays[f"{part}_y"] = labels
-    return arrays
+        alternative = f"(or the extracted {', '.join(names)})"
+        ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative)
+        folder = _extract_emnist(ctx.root, names)
+    files = [p for n in names if (p := locate(folder, n)) is not None]
+    classes = EMNIST_CLASSES[split]
 
+    def build() -> dict[str, np.ndarray]:
+        arrays = {}
+        for part, (images, labels) in (("train", files[:2]), ("test", files[2:])):
+            x, y = read_pair(images, labels)
+            y = y - 1 if split == "letters" else y
+            check_labels(y, len(classes), labels)
+            arrays[f"{part}_x"], arrays[f"{part}_y"] = x.transpose(0, 2, 1)[:, None].copy(), y
+        return arrays
 
-def emnist_classes(split: str) -> tuple[str, ...]:
-    digits = [str(i) for i in range(10)]
-    upper = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    lower = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    if split == "letters":
-        return tuple(upper)
-    if split in ("digits", "mnist"):
-        return tuple(digits)
-    if split == "byclass":
-        return tuple(digits + upper + lower)
-    merged_lower = ["a", "b", "d", "e", "f", "g", "h", "n", "q", "r", "t"]  # the 11 lower-case classes kept
-    return tuple(digits + upper + merged_lower)
+    key = {"dataset": "emnist", "split": split, "format": FORMAT, "source": fingerprint(files)}
+    arrays = cached(ctx.cache_dir, key, build)
+    return image_dataset("emnist", arrays, classes, EMNIST_NORM, notes=[f"emnist-{split} from {folder}"])

@@ -1,180 +1,204 @@
-"""Image folders: ``root/{train,test}/<class>/*`` or ``root/<domain>/<class>/*``.
+"""Image folders: split layout ``root/{train,test}/<class>/*`` or domain layout ``root/<domain>/<class>/*``.
 
-Serves CINIC-10 (``train/valid/test``), the CIFAR-10 JPEG copy, PACS,
-Office-Home and DomainNet (domain layout) and Tiny-ImageNet (its own layout).
-The folder may also be a ``.tar``/``.tar.gz`` archive of such a tree: images
-are decoded straight from the archive. Decoding uses Pillow (optional
-dependency ``hetfl[images]``); the result is cached by the caller.
+The tree may be extracted or packed (``.tar``, ``.tar.gz``, ``.zip``) and may
+sit inside one wrapper folder (``cifar10-jpeg/train/...``). The decoded arrays
+are cached; for the domain layout the cache holds all domains and the domain
+selection and train/test split happen at load time, so changing ``domains``,
+``test_fraction`` or the seed never decodes again.
+
+Domain datasets (PACS, Li et al. 2017; Office-Home, Venkateswara et al. 2017;
+DomainNet, Peng et al. 2019) use this loader with their domain names as
+metadata. Their train/test split is the deterministic per-domain split below,
+not DomainNet's official split lists.
 """
 
 from __future__ import annotations
 
-import io
-import tarfile
-from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from hetfl.data.base import DatasetError
+from hetfl.data.base import Dataset, DatasetError
+from hetfl.data.datasets import decode, tree
+from hetfl.data.datasets.cache import cached, fingerprint
+from hetfl.data.datasets.common import Context, Norm, image_dataset
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
-
-
-def _pillow():  # type: ignore[no-untyped-def]
-    try:
-        from PIL import Image
-    except ImportError:
-        raise DatasetError("image folders need Pillow: pip install pillow (or pip install 'hetfl[images]')") from None
-    return Image
+FORMAT = 1  # bump when the decoded arrays change
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
+TEST_SPLITS = ("test", "val", "valid")
+Entry = tuple[tuple[str, ...], np.ndarray]
 
 
-def is_archive(path: Path) -> bool:
-    return path.is_file() and any(path.name.endswith(s) for s in (".tar", ".tar.gz", ".tgz"))
+@dataclass(frozen=True)
+class DomainMeta:
+    """What a domain dataset should contain (for the notes when a folder differs)."""
+
+    domains: tuple[str, ...]
+    num_classes: int
 
 
-def list_images(root: Path) -> Iterator[tuple[tuple[str, ...], bytes]]:
-    """(path parts relative to the tree's top, file bytes) of every image under ``root``.
+DOMAIN_DATASETS = {
+    "pacs": DomainMeta(("art_painting", "cartoon", "photo", "sketch"), 7),
+    "officehome": DomainMeta(("Art", "Clipart", "Product", "Real World"), 65),
+    "domainnet": DomainMeta(("clipart", "infograph", "painting", "quickdraw", "real", "sketch"), 345),
+}
 
-    For an archive whose members share one top folder (``cifar10-jpeg/...``),
-    that folder is stripped so the layout starts at ``train/`` or ``<domain>/``.
+
+def is_image(parts: tuple[str, ...]) -> bool:
+    return parts[-1].lower().endswith(IMAGE_SUFFIXES)
+
+
+def find_source(root: Path, *, needs_train: bool, exclude: Callable[[Path], bool] = lambda p: False) -> Path | None:
+    """The image tree at ``root``: ``root`` itself, or the single archive / subfolder tree inside it.
+
+    ``needs_train``: the split layout (a ``train/`` folder must be found).
     """
-    if is_archive(root):
-        with tarfile.open(root, "r:*") as tar:
-            members, strip = _archive_images(tar)
-            for m in members:
-                fh = tar.extractfile(m)
-                if fh is not None:
-                    yield PurePosixPath(m.name).parts[strip:], fh.read()
-        return
-    for path in sorted(root.rglob("*")):
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file() and ".hetfl-cache" not in path.parts:
-            yield path.relative_to(root).parts, path.read_bytes()
+    if tree.is_archive(root):
+        return None if exclude(root) else root
+    if not root.is_dir():
+        return None
+    if (root / "train").is_dir() or (not needs_train and _has_image_folders(root)):
+        return root
+    inner = [p for p in sorted(root.iterdir()) if not p.name.startswith(".") and not exclude(p)
+             and (tree.is_archive(p) or (p / "train").is_dir())]
+    if len(inner) > 1:
+        raise DatasetError(f"{root} holds several image trees ({', '.join(p.name for p in inner)}); "
+                           "set data.root to the one to use")
+    return inner[0] if inner else None
 
 
-def _archive_images(tar: tarfile.TarFile) -> tuple[list[tarfile.TarInfo], int]:
-    """Image members sorted by name, and how many leading folders to strip (1 if all share one top)."""
-    members = sorted((m for m in tar.getmembers() if m.isfile() and PurePosixPath(m.name).suffix.lower()
-                      in IMAGE_SUFFIXES), key=lambda m: m.name)
-    tops = {PurePosixPath(m.name).parts[0] for m in members}
-    strip = 1 if len(tops) == 1 and all(len(PurePosixPath(m.name).parts) > 3 for m in members) else 0
-    return members, strip
+def _has_image_folders(root: Path) -> bool:
+    return any(p.is_dir() and not p.name.startswith(".") for p in root.iterdir())
 
 
-def top_folders(root: Path) -> set[str]:
-    """First path component of every image (after stripping an archive's single top folder)."""
-    if is_archive(root):
-        with tarfile.open(root, "r:*") as tar:
-            members, strip = _archive_images(tar)
-        return {PurePosixPath(m.name).parts[strip] for m in members}
-    return {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+def read_images(source: Path, channels: int, size: decode.Size | None,
+                skip: Callable[[tuple[str, ...]], bool] = lambda parts: False) -> list[Entry]:
+    """Decode every image under ``source`` (minus ``skip``ped paths), sorted by path, common wrapper removed.
 
-
-def decode(data: bytes, source: str, size: tuple[int, int] | None, channels: int) -> np.ndarray:
-    """Image bytes -> uint8 ``[C, H, W]`` (resized to ``size`` = (H, W) when given)."""
-    image_mod = _pillow()
-    try:
-        with image_mod.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB" if channels == 3 else "L")
-            if size is not None and img.size != (size[1], size[0]):
-                img = img.resize((size[1], size[0]), image_mod.BILINEAR)
-            arr = np.asarray(img, dtype=np.uint8)
-    except (OSError, ValueError) as err:
-        raise DatasetError(f"{source}: cannot decode image ({err})") from None
-    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-
-
-def load_split_folder(
-    root: Path, image_size: int | None, channels: int, splits: tuple[str, str] = ("train", "test"),
-    classes: tuple[str, ...] | None = None,
-) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-    """``root/{train,test}/<class>/*`` -> arrays and the class names (sorted unless given)."""
-    items: dict[str, list[tuple[str, bytes]]] = {s: [] for s in splits}
-    for parts, data in list_images(root):
-        if len(parts) >= 3 and parts[0] in items:
-            items[parts[0]].append((parts[1], data))
-    for split in splits:
-        if not items[split]:
-            raise DatasetError(f"{root}: no images under {split}/<class>/; expected the layout "
-                               f"{root}/{{{','.join(splits)}}}/<class>/<image>")
-    names = classes or tuple(sorted({c for s in splits for c, _ in items[s]}))
-    index = {c: i for i, c in enumerate(names)}
-    size = (image_size, image_size) if image_size else None
-    arrays = {}
-    for split, key in zip(splits, ("train", "test"), strict=True):
-        unknown = {c for c, _ in items[split]} - set(index)
-        if unknown:
-            raise DatasetError(f"{root}/{split}: unexpected class folders {sorted(unknown)[:5]}")
-        if size is None:
-            first = decode(items[split][0][1], str(root), None, channels)
-            size = (first.shape[1], first.shape[2])
-        arrays[f"{key}_x"] = np.stack([decode(d, f"{root}/{split}/{c}", size, channels) for c, d in items[split]])
-        arrays[f"{key}_y"] = np.asarray([index[c] for c, _ in items[split]], dtype=np.int64)
-    return arrays, names
-
-
-def load_domain_folder(
-    root: Path, image_size: int | None, channels: int, domains: tuple[str, ...] | None, test_fraction: float,
-    seed: int,
-) -> tuple[dict[str, np.ndarray], tuple[str, ...], tuple[str, ...]]:
-    """``root/<domain>/<class>/*`` -> arrays with per-sample domain ids, classes, domains.
-
-    Each domain is split into train and test deterministically (``test_fraction``, ``seed``).
+    Images keep their own size when ``size`` is None (see :func:`decode.stack`).
     """
-    by_domain: dict[str, list[tuple[str, bytes]]] = {}
-    for parts, data in list_images(root):
-        if len(parts) >= 3:
-            by_domain.setdefault(parts[0], []).append((parts[1], data))
-    available = tuple(sorted(by_domain))
-    if not available:
-        raise DatasetError(f"{root}: no images found; expected {root}/<domain>/<class>/<image>")
-    chosen = domains or available
-    missing = [d for d in chosen if d not in by_domain]
-    if missing:
-        raise DatasetError(f"data.options.domains = {list(chosen)}: {missing} not found; available: {list(available)}")
-    names = tuple(sorted({c for d in chosen for c, _ in by_domain[d]}))
+    entries = [(parts, decode.decode(data, f"{source}/{'/'.join(parts)}", channels, size))
+               for parts, data in tree.walk(source, lambda p: is_image(p) and not skip(p))]
+    entries.sort(key=lambda e: e[0])
+    strip = tree.strip_common_top([p for p, _ in entries], 3)
+    return [(parts[strip:], image) for parts, image in entries if len(parts) - strip >= 3]
+
+
+def split_arrays(entries: Sequence[Entry], source: Path, size: decode.Size | None,
+                 classes: Sequence[str] | None = None, test_split: str | None = None) -> dict[str, np.ndarray]:
+    """Split layout -> ``{train,test}_{x,y}`` and ``classes`` (sorted folder names unless ``classes`` given)."""
+    tops = {parts[0] for parts, _ in entries}
+    test_name = test_split or next((t for t in TEST_SPLITS if t in tops), None)
+    if "train" not in tops or test_name not in tops:
+        raise DatasetError(f"{source}: expected images under train/<class>/ and "
+                           f"{test_name or '{test,val}'}/<class>/ (found top folders: {sorted(tops)[:8]})")
+    by_split = {s: [(parts[1], img) for parts, img in entries if parts[0] == s] for s in ("train", test_name)}
+    found = sorted({c for items in by_split.values() for c, _ in items})
+    names = tuple(classes) if classes is not None else tuple(found)
+    unknown = sorted(set(found) - set(names))
+    if unknown:
+        raise DatasetError(f"{source}: unexpected class folders {unknown[:5]}; expected {', '.join(names)}")
     index = {c: i for i, c in enumerate(names)}
-    size = (image_size, image_size) if image_size else None
     if size is None:
-        first = decode(by_domain[chosen[0]][0][1], str(root), None, channels)
-        size = (first.shape[1], first.shape[2])
-    rng = np.random.default_rng(seed)
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("train_x", "train_y", "train_g", "test_x", "test_y", "test_g")}
-    for g, domain in enumerate(chosen):
-        entries = by_domain[domain]
-        x = np.stack([decode(d, f"{root}/{domain}/{c}", size, channels) for c, d in entries])
-        y = np.asarray([index[c] for c, _ in entries], dtype=np.int64)
-        order = rng.permutation(len(entries))
-        n_test = round(test_fraction * len(entries))
-        for key, idx in (("test", order[:n_test]), ("train", order[n_test:])):
-            out[f"{key}_x"].append(x[idx])
-            out[f"{key}_y"].append(y[idx])
-            out[f"{key}_g"].append(np.full(len(idx), g, dtype=np.int64))
-    return {k: np.concatenate(v) for k, v in out.items()}, names, tuple(chosen)
+        size = (int(by_split["train"][0][1].shape[1]), int(by_split["train"][0][1].shape[2]))
+    arrays = {"classes": np.asarray(names, dtype=str)}
+    for key, split in (("train", "train"), ("test", test_name)):
+        arrays[f"{key}_x"] = decode.stack([img for _, img in by_split[split]], size)
+        arrays[f"{key}_y"] = np.asarray([index[c] for c, _ in by_split[split]], dtype=np.int64)
+    return arrays
 
 
-def load_tinyimagenet(root: Path, image_size: int | None) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-    """Tiny-ImageNet-200's official layout: ``wnids.txt``, ``train/<wnid>/images/*``,
-    ``val/images/*`` labelled by ``val/val_annotations.txt`` (used as the test split)."""
-    base = root / "tiny-imagenet-200" if (root / "tiny-imagenet-200").is_dir() else root
-    wnids_file, annotations = base / "wnids.txt", base / "val" / "val_annotations.txt"
-    if not wnids_file.exists() or not annotations.exists():
-        raise DatasetError(f"tinyimagenet: expected {base}/wnids.txt and {base}/val/val_annotations.txt "
-                           "(the extracted tiny-imagenet-200.zip)")
-    wnids = tuple(wnids_file.read_text().split())
-    index = {w: i for i, w in enumerate(wnids)}
-    val_label = {}
-    for line in annotations.read_text().splitlines():
-        fields = line.split("\t")
-        if len(fields) >= 2:
-            val_label[fields[0]] = index[fields[1]]
-    size = (image_size, image_size) if image_size else (64, 64)
-    train = [(p, index[p.parts[-3]]) for p in sorted((base / "train").glob("*/images/*")) if p.parts[-3] in index]
-    test = [(p, val_label[p.name]) for p in sorted((base / "val" / "images").glob("*")) if p.name in val_label]
-    arrays = {}
-    for key, entries in (("train", train), ("test", test)):
-        if not entries:
-            raise DatasetError(f"tinyimagenet: no {key} images under {base}")
-        arrays[f"{key}_x"] = np.stack([decode(p.read_bytes(), str(p), size, 3) for p, _ in entries])
-        arrays[f"{key}_y"] = np.asarray([y for _, y in entries], dtype=np.int64)
-    return arrays, wnids
+def domain_arrays(entries: Sequence[Entry], source: Path, size: decode.Size | None) -> dict[str, np.ndarray]:
+    """Domain layout -> all images ``x``, labels ``y``, domain ids ``g``, ``classes`` and ``domains`` (sorted)."""
+    if not entries:
+        raise DatasetError(f"{source}: no images found; expected {source}/<domain>/<class>/<image>")
+    domains = sorted({parts[0] for parts, _ in entries})
+    classes = sorted({parts[1] for parts, _ in entries})
+    d_index, c_index = {d: i for i, d in enumerate(domains)}, {c: i for i, c in enumerate(classes)}
+    return {
+        "x": decode.stack([img for _, img in entries], size),
+        "y": np.asarray([c_index[p[1]] for p, _ in entries], dtype=np.int64),
+        "g": np.asarray([d_index[p[0]] for p, _ in entries], dtype=np.int64),
+        "classes": np.asarray(classes, dtype=str),
+        "domains": np.asarray(domains, dtype=str),
+    }
+
+
+def split_domains(arrays: dict[str, np.ndarray], chosen: Sequence[str], test_fraction: float,
+                  seed: int) -> dict[str, np.ndarray]:
+    """Train/test arrays of the ``chosen`` domains; ``g`` renumbered to positions in ``chosen``.
+
+    Each (domain, class) cell puts ``round(test_fraction * n)`` random samples
+    into test, drawn from a generator seeded by (seed, domain name): the split
+    of a domain does not depend on which other domains are selected.
+    """
+    names = [str(d) for d in arrays["domains"]]
+    parts: dict[str, list[np.ndarray]] = {"train": [], "test": []}
+    group = np.full(len(arrays["g"]), -1, dtype=np.int64)
+    for position, domain in enumerate(chosen):
+        members = np.flatnonzero(arrays["g"] == names.index(domain))
+        group[members] = position
+        rng = np.random.default_rng([seed, zlib.crc32(domain.encode())])
+        for label in np.unique(arrays["y"][members]):
+            cell = rng.permutation(members[arrays["y"][members] == label])
+            n_test = round(test_fraction * len(cell))
+            parts["test"].append(cell[:n_test])
+            parts["train"].append(cell[n_test:])
+    out = {}
+    for key, chunks in parts.items():
+        index = np.sort(np.concatenate(chunks)) if chunks else np.zeros(0, dtype=np.int64)
+        out[f"{key}_x"], out[f"{key}_y"], out[f"{key}_g"] = arrays["x"][index], arrays["y"][index], group[index]
+    return out
+
+
+def _size(image_size: int) -> decode.Size | None:
+    return (image_size, image_size) if image_size else None
+
+
+def load_imagefolder(ctx: Context, layout: str, domains: Sequence[str], image_size: int, channels: int,
+                     test_fraction: float, norm: Norm | None = None) -> Dataset:
+    """Any image folder; ``layout`` auto|split|domain, ``domains`` to select (domain layout)."""
+    if not ctx.root.exists():
+        raise DatasetError(f"{ctx.name}: data.root = {str(ctx.root)!r} does not exist; set it to the folder "
+                           "with <train|test>/<class>/<image> or <domain>/<class>/<image> files")
+    source = find_source(ctx.root, needs_train=layout == "split")
+    if source is None:
+        raise DatasetError(f"{ctx.name}: no image tree in {ctx.root}; expected {ctx.root}/<train|test>/<class>/"
+                           f"<image> or {ctx.root}/<domain>/<class>/<image> (or a .tar/.tar.gz/.zip of it); "
+                           "put the images there or set data.root to their folder")
+    key = {"dataset": ctx.name, "format": FORMAT, "layout": layout, "image_size": image_size, "channels": channels,
+           "source": fingerprint([source])}
+
+    def build() -> dict[str, np.ndarray]:
+        entries = read_images(source, channels, _size(image_size))
+        tops = {parts[0] for parts, _ in entries}
+        use = layout if layout != "auto" else "split" if "train" in tops and tops & set(TEST_SPLITS) else "domain"
+        if use == "split":
+            return split_arrays(entries, source, _size(image_size))
+        return domain_arrays(entries, source, _size(image_size))
+
+    arrays = dict(cached(ctx.cache_dir, key, build))
+    if norm is not None and len(norm[0]) != channels:
+        norm = None  # published constants are for RGB; compute them for grayscale
+    classes = tuple(str(c) for c in arrays.pop("classes"))
+    notes = [f"{ctx.name} from {source}"]
+    if "domains" not in arrays:
+        if domains:
+            raise DatasetError(f"data.options.domains = {list(domains)}: {source} has the split layout "
+                               "(train/test), not domains; remove the option")
+        return image_dataset(ctx.name, arrays, classes, norm, notes=notes)
+    available = tuple(str(d) for d in arrays["domains"])
+    missing = [d for d in domains if d not in available]
+    if missing:
+        raise DatasetError(f"data.options.domains = {list(domains)}: {missing} not in {source}; "
+                           f"available: {list(available)}")
+    chosen = tuple(domains) or available
+    meta = DOMAIN_DATASETS.get(ctx.name)
+    if meta is not None and (set(available) != set(meta.domains) or len(classes) != meta.num_classes):
+        notes.append(f"{ctx.name}: expected domains {list(meta.domains)} and {meta.num_classes} classes, found "
+                     f"{list(available)} and {len(classes)}")
+    return image_dataset(ctx.name, split_domains(arrays, chosen, test_fraction, ctx.seed), classes, norm,
+                         groups=chosen, notes=notes)

@@ -1,0 +1,77 @@
+"""Read the files of a folder tree, a tar archive (.tar, .tar.gz, .tgz ...) or a zip archive alike.
+
+Image datasets ship as trees (``train/<class>/x.jpg``) either extracted or
+packed. Reading them straight from the archive avoids writing tens of
+thousands of small files; tar archives are streamed in storage order, so a
+compressed tar is decompressed exactly once. Hidden entries (``.hetfl-cache``,
+``._x`` resource forks, ``__MACOSX``) are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+
+from hetfl.data.base import DatasetError
+
+Parts = tuple[str, ...]
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+ARCHIVE_SUFFIXES = (*TAR_SUFFIXES, ".zip")
+
+
+def is_archive(path: Path) -> bool:
+    """Whether ``path`` is a file named like a tar or zip archive."""
+    return path.is_file() and path.name.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _visible(parts: Parts) -> bool:
+    return bool(parts) and not any(p.startswith(".") or p == "__MACOSX" for p in parts)
+
+
+def walk(source: Path, select: Callable[[Parts], bool]) -> Iterator[tuple[Parts, bytes]]:
+    """``(path parts, bytes)`` of each file under ``source`` (folder or archive) for which ``select(parts)``.
+
+    Parts are relative to the folder or to the archive's root; folders are
+    visited in sorted order, archives in storage order.
+    """
+    if source.is_dir():
+        for top, dirs, files in os.walk(source):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            rel = Path(top).relative_to(source).parts
+            for name in sorted(files):
+                parts = (*rel, name)
+                if _visible(parts) and select(parts):
+                    yield parts, Path(top, name).read_bytes()
+        return
+    try:
+        if source.name.lower().endswith(".zip"):
+            with zipfile.ZipFile(source) as archive:
+                for info in archive.infolist():
+                    parts = PurePosixPath(info.filename).parts
+                    if not info.is_dir() and _visible(parts) and select(parts):
+                        yield parts, archive.read(info)
+            return
+        with tarfile.open(source, "r|*") as archive:
+            for member in archive:
+                parts = tuple(p for p in PurePosixPath(member.name).parts if p not in (".", "/"))
+                if member.isfile() and _visible(parts) and select(parts):
+                    fh = archive.extractfile(member)
+                    if fh is not None:
+                        yield parts, fh.read()
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as err:
+        raise DatasetError(f"{source}: unreadable or corrupt archive ({type(err).__name__}: {err}); "
+                           "replace it with a complete copy") from None
+
+
+def strip_common_top(paths: list[Parts], min_depth: int) -> int:
+    """How many leading folders all ``paths`` share and can drop while keeping ``min_depth`` parts.
+
+    E.g. ``cifar10-jpeg/train/cat/1.jpg`` -> 1 with ``min_depth=3``.
+    """
+    strip = 0
+    while paths and all(len(p) > strip + min_depth for p in paths) and len({p[strip] for p in paths}) == 1:
+        strip += 1
+    return strip
