@@ -447,23 +447,19 @@ def personal_test(
     Class c gets ``per_client * p_i(c)`` samples rounded by largest remainders
     (each count is the floor or ceiling of its exact share, and they sum to
     ``per_client``), drawn without replacement within the client; a class with
-    fewer test samples gives all it has. Vectorised: one sort of random keys
-    per client picks the first ``wanted[c]`` of a random order of each class.
+    fewer test samples gives all it has.
     """
-    n_test = len(test_labels)
     order, starts = _class_index(test_labels, num_classes)
-    sorted_labels = test_labels[order]
-    rank = np.arange(n_test) - starts[sorted_labels]  # position within its class
+    have = np.diff(starts)
     out = []
     for idx in parts:
         counts = np.bincount(train_labels[idx], minlength=num_classes)
-        if counts.sum() == 0 or n_test == 0:
+        if counts.sum() == 0:
             out.append(np.zeros(0, dtype=np.int64))
             continue
-        wanted = _apportion(per_client, counts.astype(np.float64))
-        # random order within each class: sort by (class, random key)
-        shuffled = order[np.lexsort((rng.random(n_test), sorted_labels))]
-        out.append(np.sort(shuffled[rank < wanted[sorted_labels]]).astype(np.int64))
+        wanted = np.minimum(_apportion(per_client, counts.astype(np.float64)), have)
+        picked = [order[starts[c] + rng.choice(have[c], wanted[c], replace=False)] for c in np.flatnonzero(wanted)]
+        out.append(np.sort(np.concatenate(picked)).astype(np.int64) if picked else np.zeros(0, dtype=np.int64))
     return out
 
 

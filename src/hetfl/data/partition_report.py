@@ -1,9 +1,18 @@
-"""Statistics table and heat map of a partition (``hetfl partition``)."""
+"""Statistics table and heat map of a partition (``hetfl partition``).
+
+The table shows how heterogeneous a split is: per client its sizes, how many
+classes it holds, the share of its largest class and the entropy of its label
+distribution (log2 C bits for a balanced client, 0 for a single class), and
+the total-variation distance between its training and personal test label
+distributions (near 0 when the test split follows the training split). The
+heat map (clients x classes, colour = training samples) is the usual picture
+of a non-IID split (e.g. NIID-Bench, Li et al. ICDE 2022, Fig. 2).
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -11,44 +20,108 @@ import numpy as np
 
 from hetfl.data.partition import Partition
 
+ANNOTATE_MAX_CELLS = 400  # write the count in each cell up to this many cells
+
+
+def _counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> np.ndarray:
+    labels = np.asarray(labels, dtype=np.int64)
+    if not parts:
+        return np.zeros((0, num_classes), dtype=np.int64)
+    return np.stack([np.bincount(labels[np.asarray(idx, dtype=np.int64)], minlength=num_classes)[:num_classes]
+                     for idx in parts])
+
 
 def class_counts(partition: Partition, train_labels: np.ndarray, num_classes: int) -> np.ndarray:
-    """``[num_clients, num_classes]`` training samples of each class per client."""
-    return np.stack([np.bincount(train_labels[idx], minlength=num_classes) for idx in partition.train])
+    """``[num_clients, num_classes]`` int64: training samples of each class per client."""
+    return _counts(partition.train, train_labels, num_classes)
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log2(p)).sum())
 
 
 def partition_table(
-    partition: Partition, train_labels: np.ndarray, test_labels: np.ndarray, num_classes: int
+    partition: Partition,
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    num_classes: int,
+    *,
+    summary: bool = False,
 ) -> list[dict[str, Any]]:
-    """Per client: sizes, classes held, share of its largest class, label entropy (bits)."""
-    counts = class_counts(partition, train_labels, num_classes)
-    rows = []
-    for i, row in enumerate(counts):
-        total = int(row.sum())
-        p = row[row > 0] / max(total, 1)
-        rows.append({
-            "client": i,
+    """One row per client (plain Python values, JSON-ready).
+
+    Keys: ``client``, ``group`` / ``angle`` (when the partition has them),
+    ``n_train``, ``n_test``, ``n_classes`` (classes held), ``top_class`` and
+    ``top_class_share`` (largest class and its share), ``entropy_bits`` (label
+    entropy), ``test_tv`` (total-variation distance between the client's train
+    and test label distributions). ``summary=True`` appends :func:`summary_row`.
+    """
+    train = _counts(partition.train, train_labels, num_classes)
+    test = _counts(partition.test, test_labels, num_classes)
+    rows: list[dict[str, Any]] = []
+    for i, (row, trow) in enumerate(zip(train, test, strict=True)):
+        total, ttotal = int(row.sum()), int(trow.sum())
+        entry: dict[str, Any] = {"client": i}
+        if partition.group is not None:
+            entry["group"] = int(partition.group[i])
+        if partition.rotation is not None:
+            entry["angle"] = round(float(partition.rotation[i]), 2)
+        p = row / max(total, 1)
+        q = trow / max(ttotal, 1)
+        entry.update({
             "n_train": total,
-            "n_test": len(partition.test[i]),
-            "classes": int((row > 0).sum()),
-            "top_class_share": round(float(row.max() / max(total, 1)), 4),
-            "entropy_bits": round(float(-(p * np.log2(p)).sum()), 4),
+            "n_test": ttotal,
+            "n_classes": int(np.count_nonzero(row)),
+            "top_class": int(row.argmax()) if total else -1,
+            "top_class_share": round(float(p.max(initial=0.0)), 4),
+            "entropy_bits": round(_entropy_bits(row), 4),
+            "test_tv": round(float(0.5 * np.abs(p - q).sum()), 4) if total and ttotal else 0.0,
         })
-    return rows
+        rows.append(entry)
+    return [*rows, summary_row(rows)] if summary and rows else rows
+
+
+def summary_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``all`` row: sample counts summed, every other column averaged over clients."""
+    clients = [r for r in rows if r.get("client") != "all"]
+    out: dict[str, Any] = {}
+    for key in clients[0] if clients else ():
+        values = [r[key] for r in clients]
+        if key == "client":
+            out[key] = "all"
+        elif key in ("n_train", "n_test"):
+            out[key] = int(sum(values))
+        elif key == "group":
+            out[key] = len(set(values))  # number of groups
+        elif key == "top_class":
+            out[key] = "-"
+        else:
+            out[key] = round(float(np.mean(values)), 4)
+    return out
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Plain-text table with a summary line (mean / min / max of client sizes)."""
-    if not rows:
+    """Plain-text table (right-aligned columns) with an ``all`` row (sums of
+    sample counts, means of the rest; ``group`` there = number of groups) and
+    a one-line size summary."""
+    clients = [r for r in rows if r.get("client") != "all"]
+    if not clients:
         return "(no clients)"
-    keys = list(rows[0])
-    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
-    lines = ["  ".join(k.rjust(widths[k]) for k in keys)]
-    lines += ["  ".join(str(r[k]).rjust(widths[k]) for k in keys) for r in rows]
-    sizes = [r["n_train"] for r in rows]
+    table = [*clients, summary_row(clients)]
+    keys = list(clients[0])
+    cells = [[str(r.get(k, "")) for k in keys] for r in table]
+    widths = [max(len(k), *(len(c[j]) for c in cells)) for j, k in enumerate(keys)]
+    line = lambda values: "  ".join(v.rjust(w) for v, w in zip(values, widths, strict=True))
+    lines = [line(keys), *(line(c) for c in cells[:-1]), "-" * len(line(keys)), line(cells[-1])]
+    sizes = np.array([r["n_train"] for r in clients])
     lines.append(
-        f"{len(rows)} clients; train samples mean {np.mean(sizes):.1f}, min {min(sizes)}, max {max(sizes)}; "
-        f"classes per client mean {np.mean([r['classes'] for r in rows]):.2f}"
+        f"{len(clients)} clients; train samples per client mean {sizes.mean():.1f}, min {sizes.min()}, "
+        f"max {sizes.max()} (coefficient of variation {sizes.std() / max(sizes.mean(), 1e-12):.2f}); "
+        f"classes per client mean {np.mean([r['n_classes'] for r in clients]):.2f}"
     )
     return "\n".join(lines)
 
@@ -57,44 +130,53 @@ def plot_partition(
     partition: Partition,
     train_labels: np.ndarray,
     num_classes: int,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     class_names: list[str] | None = None,
     title: str | None = None,
 ) -> None:
-    """PNG heat map of class counts per client (clients down, classes across), written atomically."""
-    import matplotlib
+    """Write a PNG heat map of training samples per client (rows) and class
+    (columns), with a colour bar; counts are written in the cells when there
+    are at most ``ANNOTATE_MAX_CELLS`` of them.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Uses matplotlib's Agg canvas directly (no pyplot, so the caller's backend
+    and figure state are untouched) and writes atomically: a temporary file in
+    the target folder, then ``os.replace``, so a reader never sees half a PNG
+    and a failure leaves nothing behind.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     counts = class_counts(partition, train_labels, num_classes)
     k = counts.shape[0]
-    fig, ax = plt.subplots(figsize=(min(2 + 0.45 * num_classes, 24), min(1.5 + 0.3 * k, 30)))
-    image = ax.imshow(counts, aspect="auto", cmap="viridis")
+    fig = Figure(figsize=(min(3 + 0.45 * num_classes, 24), min(2 + 0.3 * k, 30)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    top = int(counts.max(initial=0)) or 1
+    image = ax.imshow(counts, aspect="auto", cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
     ax.set_xlabel("class")
     ax.set_ylabel("client")
-    labels = class_names if class_names and num_classes <= 30 else None
-    ax.set_xticks(range(num_classes) if num_classes <= 30 else [])
-    if labels:
-        ax.set_xticklabels(labels, rotation=45, ha="right")
+    if num_classes <= 30:
+        ax.set_xticks(range(num_classes))
+        if class_names is not None and len(class_names) == num_classes:
+            ax.set_xticklabels(class_names, rotation=45, ha="right")
     if k <= 40:
         ax.set_yticks(range(k))
-    if k * num_classes <= 400:
-        top = counts.max() or 1
+    if 0 < k * num_classes <= ANNOTATE_MAX_CELLS:
         for (i, j), value in np.ndenumerate(counts):
             ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
                     color="black" if value > 0.6 * top else "white")
     fig.colorbar(image, ax=ax, label="training samples")
     ax.set_title(title or f"{k} clients x {num_classes} classes")
     fig.tight_layout()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh name opened exclusively (not mkstemp, whose 0600 mode would survive the rename)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        with open(tmp, "xb") as handle:
+            fig.savefig(handle, format="png", dpi=110)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        plt.close(fig)
