@@ -22,7 +22,9 @@ BASE = [
     "data.samples_per_client=300", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [128]}",
     "train.rounds=5", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
 ]
-METHODS = ["fedavg", "fedavgm", "fedprox", "scaffold", "feddyn", "fednova", "moon", "local", "freeze", "fedbabu"]
+METHODS = [
+    "fedavg", "fedavgm", "fedprox", "scaffold", "feddyn", "fednova", "moon", "local", "freeze", "fedbabu", "feduv",
+]
 
 pytestmark = pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
 

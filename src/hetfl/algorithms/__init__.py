@@ -27,6 +27,7 @@ _REGISTRY: dict[str, str] = {
     "local": "hetfl.algorithms.personalized:LocalOnly",
     "freeze": "hetfl.algorithms.freeze:Freeze",
     "fedbabu": "hetfl.algorithms.freeze:FedBABU",
+    "feduv": "hetfl.algorithms.feduv:FedUV",
 }
 # methods registered at run time (plugins, notebooks) with @register
 _CLASSES: dict[str, type[Algorithm]] = {}
