@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.algorithms.base import Algorithm, Setup
+from hetfl.algorithms.posthoc import PostHoc
 from hetfl.params import ConfigError, build
 
 # name -> "module:Class"; modules are imported on first use.
@@ -32,7 +33,7 @@ _REGISTRY: dict[str, str] = {
 # methods registered at run time (plugins, notebooks) with @register
 _CLASSES: dict[str, type[Algorithm]] = {}
 # post-hoc steps composable with any trainer via "+" (CCVR lands with the seed methods)
-_POSTHOC: dict[str, str] = {}
+_POSTHOC: dict[str, str] = {"ccvr": "hetfl.algorithms.ccvr:CCVR"}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
@@ -80,11 +81,31 @@ def parse_name(full_name: str) -> tuple[str, list[str]]:
     return trainer, steps
 
 
+def posthoc_class(name: str) -> type[PostHoc]:
+    module, cls = _POSTHOC[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
-    """Validated settings of the trainer of ``full_name`` (unknown keys are errors)."""
+    """Validated settings of the trainer of ``full_name`` (unknown keys are errors);
+    the settings of each post-hoc step (sub-table ``algorithm.<step>``) are validated too."""
     trainer, steps = parse_name(full_name)
     own = {k: v for k, v in params.items() if k not in steps}
+    for step in steps:
+        step_hyper(step, params.get(step, {}))
     return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+
+
+def step_hyper(step: str, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"algorithm.{step}", values, "must be a table of the step's settings")
+    return build(posthoc_class(step).Hyper, values, prefix=f"algorithm.{step}.")
+
+
+def build_posthoc(full_name: str, params: dict[str, Any], setup: Setup) -> list[PostHoc]:
+    """The post-hoc steps of ``full_name``, in order."""
+    _, steps = parse_name(full_name)
+    return [posthoc_class(s)(step_hyper(s, params.get(s, {})), setup) for s in steps]
 
 
 def build_algorithm(full_name: str, params: dict[str, Any], setup: Setup) -> Algorithm:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -49,11 +50,29 @@ class Batch:
     y: torch.Tensor  # int64 labels
 
 
+FEATURE_BETA = "feature_transform/tukey_beta"
+
+
+def relu_tukey(features: torch.Tensor, beta: torch.Tensor | float) -> torch.Tensor:
+    """ReLU then Tukey's ladder of powers: ``x^beta`` (``log x`` for beta = 0, on ``x + 1e-6``).
+
+    The transform CCVR applies to features before re-training the classifier
+    (Luo et al. 2021, sec. 5.1; Tukey 1977).
+    """
+    z = F.relu(features)
+    beta = torch.as_tensor(beta, dtype=z.dtype, device=z.device)
+    safe_beta = torch.where(beta == 0, torch.ones_like(beta), beta)
+    return torch.where(beta == 0, torch.log(z + 1e-6), z.pow(safe_beta))
+
+
 class ModelCaller:
     """Calls the model with an explicit state dict (``functional_call``).
 
     The state dict may hold more than the model's tensors (method tensors such
-    as control variates): only the model's own names are passed through.
+    as control variates): only the model's own names are passed through. A
+    state that carries :data:`FEATURE_BETA` (a classifier calibrated by CCVR on
+    ReLU + Tukey-transformed features) gets the same transform applied to its
+    real features before the classifier, so training and inference agree.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -66,7 +85,12 @@ class ModelCaller:
         self, state: Tensors, x: torch.Tensor, features: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         own = {name: state[name] for name in self.state_names}
-        return functional_call(self.module, own, (x,), {"return_features": features})
+        if FEATURE_BETA not in state:
+            return functional_call(self.module, own, (x,), {"return_features": features})
+        z, _ = functional_call(self.module, own, (x,), {"return_features": True})
+        z = relu_tukey(z, state[FEATURE_BETA])
+        logits = F.linear(z, state["classifier.weight"], state.get("classifier.bias"))
+        return (z, logits) if features else logits
 
     def logits(self, state: Tensors, x: torch.Tensor) -> torch.Tensor:
         return self(state, x)  # type: ignore[return-value]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms import build_algorithm, hyperparameters, parse_name
-from hetfl.algorithms.base import ClientContext, ModelCaller, ServerState, Setup, Tensors, Upload
+from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name, step_hyper
+from hetfl.algorithms.base import FEATURE_BETA, ClientContext, ModelCaller, ServerState, Setup, Tensors, Upload
 from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
 from hetfl.data.datasets import load_dataset
@@ -75,7 +75,7 @@ def resolve(cfg: RunConfig, dataset: Dataset) -> RunConfig:
     params = cfg.algorithm.params
     _, steps = parse_name(cfg.algorithm.name)
     hyper = to_dict(hyperparameters(cfg.algorithm.name, params))
-    full_params = {**hyper, **{s: params[s] for s in steps if s in params}}
+    full_params = {**hyper, **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
     algorithm = dataclasses.replace(cfg.algorithm, params=full_params)
     return dataclasses.replace(cfg, data=data, model=model, algorithm=algorithm)
 
@@ -157,6 +157,7 @@ class Experiment:
             seed=cfg.seed,
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
+        self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.num_params = sum(p.numel() for p in self.model.parameters())
 
     # --------------------------------------------------------------- pieces
@@ -223,6 +224,7 @@ class Experiment:
                 t0 = time.perf_counter()
                 line = self.round(server, clients, round_, reporter)
                 server = line.pop("_server")
+                server = self.run_posthoc(server, round_, line)
                 if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
                     t_eval = time.perf_counter()
                     line.update(self.evaluate(server, clients, round_))
@@ -241,6 +243,42 @@ class Experiment:
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         reporter.finish(summary)
         return summary
+
+    def client_features(self, state: Tensors, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features (classifier input) of a client's training data under ``state``: eval mode, no augmentation."""
+        x, y = self.data.client_train_split(client)
+        bs = self.cfg.train.eval_batch_size
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                feats = [self.caller.features_and_logits(state, self.data.prepare(x[i : i + bs]))[0]
+                         for i in range(0, len(x), bs)]
+        finally:
+            self.model.train(was_training)
+        return (torch.cat(feats) if feats else torch.zeros(0, self.model.feature_dim, device=self.device)), y
+
+    def run_posthoc(self, server: ServerState, round_: int, line: dict[str, Any]) -> ServerState:
+        """Post-hoc steps due after ``round_`` (the last round, or every round); logs accuracy before each."""
+        last = round_ == self.cfg.train.rounds
+        for step in self.posthoc:
+            if not (last or step.every_round):
+                continue
+            if not self.algorithm.personalized:
+                data = self.data
+                acc = accuracy_and_loss(self.caller, server.model, data.test_x, data.test_y, data,
+                                        self.cfg.train.eval_batch_size)[1]
+                line[f"global_acc_before_{step.name}"] = acc
+            raw = {k: v for k, v in server.model.items() if k != FEATURE_BETA}
+            replies = {}
+            for c in range(self.data.num_clients):
+                feats, labels = self.client_features(raw, c)
+                replies[c] = step.client_query(raw, feats, labels)
+            line["bytes_up"] += sum(nbytes(r) for r in replies.values())
+            line["bytes_down"] += nbytes(raw) * self.data.num_clients  # the encoder goes to every client
+            server, info = step.apply(server, replies, round_)
+            line.update(info)
+        return server
 
     def round(self, server: ServerState, clients: dict[int, Tensors], round_: int, reporter: Reporter) -> dict:
         cfg, algo = self.cfg, self.algorithm
@@ -313,6 +351,9 @@ def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp
     if evaluated and "global_acc" in evaluated[-1]:
         summary["final_global_acc"] = evaluated[-1]["global_acc"]
         summary["best_global_acc"] = max(m["global_acc"] for m in evaluated)
+    for key in (history[-1] if history else {}):
+        if key.startswith("global_acc_before_"):
+            summary["final_" + key] = history[-1][key]
     if evaluated:
         summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
         summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)

@@ -1,0 +1,127 @@
+"""CCVR: Classifier Calibration with Virtual Representations.
+
+Luo, Chen, Hu, Zhang, Liang, Feng. "No Fear of Heterogeneity: Classifier
+Calibration for Federated Learning with Non-IID Data." NeurIPS 2021, sec. 4,
+Algorithm 1. A post-hoc step (``X+ccvr``) after any federated training:
+
+1. each client, with the final global encoder (eval mode, no augmentation),
+   computes per class its count ``N_ck``, mean ``mu_ck`` and unbiased
+   covariance ``S_ck`` (eq. 2) and uploads them;
+2. the server pools them exactly (eq. 3-4) into ``N(mu_c, S_c)``;
+3. draws ``M_c`` virtual features per class (robustly for singular
+   covariances; classes with ``N_c < 2`` get none and are reported);
+4. applies ReLU + Tukey's transform (beta 0.5, sec. 5.1) to them and re-trains
+   the classifier, initialised from the global one, with cross-entropy and
+   SGD (lr 0.001, momentum 0.9, weight decay 1e-5, batch 64; Table 8).
+
+The transform is part of the calibrated model: real features get the same
+ReLU + Tukey before the classifier at inference (``FEATURE_BETA`` in the
+model state; ``transform = "none"`` skips it everywhere). The paper transforms
+only the virtual features; applying it on one side only would feed the
+classifier features of another scale than it was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetfl.algorithms.base import FEATURE_BETA, ServerState, Tensors, relu_tukey
+from hetfl.algorithms.gaussian_stats import ClassStats, class_statistics, pool_statistics, sample_gaussian
+from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, retrain_classifier, stream
+from hetfl.params import setting
+
+
+@dataclass(frozen=True)
+class CCVRHyper:
+    """CCVR settings (Luo et al. 2021; defaults: the paper's CIFAR-10 values).
+
+    num_virtual: virtual features per class M_c (paper: 100 / 500 / 1000 for
+        CIFAR-10 / CIFAR-100 / CINIC-10; Table 8: 2000 at alpha 0.1 and 0.05).
+    proportional: M_c proportional to the class's share N_c / N of all data
+        (total num_virtual * C), the paper's alternative.
+    transform: "relu_tukey" (paper) or "none".
+    tukey_beta: beta of Tukey's transform (0.5; 0 = log).
+    epochs, lr, momentum, weight_decay, batch_size: classifier re-training
+        (Table 8: 10-50 epochs, lr 0.001 (1e-5 for CIFAR-100), batch 64).
+    every_round: calibrate after every round (the paper's side study), not
+        only after the last.
+    """
+
+    num_virtual: int = setting(100, ge=1, doc="virtual features per class M_c")
+    proportional: bool = setting(False, doc="M_c proportional to class frequency")
+    transform: str = setting("relu_tukey", choices=("relu_tukey", "none"), doc="feature transform")
+    tukey_beta: float = setting(0.5, ge=0.0, doc="Tukey beta")
+    epochs: int = setting(10, ge=1, doc="classifier re-training epochs")
+    lr: float = setting(0.001, gt=0.0, doc="re-training lr")
+    momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="re-training momentum")
+    weight_decay: float = setting(1e-5, ge=0.0, doc="re-training weight decay")
+    batch_size: int = setting(64, ge=1, doc="re-training batch size")
+    every_round: bool = setting(False, doc="calibrate after every round")
+
+
+def virtual_counts(pooled: ClassStats, num_virtual: int, proportional: bool) -> torch.Tensor:
+    """M_c per class: fixed, or proportional to N_c; zero for classes with N_c < 2."""
+    n = pooled.counts
+    if proportional:
+        m = torch.round(num_virtual * len(n) * n / n.sum().clamp(min=1)).long()
+    else:
+        m = torch.full_like(n, num_virtual, dtype=torch.long)
+    return torch.where(n >= 2, m, torch.zeros_like(m))
+
+
+class CCVR(PostHoc):
+    name = "ccvr"
+    Hyper = CCVRHyper
+    citation = "Luo et al., NeurIPS 2021"
+
+    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor) -> Tensors:
+        """Algorithm 1, lines 5-9 (eq. 2): the client's per-class statistics, classes it holds only."""
+        stats = class_statistics(features, labels, self.setup.num_classes)
+        present = stats.counts > 0
+        return {"classes": present.nonzero().flatten(), "counts": stats.counts[present],
+                "means": stats.means[present], "covs": stats.covs[present]}
+
+    def _expand(self, reply: Tensors, dim: int) -> ClassStats:
+        c = self.setup.num_classes
+        counts = torch.zeros(c, dtype=torch.float64)
+        means = torch.zeros(c, dim, dtype=torch.float64)
+        covs = torch.zeros(c, dim, dim, dtype=torch.float64)
+        idx = reply["classes"].cpu()
+        counts[idx], means[idx], covs[idx] = reply["counts"].cpu(), reply["means"].cpu(), reply["covs"].cpu()
+        return ClassStats(counts, means, covs)
+
+    def apply(self, server: ServerState, replies: dict[int, Tensors], round_: int) -> tuple[ServerState, dict]:
+        """Algorithm 1, lines 12-16, then classifier re-training (sec. 4)."""
+        weight = server.model["classifier.weight"]
+        dim = weight.shape[1]
+        pooled = pool_statistics([self._expand(r, dim) for r in replies.values()])  # eq. (3)-(4)
+        counts = virtual_counts(pooled, self.hp.num_virtual, self.hp.proportional)
+        gen = stream(self.setup, round_, self.name)
+        feats, labels = [], []
+        for c in range(self.setup.num_classes):
+            if counts[c] > 0:
+                feats.append(sample_gaussian(pooled.means[c], pooled.covs[c], int(counts[c]), gen))
+                labels.append(torch.full((int(counts[c]),), c, dtype=torch.long))
+        info = {
+            "ccvr_virtual_features": int(counts.sum()),
+            "ccvr_classes_without_virtual": int((counts == 0).sum()),
+            "ccvr_floats_per_client": sum(sum(t.numel() for t in r.values())
+                                          for r in replies.values()) / max(len(replies), 1),
+        }
+        if not feats:
+            return server, info
+        virtual = torch.cat(feats).float()
+        model = dict(server.model)
+        model.pop(FEATURE_BETA, None)
+        if self.hp.transform == "relu_tukey":
+            virtual = relu_tukey(virtual, self.hp.tukey_beta)
+            model[FEATURE_BETA] = torch.tensor(self.hp.tukey_beta, device=weight.device)
+        training = ClassifierTraining(self.hp.epochs, self.hp.lr, self.hp.momentum, self.hp.weight_decay,
+                                      self.hp.batch_size)
+        w, b = retrain_classifier(weight, model.get("classifier.bias"), virtual, torch.cat(labels), training, gen)
+        model["classifier.weight"] = w
+        if b is not None:
+            model["classifier.bias"] = b
+        return ServerState(model=model, extra=server.extra), info

@@ -1,0 +1,92 @@
+"""Post-hoc steps: server-side procedures run after federated training, composable
+with any trainer through ``+`` (``fedavg+ccvr``, ``moon+ccvr``).
+
+A step has one client hook and one server hook, so that it runs unchanged in
+one process or as a query round of a real federation:
+
+``client_query(model_state, features, labels)``
+    what a client computes from its own training data, given the features the
+    current global encoder gives them (eval mode, no augmentation); the
+    returned tensors are what it uploads.
+``apply(server, replies, round)``
+    the new server state from all clients' replies, plus numbers to log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from hetfl.algorithms.base import NoHyper, ServerState, Setup, Tensors
+from hetfl.engine.rng import torch_generator
+
+
+class PostHoc:
+    """Base class of post-hoc steps. ``every_round`` steps also run after each round."""
+
+    name: ClassVar[str] = ""
+    Hyper: ClassVar[type] = NoHyper
+    citation: ClassVar[str] = ""
+
+    def __init__(self, hyper: Any, setup: Setup) -> None:
+        self.hp = hyper
+        self.setup = setup
+
+    @property
+    def every_round(self) -> bool:
+        return bool(getattr(self.hp, "every_round", False))
+
+    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor) -> Tensors:
+        raise NotImplementedError
+
+    def apply(self, server: ServerState, replies: dict[int, Tensors], round_: int) -> tuple[ServerState, dict]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ClassifierTraining:
+    """SGD settings for re-training the classifier on fixed features."""
+
+    epochs: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+
+
+def retrain_classifier(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: ClassifierTraining,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy SGD (momentum, weight decay) of a linear classifier on fixed features,
+    starting from ``(weight, bias)``; batches shuffled by ``generator``. Returns new tensors."""
+    w = weight.detach().clone().requires_grad_()
+    b = bias.detach().clone().requires_grad_() if bias is not None else None
+    params = [p for p in (w, b) if p is not None]
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    x = features.to(weight.device, weight.dtype)
+    y = labels.to(weight.device)
+    with torch.enable_grad():
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(y), generator=generator).to(weight.device)
+            for start in range(0, len(y), cfg.batch_size):
+                idx = order[start : start + cfg.batch_size]
+                loss = F.cross_entropy(F.linear(x[idx], w, b), y[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    return w.detach(), (b.detach() if b is not None else None)
+
+
+def stream(setup: Setup, round_: int, step: str) -> torch.Generator:
+    """The random stream of a post-hoc step in a round (independent of client execution)."""
+    import zlib
+
+    return torch_generator(setup.seed, "algorithm", round_, zlib.crc32(step.encode()))
