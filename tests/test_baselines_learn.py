@@ -24,7 +24,9 @@ BASE = [
 ]
 METHODS = [
     "fedavg", "fedavgm", "fedprox", "scaffold", "feddyn", "fednova", "moon", "local", "freeze", "fedbabu", "feduv",
+    "fedpac",
 ]
+PERSONALISED = {"local", "fedpac"}
 
 pytestmark = pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
 
@@ -35,7 +37,7 @@ def test_baseline_learns(method, tmp_path):
     summary = Experiment(cfg).run(tmp_path / method)
     detail = json.dumps({k: v for k, v in summary.items() if k != "config"})
     assert summary["final_client_acc_mean"] > 0.7, detail
-    if method != "local":
+    if method not in PERSONALISED:
         assert summary["final_global_acc"] > 0.7, detail
     else:
         assert "final_global_acc" not in summary  # a purely personalised method has no global model

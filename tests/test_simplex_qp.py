@@ -59,6 +59,18 @@ def test_agrees_with_brute_force_on_a_grid(seed):
     assert res.objective >= best - 1e-3  # the grid is within its spacing of the optimum
 
 
+@pytest.mark.parametrize("n", [5, 20, 60])
+def test_ill_conditioned_fedpac_like_problems_are_solved_exactly(n):
+    gen = torch.Generator().manual_seed(n)
+    h = torch.randn(n, 500, generator=gen, dtype=torch.float64) * 0.1
+    for i in range(3):
+        diff = h[i] - h
+        p = torch.diag(torch.rand(n, generator=gen, dtype=torch.float64) * 1e-4) + diff @ diff.T
+        res = solve_simplex_qp(p)
+        assert res.converged and kkt_residual(p, res.weights) < 1e-9 * float(p.abs().max())
+        assert res.weights[i] < 1.0  # trading a little bias for the others' variance always pays here
+
+
 def test_indefinite_matrix_is_repaired_not_fatal():
     p = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)  # eigenvalues 3 and -1
     res = solve_simplex_qp(p)

@@ -29,6 +29,7 @@ _REGISTRY: dict[str, str] = {
     "freeze": "hetfl.algorithms.freeze:Freeze",
     "fedbabu": "hetfl.algorithms.freeze:FedBABU",
     "feduv": "hetfl.algorithms.feduv:FedUV",
+    "fedpac": "hetfl.algorithms.fedpac:FedPAC",
 }
 # methods registered at run time (plugins, notebooks) with @register
 _CLASSES: dict[str, type[Algorithm]] = {}

@@ -139,6 +139,9 @@ class ClientContext:
     payload: Tensors  # what the server sent
     state: Tensors  # the client's persistent state at the start of the round
     extras: Tensors = field(default_factory=dict)  # computed by Algorithm.begin
+    # features (classifier input) and labels of the client's own training data under a
+    # model state, eval mode, no augmentation; given by the executor (FedPAC's statistics)
+    features: Callable[[Tensors], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 LossFn = Callable[[Tensors, Batch, ClientContext], tuple[torch.Tensor, Tensors]]

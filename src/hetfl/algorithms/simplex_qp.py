@@ -1,10 +1,11 @@
 """Quadratic programs over the probability simplex: ``min_a a^T P a``, ``a >= 0``, ``sum a = 1``.
 
 FedPAC's classifier-combination weights (Xu et al., ICLR 2023, eq. 9) solve
-one such problem per client, with at most a few hundred variables. Solved in
-float64 by accelerated projected gradient (FISTA with the exact Euclidean
-projection onto the simplex of Duchi et al. 2008) after repairing ``P`` to the
+one such problem per client, with at most a few hundred variables. Solved
+exactly in float64 by a primal active-set method after repairing ``P`` to the
 nearest positive semidefinite matrix; no solver dependency is needed.
+:func:`project_to_simplex` (Duchi et al. 2008) serves tests and callers that
+need a projection.
 """
 
 from __future__ import annotations
@@ -39,25 +40,64 @@ class SimplexQPResult:
     converged: bool
 
 
-def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-12, max_iter: int = 20_000) -> SimplexQPResult:
-    """Minimise ``a^T P a`` over the simplex (P repaired to PSD first)."""
+def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-10, max_iter: int = 1000) -> SimplexQPResult:
+    """Minimise ``a^T P a`` over the simplex (P repaired to PSD first).
+
+    Primal active-set method (Nocedal & Wright, Numerical Optimization, Alg.
+    16.3): exact up to rounding, finite, and fast for the few hundred
+    variables of FedPAC. The working set holds the coordinates fixed at zero;
+    each iteration solves the equality-constrained problem on the free ones
+    (a least-squares KKT solve, so singular ``P`` is fine), then either steps
+    to the first blocking bound or frees the coordinate with the most negative
+    multiplier.
+    """
     p = nearest_psd(p.to(torch.float64))
     n = p.shape[0]
-    lipschitz = 2 * float(torch.linalg.eigvalsh(p).max().clamp(min=1e-12))
-    a = torch.full((n,), 1.0 / n, dtype=torch.float64)
-    y, t = a.clone(), 1.0
+    scale = float(p.abs().max().clamp(min=1e-300))
+    k = int(torch.argmin(torch.diagonal(p)))
+    a = torch.zeros(n, dtype=torch.float64)
+    a[k] = 1.0  # start at the best vertex
+    fixed = torch.ones(n, dtype=torch.bool)
+    fixed[k] = False
     converged = False
     iterations = 0
     while iterations < max_iter:
         iterations += 1
-        a_next = project_to_simplex(y - (2 * p @ y) / lipschitz)
-        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
-        y = a_next + ((t - 1) / t_next) * (a_next - a)
-        step = float((a_next - a).abs().max())
-        a, t = a_next, t_next
-        if step < tol:
-            converged = True
-            break
+        free = (~fixed).nonzero().flatten()
+        m = len(free)
+        grad = 2 * p @ a
+        kkt = torch.zeros(m + 1, m + 1, dtype=torch.float64)
+        kkt[:m, :m] = 2 * p[free][:, free]
+        kkt[:m, m] = 1.0
+        kkt[m, :m] = 1.0
+        rhs = torch.cat([-grad[free], torch.zeros(1, dtype=torch.float64)])
+        sol = torch.linalg.lstsq(kkt, rhs.unsqueeze(1), driver="gelsd").solution.flatten()
+        step = torch.zeros(n, dtype=torch.float64)
+        step[free] = sol[:m]
+        if float(step.abs().max()) <= tol:
+            mu = float(grad[free].mean())  # the gradient is equal on the free set at the optimum
+            multipliers = grad - mu
+            multipliers[~fixed] = 0.0
+            worst = int(torch.argmin(multipliers))
+            if not fixed.any() or float(multipliers[worst]) >= -tol * scale:
+                converged = True
+                break
+            fixed[worst] = False
+            continue
+        shrinking = (step < 0) & ~fixed
+        length, blocking = 1.0, -1
+        if shrinking.any():
+            ratios = torch.full((n,), float("inf"), dtype=torch.float64)
+            ratios[shrinking] = -a[shrinking] / step[shrinking]
+            j = int(torch.argmin(ratios))
+            if float(ratios[j]) < 1.0:
+                length, blocking = float(ratios[j]), j
+        a = a + length * step
+        if blocking >= 0:
+            a[blocking] = 0.0
+            fixed[blocking] = True
+        a = a.clamp(min=0)
+        a = a / a.sum()
     return SimplexQPResult(a, float(a @ p @ a), iterations, converged)
 
 

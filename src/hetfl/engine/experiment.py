@@ -184,7 +184,8 @@ class Experiment:
         for c in range(data.num_clients):
             state_c = clients.get(c) or algo.init_client_state(c, server)
             model_c = algo.client_model(server, state_c, c)
-            ctx = ClientContext(c, round_, data.client_sizes[c], lr_at(cfg, round_), algo.payload(server, c), state_c)
+            ctx = ClientContext(c, round_, data.client_sizes[c], lr_at(cfg, round_), algo.payload(server, c), state_c,
+                                features=lambda state, c=c: self.client_features(state, c))
             tune = algo.personalize_stages(ctx)
             if tune:
                 model_c = run_stages(tune, model_c, ctx, data, seed=cfg.seed, batch_size=cfg.train.batch_size,
@@ -295,7 +296,8 @@ class Experiment:
                 state_c = algo.init_client_state(c, server)
             payload = algo.payload(server, c)
             bytes_down += nbytes(payload)
-            ctx = ClientContext(c, round_, self.data.client_sizes[c], lr, payload, state_c)
+            ctx = ClientContext(c, round_, self.data.client_sizes[c], lr, payload, state_c,
+                                features=lambda state, c=c: self.client_features(state, c))
             result = train_client(algo, ctx, self.data, seed=cfg.seed, train_cfg=cfg.train)
             upload, new_state = algo.finish(ctx, result.state, result.steps)
             if new_state:
