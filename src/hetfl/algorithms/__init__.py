@@ -49,6 +49,10 @@ _REGISTRY: dict[str, str] = {
     "fedlc": "hetfl.algorithms.logit_adjust:FedLC",
     "fedrs": "hetfl.algorithms.logit_adjust:FedRS",
     "feddecorr": "hetfl.algorithms.feddecorr:FedDecorr",
+    "vhl": "hetfl.algorithms.vhl:VHL",
+    "dann": "hetfl.algorithms.dann:DANN",
+    "groupdro": "hetfl.algorithms.groupdro:GroupDRO",
+    "fedetf": "hetfl.algorithms.fedetf:FedETF",
 }
 # methods registered at run time (plugins, notebooks) with @register
 _CLASSES: dict[str, type[Algorithm]] = {}
