@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--runs", default="runs/bench-all-methods")
     parser.add_argument("--collect-only", action="store_true", help="tabulate finished runs, train nothing")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of every run (e.g. runtime.threads=1 beside other jobs)")
     args = parser.parse_args()
     methods = args.methods or [*available(), *COMPOSED]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +55,7 @@ def main() -> None:
     rows = json.loads(stem.with_suffix(".json").read_text())["rows"] if stem.with_suffix(".json").exists() else {}
     for method in methods:
         try:
-            result = run_one(BASE, method, args.seed, Path(args.runs), args.data, args.collect_only)
+            result = run_one([*BASE, *args.set], method, args.seed, Path(args.runs), args.data, args.collect_only)
         except Exception as err:  # a benchmark records a failure and goes on with the next method
             result = {"error": f"{type(err).__name__}: {err}"}
             print(method, "FAILED", result["error"], flush=True)
