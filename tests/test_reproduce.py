@@ -106,3 +106,12 @@ def test_a_preset_without_rows_is_a_clear_error(tmp_path):
     path.write_text('[preset]\ntitle = "x"\n')
     with pytest.raises(ConfigError, match="preset bad.toml"):
         reproduce.load_preset(str(path))
+
+
+def test_run_directory_names_are_plain():
+    """Overrides become part of a run's folder name: no quotes, slashes or spaces in it."""
+    from hetfl.reproduce import load_preset, run_specs
+
+    for name in ("ccvr-table2", "fedbr-table1"):
+        for spec in run_specs(load_preset(name)).values():
+            assert not set(spec.dirname) & set('"/ '), spec.dirname

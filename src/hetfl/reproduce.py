@@ -148,7 +148,8 @@ class RunSpec:
     @property
     def dirname(self) -> str:
         parts = [self.algorithm.replace("+", "-")] + [f"{k.split('.')[-1]}{v}" for k, v in self.overrides]
-        return "_".join(parts).replace("/", "-").replace(" ", "") + f"-seed{self.seed}"
+        name = "_".join(parts).replace("/", "-").replace(" ", "").replace('"', "")
+        return name + f"-seed{self.seed}"
 
 
 def run_specs(preset: Preset) -> dict[tuple[str, str, int], RunSpec]:
