@@ -3,7 +3,9 @@
 (a) peer: the loop of popular FL libraries: clients one after another, a
     ``DataLoader`` over CPU tensors per client, a deep copy of the model per
     client, ``torch.optim.SGD``, evaluation of the global model after the round;
-(b) hetfl's sequential executor; (c) hetfl's vectorised executor;
+(b) hetfl's sequential executor; (c) hetfl's vectorised executor (on a CPU it
+    trains clients one at a time: see ``vmap_cpu_profile.py``), and (c') the same
+    with the clients vmapped anyway (``runtime.vmap_on_cpu``; only on a CPU);
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation).
 
@@ -142,9 +144,13 @@ def main() -> None:
                         "train.momentum=0.9", "runtime.progress=false", "runtime.checkpoint_every=0",
                         f"data.augment={args.augment}"]
                 res = {}
-                for executor in ("sequential", "vectorized"):
-                    exp = Experiment(config.load(None, [*base, f"runtime.executor={executor}"]))
-                    res[executor] = hetfl_round(exp)
+                variants = {"sequential": ["runtime.executor=sequential"],
+                            "vectorized": ["runtime.executor=vectorized"]}
+                if device == "cpu":
+                    variants["vmap"] = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
+                for name, keys in variants.items():
+                    exp = Experiment(config.load(None, [*base, *keys]))
+                    res[name] = hetfl_round(exp)
                 if not args.skip_peer:
                     res["peer"] = peer_round(exp, bs, 0.01)
                 res["ceiling"] = ceiling_round(exp, bs, 0.01)
@@ -170,8 +176,8 @@ def main() -> None:
     for e in entries:
         lines += [f"`{e['command']}` on {e['machine']['device']} ({e['machine']['threads']} threads, torch "
                   f"{e['machine']['torch']}), {e['dataset']}", "",
-                  "| model | clients | batch | (a) peer | (b) sequential | (c) vectorized | (d) ceiling | "
-                  "c/a | c/b | c/d |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | clients | batch | (a) peer | (b) sequential | (c) vectorized | (c') vmap on CPU "
+                  "| (d) ceiling | c/a | c/b | c'/b | c/d |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in e["rows"]:
             t, w = r["train_samples_per_s"], r["round_samples_per_s"]
 
@@ -180,10 +186,15 @@ def main() -> None:
 
             ca = f"{t['vectorized'] / t['peer']:.2f}" if "peer" in t else "-"
             lines.append(f"| {r['model']} | {r['clients']} | {r['batch_size']} | {cell('peer')} | "
-                         f"{cell('sequential')} | {cell('vectorized')} | {cell('ceiling')} | {ca} | "
-                         f"{t['vectorized'] / t['sequential']:.2f} | {t['vectorized'] / t['ceiling']:.2f} |")
+                         f"{cell('sequential')} | {cell('vectorized')} | {cell('vmap')} | {cell('ceiling')} | {ca} | "
+                         f"{t['vectorized'] / t['sequential']:.2f} | {vmap_ratio(t)} | "
+                         f"{t['vectorized'] / t['ceiling']:.2f} |")
         lines.append("")
     stem.with_suffix(".md").write_text("\n".join(lines))
+
+
+def vmap_ratio(rates: dict[str, float]) -> str:
+    return f"{rates['vmap'] / rates['sequential']:.2f}" if "vmap" in rates else "-"
 
 
 if __name__ == "__main__":

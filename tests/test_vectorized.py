@@ -112,7 +112,8 @@ def test_runs_with_either_executor_give_the_same_metrics(tmp_path):
     runs from starts 1e-7 apart do. This run uses a well-conditioned method.)"""
     base = [*SYNTHETIC, "train.rounds=3", "algorithm.name=moon", "train.local_steps=10"]
     for executor in ("sequential", "vectorized"):
-        Experiment(config.load(None, [*base, f"runtime.executor={executor}"])).run(tmp_path / executor)
+        Experiment(config.load(None, [*base, f"runtime.executor={executor}", "runtime.vmap_on_cpu=true"])).run(
+            tmp_path / executor)
     lines = {e: [json.loads(x) for x in (tmp_path / e / "metrics.jsonl").read_text().splitlines()]
              for e in ("sequential", "vectorized")}
     for a, b in zip(lines["sequential"], lines["vectorized"], strict=True):
@@ -157,3 +158,20 @@ def test_personalised_evaluation_in_one_vmapped_pass_equals_per_client():
     got = accuracies_vectorized(exp.caller, states, [t.x for t in tests], [t.y for t in tests], exp.data, 64)
     want = [accuracy_and_loss(exp.caller, s, t.x, t.y, exp.data, 64)[1] for s, t in zip(states, tests, strict=True)]
     assert got == pytest.approx(want, abs=1e-6)  # float32 means vs exact counts
+
+
+def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_says_so(tmp_path):
+    """vmap is slower than one client at a time on a CPU (benchmarks/vmap_cpu_profile.py): the
+    vectorised executor runs clients sequentially there, with the sequential executor's numbers."""
+    base = [*SYNTHETIC, "train.rounds=2", "algorithm.name=fedprox", "runtime.device=cpu"]
+    Experiment(config.load(None, [*base, "runtime.executor=sequential"])).run(tmp_path / "seq")
+    exp = Experiment(config.load(None, [*base, "runtime.executor=vectorized"]))
+    assert not exp.vmap_clients
+    forced = Experiment(config.load(None, [*base, "runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]))
+    assert forced.vmap_clients
+    exp.run(tmp_path / "vec")
+    assert any("one at a time" in note for note in exp.__dict__["_notes"])
+    drop = ("round_time_s", "eval_time_s")
+    seq, vec = ((tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("seq", "vec"))
+    assert [{k: v for k, v in json.loads(x).items() if k not in drop} for x in seq] == \
+        [{k: v for k, v in json.loads(x).items() if k not in drop} for x in vec]

@@ -76,6 +76,9 @@ class TrainConfig:
     momentum: float = setting(0.0, ge=0.0, lt=1.0, doc="client SGD momentum")
     weight_decay: float = setting(0.0, ge=0.0, doc="client SGD weight decay")
     max_grad_norm: float = setting(0.0, ge=0.0, doc="clip each client's gradient norm (0 = off)")
+    precision: str = setting("fp32", choices=("fp32", "bf16"),
+                             doc="local training's forward pass: float32, or bfloat16 autocast (parameters, "
+                                 "gradients and optimiser stay float32)")
     eval_every: int = setting(1, ge=1, doc="evaluate every this many rounds (and at the last)")
     eval_batch_size: int = setting(1024, ge=1, doc="batch size of evaluation")
 
@@ -85,6 +88,9 @@ class RuntimeConfig:
     executor: str = setting("sequential", choices=("sequential", "vectorized"),
                             doc="clients one after another, or a round's clients as one vmapped computation")
     chunk_size: int = setting(0, ge=0, doc="vectorized: most clients trained at once (0 = all of a round)")
+    vmap_on_cpu: bool = setting(
+        False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
+                   "faster on CPU; see benchmarks/results/vmap_cpu_profile.md)")
     device: str = setting("auto", choices=("auto", "cpu", "cuda"), doc="auto = cuda when present")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
     threads: int = setting(0, ge=0, doc="torch CPU threads (0 = torch's default)")

@@ -70,6 +70,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def vmap_clients(runtime: config_mod.RuntimeConfig, device: torch.device) -> bool:
+    """Whether a round's clients are vmapped: the vectorised executor on an accelerator,
+    or on the CPU when asked. On the CPU a vmapped step does the same arithmetic as the
+    clients' steps one after another, through grouped convolutions and batched matrix
+    products that are 1.5-2.5x slower there than the per-client kernels
+    (``benchmarks/vmap_cpu_profile.py``), and a CPU has no idle parallel units for the
+    batching to fill; so the vectorised executor runs clients one at a time on the CPU.
+    """
+    return runtime.executor == "vectorized" and (device.type != "cpu" or runtime.vmap_on_cpu)
+
+
 def auto_model(dataset: Dataset) -> tuple[str, dict[str, Any]]:
     """The default model for a dataset: logistic regression for Synthetic (as FedProx),
     the 2-conv CNN for 28x28 images, MOON's simple CNN for 32x32, ResNet-18 beyond."""
@@ -182,6 +193,7 @@ class Experiment:
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.run_dir: Path | None = None
 
     # --------------------------------------------------------------- pieces
@@ -220,7 +232,7 @@ class Experiment:
             predictor = algo.predictor(model_c, ctx)
             if predictor is None and model_c is server.model and global_correct is not None and not data.transformed:
                 accs[c] = global_correct[data.client_test_idx[c].to(self.device)].float().mean().item()
-            elif predictor is None and cfg.runtime.executor == "vectorized":
+            elif predictor is None and self.vmap_clients:
                 own_models[c] = model_c
             else:
                 accs[c] = accuracy_and_loss(self.caller, model_c, test.x, test.y, data, bs, predictor)[1]
@@ -375,7 +387,10 @@ class Experiment:
     def train_clients(self, ctxs: list[ClientContext], reporter: Reporter) -> list[LocalResult]:
         """Local training of one round's clients with the configured executor."""
         cfg = self.cfg
-        if cfg.runtime.executor == "vectorized":
+        if cfg.runtime.executor == "vectorized" and not self.vmap_clients:
+            self.note("vectorized: clients are trained one at a time on the CPU, which is faster there than vmap "
+                      "(set runtime.vmap_on_cpu = true to vmap them anyway)", reporter)
+        if self.vmap_clients:
             results = train_clients_vectorized(self.algorithm, ctxs, self.data, seed=cfg.seed, train_cfg=cfg.train,
                                                chunk_size=cfg.runtime.chunk_size,
                                                log=lambda message: self.note(message, reporter))

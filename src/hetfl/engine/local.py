@@ -8,6 +8,7 @@ update. Written over plain dicts of tensors so that the same step can be
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +65,14 @@ def functional_grad(objective: Objective, trainable: Tensors) -> tuple[Tensors, 
     return grad(objective, has_aux=True)(trainable)
 
 
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward pass's autocast context: none for ``fp32``, bfloat16 autocast for ``bf16``
+    (matrix products and convolutions in bfloat16, reductions and losses in float32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
 def sgd_step(
     stage: Stage,
     state: Tensors,
@@ -74,13 +83,15 @@ def sgd_step(
     max_grad_norm: float = 0.0,
     grad_fn: GradFn = autograd_grad,
     buffers: tuple[str, ...] = (),
+    precision: str = "fp32",
 ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
     """One optimisation step of ``stage``; returns (new tensors, opt_state, loss, metrics).
 
     The new tensors are the stage's trainable ones and the model's ``buffers``
     (BatchNorm running statistics, updated by the forward pass on copies made
     inside the differentiated function, so that ``torch.func`` transforms see
-    no mutation of captured tensors).
+    no mutation of captured tensors). ``precision = "bf16"`` runs the loss under
+    bfloat16 autocast; the gradients, parameters and optimiser state stay float32.
     """
     trainable = {name: state[name] for name in stage.trainable}
     frozen = {name: t for name, t in state.items() if name not in trainable}
@@ -88,7 +99,9 @@ def sgd_step(
 
     def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors, Tensors]]:
         copies = {name: frozen[name].clone() for name in mutable}
-        loss, metrics = stage.loss({**frozen, **copies, **train}, batch, ctx)
+        with autocast(precision, batch.x.device):
+            loss, metrics = stage.loss({**frozen, **copies, **train}, batch, ctx)
+        loss = loss.float()
         return loss, (loss.detach(), {k: v.detach() for k, v in metrics.items()}, copies)
 
     grads, (loss, metrics, new_buffers) = grad_fn(objective, trainable)
@@ -112,6 +125,7 @@ def run_stages(
     max_grad_norm: float = 0.0,
     stream: int = 0,
     buffers: tuple[str, ...] = (),
+    precision: str = "fp32",
 ) -> LocalResult:
     """Run ``stages`` on client ``ctx.client_id``'s data, starting from ``start``.
 
@@ -137,13 +151,14 @@ def run_stages(
                 batch.draws = {k: v.to(data.device) for k, v in stage.draws(draw_gen, len(batch.y)).items()}
             if adversary is not None:
                 new, adv_state, _, adv_metrics = sgd_step(adversary, state, adv_state, batch, ctx, first_step=(i == 0),
-                                                          max_grad_norm=max_grad_norm, buffers=buffers)
+                                                          max_grad_norm=max_grad_norm, buffers=buffers,
+                                                          precision=precision)
                 state.update(new)
                 for key, value in adv_metrics.items():
                     key = f"{adversary.name}/{key}"
                     metric_sums[key] = metric_sums.get(key, 0.0) + value.float()
             new, opt_state, loss, metrics = sgd_step(stage, state, opt_state, batch, ctx, first_step=(i == 0),
-                                                     max_grad_norm=max_grad_norm, buffers=buffers)
+                                                     max_grad_norm=max_grad_norm, buffers=buffers, precision=precision)
             state.update(new)
             steps += 1
             loss_sum += loss
@@ -172,4 +187,5 @@ def train_client(
         drop_last=train_cfg.drop_last,  # type: ignore[attr-defined]
         max_grad_norm=train_cfg.max_grad_norm,  # type: ignore[attr-defined]
         buffers=algorithm.model.buffer_names,
+        precision=getattr(train_cfg, "precision", "fp32"),
     )

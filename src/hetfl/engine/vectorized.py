@@ -110,9 +110,9 @@ class VectorizedGroup:
 
     def __init__(
         self, plans: list[ClientPlan], data: FederatedData, *, seed: int, batch_size: int, drop_last: bool,
-        max_grad_norm: float, buffers: tuple[str, ...],
+        max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32",
     ) -> None:
-        self.plans, self.data, self.buffers = plans, data, buffers
+        self.plans, self.data, self.buffers, self.precision = plans, data, buffers, precision
         self.batch_size, self.drop_last, self.max_grad_norm = batch_size, drop_last, max_grad_norm
         ctxs = [p.ctx for p in plans]
         self.clients = [c.client_id for c in ctxs]
@@ -130,12 +130,12 @@ class VectorizedGroup:
         self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, index: torch.Tensor | None, first: bool
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
         """One vmapped ``sgd_step`` of ``stage`` for the clients at rows ``index``."""
-        template, max_norm, buffers = self.template, self.max_grad_norm, self.buffers
+        template, max_norm, buffers, precision = self.template, self.max_grad_norm, self.buffers, self.precision
 
         def one(state_c, opt_c, x, y, draws, payload, cstate, extras):  # type: ignore[no-untyped-def]
             ctx = replace(template, payload=payload, state=cstate, extras=extras)
             return sgd_step(stage, state_c, opt_c, Batch(x, y, draws), ctx, first, max_norm, grad_fn=functional_grad,
-                            buffers=buffers)
+                            buffers=buffers, precision=precision)
 
         in_dims = (0, 0, 0, 0, 0, self.payload_dims, self.cstate_dims, self.extras_dims)
         return vmap(one, in_dims=in_dims, randomness="error")(
@@ -250,7 +250,8 @@ def train_clients_vectorized(
         log(f"vectorized: {len(groups)} client groups with different stage structures or tensor shapes")
     results: list[LocalResult | None] = [None] * len(plans)
     settings = {"batch_size": train_cfg.batch_size, "drop_last": train_cfg.drop_last,
-                "max_grad_norm": train_cfg.max_grad_norm, "buffers": algorithm.model.buffer_names}
+                "max_grad_norm": train_cfg.max_grad_norm, "buffers": algorithm.model.buffer_names,
+                "precision": getattr(train_cfg, "precision", "fp32")}
     for members in groups.values():
         size = chunk_size or len(members)
         for start in range(0, len(members), size):
