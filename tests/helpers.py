@@ -1,12 +1,34 @@
-"""Small shared pieces for the tests: a tiny model with the encoder/classifier split."""
+"""Small shared pieces for the tests: a tiny model with the encoder/classifier split, a
+small MNIST federation, and a fixture that runs a module's tests on one thread."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
 from hetfl.algorithms.base import ClientContext, ModelCaller, Setup, Tensors
 from hetfl.config import TrainConfig
+
+MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
+# 5 clients x 200 MNIST samples (dominant-class split), an MLP, 3 rounds: learns in seconds
+SMALL_MNIST = [
+    "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+    "data.samples_per_client=200", "data.num_clients=5", "model.name=mlp", "model.options={hidden = [64]}",
+    "train.rounds=3", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Import into a test module to run its tests on one torch thread (small models run
+    faster on one thread than on two, and do not fight other jobs for the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class TinyNet(nn.Module):

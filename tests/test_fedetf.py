@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,23 +17,8 @@ from hetfl.algorithms.base import Batch, ClientContext, Upload
 from hetfl.algorithms.fedetf import BETA, ETF, LOG_COUNTS, PROJ_B, PROJ_W, balanced_softmax_loss, simplex_etf
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
-from tests.helpers import initial_state, perturbed, tiny_setup
+from tests.helpers import MNIST, SMALL_MNIST, initial_state, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_vectorized import SYNTHETIC, compare_one_round
-
-MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
-SMALL_MNIST = [
-    "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
-    "data.samples_per_client=200", "data.num_clients=5", "model.name=mlp", "model.options={hidden = [64]}",
-    "train.rounds=3", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def ready(params: dict | None = None):
