@@ -90,7 +90,7 @@ class RuntimeConfig:
     chunk_size: int = setting(0, ge=0, doc="vectorized: most clients trained at once (0 = all of a round)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
-                   "faster on CPU; see benchmarks/results/vmap_cpu_profile.md)")
+                   "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
     device: str = setting("auto", choices=("auto", "cpu", "cuda"), doc="auto = cuda when present")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
     threads: int = setting(0, ge=0, doc="torch CPU threads (0 = torch's default)")
