@@ -69,10 +69,20 @@ def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int =
 
 VECTORISABLE = available()
 
+# Local games whose trajectories separate: a difference in the last bit grows by
+# orders of magnitude within tens of steps (FedBR's min-max game; FedDecorr's
+# standardisation by near-zero variances of dead ReLU features). Run in float64,
+# both executors still agree to 1e-8 (FedBR) and 1e-11 (FedDecorr) after 50 steps,
+# but in float32 the two-epoch round (up to 500 steps) ends 1e-3 to 1e-1 apart,
+# by CPU (AVX2 vs AVX-512 kernels). They are compared over 10 steps, where float32
+# rounding is still 2e-7.
+CHAOTIC_LOCAL_TRAINING = {"fedbr", "feddecorr"}
+
 
 @pytest.mark.parametrize("method", VECTORISABLE)
 def test_every_method_vectorised_equals_sequential(method):
-    exp = Experiment(config.load(None, [*SYNTHETIC, f"algorithm.name={method}"]))
+    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    exp = Experiment(config.load(None, [*SYNTHETIC, f"algorithm.name={method}", *steps]))
     compare_one_round(exp)
 
 
