@@ -85,8 +85,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    executor: str = setting("sequential", choices=("sequential", "vectorized"),
-                            doc="clients one after another, or a round's clients as one vmapped computation")
+    executor: str = setting("sequential", choices=("sequential", "vectorized", "flower"),
+                            doc="clients one after another, a round's clients as one vmapped computation, "
+                                "or the clients on Flower's simulation engine (pip install \"hetfl[flower]\")")
     chunk_size: int = setting(0, ge=0, doc="vectorized: most clients trained at once (0 = all of a round)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
@@ -97,6 +98,12 @@ class RuntimeConfig:
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
         (), doc="rounds after which every participating client's local model is saved (layer-wise CKA)")
+    flower_timeout_s: float = setting(600.0, gt=0.0,
+                                      doc="flower: seconds the server waits for a phase's replies")
+    flower_min_replies: int = setting(1, ge=0, doc="flower: fewest clients of a round that must answer for "
+                                                   "the run to go on (0 = all of them)")
+    flower_client_cpus: float = setting(1.0, gt=0.0, doc="flower simulation: CPUs per client (Ray)")
+    flower_client_gpus: float = setting(0.0, ge=0.0, doc="flower simulation: GPUs per client (Ray)")
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,30 @@ def nbytes(tensors: Tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@dataclasses.dataclass
+class ClientUpdate:
+    """What the server receives from one client after its local round (``Algorithm.finish``'s
+    upload and the numbers the round's metrics need)."""
+
+    client_id: int
+    upload: Tensors
+    num_samples: int
+    steps: int
+    loss_sum: float
+
+
+def check_flower(cfg: RunConfig) -> None:
+    """A missing Flower, and settings the Flower executor cannot honour, as ConfigErrors before any output."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("runtime.executor", "flower",
+                          'needs Flower, which is not installed: pip install "hetfl[flower]"') from None
+    if cfg.runtime.save_client_models:
+        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
+                          "is not supported with runtime.executor = flower (local models stay on the nodes)")
+
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
@@ -170,6 +194,8 @@ class Experiment:
         if bad_rounds:
             raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
                               "must be a list of rounds >= 1")
+        if cfg.runtime.executor == "flower":
+            check_flower(cfg)
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
@@ -195,6 +221,9 @@ class Experiment:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.run_dir: Path | None = None
+        # where the clients' side runs: None = in this process (sequential / vectorized executors);
+        # a hetfl.flower federation sends it to Flower nodes (hetfl/flower/server.py)
+        self.federation: Any = None
 
     # --------------------------------------------------------------- pieces
     def initial_server(self) -> ServerState:
@@ -216,26 +245,29 @@ class Experiment:
         if not algo.personalized:
             global_correct, acc, loss = accuracy_and_loss(self.caller, server.model, data.test_x, data.test_y, data, bs)
             out["global_acc"], out["global_loss"] = acc, loss
+        if self.federation is not None:
+            by_client = self.federation.client_accuracies(server, round_, global_correct)
+        else:
+            by_client = self.client_accuracies(server, clients, round_, global_correct)
+        accs = [by_client[c] for c in sorted(by_client)]
+        out["client_acc_mean"] = float(np.mean(accs))
+        out["client_acc_std"] = float(np.std(accs))
+        out["client_acc"] = [round(a, 6) for a in accs]
+        return out
+
+    def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
+                          global_correct: torch.Tensor | None) -> dict[int, float]:
+        """Each client's evaluated model on its own test split (clients without test samples left out)."""
+        data, bs = self.data, self.cfg.train.eval_batch_size
         accs: dict[int, float] = {}
         own_models: dict[int, Tensors] = {}  # plain personalised models: evaluated together when vectorised
         for c in range(data.num_clients):
-            state_c = clients.get(c) or algo.init_client_state(c, server)
-            model_c = algo.client_model(server, state_c, c)
-            ctx = self.client_context(c, round_, lr_at(cfg, round_), algo.payload(server, c), state_c, server)
-            tune = algo.personalize_stages(ctx)
-            if tune:
-                model_c = run_stages(tune, model_c, ctx, data, seed=cfg.seed, batch_size=cfg.train.batch_size,
-                                     drop_last=cfg.train.drop_last, stream=1, buffers=self.caller.buffer_names).state
-            test = data.client_tests[c]
-            if len(test.y) == 0:
-                continue
-            predictor = algo.predictor(model_c, ctx)
-            if predictor is None and model_c is server.model and global_correct is not None and not data.transformed:
-                accs[c] = global_correct[data.client_test_idx[c].to(self.device)].float().mean().item()
-            elif predictor is None and self.vmap_clients:
-                own_models[c] = model_c
-            else:
-                accs[c] = accuracy_and_loss(self.caller, model_c, test.x, test.y, data, bs, predictor)[1]
+            state_c = clients.get(c) or self.algorithm.init_client_state(c, server)
+            acc, deferred = self.client_accuracy(c, server, state_c, round_, global_correct, defer=self.vmap_clients)
+            if deferred is not None:
+                own_models[c] = deferred
+            elif acc is not None:
+                accs[c] = acc
         if own_models:
             order = list(own_models)
             batched = accuracies_vectorized(self.caller, [own_models[c] for c in order],
@@ -245,16 +277,52 @@ class Experiment:
                 test = data.client_tests[c]
                 accs[c] = batched[i] if batched is not None else accuracy_and_loss(
                     self.caller, own_models[c], test.x, test.y, data, bs)[1]
-        accs = [accs[c] for c in sorted(accs)]  # type: ignore[assignment]
-        out["client_acc_mean"] = float(np.mean(accs))
-        out["client_acc_std"] = float(np.std(accs))
-        out["client_acc"] = [round(a, 6) for a in accs]
-        return out
+        return accs
+
+    def client_accuracy(
+        self,
+        c: int,
+        server: ServerState,
+        state_c: Tensors,
+        round_: int,
+        global_correct: torch.Tensor | None = None,
+        *,
+        payload: Tensors | None = None,
+        defer: bool = False,
+    ) -> tuple[float | None, Tensors | None]:
+        """Client ``c``'s evaluated model (``client_model``, then ``personalize_stages`` and
+        ``predictor``) on its own test split: (accuracy, None); (None, None) for an empty test split;
+        (None, model) when ``defer`` and the model is a plain one to evaluate batched with others.
+        ``global_correct`` (the global model's per-sample correctness on the global test set) is
+        reused when the client is evaluated with the global model itself."""
+        cfg, algo, data = self.cfg, self.algorithm, self.data
+        bs = cfg.train.eval_batch_size
+        model_c = algo.client_model(server, state_c, c)
+        if payload is None:
+            payload = algo.payload(server, c)
+        ctx = self.client_context(c, round_, lr_at(cfg, round_), payload, state_c, server)
+        tune = algo.personalize_stages(ctx)
+        if tune:
+            model_c = run_stages(tune, model_c, ctx, data, seed=cfg.seed, batch_size=cfg.train.batch_size,
+                                 drop_last=cfg.train.drop_last, stream=1, buffers=self.caller.buffer_names).state
+        test = data.client_tests[c]
+        if len(test.y) == 0:
+            return None, None
+        predictor = algo.predictor(model_c, ctx)
+        if predictor is None and model_c is server.model and global_correct is not None and not data.transformed:
+            return global_correct[data.client_test_idx[c].to(self.device)].float().mean().item(), None
+        if predictor is None and defer:
+            return None, model_c
+        return accuracy_and_loss(self.caller, model_c, test.x, test.y, data, bs, predictor)[1], None
 
     # ------------------------------------------------------------------ run
     def run(self, run_dir: str | Path, *, resume: bool = False, reporter: Reporter | None = None) -> dict[str, Any]:
         """Run (or continue) the experiment in ``run_dir``; returns the summary."""
         cfg = self.cfg
+        if cfg.runtime.executor == "flower" and self.federation is None:
+            from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
+
+            return run_simulation(self, run_dir, resume=resume, reporter=reporter)
         run_dir = Path(run_dir)
         self.run_dir = run_dir
         reporter = reporter or Reporter()
@@ -265,6 +333,8 @@ class Experiment:
         if not resume:
             atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
         server = ckpt.server if ckpt else self.initial_server()
+        if self.federation is not None:
+            self.federation.start(run_dir, ckpt.round if ckpt else 0, ckpt.info if ckpt else {})
         setup_up = setup_down = 0
         if ckpt is None:
             server, setup_up, setup_down = self.setup_round(server)
@@ -286,6 +356,8 @@ class Experiment:
                     t_eval = time.perf_counter()
                     line.update(self.evaluate(server, clients, round_))
                     line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
+                if self.federation is not None:
+                    line.update(self.federation.round_info(round_))
                 line["round_time_s"] = round(time.perf_counter() - t0, 4)
                 wall += line["round_time_s"]
                 metrics_file.write(json.dumps(line) + "\n")
@@ -294,7 +366,11 @@ class Experiment:
                 every = cfg.runtime.checkpoint_every
                 if every and (round_ % every == 0 or round_ == cfg.train.rounds):
                     info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall}
+                    if self.federation is not None:
+                        info.update(self.federation.checkpoint_info())
                     save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
+                    if self.federation is not None:
+                        self.federation.committed(round_)
                 reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
@@ -316,10 +392,13 @@ class Experiment:
         algo = self.algorithm
         if not algo.has_setup_round():
             return server, 0, 0
-        replies = {}
-        for c in range(self.data.num_clients):
-            ctx = self.client_context(c, 0, lr_at(self.cfg, 1), {}, {}, server)
-            replies[c] = algo.setup_query(ctx)
+        if self.federation is not None:
+            replies = self.federation.setup_replies(server)
+        else:
+            replies = {}
+            for c in range(self.data.num_clients):
+                ctx = self.client_context(c, 0, lr_at(self.cfg, 1), {}, {}, server)
+                replies[c] = algo.setup_query(ctx)
         server = algo.setup_aggregate(server, replies)
         shared = {k: v for k, v in server.extra.items() if k.startswith(SHARED)}
         return server, sum(nbytes(r) for r in replies.values()), nbytes(shared) * self.data.num_clients
@@ -355,10 +434,13 @@ class Experiment:
                                         self.cfg.train.eval_batch_size)[1]
                 line[f"global_acc_before_{step.name}"] = acc
             raw = {k: v for k, v in server.model.items() if k != FEATURE_BETA}
-            replies = {}
-            for c in range(self.data.num_clients):
-                feats, labels = self.client_features(raw, c)
-                replies[c] = step.client_query(raw, feats, labels)
+            if self.federation is not None:
+                replies = self.federation.posthoc_replies(step, raw, round_)
+            else:
+                replies = {}
+                for c in range(self.data.num_clients):
+                    feats, labels = self.client_features(raw, c)
+                    replies[c] = step.client_query(raw, feats, labels)
             line["bytes_up"] += sum(nbytes(r) for r in replies.values())
             line["bytes_down"] += nbytes(raw) * self.data.num_clients  # the encoder goes to every client
             server, info = step.apply(server, replies, round_)
@@ -403,15 +485,14 @@ class Experiment:
             reporter.client_done()
         return results
 
-    def round(self, server: ServerState, clients: dict[int, Tensors], round_: int, reporter: Reporter) -> dict:
+    def train_sampled(
+        self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
+        reporter: Reporter,
+    ) -> tuple[list[ClientUpdate], int]:
+        """The client side of a round for the ``sampled`` clients (``begin``, stages, ``finish``;
+        ``clients`` updated in place): their updates in ``sampled`` order, and the bytes sent down."""
         cfg, algo = self.cfg, self.algorithm
-        sampled = self.sample_clients(round_)
-        lr = lr_at(cfg, round_)
-        uploads: list[Upload] = []
-        bytes_down = bytes_up = 0
-        loss_sum = 0.0
-        steps_total = 0
-        reporter.round_start(round_, len(sampled))
+        bytes_down = 0
         ctxs = []
         for c in sampled:
             state_c = clients.get(c)
@@ -423,16 +504,34 @@ class Experiment:
         results = self.train_clients(ctxs, reporter)
         if round_ in cfg.runtime.save_client_models and self.run_dir is not None:
             self.save_client_models(round_, ctxs, results)
+        updates = []
         for ctx, result in zip(ctxs, results, strict=True):
             c = ctx.client_id
             upload, new_state = algo.finish(ctx, result.state, result.steps)
             if new_state:
                 clients[c] = new_state
-            bytes_up += nbytes(upload)
-            uploads.append(Upload(c, upload, self.data.client_sizes[c], result.steps,
-                                  {"loss": result.loss_sum / max(result.steps, 1)}))
-            loss_sum += result.loss_sum
-            steps_total += result.steps
+            updates.append(ClientUpdate(c, upload, self.data.client_sizes[c], result.steps, result.loss_sum))
+        return updates, bytes_down
+
+    def round(self, server: ServerState, clients: dict[int, Tensors], round_: int, reporter: Reporter) -> dict:
+        cfg, algo = self.cfg, self.algorithm
+        sampled = self.sample_clients(round_)
+        lr = lr_at(cfg, round_)
+        reporter.round_start(round_, len(sampled))
+        if self.federation is not None:
+            updates, bytes_down = self.federation.train(server, sampled, round_, lr, reporter)
+        else:
+            updates, bytes_down = self.train_sampled(server, clients, sampled, round_, lr, reporter)
+        uploads: list[Upload] = []
+        bytes_up = 0
+        loss_sum = 0.0
+        steps_total = 0
+        for u in updates:
+            bytes_up += nbytes(u.upload)
+            uploads.append(Upload(u.client_id, u.upload, u.num_samples, u.steps,
+                                  {"loss": u.loss_sum / max(u.steps, 1)}))
+            loss_sum += u.loss_sum
+            steps_total += u.steps
         new_server = algo.aggregate(server, uploads, round_)
         return {
             "round": round_,
@@ -507,4 +606,4 @@ def run_experiment(cfg: RunConfig, run_dir: str | Path, **kwargs: Any) -> dict[s
     return Experiment(cfg).run(run_dir, **kwargs)
 
 
-__all__ = ["Experiment", "Reporter", "RunDirError", "run_experiment"]
+__all__ = ["ClientUpdate", "Experiment", "Reporter", "RunDirError", "run_experiment"]

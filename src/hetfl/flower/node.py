@@ -1,0 +1,256 @@
+"""The node side: what hetfl's ClientApp does with each message.
+
+A node holds one client: ``node_config["partition-id"]`` (Flower's simulation sets it; a
+deployed ``flower-supernode`` is started with ``--node-config "partition-id=3 num-partitions=10"``).
+From the resolved config in each message the node builds the same pieces as an
+:class:`~hetfl.engine.experiment.Experiment` (dataset from its own data root, the partition
+from the config's seed, model, method) once per process, and only ever touches its own
+client's data: its training split (local training, features for FedPAC/CCVR, FedBR's inputs)
+and its test split (personalised evaluation).
+
+Node config keys (all optional but ``partition-id``): ``data-root`` (where this node's copy
+of the dataset is; default: the config's ``data.root``), ``state-dir`` (a folder for the
+client's persistent state, needed to resume a deployed run of a stateful method), ``threads``
+(torch CPU threads).
+
+Client state. What ``Algorithm.finish`` returns as the client's new persistent state
+(SCAFFOLD's control variate, MOON's previous model, FedPAC's head, a personalised model ...)
+stays on the node: in ``context.state`` (kept by Flower between a run's messages) and, when a
+state folder is known, in ``<state-dir>/<run>/client_<c>/round_<r>-<session>.safetensors``.
+Every version is tagged with the round after which it was written; a message for round ``r``
+uses the newest version before ``r``, so a run resumed from a checkpoint at round ``R`` finds
+exactly the state the uninterrupted run had (versions written after ``R`` by the interrupted
+session are ignored, then deleted). The server tells the node whether it has state for it;
+a client seen for the first time gets ``Algorithm.init_client_state`` from the server, as in
+the in-process executors.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from hetfl.flower import protocol as P
+
+if TYPE_CHECKING:
+    from hetfl.engine.experiment import Experiment
+
+_RUNTIME: dict[tuple[str, str, int], Experiment] = {}
+
+
+class NodeError(RuntimeError):
+    """A message this node cannot serve (another client's, state it does not have)."""
+
+
+def header(message: Message) -> dict[str, Any]:
+    return dict(message.content[P.HEADER])
+
+
+def runtime(cfg_text: str, context: Context) -> Experiment:
+    """The node's experiment pieces for a config, built once per process (one config at a time)."""
+    data_root = str(context.node_config.get("data-root", ""))
+    threads = int(context.node_config.get("threads", 0))
+    key = (cfg_text, data_root, threads)
+    if key not in _RUNTIME:
+        import torch
+
+        from hetfl import config as config_mod
+        from hetfl.engine.experiment import Experiment
+
+        cfg = config_mod.from_dict(tomllib.loads(cfg_text))
+        if data_root:
+            cfg = replace(cfg, data=replace(cfg.data, root=data_root))
+        _RUNTIME.clear()
+        _RUNTIME[key] = Experiment(cfg)
+        if threads:  # the node's own setting wins over the config's runtime.threads
+            torch.set_num_threads(threads)
+    return _RUNTIME[key]
+
+
+def own_client(h: dict[str, Any], context: Context) -> int:
+    client = int(h["client"])
+    mine = context.node_config.get("partition-id")
+    if mine is None or int(mine) != client:
+        raise NodeError(f"a message for client {client} reached the node of partition-id {mine}")
+    return client
+
+
+class StateStore:
+    """One client's persistent state on its node: the newest version in ``context.state``,
+    every version the server may still ask for in a state folder (when there is one)."""
+
+    _FILE = re.compile(r"round_(\d+)-([0-9a-f]+)\.safetensors")
+
+    def __init__(self, context: Context, h: dict[str, Any], client: int, device: Any) -> None:
+        self.context, self.client, self.device = context, client, device
+        self.run, self.session = str(h["run"]), str(h["session"])
+        self.start, self.committed = int(h["start"]), int(h["committed"])
+        self.key = f"hetfl.{self.run}.{client}"
+        root = str(context.node_config.get("state-dir", "") or h.get("state-root", ""))
+        self.folder = Path(root) / self.run / f"client_{client:04d}" if root else None
+
+    def _valid(self, version: int, session: str) -> bool:
+        """Written by this session, or before the checkpoint this session started from."""
+        return session == self.session or version <= self.start
+
+    def _files(self) -> list[tuple[int, str, Path]]:
+        if self.folder is None or not self.folder.is_dir():
+            return []
+        out = []
+        for path in self.folder.iterdir():
+            m = self._FILE.fullmatch(path.name)
+            if m:
+                out.append((int(m.group(1)), m.group(2), path))
+        return sorted(out)
+
+    def load(self, before: int) -> dict | None:
+        """The newest valid state written after a round < ``before``; None if there is none."""
+        from hetfl.flower.codec import from_record
+
+        meta = self.context.state.get(self.key + ".meta")
+        if meta is not None:
+            version, session = int(meta["version"]), str(meta["session"])
+            if self._valid(version, session) and version < before:
+                return from_record(self.context.state[self.key + ".state"], self.device)
+        usable = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before]
+        if not usable:
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(usable[-1][1]), device=str(self.device))
+
+    def save(self, tensors: dict, version: int) -> None:
+        from hetfl.flower.codec import to_record
+
+        self.context.state[self.key + ".state"] = to_record(tensors)
+        self.context.state[self.key + ".meta"] = ConfigRecord({"version": version, "session": self.session})
+        if self.folder is None:
+            return
+        from hetfl.engine.checkpoint import save_tensors
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
+                     {k: v.detach().cpu().clone() for k, v in tensors.items()})
+        self.prune()
+
+    def prune(self) -> None:
+        """Keep the versions after the server's last checkpoint and the newest one before it."""
+        files = self._files()
+        valid = [(v, p) for v, s, p in files if self._valid(v, s)]
+        older = [v for v, _ in valid if v <= self.committed]
+        keep_from = max(older) if older else 0
+        for v, s, p in files:
+            if not self._valid(v, s) or v < keep_from:
+                p.unlink(missing_ok=True)
+
+
+def shared_tensors(message: Message, context: Context, h: dict[str, Any], device: Any) -> dict:
+    """The server's ``shared/`` tensors: from this message (and kept) or as kept before."""
+    from hetfl.flower.codec import from_record
+
+    key = f"hetfl.{h['run']}.shared"
+    if P.SHARED in message.content:
+        context.state[key] = message.content[P.SHARED]
+    return from_record(context.state.get(key), device)
+
+
+def client_state(store: StateStore, message: Message, before: int, device: Any) -> tuple[dict, bool]:
+    """(the client's state for a message of round ``before`` - 1 or before, whether it was kept here):
+    the kept state, else the server's ``init_client_state``."""
+    from hetfl.flower.codec import from_record
+
+    state = store.load(before)
+    if state is not None:
+        return state, True
+    if P.INIT not in message.content:
+        raise NodeError(f"client {store.client}: the server expects this node to hold the client's state, "
+                        "and it has none (node restarted without a state-dir?)")
+    return from_record(message.content[P.INIT], device), False
+
+
+def server_view(message: Message, shared: dict, device: Any) -> Any:
+    """A ServerState with what the node was sent of the server's (plus the shared tensors)."""
+    from hetfl.algorithms.base import SHARED, ServerState
+    from hetfl.flower.codec import from_record
+
+    extra = from_record(message.content.get(P.VIEW_EXTRA), device)
+    extra.update({SHARED + k: v for k, v in shared.items()})
+    return ServerState(model=from_record(message.content.get(P.VIEW_MODEL), device), extra=extra)
+
+
+def reply(message: Message, records: dict[str, Any]) -> Message:
+    return Message(RecordDict(records), reply_to=message)
+
+
+# ------------------------------------------------------------------------------ handlers
+def handle_hello(message: Message, context: Context) -> Message:
+    cfg = context.node_config
+    return reply(message, {P.RESULT: MetricRecord({
+        "partition-id": int(cfg.get("partition-id", -1)), "num-partitions": int(cfg.get("num-partitions", 0))})})
+
+
+def handle_setup(message: Message, context: Context) -> Message:
+    from hetfl.flower.codec import to_record
+
+    h = header(message)
+    exp = runtime(h["config"], context)
+    c = own_client(h, context)
+    shared = shared_tensors(message, context, h, exp.device)
+    ctx = exp.client_context(c, 0, float(h["lr"]), {}, {}, server_view(message, shared, exp.device))
+    return reply(message, {P.REPLY: to_record(exp.algorithm.setup_query(ctx))})
+
+
+def handle_train(message: Message, context: Context) -> Message:
+    from hetfl.engine.experiment import Reporter
+    from hetfl.flower.codec import from_record, to_record
+
+    h = header(message)
+    exp = runtime(h["config"], context)
+    c, round_ = own_client(h, context), int(h["round"])
+    store = StateStore(context, h, c, exp.device)
+    state, had_state = client_state(store, message, round_, exp.device)
+    shared = shared_tensors(message, context, h, exp.device)
+    payload = from_record(message.content[P.PAYLOAD], exp.device)
+    ctx = exp.client_context(c, round_, float(h["lr"]), payload, state, server_view(message, shared, exp.device))
+    result = exp.train_clients([ctx], Reporter())[0]  # the sequential executor's local round
+    upload, new_state = exp.algorithm.finish(ctx, result.state, result.steps)
+    if new_state:
+        store.save(new_state, round_)
+    return reply(message, {
+        P.UPLOAD: to_record(upload),
+        P.RESULT: MetricRecord({"steps": result.steps, "loss-sum": float(result.loss_sum),
+                                "num-samples": exp.data.client_sizes[c],
+                                "has-state": int(had_state or bool(new_state))}),
+    })
+
+
+def handle_posthoc(message: Message, context: Context) -> Message:
+    from hetfl.flower.codec import from_record, to_record
+
+    h = header(message)
+    exp = runtime(h["config"], context)
+    c = own_client(h, context)
+    step = exp.posthoc[int(h["step"])]
+    model = from_record(message.content[P.MODEL], exp.device)
+    features, labels = exp.client_features(model, c)
+    return reply(message, {P.REPLY: to_record(step.client_query(model, features, labels))})
+
+
+def handle_evaluate(message: Message, context: Context) -> Message:
+    from hetfl.flower.codec import from_record
+
+    h = header(message)
+    exp = runtime(h["config"], context)
+    c, round_ = own_client(h, context), int(h["round"])
+    store = StateStore(context, h, c, exp.device)
+    state, _ = client_state(store, message, round_ + 1, exp.device)
+    shared = shared_tensors(message, context, h, exp.device)
+    payload = from_record(message.content.get(P.PAYLOAD), exp.device)
+    acc, _ = exp.client_accuracy(c, server_view(message, shared, exp.device), state, round_, payload=payload)
+    result = {"empty": 1} if acc is None else {"acc": float(acc)}
+    return reply(message, {P.RESULT: MetricRecord(result)})

@@ -1,0 +1,39 @@
+"""The messages between hetfl's ServerApp and ClientApp: kinds and record names.
+
+Every message carries a ``ConfigRecord`` named :data:`HEADER` with the run's resolved hetfl
+config (TOML text, so a node needs nothing but the message and its own data), the client it
+is for, the round, and the bookkeeping of client state (see :mod:`hetfl.flower.node`).
+Tensors travel in ``ArrayRecord`` s (:mod:`hetfl.flower.codec`).
+
+=================  =============================  =====================================
+message type       server -> node                 node -> server
+=================  =============================  =====================================
+``query.hello``    (header)                       partition-id, num-partitions
+``query.setup``    shared                         ``reply``: ``setup_query``'s tensors
+``train``          payload, init, shared          ``upload``; steps, loss, samples
+``query.posthoc``  model (global, raw)            ``reply``: the step's ``client_query``
+``evaluate``       server.model/extra, payload,   accuracy on the client's test split
+                   init, shared
+=================  =============================  =====================================
+"""
+
+from __future__ import annotations
+
+HELLO = "query.hello"
+SETUP = "query.setup"
+TRAIN = "train"
+POSTHOC = "query.posthoc"
+EVALUATE = "evaluate"
+
+HEADER = "hetfl"  # ConfigRecord: config, run, session, client, round, ...
+PAYLOAD = "payload"  # Algorithm.payload(server, client)
+INIT = "init"  # Algorithm.init_client_state(client, server), for a client whose node has no state yet
+SHARED = "shared"  # the server's shared/<name> tensors (FedMix's averaged data), sent once per node
+MODEL = "model"  # the global model a post-hoc step's client query runs on
+VIEW_MODEL = "server.model"  # the server state entries client_model reads (evaluation on the node)
+VIEW_EXTRA = "server.extra"
+UPLOAD = "upload"
+REPLY = "reply"
+RESULT = "result"  # MetricRecord of a reply's numbers
+
+NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside the run directory

@@ -1,0 +1,428 @@
+"""The server side: an :class:`~hetfl.engine.experiment.Experiment` whose clients are Flower nodes.
+
+:class:`FlowerFederation` plugs into ``Experiment.federation``: the experiment's round loop
+(sampling, ``payload``, ``aggregate``, post-hoc ``apply``, global evaluation, metrics,
+checkpoints, resume) runs unchanged in the ServerApp, and each of its client-side phases
+becomes one exchange of messages with the nodes (:mod:`hetfl.flower.protocol`):
+
+1. once: ``query.hello`` to every node, to learn which client (partition) each holds;
+2. before round 1, for methods with one, the set-up round (``query.setup``: FedMix, FedBR);
+3. each round: ``train`` to the sampled clients (payload, plus ``init_client_state`` for a
+   client the first time and the shared tensors once), their uploads aggregated in client order;
+4. post-hoc steps when due (``query.posthoc``, every client: CCVR's statistics), then ``apply``;
+5. evaluation rounds: the global model on the server's test set; clients whose evaluated
+   model is the global model itself are scored from the same predictions (as the in-process
+   executors do); the others (personalised models, fine-tuning, kNN-Per's datastore) are
+   evaluated on their nodes (``evaluate``) with the server-state entries ``client_model`` reads.
+
+Failures: a phase waits ``runtime.flower_timeout_s`` for its replies; clients that do not
+answer (or answer with an error) are left out of that phase and listed in the round's
+``failed_clients``; fewer answers than ``runtime.flower_min_replies`` stop the run with a
+:class:`FlowerRoundError` (the last checkpoint resumes it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from hetfl import config as config_mod
+from hetfl.algorithms.base import SHARED, Algorithm, ServerState, Tensors
+from hetfl.engine.experiment import ClientUpdate, Experiment, Reporter, lr_at, nbytes
+from hetfl.flower import protocol as P
+from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, record_nbytes
+
+log = logging.getLogger("hetfl")
+
+
+class FlowerRoundError(RuntimeError):
+    """Too few clients answered a phase of a round."""
+
+
+class FlowerStopped(RuntimeError):
+    """The federation was told to stop (the simulation ended under it: Ctrl-C, an error)."""
+
+
+class _Reads(dict):
+    """A dict that records which keys are read (``client_model``'s use of the server state)."""
+
+    def __init__(self, data: dict) -> None:
+        super().__init__(data)
+        self.read: set = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def __iter__(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().__iter__()
+
+    def keys(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().keys()
+
+    def items(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().items()
+
+    def values(self):  # type: ignore[override]
+        self.read.update(super().keys())
+        return super().values()
+
+    def copy(self) -> dict:
+        self.update_read()
+        return dict(super().items())
+
+    def update_read(self) -> None:
+        """Mark every key read (the dict itself was used)."""
+        self.read.update(super().keys())
+
+
+class _Encoder:
+    """Tensors -> ArrayRecord, each tensor object encoded once per phase (the global model sent to
+    every client is serialised once)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def record(self, tensors: Tensors) -> ArrayRecord:
+        out = {}
+        for name, t in tensors.items():
+            hit = self.cache.get(id(t))
+            if hit is None or hit[0] is not t:
+                hit = (t, encode_tensor(t))
+                self.cache[id(t)] = hit
+            out[name] = hit[1]
+        return ArrayRecord(out)
+
+
+class FlowerFederation:
+    """The clients of an experiment, reached through a Flower ``Grid``."""
+
+    def __init__(self, exp: Experiment, grid: Any, *, state_root: str = "", poll_s: float = 0.5,
+                 simulation: bool = False, stop: threading.Event | None = None, startup_s: float = 0.0) -> None:
+        self.exp, self.grid = exp, grid
+        self.stop = stop or threading.Event()  # set by whoever runs the Flower engine when it ends early
+        cfg = exp.cfg
+        self.config_text = config_mod.dumps(cfg)
+        self.num_clients = cfg.data.num_clients
+        self.timeout = float(cfg.runtime.flower_timeout_s)
+        # how long the first greeting may take (nodes starting: Ray actors importing torch on a busy machine)
+        self.startup_s = max(self.timeout, startup_s)
+        self.min_replies = int(cfg.runtime.flower_min_replies)
+        self.state_root, self.poll_s, self.simulation = state_root, poll_s, simulation
+        self.nodes: dict[int, int] = {}  # client -> node id
+        self.greeted: set[int] = set()  # node ids asked which client they hold (once per node id)
+        self.pending_hello: dict[str, int] = {}  # greetings not answered yet: message id -> node id
+        self.has_state: set[int] = set()  # clients whose node keeps a persistent state
+        self.shared_sent: dict[int, tuple] = {}  # client -> version of the shared tensors it holds
+        self.failed: dict[int, str] = {}  # this round's failures: client -> reason
+        self.traffic = [0, 0]  # this round's serialised bytes down / up
+        self.run_key = self.session = ""
+        self.start_round = self.committed_round = 0
+
+    # ------------------------------------------------------------------ run hooks
+    def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
+        """Called by ``Experiment.run`` before the first round (after loading a checkpoint, if any)."""
+        run_dir = Path(run_dir).resolve()
+        self.run_key = hashlib.sha1((self.config_text + "\0" + str(run_dir)).encode()).hexdigest()[:16]
+        self.session = uuid.uuid4().hex[:12]
+        self.start_round = self.committed_round = start_round
+        self.has_state = {int(c) for c in info.get("flower_clients_with_state", [])}
+        self.connect()
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {"flower_clients_with_state": sorted(self.has_state)}
+
+    def committed(self, round_: int) -> None:
+        self.committed_round = round_
+
+    def round_info(self, round_: int) -> dict[str, Any]:
+        """The round's Flower numbers for metrics.jsonl (and a fresh count for the next round)."""
+        out = {"failed_clients": sorted(self.failed), "flower_bytes_down": self.traffic[0],
+               "flower_bytes_up": self.traffic[1]}
+        self.failed, self.traffic = {}, [0, 0]
+        return out
+
+    # ------------------------------------------------------------------ messaging
+    def header(self, client: int, round_: int, **extra: Any) -> dict[str, Any]:
+        return {"config": self.config_text, "run": self.run_key, "session": self.session,
+                "start": self.start_round, "committed": self.committed_round, "state-root": self.state_root,
+                "client": client, "round": round_, **extra}
+
+    def fail(self, client: int, reason: str) -> None:
+        lines = [x.strip() for x in reason.replace("\\n", "\n").splitlines() if x.strip()]
+        if len(lines) > 1:  # a node's traceback: its first and last lines say enough
+            reason = f"{lines[0][:120]} ... {lines[-1][:300]}"
+        if client not in self.failed:
+            log.warning("flower: client %d failed: %s", client, reason)
+        self.failed[client] = reason
+
+    def connect(self) -> None:
+        """Wait for the nodes (up to the timeout) and learn which client each holds."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            ids = set(self.grid.get_node_ids())
+            if len(ids) >= self.num_clients or time.monotonic() > deadline:
+                break
+            self._sleep()
+        self.refresh(ids, self.startup_s)
+        missing = [c for c in range(self.num_clients) if c not in self.nodes]
+        if len(self.nodes) == 0:
+            raise FlowerRoundError(f"no Flower node holding one of the {self.num_clients} clients answered "
+                                   f"within {self.startup_s:g} s")
+        if missing:
+            log.warning("flower: no node holds clients %s; they count as failed when asked", missing)
+
+    def refresh(self, ids: set[int] | None = None, timeout: float | None = None) -> None:
+        """Forget nodes that left; greet new ones, waiting ``timeout`` (default: the phases' timeout).
+        A node that answers late is taken in at a later refresh, without waiting for it again."""
+        ids = set(self.grid.get_node_ids()) if ids is None else ids
+        for c, node in list(self.nodes.items()):
+            if node not in ids:
+                del self.nodes[c]
+        self.greeted &= ids
+        self.pending_hello = {m: n for m, n in self.pending_hello.items() if n in ids}
+        if self.pending_hello:
+            late = list(self.grid.pull_messages(list(self.pending_hello)))
+            for message in late:
+                self.pending_hello.pop(message.metadata.reply_to_message_id, None)
+            self._greeted(late, ids)
+        new = sorted(ids - self.greeted)
+        if not new:
+            return
+        self.greeted.update(new)
+        messages = [Message(RecordDict({P.HEADER: ConfigRecord({"config": ""})}), dst_node_id=n,
+                            message_type=P.HELLO) for n in new]  # default TTL: a late answer still counts
+        replies, unanswered = self._send_and_receive(messages, timeout)
+        for k in unanswered:
+            if messages[k].metadata.message_id:
+                self.pending_hello[messages[k].metadata.message_id] = new[k]
+        self._greeted(replies, ids)
+
+    def _greeted(self, replies: list[Message], ids: set[int]) -> None:
+        for message in replies:
+            if message.has_error():
+                continue
+            node = message.metadata.src_node_id
+            result = message.content[P.RESULT]
+            client, parts = int(result["partition-id"]), int(result["num-partitions"])
+            if not 0 <= client < self.num_clients:
+                if not self.simulation:
+                    log.warning("flower: node %d holds partition-id %d, not one of this run's %d clients",
+                                node, client, self.num_clients)
+                continue
+            if parts != self.num_clients and not self.simulation:
+                log.warning("flower: node %d says num-partitions = %d; this run has %d clients (data.num_clients)",
+                            node, parts, self.num_clients)
+            old = self.nodes.get(client)
+            if old is not None and old != node and old in ids:  # a restarted node, or two nodes misconfigured
+                log.warning("flower: nodes %d and %d both hold partition-id %d; using %d, the newer", old, node,
+                            client, node)
+            if old != node:
+                self.shared_sent.pop(client, None)  # a new node for this client: send it the shared data
+            self.nodes[client] = node
+
+    @property
+    def ttl(self) -> float:
+        return self.timeout + 60.0
+
+    def _sleep(self) -> None:
+        if self.stop.wait(self.poll_s):
+            raise FlowerStopped("the Flower run was stopped")
+
+    def _send_and_receive(self, messages: list[Message], timeout: float | None = None
+                          ) -> tuple[list[Message], list[int]]:
+        """Push, then pull until every reply is in or the timeout passes (polling every ``poll_s``):
+        (replies, indices of the messages without a reply)."""
+        if not messages:
+            return [], []
+        if self.stop.is_set():
+            raise FlowerStopped("the Flower run was stopped")
+        pushed = [i for i in self.grid.push_messages(messages) if i]
+        index = {m.metadata.message_id: k for k, m in enumerate(messages)}
+        pending = {i for i in pushed if i in index}
+        lost = [k for i, k in index.items() if i not in pending]
+        replies: list[Message] = []
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while pending:
+            got = list(self.grid.pull_messages(list(pending)))
+            for message in got:
+                pending.discard(message.metadata.reply_to_message_id)
+            replies += got
+            if not pending or time.monotonic() > deadline:
+                break
+            self._sleep()
+        return replies, sorted(lost + [index[i] for i in pending])
+
+    def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
+        """One phase: a message per client, the replies by client (failures recorded)."""
+        self.refresh()
+        clients, messages = [], []
+        for c, content in contents.items():
+            node = self.nodes.get(c)
+            if node is None:
+                self.fail(c, "no node holds this client's partition")
+                continue
+            clients.append(c)
+            messages.append(Message(content, dst_node_id=node, message_type=kind, ttl=self.ttl,
+                                    group_id=str(round_)))
+            self.traffic[0] += record_nbytes(r for r in content.values() if isinstance(r, ArrayRecord))
+        replies, late = self._send_and_receive(messages)
+        owner = {m.metadata.message_id: c for m, c in zip(messages, clients, strict=True)}
+        out: dict[int, RecordDict] = {}
+        for message in replies:
+            c = owner.get(message.metadata.reply_to_message_id)
+            if c is None:
+                continue
+            if message.has_error():
+                self.fail(c, f"{kind}: {message.error.reason}")
+                continue
+            out[c] = message.content
+            self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
+        for k in late:
+            self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
+        return out
+
+    def check_quorum(self, answered: int, asked: int, round_: int, phase: str) -> None:
+        if asked == 0:
+            return
+        need = asked if self.min_replies == 0 else min(self.min_replies, asked)
+        need = max(need, 1)
+        if answered < need:
+            reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(self.failed.items())[:5])
+            raise FlowerRoundError(
+                f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
+                f"{self.min_replies} needs {need} ({reasons})")
+
+    def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
+        shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
+        return shared, tuple((k, id(v), tuple(v.shape)) for k, v in sorted(shared.items()))
+
+    def add_client_records(self, records: dict[str, Any], header: dict[str, Any], c: int, server: ServerState,
+                           encoder: _Encoder, *, with_init: bool = True) -> None:
+        """The shared tensors if the client's node lacks them; the initial client state if it has none."""
+        shared, version = self.shared_version(server)
+        if shared and self.shared_sent.get(c) != version:
+            records[P.SHARED] = encoder.record(shared)
+            header["shared-version"] = repr(version)
+        if with_init and c not in self.has_state:
+            records[P.INIT] = encoder.record(self.exp.algorithm.init_client_state(c, server))
+
+    def acknowledge(self, c: int, server: ServerState) -> None:
+        shared, version = self.shared_version(server)
+        if shared:
+            self.shared_sent[c] = version
+
+    # ------------------------------------------------------------------ phases
+    def setup_replies(self, server: ServerState) -> dict[int, Tensors]:
+        encoder, lr = _Encoder(), lr_at(self.exp.cfg, 1)
+        contents = {}
+        for c in range(self.num_clients):
+            records: dict[str, Any] = {}
+            h = self.header(c, 0, lr=lr)
+            self.add_client_records(records, h, c, server, encoder, with_init=False)
+            contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
+        replies = self.exchange(P.SETUP, contents, 0)
+        for c in replies:
+            self.acknowledge(c, server)
+        self.check_quorum(len(replies), self.num_clients, 1, "set-up round")
+        return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
+
+    def train(self, server: ServerState, sampled: list[int], round_: int, lr: float,
+              reporter: Reporter) -> tuple[list[ClientUpdate], int]:
+        algo, encoder = self.exp.algorithm, _Encoder()
+        contents, bytes_down = {}, 0
+        for c in sampled:
+            payload = algo.payload(server, c)
+            bytes_down += nbytes(payload)
+            records: dict[str, Any] = {P.PAYLOAD: encoder.record(payload)}
+            h = self.header(c, round_, lr=lr)
+            self.add_client_records(records, h, c, server, encoder)
+            contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
+        replies = self.exchange(P.TRAIN, contents, round_)
+        updates = []
+        for c in sampled:
+            if c not in replies:
+                continue
+            result = replies[c][P.RESULT]
+            upload = {k: decode_tensor(a, self.exp.device) for k, a in replies[c][P.UPLOAD].items()}
+            updates.append(ClientUpdate(c, upload, int(result["num-samples"]), int(result["steps"]),
+                                        float(result["loss-sum"])))
+            if int(result["has-state"]):
+                self.has_state.add(c)
+            self.acknowledge(c, server)
+            reporter.client_done()
+        self.check_quorum(len(updates), len(sampled), round_, "training")
+        return updates, bytes_down
+
+    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> dict[int, Tensors]:
+        encoder, index = _Encoder(), self.exp.posthoc.index(step)
+        contents = {c: RecordDict({P.MODEL: encoder.record(raw),
+                                   P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
+                    for c in range(self.num_clients)}
+        replies = self.exchange(P.POSTHOC, contents, round_)
+        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}")
+        return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
+
+    def client_accuracies(self, server: ServerState, round_: int, global_correct: torch.Tensor | None
+                          ) -> dict[int, float]:
+        exp, algo = self.exp, self.exp.algorithm
+        lr = lr_at(exp.cfg, round_)
+        custom_predictor = type(algo).predictor is not Algorithm.predictor
+        accs: dict[int, float] = {}
+        encoder, contents = _Encoder(), {}
+        for c in range(self.num_clients):
+            # decide with the state a new client starts from; the node's own state decides instead when
+            # the client has one there and client_model or personalize_stages looked at the state
+            state = _Reads(algo.init_client_state(c, server))
+            view = ServerState(_Reads(server.model), _Reads(server.extra))
+            model_c = algo.client_model(view, state, c)
+            payload = algo.payload(server, c)
+            tune = algo.personalize_stages(exp.client_context(c, round_, lr, payload, state, server))
+            settled = c not in self.has_state or not state.read
+            if settled and model_c is view.model and not tune and not custom_predictor:
+                # the global model itself: scored here from the global test set's predictions
+                acc, _ = exp.client_accuracy(c, server, dict(state), round_, global_correct, payload=payload)
+                if acc is not None:
+                    accs[c] = acc
+                continue
+            if model_c is view.model or not settled:  # the global model, whole (fine-tuned, wrapped, mixed)
+                view.model.update_read()  # type: ignore[attr-defined]
+            model_keys, extra_keys = view.model.read, view.extra.read  # type: ignore[attr-defined]
+            records: dict[str, Any] = {
+                P.VIEW_MODEL: encoder.record({k: v for k, v in server.model.items() if k in model_keys}),
+                P.VIEW_EXTRA: encoder.record({k: v for k, v in server.extra.items()
+                                              if k in extra_keys and not k.startswith(SHARED)}),
+            }
+            if tune or custom_predictor or not settled:  # fine-tuning losses and predictors may read it
+                records[P.PAYLOAD] = encoder.record(payload)
+            h = self.header(c, round_, lr=lr)
+            self.add_client_records(records, h, c, server, encoder)
+            contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
+        if contents:
+            replies = self.exchange(P.EVALUATE, contents, round_)
+            for c in sorted(replies):
+                self.acknowledge(c, server)
+                result = replies[c][P.RESULT]
+                if "acc" in result:
+                    accs[c] = float(result["acc"])
+            self.check_quorum(len(replies), len(contents), round_, "evaluation")
+        return accs

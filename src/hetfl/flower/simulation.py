@@ -1,0 +1,85 @@
+"""``runtime.executor = "flower"``: an experiment's clients on Flower's simulation engine (Ray).
+
+One virtual SuperNode per client (``node_config = {"partition-id": c, ...}``), each ClientApp
+call in a Ray actor with ``runtime.flower_client_cpus`` CPUs; the ServerApp runs the
+experiment's round loop in this process, so the run directory, metrics and summary are the
+same files as with the other executors. Client state stays on the nodes (``context.state``)
+and in ``RUN_DIR/flower_nodes/`` (what a resumed run reads back).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hetfl.flower import INSTALL_HINT, offline_defaults, require_flwr
+from hetfl.flower.protocol import NODES_DIR
+
+if TYPE_CHECKING:
+    from hetfl.engine.experiment import Experiment, Reporter
+
+
+def run_simulation(exp: Experiment, run_dir: str | Path, *, resume: bool = False,
+                   reporter: Reporter | None = None) -> dict[str, Any]:
+    """Run (or continue) ``exp`` in ``run_dir`` with its clients on Flower's simulation engine."""
+    return run_simulations([(exp, run_dir, resume)], reporter=reporter)[0]
+
+
+def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter: Reporter | None = None,
+                    verbose: bool = False) -> list[dict[str, Any]]:
+    """Several experiments one after another in one Flower simulation (one Ray start-up):
+    ``jobs`` of (experiment, run directory, resume); their summaries."""
+    require_flwr()
+    if importlib.util.find_spec("ray") is None:
+        from hetfl.params import ConfigError
+
+        raise ConfigError("runtime.executor", "flower",
+                          f"the simulation needs Ray, which is not installed: {INSTALL_HINT}")
+    offline_defaults()
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation as flower_run_simulation
+
+    from hetfl.flower.client_app import app as client_app
+    from hetfl.flower.server import FlowerFederation
+
+    summaries: list[dict[str, Any]] = []
+    stop = threading.Event()  # ends the ServerApp thread's round loop when the engine stops under it
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        for exp, run_dir, resume in jobs:
+            state_root = str(Path(run_dir).resolve() / NODES_DIR)
+            exp.federation = FlowerFederation(exp, grid, state_root=state_root, poll_s=0.01, simulation=True,
+                                              stop=stop, startup_s=900.0)
+            try:
+                summaries.append(exp.run(run_dir, resume=resume, reporter=reporter))
+            finally:
+                exp.federation = None
+
+    runtime = jobs[0][0].cfg.runtime
+    backend_config = {
+        "client_resources": {"num_cpus": runtime.flower_client_cpus, "num_gpus": runtime.flower_client_gpus},
+        "init_args": {"logging_level": "error", "log_to_driver": verbose, "include_dashboard": False},
+    }
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    if not verbose:
+        flwr_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            flower_run_simulation(server_app=server_app, client_app=client_app,
+                                  num_supernodes=max(exp.cfg.data.num_clients for exp, _, _ in jobs),
+                                  backend_config=backend_config, verbose_logging=verbose)
+    finally:
+        stop.set()  # Ctrl-C or an error in the engine: the ServerApp thread stops at its next poll
+        flwr_log.setLevel(level)
+    if len(summaries) != len(jobs):
+        raise RuntimeError("the Flower simulation ended before its runs finished (see the log above)")
+    return summaries

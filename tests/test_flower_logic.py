@@ -1,0 +1,155 @@
+"""hetfl's Flower server and nodes without Ray or processes: a Grid that hands each message to the
+ClientApp in this process. Fast checks of what the simulation and deployment tests cannot afford
+to cover method by method: personalised evaluation on the nodes, failures and quorum."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+
+from flwr.app import Context, Error, Message, RecordDict
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.flower.client_app import app as client_app
+from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.server import FlowerFederation, FlowerRoundError
+
+SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
+         "train.local_steps=10", "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
+DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+class LoopbackGrid:
+    """A Flower Grid whose nodes are ClientApp calls in this process; after the greeting, ``dead``
+    nodes never answer and ``broken`` ones answer with an error."""
+
+    def __init__(self, num_nodes: int) -> None:
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # what a ServerApp runner sets
+        self.ids = [1000 + i for i in range(num_nodes)]
+        self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
+                                    state=RecordDict(), run_config={}) for i, n in enumerate(self.ids)}
+        self.replies: dict[str, Message] = {}
+        self.dead: set[int] = set()
+        self.broken: set[int] = set()
+        self.slow: set[int] = set()  # their replies wait in ``held`` until ``release``
+        self.held: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            ids.append(message.metadata.message_id)
+            node = message.metadata.dst_node_id
+            hello = message.metadata.message_type == "query.hello"
+            if node in self.dead and not hello:
+                continue
+            if node in self.broken and not hello:
+                self.replies[message.metadata.message_id] = Message(Error(code=0, reason="disk full"), reply_to=message)
+                continue
+            answers = self.held if node in self.slow else self.replies
+            answers[message.metadata.message_id] = client_app(message, self.contexts[node])
+        return ids
+
+    def release(self) -> None:
+        self.replies.update(self.held)
+        self.held.clear()
+        self.slow.clear()
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+
+def run_on(grid: LoopbackGrid, overrides: list[str], run_dir: Path, resume: bool = False) -> dict:
+    exp = Experiment(config.load(None, [*overrides, "runtime.executor=flower"]))
+    exp.federation = FlowerFederation(exp, grid, poll_s=0.01, state_root=str(run_dir / NODES_DIR))
+    return exp.run(run_dir, resume=resume)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["pfedme", "knnper", "fedfomo", "pfedhn", "fedbabu"])
+def test_personalised_evaluation_on_the_nodes_gives_the_sequential_numbers(method, tmp_path):
+    """pFedMe (client_model depends on the node's state), kNN-Per (a predictor on the node's data),
+    FedFomo (other clients' models in the payload), pFedHN (a hypernetwork in the server state),
+    FedBABU (fine-tuning on the node)."""
+    overrides = [*SMALL, f"algorithm.name={method}"]
+    overrides += {"fedbabu": ["algorithm.finetune_epochs=1"], "pfedme": ["algorithm.inner_steps=1"]}.get(method, [])
+    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
+    run_on(LoopbackGrid(3), overrides, tmp_path / "flower")
+    got = metrics(tmp_path / "flower")
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "sequential")]
+    assert all(x["failed_clients"] == [] for x in got)
+
+
+def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
+    grid = LoopbackGrid(3)
+    grid.dead.add(grid.ids[2])
+    grid.broken.add(grid.ids[0])
+    run_on(grid, [*SMALL, "algorithm.name=fedpac", "runtime.flower_timeout_s=0.5"], tmp_path / "r")
+    got = metrics(tmp_path / "r")
+    assert [x["failed_clients"] for x in got] == [[0, 2], [0, 2]]
+    assert all(x["clients"] == 3 and len(x["client_acc"]) == 1 for x in got)  # only client 1 trained, evaluated
+    assert "disk full" in caplog.text and "no reply within 0.5 s" in caplog.text
+
+
+def test_too_few_replies_stop_the_run_with_the_reasons(tmp_path):
+    grid = LoopbackGrid(3)
+    grid.broken.add(grid.ids[1])
+    with pytest.raises(FlowerRoundError, match=r"round 1, training: 2 of 3 clients answered.*disk full"):
+        run_on(grid, [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=0"], tmp_path / "r")
+    assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_node_that_answers_the_greeting_late_joins_at_the_next_phase(tmp_path):
+    grid = LoopbackGrid(3)
+    grid.slow.add(grid.ids[2])
+    exp = Experiment(config.load(None, [*SMALL, "runtime.executor=flower", "runtime.flower_timeout_s=0.3"]))
+    federation = FlowerFederation(exp, grid, poll_s=0.01)
+    federation.start(tmp_path, 0, {})
+    assert federation.nodes == {0: grid.ids[0], 1: grid.ids[1]}
+    grid.release()
+    federation.refresh()  # what every phase does first: no new greeting, the late answer is read
+    assert federation.nodes == {0: grid.ids[0], 1: grid.ids[1], 2: grid.ids[2]}
+
+
+def test_a_crashed_run_resumes_with_the_node_states_of_its_checkpoint(tmp_path, monkeypatch):
+    """SCAFFOLD crashes after its nodes trained round 3 (their round-3 control variates written, the
+    checkpoint still at round 2); resumed as a new Flower run (fresh node contexts: only the nodes'
+    state folders remain), the nodes go back to their round-2 states: the uninterrupted numbers."""
+    from hetfl.algorithms.scaffold import Scaffold
+
+    overrides = [*SMALL, "train.rounds=4", "algorithm.name=scaffold"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "reference")
+    aggregate = Scaffold.aggregate
+
+    def crash_in_round_3(self, server, uploads, round):
+        if round == 3:
+            raise RuntimeError("simulated crash")
+        return aggregate(self, server, uploads, round)
+
+    monkeypatch.setattr(Scaffold, "aggregate", crash_in_round_3)
+    run = tmp_path / "flower"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_on(LoopbackGrid(3), overrides, run)
+    assert [x["round"] for x in metrics(run)] == [1, 2]
+    stale = list((run / NODES_DIR).rglob("round_00003-*.safetensors"))
+    assert len(stale) == 3, "each node kept its round-3 state"
+    monkeypatch.setattr(Scaffold, "aggregate", aggregate)
+    run_on(LoopbackGrid(3), overrides, run, resume=True)
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]
+    assert not any(p.exists() for p in stale), "states of the interrupted session are dropped"
