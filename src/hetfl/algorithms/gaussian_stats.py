@@ -42,8 +42,12 @@ def class_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: 
     sums = torch.zeros(num_classes, d, dtype=torch.float64, device=z.device).index_add_(0, labels, z)
     means = sums / counts.clamp(min=1).unsqueeze(1)
     centred = z - means[labels]
-    outer = torch.einsum("ni,nj->nij", centred, centred)
-    scatter = torch.zeros(num_classes, d, d, dtype=torch.float64, device=z.device).index_add_(0, labels, outer)
+    # one [d, d] product per class present: memory d^2 per class, not n * d^2 (n = 12,800 samples of
+    # 512-d features would be 26 GB as a batch of outer products)
+    scatter = torch.zeros(num_classes, d, d, dtype=torch.float64, device=z.device)
+    for c in torch.unique(labels).tolist():
+        rows = centred[labels == c]
+        scatter[c] = rows.T @ rows
     covs = scatter / (counts - 1).clamp(min=1).view(-1, 1, 1)
     return ClassStats(counts, means, covs)
 

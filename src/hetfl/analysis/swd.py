@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hetfl.algorithms.gaussian_stats import class_statistics
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -96,15 +98,8 @@ class GaussianMixture:
         c = int(num_classes if num_classes is not None else int(y.max()) + 1)
         if y.numel() == 0 or int(y.min()) < 0 or int(y.max()) >= c:
             raise ValueError(f"labels must be nonempty and in [0, {c})")
-        d = z.shape[1]
-        counts = torch.bincount(y, minlength=c).to(torch.float64)
-        means = torch.zeros(c, d, dtype=torch.float64).index_add_(0, y, z) / counts.clamp(min=1).unsqueeze(1)
-        centred = z - means[y]
-        scatter = torch.zeros(c, d, d, dtype=torch.float64).index_add_(
-            0, y, torch.einsum("ni,nj->nij", centred, centred)
-        )
-        covs = scatter / (counts - 1).clamp(min=1).view(-1, 1, 1) + eps * torch.eye(d, dtype=torch.float64)
-        return cls(counts, means, covs)
+        stats = class_statistics(z, y, c)
+        return cls(stats.counts, stats.means, stats.covs + eps * torch.eye(z.shape[1], dtype=torch.float64))
 
 
 def random_directions(
