@@ -16,8 +16,8 @@ algorithm's bytes per round (``bytes_up``/``bytes_down``: tensors as counted by 
 and the bytes Flower actually carried (``flower_bytes_*``: serialised arrays, headers included),
 and whether the three modes give the same metrics (they should, bit for bit).
 
-Default: MNIST, Dirichlet 0.5 over 5 clients, the 2-conv CNN, 3 rounds of 1 local epoch,
-1 torch thread per process. Writes ``benchmarks/results/flower_cpu.{json,md}``.
+Default: MNIST, FedPAC's dominant-class split over 5 clients of 2,000 samples, the 2-conv CNN,
+3 rounds of 1 local epoch, 1 torch thread per process. Writes ``benchmarks/results/flower_cpu.{json,md}``.
 
     python benchmarks/flower_rounds.py --data ../shared/datasets
     python benchmarks/flower_rounds.py --tiny          # a 1-minute check that it runs
@@ -40,7 +40,7 @@ import torch
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 
-BASE = ["data.dataset=mnist", "data.root={data}/mnist", "data.partition=dirichlet", "data.alpha=0.5",
+BASE = ["data.dataset=mnist", "data.root={data}/mnist", "data.partition=dominant", "data.samples_per_client=2000",
         "data.num_clients=5", "model.name=cnn2", "train.rounds=3", "train.local_epochs=1", "train.batch_size=32",
         "train.lr=0.05", "runtime.progress=false", "runtime.flower_timeout_s=900"]
 TINY = ["data.dataset=synthetic", "data.partition=dirichlet", "data.num_clients=3", "model.options={hidden = [16]}",
