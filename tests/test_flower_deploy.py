@@ -102,3 +102,10 @@ def test_a_supernode_killed_mid_run_is_recorded_and_the_run_finishes(federation,
     assert got[0]["failed_clients"] == [] and got[0]["local_steps"] > 0
     assert got[1]["failed_clients"] == [2], log_tail(fed)
     assert got[1]["clients"] == 3 and 0 < got[1]["local_steps"] < got[0]["local_steps"]  # 2 of 3 trained
+
+
+def test_relative_folders_are_made_absolute_for_the_processes(tmp_path, monkeypatch):
+    """The SuperLink runs in the federation's folder: a relative certificate path would point nowhere."""
+    monkeypatch.chdir(tmp_path)
+    tls = generate_tls("tls")
+    assert all(p.is_absolute() and p.exists() for p in (tls.ca, tls.cert, tls.key))

@@ -108,7 +108,7 @@ def generate_tls(folder: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "loc
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    folder = Path(folder)
+    folder = Path(folder).resolve()  # the processes that read these files run in their own folders
     folder.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -212,6 +212,7 @@ class LocalFederation:
         return f"127.0.0.1:{self.superlink_port}"
 
     def start(self) -> LocalFederation:
+        self.workdir = Path(self.workdir).resolve()  # every process runs in it: relative paths would break
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.superlink_port = self.superlink_port or free_port()
         security = (["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert),
