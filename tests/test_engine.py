@@ -172,3 +172,19 @@ def test_saved_client_models_average_to_the_global_model(tmp_path):
         assert torch.allclose(mean, value, atol=1e-6), name
     with pytest.raises(ConfigError, match="runtime.save_client_models"):
         Experiment(quick("runtime.save_client_models=[0]"))
+
+
+def test_a_checkpoint_from_before_a_new_config_key_still_resumes_and_a_changed_key_is_named():
+    """Keys added to hetfl later (with defaults that leave old runs unchanged) must not stop a
+    run from resuming; a real change of configuration is refused, naming the key."""
+    from hetfl.engine.experiment import config_changes
+
+    cfg = config.load(None, ["train.lr=0.1"])
+    saved = config.to_tree(cfg)
+    assert config_changes(saved, cfg) == []
+    older = config.to_tree(cfg)
+    del older["runtime"]["flower_timeout_s"]  # a checkpoint written before this key existed
+    assert config_changes(older, cfg) == []
+    assert config_changes(saved, config.load(None, ["train.lr=0.05"])) == ["train.lr: 0.1 -> 0.05"]
+    gone = {**saved, "runtime": {**saved["runtime"], "retired_key": 1}}
+    assert "no longer valid" in config_changes(gone, cfg)[0] and "retired_key" in config_changes(gone, cfg)[0]

@@ -175,6 +175,32 @@ def check_flower(cfg: RunConfig) -> None:
                           "is not supported with runtime.executor = flower (local models stay on the nodes)")
 
 
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                   {f"{prefix}{key}": value})
+    return out
+
+
+def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
+    """How ``cfg`` differs from the configuration a checkpoint was written with, as
+    ``"key: saved -> now"`` lines (empty: the same run). The saved configuration is read
+    through today's defaults first, so that a key added to hetfl after the checkpoint was
+    written (with a default that leaves old runs unchanged) does not stop them resuming."""
+    if saved is None:
+        return ["the checkpoint records no configuration"]
+    try:
+        saved = config_mod.to_tree(config_mod.from_dict(saved))
+    except ConfigError as err:
+        return [f"the checkpoint's configuration is no longer valid: {err}"]
+    old, new = _flatten(saved), _flatten(config_mod.to_tree(cfg))
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
@@ -327,8 +353,11 @@ class Experiment:
         self.run_dir = run_dir
         reporter = reporter or Reporter()
         ckpt = load_checkpoint(run_dir, self.device) if resume else None
-        if ckpt is not None and ckpt.info.get("config") != config_mod.to_tree(cfg):
-            raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration")
+        if ckpt is not None:
+            changed = config_changes(ckpt.info.get("config"), cfg)
+            if changed:
+                raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
+                                  f"({'; '.join(changed[:5])})")
         run_dir.mkdir(parents=True, exist_ok=True)
         if not resume:
             atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
