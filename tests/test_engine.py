@@ -62,7 +62,16 @@ def test_client_sampling_and_cosine_schedule(tmp_path):
     Experiment(cfg).run(tmp_path / "s")
     lines = metrics(tmp_path / "s")
     assert all(m["clients"] == 5 for m in lines)
-    assert lines[0]["lr"] == cfg.train.lr and lines[-1]["lr"] == pytest.approx(cfg.train.lr_min)
+    # CosineAnnealingLR(T_max=rounds) stepped once per round: the last round still trains
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.train.rounds, eta_min=cfg.train.lr_min)
+    expected = []
+    for _ in lines:
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [m["lr"] for m in lines] == pytest.approx(expected, rel=1e-12)
+    assert lines[0]["lr"] == cfg.train.lr and lines[-1]["lr"] > cfg.train.lr_min
     assert "global_acc" not in lines[0] and "global_acc" in lines[1] and "global_acc" in lines[2]
 
 

@@ -72,7 +72,7 @@ class TrainConfig:
     lr: float = setting(0.05, gt=0.0, doc="client learning rate")
     lr_schedule: str = setting("constant", choices=("constant", "cosine"),
                                doc="client lr over rounds")
-    lr_min: float = setting(0.0, ge=0.0, doc="final lr of the cosine schedule")
+    lr_min: float = setting(0.0, ge=0.0, doc="floor of the cosine schedule (reached after the last round)")
     momentum: float = setting(0.0, ge=0.0, lt=1.0, doc="client SGD momentum")
     weight_decay: float = setting(0.0, ge=0.0, doc="client SGD weight decay")
     max_grad_norm: float = setting(0.0, ge=0.0, doc="clip each client's gradient norm (0 = off)")

@@ -140,10 +140,15 @@ def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
 
 
 def lr_at(cfg: RunConfig, round_: int) -> float:
-    """Client learning rate of a 1-based round under the schedule."""
+    """Client learning rate of a 1-based round under the schedule.
+
+    ``cosine`` is PyTorch's ``CosineAnnealingLR`` with ``T_max = rounds`` stepped once per
+    round, as in FedUV's code: round r trains at ``lr_min + (lr - lr_min)(1 + cos(pi (r-1) / R)) / 2``,
+    so the last round still trains (above ``lr_min``) and ``lr_min`` is where it would go next.
+    """
     t = cfg.train
-    if t.lr_schedule == "cosine" and t.rounds > 1:
-        return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1 + math.cos(math.pi * (round_ - 1) / (t.rounds - 1)))
+    if t.lr_schedule == "cosine":
+        return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1 + math.cos(math.pi * (round_ - 1) / t.rounds))
     return t.lr
 
 
