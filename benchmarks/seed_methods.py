@@ -11,6 +11,19 @@ Suites (each a list of methods run on one partition with the same seed):
   training samples each (20% uniform, 80% from the group's 3 dominant classes),
   FedPAC vs FedAvg vs Local-only (personalised accuracy: FedPAC should beat both).
 
+Suites at each paper's own local-training settings (fewer rounds than the
+papers; the first three above use one shared CPU-sized optimiser instead; FedBR's
+own local training is the ``fedbr-table1`` preset of ``hetfl reproduce``):
+
+- ``feduv_paper``: CIFAR-10 copy, Dirichlet alpha 0.05, 10 clients, MOON's
+  simple CNN, FedUV's optimiser (SGD lr 0.01, momentum 0.9, wd 1e-5, batch
+  128, cosine decay over rounds), 2 local epochs, 20 rounds: FedAvg vs FedUV,
+  as in the authors' code (L_U on raw features) and with L_U on L2-normalised
+  features (``algorithm.normalize``, the paper's hypersphere).
+- ``fedpac_paper``: FedPAC's split with FedPAC's CNN and optimiser (20 clients
+  x 600 samples, batch 50, lr 0.02, momentum 0.5, wd 5e-4), 2 local epochs,
+  30 rounds: FedPAC vs FedAvg vs Local-only.
+
 Writes ``benchmarks/results/seed_methods_<device>.json`` and ``.md`` with the
 accuracies, their differences to the baseline and the time per round.
 
@@ -22,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 from pathlib import Path
 from statistics import mean, pstdev
 
@@ -42,17 +56,46 @@ DOMINANT = ["data.dataset=cifar10", "data.root={data}/cifar10-jpeg.tar.gz", "dat
             "train.local_epochs=2", "train.batch_size=50", "train.lr=0.02", "train.momentum=0.5",
             "train.weight_decay=5e-4"]
 
+FEDUV_PAPER = ["data.dataset=cifar10", "data.root={data}/cifar10-jpeg.tar.gz", "data.partition=dirichlet",
+               "data.alpha=0.05", "data.num_clients=10", "model.name=simple_cnn", "train.rounds=20",
+               "train.local_epochs=2", "train.batch_size=128", "train.lr=0.01", "train.momentum=0.9",
+               "train.weight_decay=1e-5", "train.lr_schedule=cosine", "train.eval_every=5"]
+FEDPAC_PAPER = ["data.dataset=cifar10", "data.root={data}/cifar10-jpeg.tar.gz", "data.partition=dominant",
+                "data.num_clients=20", "data.samples_per_client=600", "data.test_per_client=300",
+                "model.name=fedpac_cnn", "train.rounds=30", "train.local_epochs=2", "train.batch_size=50",
+                "train.lr=0.02", "train.momentum=0.5", "train.weight_decay=5e-4", "train.eval_every=5"]
+
 SUITES: dict[str, tuple[list[str], str, str, list[str]]] = {
     # name: (base overrides, metric, baseline, methods)
     "mnist": (MNIST, "final_global_acc", "fedavg", ["fedavg", "fedavg+ccvr", "feduv", "fedbr"]),
     "cifar10": (CIFAR, "final_global_acc", "fedavg", ["fedavg", "fedavg+ccvr", "feduv", "fedbr"]),
     "dominant": (DOMINANT, "final_client_acc_mean", "fedavg", ["fedavg", "local", "fedpac"]),
+    "feduv_paper": (FEDUV_PAPER, "final_global_acc", "fedavg", ["fedavg", "feduv", "feduv[normalize=true]"]),
+    "fedpac_paper": (FEDPAC_PAPER, "final_client_acc_mean", "fedavg", ["fedavg", "local", "fedpac"]),
 }
 
 
+def parse_method(spec: str) -> tuple[str, list[str]]:
+    """``"feduv[normalize=true,mu=0]"`` -> ``("feduv", ["algorithm.normalize=true", "algorithm.mu=0"])``:
+    a method with some of its settings changed, as one row of a suite."""
+    name, _, options = spec.partition("[")
+    if not options:
+        return name, []
+    if not options.endswith("]"):
+        raise ValueError(f"method {spec!r}: expected NAME or NAME[key=value,...]")
+    return name, [f"algorithm.{kv.strip()}" for kv in options[:-1].split(",") if kv.strip()]
+
+
+def run_folder(spec: str, seed: int) -> str:
+    """Run folder of a method spec: ``feduv[normalize=true]`` -> ``feduv-normalize-true-seed0``."""
+    name = re.sub(r"[^A-Za-z0-9_.]+", "-", spec).strip("-")
+    return f"{name}-seed{seed}"
+
+
 def run_one(base: list[str], method: str, seed: int, runs: Path, data: str, collect_only: bool = False) -> dict | None:
-    overrides = [o.format(data=data) for o in base] + [f"algorithm.name={method}", f"seed={seed}"]
-    run_dir = runs / f"{method.replace('+', '-')}-seed{seed}"
+    name, options = parse_method(method)
+    overrides = [o.format(data=data) for o in base] + [f"algorithm.name={name}", *options, f"seed={seed}"]
+    run_dir = runs / run_folder(method, seed)
     if collect_only or (run_dir / "summary.json").exists():  # a finished run is read, never re-run
         if not (run_dir / "summary.json").exists():
             return None
