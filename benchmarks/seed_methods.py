@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 from pathlib import Path
@@ -107,6 +108,8 @@ def run_one(base: list[str], method: str, seed: int, runs: Path, data: str, coll
     out = {k: summary.get(k) for k in ("final_global_acc", "final_client_acc_mean", "wall_time_s", "rounds")}
     out["final_global_acc_before_ccvr"] = summary.get("final_global_acc_before_ccvr")
     out["seconds_per_round"] = summary["wall_time_s"] / summary["rounds"]
+    losses = [json.loads(line)["train_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out["diverged_round"] = next((i + 1 for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     out["command"] = "hetfl run " + " ".join(f"--set {o}" for o in overrides)
     print(method, seed, json.dumps({k: v for k, v in out.items() if k != "command"}), flush=True)
     return out
@@ -163,6 +166,8 @@ def markdown(machine: dict, suites: dict) -> str:
             spr = mean(r["seconds_per_round"] for r in row["runs"])
             before = row["runs"][0].get("final_global_acc_before_ccvr")
             note = f" (before CCVR {100 * before:.2f}%)" if before is not None else ""
+            diverged = [r["diverged_round"] for r in row["runs"] if r.get("diverged_round")]
+            note += f" (diverged: train loss inf/NaN from round {diverged[0]})" if diverged else ""
             lines.append(f"| {method} | {100 * mean(values):.2f}% ± {100 * pstdev(values):.2f}{note} | "
                          f"{100 * (mean(values) - base):+.2f} | {spr:.1f} |")
         lines += ["", "Command of the baseline run: `" + body["rows"][baseline]["runs"][0]["command"] + "`", ""]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -73,6 +74,17 @@ def test_client_sampling_and_cosine_schedule(tmp_path):
     assert [m["lr"] for m in lines] == pytest.approx(expected, rel=1e-12)
     assert lines[0]["lr"] == cfg.train.lr and lines[-1]["lr"] > cfg.train.lr_min
     assert "global_acc" not in lines[0] and "global_acc" in lines[1] and "global_acc" in lines[2]
+
+
+def test_a_diverging_run_is_named_in_the_log_and_the_summary(tmp_path, caplog):
+    Experiment(quick("train.lr=1e39")).run(tmp_path / "bad")  # steps past float32: inf, then NaN
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    first = next(m["round"] for m in metrics(tmp_path / "bad") if not math.isfinite(m["train_loss"]))
+    assert summary["diverged_round"] == first
+    warnings = [r.message for r in caplog.records if "training diverged" in r.message]
+    assert len(warnings) == 1 and f"from round {first}" in warnings[0]
+    Experiment(quick()).run(tmp_path / "good")
+    assert json.loads((tmp_path / "good" / "summary.json").read_text())["diverged_round"] is None
 
 
 @pytest.mark.slow

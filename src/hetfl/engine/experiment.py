@@ -397,6 +397,10 @@ class Experiment:
                 metrics_file.write(json.dumps(line) + "\n")
                 metrics_file.flush()
                 history.append(line)
+                if not math.isfinite(line["train_loss"]) and all(math.isfinite(m["train_loss"]) for m in history[:-1]):
+                    self.note(f"training diverged: the train loss is {line['train_loss']} from round {round_} on "
+                              "(summary.json: diverged_round); try a lower train.lr or train.max_grad_norm",
+                              reporter)
                 every = cfg.runtime.checkpoint_every
                 if every and (round_ % every == 0 or round_ == cfg.train.rounds):
                     info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall}
@@ -618,6 +622,8 @@ def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp
         summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
         summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)
     summary["final_train_loss"] = history[-1]["train_loss"] if history else None
+    diverged = [m["round"] for m in history if not math.isfinite(m["train_loss"])]
+    summary["diverged_round"] = diverged[0] if diverged else None  # first round with an inf/NaN train loss
     summary["config"] = config_mod.to_tree(cfg)
     return summary
 
