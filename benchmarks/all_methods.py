@@ -28,7 +28,7 @@ import platform
 from pathlib import Path
 
 import torch
-from seed_methods import run_one
+from seed_methods import run_one, run_threads
 
 from hetfl.algorithms import available
 
@@ -62,7 +62,7 @@ def main() -> None:
         if result is not None:
             rows[method] = result
     machine = {"device": device, "cpu": platform.processor() or platform.machine(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+               "threads": run_threads(args.set), "torch": torch.__version__}
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(machine, rows, args.data))
@@ -86,6 +86,8 @@ def markdown(machine: dict, rows: dict, data: str) -> str:
             continue
         before = row.get("final_global_acc_before_ccvr")
         extra = f" (before CCVR {pct(before)})" if before is not None else ""
+        if row.get("diverged_round"):
+            extra += f" (diverged: train loss NaN/inf from round {row['diverged_round']})"
         lines.append(f"| {method} | {pct(row.get('final_global_acc'))}{extra} | "
                      f"{pct(row.get('final_client_acc_mean'))} | {row['seconds_per_round']:.1f} |")
     command = "hetfl run " + " ".join(f"--set {o.format(data=data)}" for o in BASE) + " --set algorithm.name=METHOD"

@@ -115,6 +115,15 @@ def run_one(base: list[str], method: str, seed: int, runs: Path, data: str, coll
     return out
 
 
+def run_threads(overrides: list[str]) -> int:
+    """Torch threads each run used: ``runtime.threads`` when the runs were given it, else this process's."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "runtime.threads" and int(value) > 0:
+            return int(value)
+    return torch.get_num_threads()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", default="../shared/datasets")
@@ -143,23 +152,23 @@ def main() -> None:
             if done:
                 rows[method] = {"metric": [r[metric] for r in done], "runs": done}
         if baseline in rows:
-            suites[suite + args.tag] = {"metric": metric, "baseline": baseline, "seeds": args.seeds, "rows": rows}
-    machine = {"device": device, "cpu": platform.processor() or platform.machine(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+            suites[suite + args.tag] = {"metric": metric, "baseline": baseline, "seeds": args.seeds, "rows": rows,
+                                        "threads_per_run": run_threads(args.set)}
+    machine = {"device": device, "cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
     out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "suites": suites}, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(machine, suites))
 
 
 def markdown(machine: dict, suites: dict) -> str:
-    lines = [f"# Seed methods against their baselines ({machine['device']}, {machine['threads']} threads, "
-             f"torch {machine['torch']})", "",
+    lines = [f"# Seed methods against their baselines ({machine['device']}, torch {machine['torch']})", "",
              "What came out as the papers say and what did not, with the reasons found: "
              "`seed_methods_findings.md`.", ""]
     for suite, body in suites.items():
         metric, baseline = body["metric"], body["baseline"]
         base = mean(body["rows"][baseline]["metric"])
-        lines += [f"## {suite}: {metric}, seeds {body['seeds']}", "",
+        threads = f", {body['threads_per_run']} torch thread(s) per run" if "threads_per_run" in body else ""
+        lines += [f"## {suite}: {metric}, seeds {body['seeds']}{threads}", "",
                   f"| method | {metric} (mean ± std) | vs {baseline} | s/round |", "|---|---|---|---|"]
         for method, row in body["rows"].items():
             values = row["metric"]

@@ -68,7 +68,11 @@ class FedUVHyper:
     mu: weight μ of L_U (0.5 in the paper).
     bandwidth: "paper" divides by 2σ (eq. 4), "code" by σ (the authors' code).
     normalize: L2-normalise the features before L_U (the paper's hypersphere
-        view; the authors' code does not).
+        view; its Eq. 4 and the authors' code use the raw features). Recommended
+        under strong label skew: on raw features L_U's gradient has an outward
+        radial part (the bandwidth is held constant within a step), the features
+        grow without bound where CE is easy (one-class clients) and training can
+        diverge (benchmarks/results/seed_methods_findings.md).
     eps: the std in L_V is ``sqrt(var + eps)`` (1e-4 as VICReg): without it a
         batch whose class probabilities do not vary has an infinite gradient.
     """
