@@ -51,7 +51,11 @@ class PFedMeHyper:
 
     lam: lambda, the Moreau-envelope regularisation (15).
     inner_steps: K, gradient steps of the inner problem per local step (5).
-    personal_lr: step size of the inner problem (0.1).
+    personal_lr: step size of the inner problem (0.1, the authors' value for their MNIST MLP).
+        Plain gradient steps on ``f + lam/2 ||theta - w||^2`` are stable only while
+        ``personal_lr * (L + lam) < 2`` (L: the loss's curvature): with lam = 15 a CNN
+        diverges at 0.1 (cnn2 on MNIST, benchmarks/results/all_methods_cpu.md) and learns
+        at 0.01.
     beta: server mixing, ``w <- (1 - beta) w + beta mean(w_i)`` (1.0: FedAvg-style averaging).
     The outer step size is the run's ``train.lr`` (the authors use 0.005 on MNIST:
     ``eta * lam`` must stay below 1).
