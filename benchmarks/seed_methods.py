@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import re
 from pathlib import Path
@@ -43,7 +42,7 @@ from statistics import mean, pstdev
 import torch
 
 from hetfl import config
-from hetfl.engine.experiment import Experiment
+from hetfl.engine.experiment import Experiment, diverged_round
 
 MNIST = ["data.dataset=mnist", "data.root={data}/mnist", "data.partition=dirichlet", "data.alpha=0.05",
          "data.num_clients=10", "model.name=cnn2", "train.rounds=8", "train.local_epochs=1",
@@ -108,8 +107,8 @@ def run_one(base: list[str], method: str, seed: int, runs: Path, data: str, coll
     out = {k: summary.get(k) for k in ("final_global_acc", "final_client_acc_mean", "wall_time_s", "rounds")}
     out["final_global_acc_before_ccvr"] = summary.get("final_global_acc_before_ccvr")
     out["seconds_per_round"] = summary["wall_time_s"] / summary["rounds"]
-    losses = [json.loads(line)["train_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    out["diverged_round"] = next((i + 1 for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out["diverged_round"] = diverged_round([json.loads(line) for line in lines])  # summaries before the key
     out["command"] = "hetfl run " + " ".join(f"--set {o}" for o in overrides)
     print(method, seed, json.dumps({k: v for k, v in out.items() if k != "command"}), flush=True)
     return out

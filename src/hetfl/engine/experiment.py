@@ -397,7 +397,7 @@ class Experiment:
                 metrics_file.write(json.dumps(line) + "\n")
                 metrics_file.flush()
                 history.append(line)
-                if not math.isfinite(line["train_loss"]) and all(math.isfinite(m["train_loss"]) for m in history[:-1]):
+                if not math.isfinite(line["train_loss"]) and diverged_round(history) == round_:
                     self.note(f"training diverged: the train loss is {line['train_loss']} from round {round_} on "
                               "(summary.json: diverged_round); try a lower train.lr or train.max_grad_norm",
                               reporter)
@@ -602,6 +602,11 @@ def truncate_metrics(path: Path, last_round: int) -> list[dict[str, Any]]:
     return kept
 
 
+def diverged_round(history: list[dict[str, Any]]) -> int | None:
+    """The first round whose train loss is inf or NaN (``metrics.jsonl`` lines), or None."""
+    return next((m["round"] for m in history if not math.isfinite(m["train_loss"])), None)
+
+
 def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
     evaluated = [m for m in history if "client_acc_mean" in m]
     summary: dict[str, Any] = {
@@ -622,8 +627,7 @@ def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp
         summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
         summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)
     summary["final_train_loss"] = history[-1]["train_loss"] if history else None
-    diverged = [m["round"] for m in history if not math.isfinite(m["train_loss"])]
-    summary["diverged_round"] = diverged[0] if diverged else None  # first round with an inf/NaN train loss
+    summary["diverged_round"] = diverged_round(history)
     summary["config"] = config_mod.to_tree(cfg)
     return summary
 
