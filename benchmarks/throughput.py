@@ -6,6 +6,9 @@
 (b) hetfl's sequential executor; (c) hetfl's vectorised executor (on a CPU it
     trains clients one at a time: see ``vmap_cpu_profile.py``), and (c') the same
     with the clients vmapped anyway (``runtime.vmap_on_cpu``; only on a CPU);
+    On CUDA, (c) also runs with each stage's steady-state step captured as a CUDA
+    graph (``runtime.cuda_graph``: "graph") and with that in bfloat16 autocast
+    ("graph_bf16"); c/a, c/b and c/d use the fastest of the vectorised variants.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation).
 
@@ -131,6 +134,7 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true", help="skip (a) (slow on CPU)")
     parser.add_argument("--augment", default="none", choices=("none", "auto", "crop_flip", "flip"),
                         help="hetfl's data.augment (the peer loop never augments: none compares like with like)")
+    parser.add_argument("--no-graph", action="store_true", help="on CUDA, skip the CUDA-graph variants")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,6 +152,9 @@ def main() -> None:
                             "vectorized": ["runtime.executor=vectorized"]}
                 if device == "cpu":
                     variants["vmap"] = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
+                elif not args.no_graph:
+                    variants["graph"] = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
+                    variants["graph_bf16"] = [*variants["graph"], "train.precision=bf16"]
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
                     res[name] = hetfl_round(exp)
@@ -171,30 +178,38 @@ def main() -> None:
         for k, v in vars(args).items() if k not in ("out", "data") and v not in (False, None))
     entries.append({"machine": machine, "command": command, "dataset": args.dataset, "rows": rows})
     stem.with_suffix(".json").write_text(json.dumps(entries, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render(entries, device))
+
+
+def render(entries: list[dict], device: str) -> str:
+    """The Markdown tables of all recorded entries, each with its reading (a ``reading``
+    string added to the entry by whoever interpreted the run)."""
     lines = [f"# Client-training throughput ({device})", "",
              "Samples/s of local training (whole round incl. evaluation in brackets); ratios of training rates.", ""]
     for e in entries:
         lines += [f"`{e['command']}` on {e['machine']['device']} ({e['machine']['threads']} threads, torch "
-                  f"{e['machine']['torch']}), {e['dataset']}", "",
-                  "| model | clients | batch | (a) peer | (b) sequential | (c) vectorized | (c') vmap on CPU "
-                  "| (d) ceiling | c/a | c/b | c'/b | c/d |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{e['machine']['torch']}), {e['dataset']}", ""]
+        variants = [v for v in COLUMNS if any(v in r["train_samples_per_s"] for r in e["rows"])]
+        lines += ["| model | clients | batch | " + " | ".join(COLUMNS[v] for v in variants)
+                  + " | best (c) | c/a | c/b | c/d |", "|---" * (len(variants) + 7) + "|"]
         for r in e["rows"]:
             t, w = r["train_samples_per_s"], r["round_samples_per_s"]
-
-            def cell(k: str, t=t, w=w) -> str:
-                return f"{t[k]:,.0f} ({w[k]:,.0f})" if k in t else "-"
-
-            ca = f"{t['vectorized'] / t['peer']:.2f}" if "peer" in t else "-"
-            lines.append(f"| {r['model']} | {r['clients']} | {r['batch_size']} | {cell('peer')} | "
-                         f"{cell('sequential')} | {cell('vectorized')} | {cell('vmap')} | {cell('ceiling')} | {ca} | "
-                         f"{t['vectorized'] / t['sequential']:.2f} | {vmap_ratio(t)} | "
-                         f"{t['vectorized'] / t['ceiling']:.2f} |")
+            best = max((v for v in VECTORIZED if v in t), key=lambda v: t[v])
+            cells = [f"{t[v]:,.0f} ({w[v]:,.0f})" if v in t else "-" for v in variants]
+            ca = f"{t[best] / t['peer']:.2f}" if "peer" in t else "-"
+            lines.append(f"| {r['model']} | {r['clients']} | {r['batch_size']} | {' | '.join(cells)} | {best} | "
+                         f"{ca} | {t[best] / t['sequential']:.2f} | {t[best] / t['ceiling']:.2f} |")
         lines.append("")
-    stem.with_suffix(".md").write_text("\n".join(lines))
+        if e.get("reading"):
+            lines += [e["reading"], ""]
+    return "\n".join(lines)
 
 
-def vmap_ratio(rates: dict[str, float]) -> str:
-    return f"{rates['vmap'] / rates['sequential']:.2f}" if "vmap" in rates else "-"
+COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c) vectorized",
+           "vmap": "(c') vmap on CPU", "graph": "(c) + CUDA graph", "graph_bf16": "(c) + graph, bf16",
+           "ceiling": "(d) ceiling"}
+# the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
+VECTORIZED = ("vectorized", "graph", "graph_bf16")
 
 
 if __name__ == "__main__":

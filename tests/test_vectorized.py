@@ -42,7 +42,8 @@ def round_contexts(exp: Experiment, server, clients, round_: int):
     return ctxs
 
 
-def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int = 0) -> None:
+def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int = 0, step_mode: str = "eager",
+                      notes: list[str] | None = None) -> None:
     """Train round ``rounds_before + 1``'s clients both ways from the same state and compare."""
     server, _, _ = exp.setup_round(exp.initial_server())
     clients: dict = {}
@@ -52,10 +53,10 @@ def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int =
     round_ = rounds_before + 1
     seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
            for ctx in round_contexts(exp, server, clients, round_)]
-    notes: list[str] = []
+    notes = [] if notes is None else notes
     vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, round_), exp.data,
                                    seed=exp.cfg.seed, train_cfg=exp.cfg.train, chunk_size=chunk_size,
-                                   log=notes.append)
+                                   step_mode=step_mode, log=notes.append)
     assert not [n for n in notes if "falling back" in n], notes
     assert len(seq) == len(vec)
     for a, b in zip(seq, vec, strict=True):

@@ -88,7 +88,11 @@ class RuntimeConfig:
     executor: str = setting("sequential", choices=("sequential", "vectorized", "flower"),
                             doc="clients one after another, a round's clients as one vmapped computation, "
                                 "or the clients on Flower's simulation engine (pip install \"hetfl[flower]\")")
-    chunk_size: int = setting(0, ge=0, doc="vectorized: most clients trained at once (0 = all of a round)")
+    chunk_size: int = setting(0, ge=0, doc="vectorized: most clients trained at once (0 = as many as fit in the "
+                                           "free GPU memory, halved on running out; all of a round on a CPU)")
+    cuda_graph: bool = setting(False, doc="vectorized on CUDA: capture each stage's steady-state step as a CUDA "
+                                          "graph (one launch per step), checked against an eager step once; "
+                                          "falls back to eager steps with a logged reason")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")

@@ -54,6 +54,9 @@ class FederatedData:
             for idx, perm in zip(self.client_train, partition.label_perm, strict=True):
                 train_y[idx] = torch.as_tensor(np.asarray(perm), dtype=torch.long)[train_y[idx]]
         self.train_x, self.train_y = train_x.to(device), train_y.to(device)
+        # index lists on the CPU too: a step's batch indices of all its clients are assembled
+        # there and moved to the device in one copy (not one small copy per client)
+        self.client_train_cpu = self.client_train
         self.client_train = [idx.to(device) for idx in self.client_train]
         self.transformed = partition.rotation is not None or partition.label_perm is not None
         self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
@@ -106,7 +109,8 @@ class FederatedData:
         """One batch of each of ``clients``, concatenated in order: client ``clients[i]``'s
         samples ``local_idx[i]``, augmented with draws from ``augment_gens[i]`` (each
         client's draws are exactly those of a batch gathered on its own)."""
-        idx = torch.cat([self.client_train[c][li.to(self.device)] for c, li in zip(clients, local_idx, strict=True)])
+        idx = torch.cat([self.client_train_cpu[c][li.cpu()] for c, li in zip(clients, local_idx, strict=True)])
+        idx = idx.to(self.device, non_blocking=True)
         x = self.train_x[idx]
         if self.augment != "none":
             pairs = zip(local_idx, augment_gens, strict=True)
@@ -115,7 +119,8 @@ class FederatedData:
             padding = self.padding if self.augment == "crop_flip" else 0
             if padding == 0:
                 dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
-            x = apply_crop_flip(x, dx.to(self.device), dy.to(self.device), flips.to(self.device), padding)
+            dx, dy, flips = torch.stack([dx, dy, flips.long()]).to(self.device, non_blocking=True)
+            x = apply_crop_flip(x, dx, dy, flips.bool(), padding)
         return Batch(self.prepare(x), self.train_y[idx])
 
     def client_train_split(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:

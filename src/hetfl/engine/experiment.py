@@ -251,6 +251,7 @@ class Experiment:
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
+        self.chunk_sizes: dict = {}  # vectorized: clients at once per group structure, found in round 1
         self.run_dir: Path | None = None
         # where the clients' side runs: None = in this process (sequential / vectorized executors);
         # a hetfl.flower federation sends it to Flower nodes (hetfl/flower/server.py)
@@ -511,9 +512,14 @@ class Experiment:
             self.note("vectorized: clients are trained one at a time on the CPU, which is faster there than vmap "
                       "(set runtime.vmap_on_cpu = true to vmap them anyway)", reporter)
         if self.vmap_clients:
+            graph = cfg.runtime.cuda_graph and self.data.device.type == "cuda"
+            if cfg.runtime.cuda_graph and not graph:
+                self.note("vectorized: runtime.cuda_graph applies on a CUDA device only; steps run eagerly", reporter)
             results = train_clients_vectorized(self.algorithm, ctxs, self.data, seed=cfg.seed, train_cfg=cfg.train,
                                                chunk_size=cfg.runtime.chunk_size,
-                                               log=lambda message: self.note(message, reporter))
+                                               step_mode="graph" if graph else "eager",
+                                               log=lambda message: self.note(message, reporter),
+                                               memo=self.chunk_sizes)
             for _ in results:
                 reporter.client_done()
             return results

@@ -67,10 +67,13 @@ def functional_grad(objective: Objective, trainable: Tensors) -> tuple[Tensors, 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """The forward pass's autocast context: none for ``fp32``, bfloat16 autocast for ``bf16``
-    (matrix products and convolutions in bfloat16, reductions and losses in float32)."""
+    (matrix products and convolutions in bfloat16, reductions and losses in float32).
+
+    The cache of casted weights is off: a captured CUDA graph must not reuse casts made
+    before its capture, and each weight is cast once per step anyway."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def sgd_step(
