@@ -385,7 +385,7 @@ def test_pfedhn_hypernetwork_gradient_is_the_vector_jacobian_product(chunk_size)
     # independent: autograd of <theta(phi, v), theta_generated - theta_local>
     net = {k: t.detach().clone().requires_grad_() for k, t in algo.hypernetwork(server).items()}
     embed = server.extra["pfedhn.embed"].detach().clone().requires_grad_()
-    theta = algo.generate(net, embed[2])
+    theta = algo.generate(net, embed[2], algo.scales(server))
     inner = sum((theta[n] * (payload[n] - local[n])).sum() for n in PARAMS)
     expected = torch.autograd.grad(inner, [*net.values(), embed])
     g_net, g_embed = algo.gradients(server, Upload(2, upload, 10, 3))
@@ -422,6 +422,32 @@ def test_pfedhn_initialisation_is_deterministic_and_small_for_real_models():
         assert size < 1_000_000, (name, size)
         generated = algo.generate(algo.hypernetwork(ServerState(model={}, extra=extra)), extra["pfedhn.embed"][0])
         assert all(generated[n].shape == p.shape for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("output_scale", ["init", "none"])
+def test_pfedhn_output_scale_starts_each_generated_tensor_at_its_targets_initial_rms(output_scale):
+    """Unscaled, the hypernetwork emits every tensor at RMS ~0.1 whatever its fan-in (the 2-conv
+    CNN's 1024-input layer is initialised at 0.018): the generated CNN's logits start far too large.
+    Scaled, each tensor's RMS over the clients equals its target's initial RMS."""
+    from hetfl.models import build_model
+    from hetfl.models.base import param_groups
+
+    model = build_model("cnn2", (1, 28, 28), 10)
+    setup = Setup(ModelCaller(model), param_groups(model), 20, 10, [10] * 20, tiny_setup().train, 0)
+    algo = build_algorithm("pfedhn", {"output_scale": output_scale}, setup)
+    server = ServerState(model={}, extra=algo.init_hypernetwork(torch.device("cpu")))
+    generated = [algo.generated_model(server, c) for c in range(20)]
+    for name, p in model.named_parameters():
+        rms = (sum(float(g[name].pow(2).mean()) for g in generated) / 20) ** 0.5
+        target = float(p.detach().pow(2).mean().sqrt())
+        if output_scale == "init":
+            assert rms == pytest.approx(target, rel=1e-4), name
+        else:
+            assert 0.03 < rms < 0.3, (name, rms)  # the same spread for every tensor
+    if output_scale == "none":  # the fan-in 1024 layer starts 5x or more above its own init
+        weight = next(n for n, p in model.named_parameters() if p.dim() == 2 and p.shape[1] > 1000)
+        unscaled = (sum(float(g[weight].pow(2).mean()) for g in generated) / 20) ** 0.5
+        assert unscaled > 5 * float(dict(model.named_parameters())[weight].detach().pow(2).mean().sqrt())
 
 
 # ------------------------------------------------------------------ settings

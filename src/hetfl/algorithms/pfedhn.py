@@ -32,6 +32,25 @@ they are averaged over the uploads into the server's model, as FedAvg.
 Everything is initialised from generators derived from the run seed:
 embeddings and chunk embeddings ``N(0, 1)`` (``nn.Embedding``), linear layers
 ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` (``nn.Linear``).
+
+Output scale. Initialised this way, the hypernetwork emits every target tensor
+with about the same spread (RMS ~0.1), whatever the tensor's fan-in, as the
+authors' per-tensor heads do: the 2-conv CNN's 1024-input layer is initialised
+at RMS ~0.018, so a generated CNN starts with logits far too large. At the
+authors' local lr (0.005) that is harmless; at lr 0.05 local SGD overflows
+(NaN from round 1 on the 2-conv CNN, MNIST dominant split). With
+``output_scale = "init"`` each generated tensor is multiplied by a constant
+fixed at initialisation, ``rms(target's own init) / rms(generated at init,
+over all clients)``, so every generated model starts at its architecture's
+initial scale (in the spirit of hyperfan initialisation, Chang et al., ICLR
+2020); zero-initialised tensors (BatchNorm biases) take their module's
+weight's scale. The constants live in ``ServerState.extra`` and are not
+trained. The price: a tensor scaled by ``s`` moves ``s**2`` as fast under
+the same server step. Measured (2-conv CNN, MNIST dominant split, 20 clients,
+10 rounds, clients' accuracy): unscaled at local lr 0.005, 69.5%; scaled at
+lr 0.05, 52.2% (unscaled: NaN); scaled at lr 0.005, 19.0%. Default ``"none"``
+(the paper's hypernetwork); ``"init"`` lets pFedHN run at a larger shared
+local lr.
 """
 
 from __future__ import annotations
@@ -49,6 +68,7 @@ from hetfl.params import setting
 HN = "pfedhn.hn/"  # server: hypernetwork tensors
 MOMENTUM = "pfedhn.momentum/"  # server: their momentum buffers
 EMBED, EMBED_MOMENTUM = "pfedhn.embed", "pfedhn.embed_momentum"  # server: [N, E] client embeddings
+SCALE = "pfedhn.scale/"  # server: fixed output scale of each generated tensor (output_scale = "init")
 DELTA = "pfedhn.delta/"  # upload: theta_local - theta_generated
 STREAM = 0x48594E  # "HYN": keeps pFedHN's initialisation draws apart from other methods'
 
@@ -70,6 +90,8 @@ class PFedHNHyper:
     server_momentum: SGD momentum of the server update (0.9).
     server_weight_decay: weight decay of the server update (1e-3).
     max_grad_norm: clip the server gradient's norm (50; 0 = off).
+    output_scale: "none" (default, the paper) or "init": each generated tensor
+        scaled to its target's initial RMS (hetfl's option; see the module doc).
     """
 
     embed_dim: int = setting(0, ge=0, doc="client embedding size (0 = 1 + num_clients/4)")
@@ -82,6 +104,9 @@ class PFedHNHyper:
     server_momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="server SGD momentum")
     server_weight_decay: float = setting(1e-3, ge=0.0, doc="server SGD weight decay")
     max_grad_norm: float = setting(50.0, ge=0.0, doc="clip the server gradient norm (0 = off)")
+    output_scale: str = setting("none", choices=("none", "init"),
+                                doc="scale each generated tensor to its target's initial RMS (init: stable at a "
+                                    "larger local lr, learns slower) or not (none, the paper)")
 
 
 def linear_init(out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +131,7 @@ class PFedHN(Algorithm):
         self.embed_dim = hyper.embed_dim or int(1 + setup.num_clients / 4)
         size = hyper.chunk_size
         self.chunks = {n: math.ceil(math.prod(s) / size) if size else 0 for n, s in self.shapes.items()}
+        self.target_rms = {n: float(p.detach().float().pow(2).mean().sqrt()) for n, p in module.named_parameters()}
 
     # ------------------------------------------------------- hypernetwork
     def init_hypernetwork(self, device: torch.device) -> Tensors:
@@ -125,10 +151,35 @@ class PFedHN(Algorithm):
             for n, shape in self.shapes.items():
                 net[f"head.{n}.weight"], net[f"head.{n}.bias"] = linear_init(math.prod(shape), h, gen)
         embed = torch.randn(self.setup.num_clients, self.embed_dim, generator=gen)
-        return {**{HN + k: v.to(device) for k, v in net.items()}, EMBED: embed.to(device)}
+        scales = self.output_scales(net, embed) if hp.output_scale == "init" else {}
+        return {**{HN + k: v.to(device) for k, v in net.items()}, EMBED: embed.to(device),
+                **{SCALE + n: v.to(device) for n, v in scales.items()}}
 
-    def generate(self, net: Tensors, embedding: torch.Tensor) -> Tensors:
-        """Target parameters ``h(v; phi)`` from hypernetwork tensors ``net`` (names without prefix)."""
+    def output_scales(self, net: Tensors, embed: torch.Tensor) -> Tensors:
+        """Per target tensor, ``rms(target init) / rms(generated at init)`` (over all clients);
+        a zero-initialised tensor takes its module's weight's scale (else 1)."""
+        with torch.no_grad():
+            generated = [self.generate(net, e) for e in embed]
+        scales: dict[str, float] = {}
+        for n in self.shapes:
+            rms = math.sqrt(sum(float(g[n].pow(2).mean()) for g in generated) / len(generated))
+            if self.target_rms[n] > 0 and rms > 0:
+                scales[n] = self.target_rms[n] / rms
+        for n in self.shapes:
+            if n not in scales:
+                scales[n] = scales.get(n.rsplit(".", 1)[0] + ".weight", 1.0)
+        return {n: torch.tensor(v) for n, v in scales.items()}
+
+    def generate(self, net: Tensors, embedding: torch.Tensor, scales: Tensors | None = None) -> Tensors:
+        """Target parameters ``h(v; phi)`` from hypernetwork tensors ``net`` (names without prefix),
+        each multiplied by its output scale when ``scales`` has one."""
+        raw = self.generate_raw(net, embedding)
+        if not scales:
+            return raw
+        return {n: t * scales[n] for n, t in raw.items()}
+
+    def generate_raw(self, net: Tensors, embedding: torch.Tensor) -> Tensors:
+        """``h(v; phi)`` before the output scale."""
         r = embedding
         for i in range(self.hp.n_hidden + 1):
             r = F.linear(r, net[f"body.{i}.weight"], net[f"body.{i}.bias"])
@@ -151,10 +202,13 @@ class PFedHN(Algorithm):
     def hypernetwork(self, server: ServerState) -> Tensors:
         return {k.removeprefix(HN): v for k, v in server.extra.items() if k.startswith(HN)}
 
+    def scales(self, server: ServerState) -> Tensors:
+        return {k.removeprefix(SCALE): v for k, v in server.extra.items() if k.startswith(SCALE)}
+
     def generated_model(self, server: ServerState, client_id: int) -> Tensors:
         """Client ``client_id``'s target model: generated parameters, the server's buffers."""
         with torch.no_grad():
-            params = self.generate(self.hypernetwork(server), server.extra[EMBED][client_id])
+            params = self.generate(self.hypernetwork(server), server.extra[EMBED][client_id], self.scales(server))
         return {**{n: server.model[n] for n in self.model.buffer_names}, **params}
 
     def gradients(self, server: ServerState, upload: Upload) -> tuple[Tensors, torch.Tensor]:
@@ -162,7 +216,7 @@ class PFedHN(Algorithm):
         net = {k: t.detach().requires_grad_() for k, t in self.hypernetwork(server).items()}
         embedding = server.extra[EMBED][upload.client_id].detach().requires_grad_()
         with torch.enable_grad():
-            theta = self.generate(net, embedding)
+            theta = self.generate(net, embedding, self.scales(server))
             names = list(self.shapes)
             grads = torch.autograd.grad([theta[n] for n in names], [*net.values(), embedding],
                                         grad_outputs=[-upload.tensors[DELTA + n] for n in names])

@@ -225,10 +225,11 @@ class VectorizedGroup:
                     index = None if len(rows) == k else torch.tensor(rows, device=device)
                     new, sub_opt, sub_adv, loss, metrics = self.stage_step(
                         stage, state, select(opt, None, index), select(adv_opt, None, index), batch, index, t == 0)
-                    # in place: a captured step reads these very tensors
-                    write_rows_(state, new, index)
-                    write_rows_(opt, sub_opt, index)
-                    write_rows_(adv_opt, sub_adv, index)
+                    # in place once a captured step reads these very tensors
+                    rebind = static is None or static.graph is None
+                    write_rows_(state, new, index, rebind)
+                    write_rows_(opt, sub_opt, index, rebind)
+                    write_rows_(adv_opt, sub_adv, index, rebind)
                     for key, value in {"": loss, **metrics}.items():
                         add_rows(sums, key, value, index, k)
         loss_sum = sums.pop("")
@@ -374,8 +375,13 @@ class StaticStep:
 GRAPH_CHECK_ATOL = 1e-5
 
 
-def write_rows_(full: Tensors, part: Tensors, index: torch.Tensor | None) -> None:
-    """Write ``part`` into the rows ``index`` of ``full``'s tensors (all rows when None), in place."""
+def write_rows_(full: Tensors, part: Tensors, index: torch.Tensor | None, rebind: bool = False) -> None:
+    """Write ``part`` into the rows ``index`` of ``full``'s tensors, in place. All rows (index
+    None) with ``rebind``: ``full``'s entries become ``part``'s tensors (no copy), for tensors
+    no captured graph reads."""
+    if index is None and rebind:
+        full.update(part)
+        return
     for name, value in part.items():
         if index is None:
             full[name].copy_(value)
