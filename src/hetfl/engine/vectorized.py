@@ -206,6 +206,7 @@ class VectorizedGroup:
             adversary = stage.adversary
             adv_opt = sgd_init({n: state[n] for n in adversary.trainable}, adversary.sgd) if adversary else {}
             static: StaticStep | None = None
+            use_static = self.step_mode != "eager"  # until this stage's capture fails
             for t in range(max((len(s) for s in schedules), default=0)):
                 by_size: dict[int, list[int]] = {}
                 for row, schedule in enumerate(schedules):
@@ -215,13 +216,13 @@ class VectorizedGroup:
                     for r in rows:
                         steps[r] += 1
                     batch = self.gather(rows, t, schedules, stage)
-                    if t > 0 and size == self.batch_size and self.step_mode != "eager":
+                    if t > 0 and size == self.batch_size and use_static:
                         if static is None:
                             static = StaticStep.build(self, stage, state, opt, adv_opt, sums, batch, rows)
                         if static is not None:
                             static.run(batch, rows)
                             continue
-                        self.step_mode = "eager"  # could not be captured: the reason is logged
+                        use_static = False  # could not be captured (the reason is logged): eager steps
                     index = None if len(rows) == k else torch.tensor(rows, device=device)
                     new, sub_opt, sub_adv, loss, metrics = self.stage_step(
                         stage, state, select(opt, None, index), select(adv_opt, None, index), batch, index, t == 0)
