@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the suite's runs (e.g. train.rounds=60)")
     parser.add_argument("--tag", default="", help="suffix of the suite's name in the results (variants)")
+    parser.add_argument("--methods", nargs="+", help="only these of the suite's methods (default: all)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -145,6 +146,8 @@ def main() -> None:
         base = [*base, *args.set]
         rows = {}
         for method in methods:
+            if args.methods and method not in args.methods:
+                continue
             per_seed = [run_one(base, method, s, Path(args.runs) / (suite + args.tag), args.data, args.collect_only)
                         for s in args.seeds]
             done = [r for r in per_seed if r is not None]
