@@ -71,9 +71,12 @@ def run_variant(name: str, run_dir: Path, overrides: list[str], budget_s: float)
         except subprocess.TimeoutExpired:
             print(f"{name}: stopped after {budget_s:.0f} s; run again to resume", flush=True)
         wall = time.perf_counter() - t0
-        rounds_s = sum(line["round_time_s"] for line in read_metrics(run_dir))
-        startup_s = round(wall - rounds_s, 2) if (run_dir / "summary.json").exists() and not resume else None
-    return summarise(name, run_dir, startup_s)
+        if (run_dir / "summary.json").exists() and not resume:
+            startup_s = wall  # minus the rounds' own time, below
+    result = summarise(name, run_dir)
+    if startup_s is not None:
+        result["startup_s"] = round(startup_s - result["wall_s"], 2)
+    return result
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -83,7 +86,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(name: str, run_dir: Path, startup_s: float | None) -> dict:
+def summarise(name: str, run_dir: Path) -> dict:
     lines = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     round_s = [line["round_time_s"] for line in lines]
@@ -92,17 +95,17 @@ def summarise(name: str, run_dir: Path, startup_s: float | None) -> dict:
         "variant": name, "rounds_done": len(lines), "finished": bool(summary),
         "median_round_s": statistics.median(round_s) if round_s else None,
         "median_eval_s": statistics.median(eval_s) if eval_s else None,
-        "wall_s": sum(round_s), "startup_s": startup_s,
+        "wall_s": sum(round_s), "startup_s": None, "round_s": round_s,
         "acc": [line.get("global_acc") for line in lines],
         "final_global_acc": summary.get("final_global_acc"),
         "final_global_acc_before_ccvr": summary.get("final_global_acc_before_ccvr"),
     }
 
 
-def time_to(result: dict, target: float, rounds_s: list[float]) -> tuple[int, float] | None:
+def time_to(result: dict, target: float) -> tuple[int, float] | None:
     """(round, cumulative seconds) at which the global accuracy first reaches ``target``."""
     total = 0.0
-    for i, (acc, s) in enumerate(zip(result["acc"], rounds_s, strict=True)):
+    for i, (acc, s) in enumerate(zip(result["acc"], result["round_s"], strict=True)):
         total += s
         if acc is not None and acc >= target:
             return i + 1, total
@@ -131,11 +134,10 @@ def main() -> None:
     for name in args.variants:
         run_dir = Path(args.runs) / f"{tag}_{name}"
         result = run_variant(name, run_dir, [*setting(args), *VARIANTS[name]], deadline - time.perf_counter())
-        rounds_s = [line["round_time_s"] for line in read_metrics(run_dir)]
-        reached = time_to(result, args.target, rounds_s)
+        reached = time_to(result, args.target)
         result["target_round"], result["target_wall_s"] = reached if reached else (None, None)
         results.append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "acc"}), flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("acc", "round_s")}), flush=True)
     machine = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                "threads": torch.get_num_threads(), "torch": torch.__version__}
     command = (f"python benchmarks/ccvr_time_to_accuracy.py --variants {' '.join(args.variants)} --alpha {args.alpha} "
