@@ -1,0 +1,185 @@
+"""Mutation testing of the methods' mathematical cores with mutmut.
+
+Each target is one source file and the test files that are meant to catch a
+wrong formula in it. For every target the script copies the repository's
+``src``, ``tests``, ``configs`` and ``pyproject.toml`` into a scratch folder
+beside the repository, appends a ``[tool.mutmut]`` section that mutates only
+that file and runs only those tests, runs ``mutmut run`` there, and records
+per mutant whether a test failed (killed) or not (survived). Results go to
+``benchmarks/results/mutation/``: ``summary.json``, ``mutation.md`` (kill rate
+per file) and ``<target>.survivors.txt`` (the diff of every surviving mutant,
+to be killed by a new test or explained as equivalent in
+``benchmarks/results/mutation/equivalent.md``).
+
+Not part of the test suite (minutes per file). One command, from the
+repository root, after ``pip install -e ".[test,mutation]"``::
+
+    python benchmarks/mutation.py                 # every target
+    python benchmarks/mutation.py --only feduv    # one target
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "mutation"
+
+# mutmut's exit-code meanings (mutmut.stats.status_by_exit_code)
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "killed",
+          None: "not checked"}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    source: str
+    tests: tuple[str, ...]
+
+
+TARGETS = (
+    # the four seed methods
+    Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/test_feduv.py",)),
+    Target("fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/test_fedbr.py",)),
+    Target("fedpac", "src/hetfl/algorithms/fedpac.py", ("tests/test_fedpac.py",)),
+    Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py", ("tests/test_simplex_qp.py", "tests/test_fedpac.py")),
+    Target("ccvr", "src/hetfl/algorithms/ccvr.py", ("tests/test_ccvr.py",)),
+    Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
+           ("tests/test_gaussian_stats.py", "tests/test_ccvr.py")),
+    # the baselines' update rules
+    Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/test_baselines.py",)),
+    Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/test_baselines.py",)),
+    Target("scaffold", "src/hetfl/algorithms/scaffold.py", ("tests/test_baselines.py",)),
+    Target("feddyn", "src/hetfl/algorithms/feddyn.py", ("tests/test_baselines.py",)),
+    Target("fednova", "src/hetfl/algorithms/fednova.py", ("tests/test_baselines.py",)),
+    Target("moon", "src/hetfl/algorithms/moon.py", ("tests/test_baselines.py",)),
+)
+
+
+def extra_tests(target: Target) -> tuple[str, ...]:
+    """Test files written for a target beyond its main one (``tests/test_<name>_*.py``, ``test_baseline_math.py``)."""
+    found = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob(f"test_{target.name}_*.py"))
+    if target.source.split("/")[-1].removesuffix(".py") in {"fedprox", "fedavgm", "scaffold", "feddyn", "fednova",
+                                                            "moon"}:
+        found += [str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_baseline_math.py")]
+    return tuple(t for t in found if t not in target.tests)
+
+
+def prepare(target: Target, workdir: Path) -> None:
+    """A scratch copy of the repository whose pyproject mutates only ``target.source``."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    for name in ("src", "tests", "configs"):
+        shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shared = REPO.parent / "shared"
+    if shared.exists():  # tests find ../shared relative to their own folder, which mutmut moves into mutants/
+        (workdir / "shared").symlink_to(shared)
+    tests = [*target.tests, *extra_tests(target)]
+    section = (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["src/hetfl"]\n'
+        f'only_mutate = ["{target.source}"]\n'
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-x"]\n'
+        'process_isolation = "forkserver"\n'
+    )
+    (workdir / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + section)
+
+
+def run_target(target: Target, workdir: Path, children: int) -> dict:
+    prepare(target, workdir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    started = dt.datetime.now()
+    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=workdir,
+                          env=env, capture_output=True, text=True)
+    seconds = (dt.datetime.now() - started).total_seconds()
+    meta_path = workdir / "mutants" / (target.source + ".meta")
+    if proc.returncode != 0 or not meta_path.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"mutmut failed on {target.source} (exit {proc.returncode}):\n{tail}")
+    codes = json.loads(meta_path.read_text())["exit_code_by_key"]
+    statuses = {key: STATUS.get(code, "suspicious") for key, code in codes.items()}
+    survivors = sorted(k for k, s in statuses.items() if s == "survived")
+    diffs = []
+    for key in survivors:
+        shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=workdir, env=env,
+                               capture_output=True, text=True)
+        diffs.append(shown.stdout.strip())
+    counts: dict[str, int] = {}
+    for s in statuses.values():
+        counts[s] = counts.get(s, 0) + 1
+    killed, total = counts.get("killed", 0), len(statuses)
+    checked = total - counts.get("not checked", 0) - counts.get("no tests", 0)
+    return {"target": target.name, "source": target.source, "tests": [*target.tests, *extra_tests(target)],
+            "mutants": total, "counts": counts, "survivors": survivors, "diffs": diffs,
+            "kill_rate": killed / checked if checked else None, "seconds": round(seconds, 1)}
+
+
+def write_results(results: dict[str, dict]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for name, r in results.items():
+        text = f"# surviving mutants of {r['source']} (tests: {', '.join(r['tests'])})\n\n"
+        (RESULTS / f"{name}.survivors.txt").write_text(text + "\n\n".join(r["diffs"]) + "\n")
+    summary = {name: {k: v for k, v in r.items() if k != "diffs"} for name, r in results.items()}
+    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+            "date": dt.date.today().isoformat(), "command": "python benchmarks/mutation.py"}
+    (RESULTS / "summary.json").write_text(json.dumps({"meta": meta, "targets": summary}, indent=2) + "\n")
+    lines = ["# Mutation testing (mutmut): kill rate per file", "",
+             f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}). A mutant is killed when one "
+             "of the target's tests fails on it. Survivors are listed, with their diffs, in "
+             "`<target>.survivors.txt`; those judged equivalent (no test can tell them apart) are explained "
+             "in `equivalent.md`.", "",
+             "| file | tests | mutants | killed | survived | other | kill rate | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary.values():
+        c = r["counts"]
+        other = r["mutants"] - c.get("killed", 0) - c.get("survived", 0)
+        rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
+        lines.append(f"| `{r['source']}` | {', '.join(f'`{t}`' for t in r['tests'])} | {r['mutants']} | "
+                     f"{c.get('killed', 0)} | {c.get('survived', 0)} | {other} | {rate} | {r['seconds']} |")
+    (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", help="target name (repeatable); default: all")
+    parser.add_argument("--children", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="mutants tested at once")
+    parser.add_argument("--workdir", type=Path, default=REPO.parent / ".hetfl-mutation",
+                        help="scratch folder for the copies (removed per target before use)")
+    args = parser.parse_args(argv)
+    names = {t.name for t in TARGETS}
+    unknown = set(args.only or []) - names
+    if unknown:
+        parser.error(f"--only {sorted(unknown)}: unknown; targets are {', '.join(sorted(names))}")
+    chosen = [t for t in TARGETS if not args.only or t.name in args.only]
+    old = RESULTS / "summary.json"
+    results: dict[str, dict] = {}
+    if old.exists():  # keep other targets' earlier results when re-running some
+        for name, r in json.loads(old.read_text())["targets"].items():
+            survivors_file = RESULTS / f"{name}.survivors.txt"
+            diffs = survivors_file.read_text().split("\n\n")[1:] if survivors_file.exists() else []
+            results[name] = {**r, "diffs": [d.strip() for d in diffs if d.strip()]}
+    for target in chosen:
+        print(f"{target.name}: mutating {target.source} ...", flush=True)
+        results[target.name] = r = run_target(target, args.workdir / target.name, args.children)
+        print(f"  {r['mutants']} mutants, {r['counts']}, {r['seconds']} s", flush=True)
+    order = [t.name for t in TARGETS]
+    write_results({n: results[n] for n in order if n in results})
+    print(f"results: {RESULTS / 'mutation.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
