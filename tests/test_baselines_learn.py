@@ -15,6 +15,7 @@ import pytest
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
+from tests.helpers import needs_shared_data
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 BASE = [
@@ -28,7 +29,7 @@ METHODS = [
 ]
 PERSONALISED = {"local", "fedpac"}
 
-pytestmark = pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+pytestmark = needs_shared_data
 
 
 @pytest.mark.parametrize("method", METHODS)

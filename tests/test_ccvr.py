@@ -13,7 +13,7 @@ from hetfl.algorithms import build_posthoc, hyperparameters
 from hetfl.algorithms.base import FEATURE_BETA, ServerState, relu_tukey
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
-from tests.helpers import initial_state, tiny_setup
+from tests.helpers import initial_state, needs_shared_data, tiny_setup
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 SKEWED = [
@@ -65,7 +65,7 @@ def test_calibration_replaces_only_the_classifier_and_records_the_transform():
     assert FEATURE_BETA not in plain.apply(server, replies, 1)[0].model
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 @pytest.mark.parametrize("trainer", ["fedavg", "moon"])
 def test_ccvr_composes_and_raises_accuracy_under_label_skew(trainer, tmp_path):
     cfg = config.load(None, [*SKEWED, f"algorithm.name={trainer}+ccvr"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +15,7 @@ from hetfl.algorithms.base import CLASSIFIER_NORM, Batch, ServerState
 from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import sgd_step
-from tests.helpers import context, initial_state, tiny_setup
+from tests.helpers import context, initial_state, needs_shared_data, tiny_setup
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 X = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
@@ -107,7 +106,7 @@ def test_calibrating_a_clsnorm_model_starts_from_its_normalised_rows():
         assert torch.allclose(setup.model.logits(new.model, X), setup.model.logits(server.model, X), atol=1e-5)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 def test_every_round_calibration_and_side_study_trainers_run(tmp_path):
     base = ["data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dirichlet",
             "data.alpha=0.1", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [64]}",

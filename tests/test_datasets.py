@@ -32,6 +32,7 @@ from hetfl.data.datasets import (
 )
 from hetfl.data.datasets import cache as cache_mod
 from hetfl.data.datasets.common import IMAGENET_NORM
+from tests.helpers import needs_shared_data
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 PIL = pytest.importorskip("PIL.Image")
@@ -669,7 +670,7 @@ def test_synthetic_heterogeneity_and_statistics():
 
 
 # ---------------------------------------------------------------- real data
-@pytest.mark.skipif(not (SHARED / "mnist").is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 def test_real_mnist(tmp_path):
     ds = load_dataset("mnist", SHARED / "mnist", download=False, cache_dir=tmp_path)
     assert len(ds.train) == 60000 and len(ds.test) == 10000
@@ -684,7 +685,7 @@ def cifar_jpeg_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="needs ../shared/datasets/cifar10-jpeg")
+@needs_shared_data
 def test_real_cifar10_jpeg(cifar_jpeg_cache, monkeypatch):
     tarball = SHARED / "cifar10-jpeg.tar.gz"
     ds = load_dataset("cifar10", tarball, download=False, cache_dir=cifar_jpeg_cache)

@@ -17,7 +17,7 @@ from hetfl.algorithms.base import Batch, ClientContext, Upload
 from hetfl.algorithms.fedetf import BETA, ETF, LOG_COUNTS, PROJ_B, PROJ_W, balanced_softmax_loss, simplex_etf
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
-from tests.helpers import MNIST, SMALL_MNIST, initial_state, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
+from tests.helpers import MNIST, SMALL_MNIST, initial_state, needs_shared_data, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_vectorized import SYNTHETIC, compare_one_round
 
 
@@ -152,7 +152,7 @@ def test_vectorised_equals_sequential():
     compare_one_round(exp)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 def test_fedetf_learns_global_and_personalised(tmp_path):
     cfg = config.load(None, [*SMALL_MNIST, "algorithm.name=fedetf", "algorithm.pers_cycles=2",
                              "algorithm.pers_epochs=1", "train.eval_every=3"])

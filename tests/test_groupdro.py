@@ -26,7 +26,7 @@ from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import sgd_step
 from hetfl.params import ConfigError
-from tests.helpers import MNIST, SMALL_MNIST, initial_state, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
+from tests.helpers import MNIST, SMALL_MNIST, initial_state, needs_shared_data, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_vectorized import SYNTHETIC, compare_one_round
 
 
@@ -184,7 +184,7 @@ def test_vectorised_equals_sequential(groups):
     compare_one_round(exp)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 @pytest.mark.parametrize("groups", ["classes", "clients"])
 def test_groupdro_learns(groups, tmp_path):
     cfg = config.load(None, [*SMALL_MNIST, "algorithm.name=groupdro", f"algorithm.groups={groups}"])

@@ -21,6 +21,7 @@ import torch
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
+from tests.helpers import needs_shared_data
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 BASE = [
@@ -33,7 +34,7 @@ BASE = [
 WITH_GLOBAL = ["fedavg_ft", "ditto", "apfl", "fedrod", "pfedme", "knnper"]
 PERSONALISED = ["fedper", "fedrep", "lgfedavg", "fedfomo", "pfedhn"]
 
-pytestmark = pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+pytestmark = needs_shared_data
 
 
 @pytest.fixture(autouse=True)

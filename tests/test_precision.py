@@ -16,13 +16,14 @@ from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
+from tests.helpers import needs_shared_data
 from tests.test_vectorized import round_contexts
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 BASE = ["data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
         "data.num_clients=3", "data.samples_per_client=200", "model.name=cnn2", "train.batch_size=32",
         "train.lr=0.05", "runtime.progress=false", "runtime.device=cpu", "runtime.checkpoint_every=0"]
-pytestmark = pytest.mark.skipif(not (MNIST / "train-images-idx3-ubyte.gz").exists(), reason="needs MNIST")
+pytestmark = needs_shared_data
 
 
 def first_round(precision: str, executor: str = "sequential"):

@@ -23,10 +23,10 @@ import torch
 from hetfl import config
 from hetfl.engine.experiment import Experiment, Reporter
 from hetfl.models import MODELS
+from tests.helpers import needs_shared_data
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
-pytestmark = pytest.mark.skipif(not (MNIST / "train-images-idx3-ubyte.gz").exists()
-                                and not (MNIST / "train-images-idx3-ubyte").exists(), reason="needs MNIST")
+pytestmark = needs_shared_data
 SEED_METHODS = ("fedavg+ccvr", "feduv", "fedbr", "fedpac")
 BIG_MODELS = {"resnet18": "feduv", "resnet50": "fedpac", "mobilenetv2": "fedbr", "vgg11": "fedavg+ccvr",
               "cct": "feduv"}

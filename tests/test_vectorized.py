@@ -23,6 +23,7 @@ from hetfl.algorithms import available
 from hetfl.engine.experiment import Experiment, Reporter, lr_at
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
+from tests.helpers import needs_shared_data
 
 MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 ATOL = 1e-4
@@ -99,7 +100,7 @@ def test_sampled_clients_and_step_mode():
     compare_one_round(exp, rounds_before=2)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 @pytest.mark.parametrize(("model", "options"), [("resnet18", "{norm = \"bn\"}"), ("resnet18", "{norm = \"gn\"}"),
                                                 ("cnn2", "{}")])
 def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):

@@ -16,7 +16,7 @@ from hetfl.algorithms.base import Batch, ClientContext, Upload
 from hetfl.algorithms.vhl import HEAD, PICK, VIRTUAL_X, VIRTUAL_Y, generate_virtual, supervised_contrastive_loss
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
-from tests.helpers import MNIST, SMALL_MNIST, initial_state, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
+from tests.helpers import MNIST, SMALL_MNIST, initial_state, needs_shared_data, one_thread, perturbed, tiny_setup  # noqa: F401 (one_thread: autouse fixture)
 from tests.test_vectorized import SYNTHETIC, compare_one_round
 
 
@@ -207,7 +207,7 @@ def test_vectorised_equals_sequential():
     compare_one_round(exp)
 
 
-@pytest.mark.skipif(not MNIST.is_dir(), reason="needs ../shared/datasets/mnist")
+@needs_shared_data
 def test_vhl_learns(tmp_path):
     cfg = config.load(None, [*SMALL_MNIST, "algorithm.name=vhl", "algorithm.num_virtual=500"])
     summary = Experiment(cfg).run(tmp_path)
