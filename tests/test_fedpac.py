@@ -1,16 +1,140 @@
-"""FedPAC's statistics, classifier combination and personalised heads."""
+"""FedPAC's statistics, centroids, classifier combination and personalised heads, against golden
+values from the authors' code.
+
+Golden values: JianXu95/FedPAC at commit 7cf08f3e22ac209789757253d8a679791c96db86, functions
+``LocalUpdate_FedPAC.statistics_extraction`` / ``prior_label`` / ``size_label`` /
+``get_local_protos`` (methods/fedpac.py) and ``protos_aggregation``, ``get_head_agg_weight``,
+``agg_classifier_weighted_p`` (tools.py), transcribed into a scratch script outside this
+repository (torch.eig, removed from torch, replaced by numpy's eig) and run with cvxpy 1.9.3
+(solver CLARABEL; cvxpy's default OSQP gives weights within 2.3e-6) on the fixed input built by
+:func:`features` and :func:`heads` below (float32, as the authors). Weights are the code's
+thresholded weights divided by their sum, as ``agg_classifier_weighted_p`` does.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from hetfl.algorithms import build_algorithm
-from hetfl.algorithms.base import Upload
-from hetfl.algorithms.fedpac import CENTROIDS, HAS_CENTROID, combination_weights, feature_statistics
-from tests.helpers import context, initial_state, perturbed, tiny_setup
+from hetfl.algorithms import fedpac as fedpac_module
+from hetfl.algorithms.base import Batch, ModelCaller, Setup, Upload
+from hetfl.algorithms.fedpac import (
+    CENTROIDS,
+    HAS_CENTROID,
+    class_means,
+    combination_weights,
+    feature_statistics,
+    qp_matrix,
+    threshold_weights,
+)
+from hetfl.algorithms.simplex_qp import SimplexQPResult, drop_small_eigenvalues
+from hetfl.config import TrainConfig
+from tests.helpers import context, initial_state, one_thread, perturbed, tiny_setup  # noqa: F401
+
+C, D = 3, 5
+LABELS = [[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 2, 2], [2, 2, 2, 2, 2, 2, 0]]
+
+# ---- golden values (authors' code, see the module docstring) ----
+V = [3.80847168, 3.06143757, 3.68221576, 9.72303626]
+H = [
+    [[1.71875, 0.78125, 0.65625, 0.75, 0.65625], [0.21875, 1.40625, 0.5, 0.5, 0.40625],
+     [0.5625, 0.3125, 1.875, 0.34375, 0.21875]],
+    [[1.82500005, 0.925000012, 0.675000012, 0.725000024, 0.75],
+     [0.325000018, 0.975000024, 0.275000006, 0.300000012, 0.25],
+     [0.400000036, 0.574999988, 2.2750001, 0.425000012, 0.425000012]],
+    [[0, 0, 0, 0, 0], [1.03571439, 3.82142854, 1.32142866, 1.17857146, 1],
+     [0.357142866, 0.428571463, 2.10714293, 0.25, 0.464285731]],
+    [[1.42857146, 0.857142925, 0.285714298, 0.0714285746, 0.214285731], [0, 0, 0, 0, 0],
+     [2.28571439, 2.42857146, 13.1428566, 2.64285707, 2.71428585]],
+]
+# global centroids from the clients' features after "training" (features(..., shift=0.5))
+CENTROIDS_GOLDEN = [[4.30000019, 2.3499999, 1.70000005, 1.77499998, 1.92499995],
+                    [1.46111107, 5.50555563, 2.07777786, 2.09444451, 1.91666663],
+                    [2.17692304, 2.37307692, 11.4153843, 2.49615383, 2.67307687]]
+# row i: client i's combination weights; client 2's weight 6.9e-4 on client 3 is thresholded away
+ALPHA = [[0.401692533, 0.465473335, 0.132834132, 0], [0.384029176, 0.542741614, 0.045922226, 0.0273069839],
+         [0.128766752, 0.0552719876, 0.81596126, 0], [0, 0.0646657434, 0, 0.935334257]]
+HEAD_W = [
+    [[-0.276952833, 0.0980471671, -0.516083658, -0.141083658, -0.0483561978],
+     [0.348047137, -0.266083658, 0.108916342, 0.20164381, -0.276952833],
+     [-0.0160836503, 0.0766438022, 0.451643795, -0.0269528553, 0.348047137]],
+    [[-0.170414925, 0.146557748, -0.631768167, -0.256768167, 0.0206470825],
+     [0.396557719, -0.381768197, -0.00676818704, 0.270647079, -0.170414925],
+     [-0.131768182, 0.145647064, 0.520647109, 0.0215577111, 0.396557719]],
+    [[-0.414025217, -0.0390252285, 0.218521804, 0.593521774, -0.76539588],
+     [0.210974768, 0.468521804, 0.843521833, -0.51539588, -0.414025217],
+     [0.718521774, -0.64039588, -0.26539588, -0.164025232, 0.210974768]],
+    [[0.959583938, -0.653001368, -0.415416062, -0.0404160917, 0.334583879],
+     [-0.403001368, -0.165416092, 0.209583923, 0.584583938, 0.959583938],
+     [0.0845839083, 0.459583908, 0.834583938, -0.778001368, -0.403001368]],
+]
+HEAD_B = [[-0.117686473, -0.199528128, 0.134429201], [-0.054156255, -0.266716987, 0.175880224],
+          [-0.254555702, 0.176354319, -0.343597263], [0.483833581, -0.266166449, 0.233833566]]
+# indefinite case: statistics 0.05 * H, variances (0.004, 0.02, -0.001, 0.03). Client 2's matrix has
+# eigenvalue < 0 and is repaired (eigen-components < 0.01 dropped); the others are left as they are.
+V_INDEFINITE = [0.004, 0.02, -0.001, 0.03]
+P_REPAIRED = [[0.0368878879, 0.0366837159, 0, 0.0333378501], [0.0366837159, 0.0621257387, 0, 0.0528635271],
+              [0, 0, 0, 0], [0.0333378501, 0.0528635271, 0, 0.437534958]]
+ALPHA_INDEFINITE = [[0.734144584, 0.15401479, 0.110443847, 0.00139677938], [0.770638469, 0.190145268, 0, 0.0392162625],
+                    [0, 0, 1, 0], [0.0104702333, 0.0587796978, 0.00723231197, 0.923517757]]
 
 
+def features(client: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pinned input: client ``client``'s features [n, 5] and labels (exact small rationals)."""
+    labels = LABELS[client]
+    n = len(labels)
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(D).unsqueeze(0)
+    x = ((i * 7 + j * 3 + client * 5) ** 2 % 13).float() / 4.0
+    y = torch.tensor(labels)
+    x[torch.arange(n), y] += 2.0 * (y.float() + 1)
+    x = x * (2.0 if client == 3 else 1.0)
+    return x + shift * (j.float() + 1) / D, y
+
+
+def heads(client: int) -> dict[str, torch.Tensor]:
+    k = torch.arange(C).unsqueeze(1)
+    j = torch.arange(D).unsqueeze(0)
+    w = ((client * 11 + k * 5 + j * 3) % 17).float() / 8.0 - 1.0
+    b = ((client * 3 + torch.arange(C) * 7) % 5).float() / 4.0 - 0.5
+    return {"classifier.weight": w, "classifier.bias": b}
+
+
+def golden_statistics(scale: float = 1.0) -> tuple[list[torch.Tensor], list[float]]:
+    stats = [feature_statistics(*features(c), num_classes=C) for c in range(4)]
+    return [scale * h for h, _ in stats], [v for _, v in stats]
+
+
+class Net5(nn.Module):
+    """4 -> 5 encoder, 5 -> 3 classifier: the shapes of the pinned input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, D)
+        self.classifier = nn.Linear(D, C)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def forward(self, x, return_features: bool = False):
+        z = self.features(x)
+        logits = self.classifier(z)
+        return (z, logits) if return_features else logits
+
+
+def net5_setup() -> Setup:
+    model = Net5()
+    names = [n for n, _ in model.named_parameters()]
+    groups = {part: [n for n in names if n.startswith(part + ".")] for part in ("encoder", "classifier")}
+    return Setup(ModelCaller(model), groups, num_clients=4, num_classes=C, client_sizes=[len(y) for y in LABELS],
+                 train=TrainConfig(), seed=0)
+
+
+# ------------------------------------------------------------------ statistics (client step 1)
 def test_feature_statistics_by_hand():
     z = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 2.0]])
     y = torch.tensor([0, 0, 1, 1])
@@ -21,13 +145,184 @@ def test_feature_statistics_by_hand():
     assert v == pytest.approx(2.5 / 4)
 
 
+def test_feature_statistics_match_the_authors_code():
+    h, v = golden_statistics()
+    for c in range(4):
+        assert v[c] == pytest.approx(V[c], rel=1e-6)
+        assert torch.allclose(h[c], torch.tensor(H[c], dtype=torch.float64), atol=1e-6)
+
+
+# ------------------------------------------------------------------ the QP (server)
+def test_qp_matrix_is_variance_plus_bias_gram():
+    h, v = golden_statistics()
+    p = qp_matrix(h, v, 1)
+    j1, j2 = 0, 3
+    bias = sum(float((h[1][k] - h[j1][k]) @ (h[1][k] - h[j2][k])) for k in range(C))
+    assert float(p[j1, j2]) == pytest.approx(bias, rel=1e-12)
+    assert float(p[2, 2]) == pytest.approx(v[2] + float(((h[1] - h[2]) ** 2).sum()), rel=1e-12)
+    assert float(p[1, 1]) == pytest.approx(v[1], rel=1e-12)  # no bias against itself
+
+
+def test_combination_weights_match_the_authors_code():
+    h, v = golden_statistics()
+    for i in range(4):
+        alpha = combination_weights(h, v, i)
+        assert torch.allclose(alpha, torch.tensor(ALPHA[i], dtype=torch.float64), atol=1e-6), (i, alpha)
+    # client 2's exact optimum keeps 6.9e-4 on client 3: the authors' threshold (1e-3) removes it
+    exact = combination_weights(h, v, 2, min_weight=0.0)
+    assert 5e-4 < float(exact[3]) < 1e-3 and abs(float(exact.sum()) - 1) < 1e-12
+
+
+def test_repair_of_an_indefinite_matrix_matches_the_authors_code():
+    h, _ = golden_statistics(scale=0.05)
+    repaired, changed = drop_small_eigenvalues(qp_matrix(h, V_INDEFINITE, 2), 0.01)
+    assert changed and torch.allclose(repaired, torch.tensor(P_REPAIRED, dtype=torch.float64), atol=1e-8)
+    same, changed = drop_small_eigenvalues(qp_matrix(h, V_INDEFINITE, 0), 0.01)  # PSD: left alone
+    assert not changed and torch.equal(same, qp_matrix(h, V_INDEFINITE, 0))
+    for i in range(4):
+        alpha = combination_weights(h, V_INDEFINITE, i)
+        assert torch.allclose(alpha, torch.tensor(ALPHA_INDEFINITE[i], dtype=torch.float64), atol=5e-6), (i, alpha)
+
+
+def test_threshold_zeroes_small_weights_and_renormalises():
+    alpha = torch.tensor([0.5, 0.0009, 0.001, 0.4981], dtype=torch.float64)
+    out = threshold_weights(alpha, 1e-3)
+    assert out.tolist() == pytest.approx([0.5 / 0.9981, 0.0, 0.0, 0.4981 / 0.9981])  # <= 1e-3 goes, as the code
+    assert threshold_weights(torch.full((4,), 0.25, dtype=torch.float64), 0.3) is None
+    assert torch.equal(threshold_weights(alpha, 0.0), alpha / alpha.sum())
+
+
 def test_identical_clients_share_equally_and_unique_ones_keep_their_own():
     h = [torch.ones(3, 2) for _ in range(4)]
     alpha = combination_weights(h, [1.0] * 4, 0)
     assert torch.allclose(alpha, torch.full((4,), 0.25, dtype=torch.float64), atol=1e-8)
     far = [torch.zeros(3, 2)] + [torch.full((3, 2), 100.0) for _ in range(3)]
     alpha = combination_weights(far, [1e-3] * 4, 0)
-    assert alpha[0] > 0.99
+    assert alpha.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("failure", ["not converged", "nan"])
+def test_no_solution_keeps_the_clients_own_classifier(monkeypatch, failure):
+    def broken(p, *args, **kwargs):
+        n = p.shape[0]
+        if failure == "nan":
+            return SimplexQPResult(torch.full((n,), float("nan"), dtype=torch.float64), float("nan"), 1, True)
+        return SimplexQPResult(torch.full((n,), 1.0 / n, dtype=torch.float64), 0.0, 1000, False)
+
+    monkeypatch.setattr(fedpac_module, "solve_simplex_qp", broken)
+    h, v = golden_statistics()
+    assert combination_weights(h, v, 2).tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+# ------------------------------------------------------------------ client hooks
+def client_context(algo, server, client: int):
+    """Client ``client``'s context whose ``features`` give the pinned features under the received
+    model and the shifted ones ("after training") under any other encoder."""
+    payload = algo.payload(server, client)
+    ctx = context(client, payload, algo.init_client_state(client, server))
+
+    def feats(state):
+        trained = not torch.equal(state["encoder.weight"], payload["encoder.weight"])
+        return features(client, shift=0.5 if trained else 0.0)
+
+    ctx.features = feats
+    return ctx
+
+
+def test_client_statistics_before_training_and_centroids_after():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    for c in range(4):
+        ctx = client_context(algo, server, c)
+        ctx.extras = algo.begin(ctx)
+        assert float(ctx.extras["v"]) == pytest.approx(V[c], rel=1e-6)
+        assert torch.allclose(ctx.extras["h"], torch.tensor(H[c], dtype=torch.float64), atol=1e-6)
+        local = dict(algo.start_state(ctx))
+        local["encoder.weight"] = local["encoder.weight"] + 1.0  # "trained"
+        upload, _ = algo.finish(ctx, local, steps=1)
+        counts, means = class_means(*features(c, shift=0.5), C)
+        assert torch.equal(upload["fedpac.counts"], counts) and torch.allclose(upload[CENTROIDS], means)
+        assert torch.equal(upload["fedpac.h"], ctx.extras["h"])  # statistics of the received model
+        assert torch.equal(upload["encoder.weight"], local["encoder.weight"])
+
+
+def test_alignment_targets_global_centroids_else_own_class_means():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    server.extra[CENTROIDS] = torch.tensor(CENTROIDS_GOLDEN)
+    server.extra[HAS_CENTROID] = torch.tensor([1.0, 0.0, 1.0])
+    ctx = client_context(algo, server, 1)
+    extras = algo.begin(ctx)
+    _, own = class_means(*features(1), C)
+    assert torch.equal(extras["target"][0], torch.tensor(CENTROIDS_GOLDEN[0]))
+    assert torch.equal(extras["target"][1], own[1])  # no global centroid of class 1
+    assert torch.equal(extras["target"][2], torch.tensor(CENTROIDS_GOLDEN[2]))
+    assert float(extras["align"]) == 1.0
+
+
+def test_alignment_loss_value():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {"lam": 2.5}, setup)
+    state = initial_state(setup)
+    x = torch.linspace(-1, 2, 24).reshape(6, 4)
+    y = torch.tensor([0, 0, 0, 1, 2, 2])  # unbalanced: a permutation of the targets changes the loss
+    targets = torch.tensor(CENTROIDS_GOLDEN)
+    ctx = context(0, {})
+    ctx.extras = {"target": targets, "align": torch.tensor(1.0)}
+    loss, info = algo.alignment_loss(state, Batch(x, y), ctx)
+    z, logits = setup.model.features_and_logits(state, x)
+    ce = F.cross_entropy(logits, y)
+    align = ((z - targets[y]) ** 2).sum(1).mean() / D  # (1/n) sum_l (1/d) ||f(x_l) - c_{y_l}||^2
+    assert float(loss) == pytest.approx(float(ce + 2.5 * align), rel=1e-6)
+    assert float(info["alignment"]) == pytest.approx(float(align), rel=1e-6)
+    ctx.extras["align"] = torch.tensor(0.0)  # first round: no centroids yet
+    assert float(algo.alignment_loss(state, Batch(x, y), ctx)[0]) == pytest.approx(float(ce), rel=1e-6)
+
+
+def test_stages_train_head_then_encoder_with_alignment_off_until_centroids_exist():
+    setup = tiny_setup()
+    algo = build_algorithm("fedpac", {"lam": 2.0}, setup)
+    server = algo.init_server(initial_state(setup))
+    ctx = context(0, algo.payload(server, 0), algo.init_client_state(0, server))
+    ctx.features = lambda state: (setup.model.module.features(torch.randn(6, 4)).detach(), torch.tensor([0, 1, 2] * 2))
+    ctx.extras = algo.begin(ctx)
+    head, encoder = algo.stages(ctx)
+    assert head.name == "classifier" and encoder.name == "encoder"
+    assert set(head.trainable) == {"classifier.weight", "classifier.bias"}
+    assert (head.sgd.lr, head.sgd.momentum, head.sgd.weight_decay, head.epochs) == (0.1, 0.5, 5e-4, 1)
+    assert set(encoder.trainable) == set(setup.model.param_names) - set(head.trainable)
+    assert encoder.loss == algo.alignment_loss and head.loss != algo.alignment_loss
+    assert ctx.extras["align"] == 0  # no global centroids in the first round
+
+
+# ------------------------------------------------------------------ server aggregation
+def golden_uploads(setup: Setup, server) -> list[Upload]:
+    uploads = []
+    for c in range(4):
+        counts, cents = class_means(*features(c, shift=0.5), C)
+        h, v = feature_statistics(*features(c), C)
+        encoder = {n: server.model[n] + c for n in setup.model.state_names if n.startswith("encoder.")}
+        tensors = {**encoder, **heads(c), "fedpac.counts": counts, CENTROIDS: cents, "fedpac.h": h,
+                   "fedpac.v": torch.tensor(v)}
+        uploads.append(Upload(c, tensors, len(LABELS[c]), 1))
+    return uploads
+
+
+def test_aggregation_matches_the_authors_centroids_and_personalised_heads():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    new = algo.aggregate(server, golden_uploads(setup, server), 1)
+    assert torch.allclose(new.extra[CENTROIDS], torch.tensor(CENTROIDS_GOLDEN), atol=1e-6)
+    assert new.extra[HAS_CENTROID].tolist() == [1.0, 1.0, 1.0]
+    for c in range(4):
+        assert torch.allclose(new.extra[f"head.{c}/classifier.weight"], torch.tensor(HEAD_W[c]), atol=2e-6), c
+        assert torch.allclose(new.extra[f"head.{c}/classifier.bias"], torch.tensor(HEAD_B[c]), atol=2e-6), c
+    sizes = torch.tensor([float(len(y)) for y in LABELS])
+    shift = float((sizes * torch.arange(4.0)).sum() / sizes.sum())  # data-size-weighted encoder
+    assert torch.allclose(new.model["encoder.weight"], server.model["encoder.weight"] + shift, atol=1e-6)
 
 
 def test_round_trip_of_personalised_heads_and_centroids():
@@ -56,16 +351,3 @@ def test_round_trip_of_personalised_heads_and_centroids():
     state = algo.start_state(context(1, payload, algo.init_client_state(1, new)))
     assert torch.equal(state["classifier.weight"], new.extra["head.1/classifier.weight"])
     assert torch.equal(algo.client_model(new, {}, 1)["classifier.weight"], new.extra["head.1/classifier.weight"])
-
-
-def test_stages_train_head_then_encoder_with_alignment_off_until_centroids_exist():
-    setup = tiny_setup()
-    algo = build_algorithm("fedpac", {"lam": 2.0}, setup)
-    server = algo.init_server(initial_state(setup))
-    ctx = context(0, algo.payload(server, 0), algo.init_client_state(0, server))
-    ctx.features = lambda state: (setup.model.module.features(torch.randn(6, 4)).detach(), torch.tensor([0, 1, 2] * 2))
-    ctx.extras = algo.begin(ctx)
-    head, encoder = algo.stages(ctx)
-    assert set(head.trainable) == {"classifier.weight", "classifier.bias"} and head.sgd.lr == 0.1
-    assert not set(encoder.trainable) & set(head.trainable)
-    assert ctx.extras["align"] == 0  # no global centroids in the first round

@@ -75,3 +75,16 @@ def test_indefinite_matrix_is_repaired_not_fatal():
     p = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)  # eigenvalues 3 and -1
     res = solve_simplex_qp(p)
     assert torch.isfinite(res.weights).all() and abs(float(res.weights.sum()) - 1) < 1e-12
+
+
+def test_authors_repair_drops_small_eigenvalues_only_when_indefinite():
+    from hetfl.algorithms.simplex_qp import drop_small_eigenvalues
+
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    indefinite = q @ torch.diag(torch.tensor([2.0, 0.005, -1.0], dtype=torch.float64)) @ q.T
+    repaired, changed = drop_small_eigenvalues(indefinite, 0.01)  # 0.005 < 0.01 goes too, as in the code
+    assert changed and torch.allclose(repaired, 2.0 * q[:, :1] @ q[:, :1].T, atol=1e-12)
+    psd = q @ torch.diag(torch.tensor([2.0, 0.005, 0.0], dtype=torch.float64)) @ q.T
+    psd = 0.5 * (psd + psd.T)
+    kept, changed = drop_small_eigenvalues(psd + 1e-9 * torch.eye(3, dtype=torch.float64), 0.01)
+    assert not changed and torch.allclose(kept, psd + 1e-9 * torch.eye(3, dtype=torch.float64))

@@ -95,14 +95,41 @@ def load_plugin(path: str) -> None:
 
 
 def parse_name(full_name: str) -> tuple[str, list[str]]:
-    """'fedavg+ccvr' -> ('fedavg', ['ccvr']), validating each part."""
+    """'fedavg+ccvr' -> ('fedavg', ['ccvr']), validating each part and the composition
+    (:func:`composition_error`)."""
     trainer, *steps = full_name.split("+")
-    algorithm_class(trainer)
-    for step in steps:
+    trainer_cls = algorithm_class(trainer)
+    for n, step in enumerate(steps):
         if step not in _POSTHOC:
             allowed = ", ".join(_POSTHOC) or "none yet"
             raise ConfigError("algorithm.name", full_name, f"unknown post-hoc step {step!r}; allowed: {allowed}")
+        if step in steps[:n]:
+            raise ConfigError("algorithm.name", full_name,
+                              f"post-hoc step {step!r} is given twice; each step runs once, its settings in "
+                              f"algorithm.{step}")
+        problem = composition_error(trainer_cls, posthoc_class(step))
+        if problem:
+            raise ConfigError("algorithm.name", full_name, problem)
     return trainer, steps
+
+
+def composition_error(trainer: type[Algorithm], step: type[PostHoc]) -> str | None:
+    """Why ``trainer+step`` makes no sense, or None when it does.
+
+    A step that works on the server's single global model (``PostHoc.needs_global_model``,
+    e.g. CCVR re-training the global classifier) cannot follow a personalised method
+    (``Algorithm.personalized``): such a method keeps a classifier (or a whole model) per
+    client and evaluates each client with its own (FedPAC, FedPer, FedRep, LG-FedAvg,
+    FedFomo, pFedHN, local); its server model, if it has one, is never evaluated and
+    holds no trained global classifier (local: the initial model; LG-FedAvg: no global
+    encoder), so the calibration would change nothing that is measured.
+    """
+    if step.needs_global_model and trainer.personalized:
+        return (f"{trainer.name} is personalised (each client is evaluated with its own model; there is no "
+                f"global model to calibrate), so the post-hoc step {step.name!r}, which works on the server's "
+                f"global model, cannot follow it; use {step.name} with a method that trains a global model "
+                f"(e.g. fedavg+{step.name}) or drop '+{step.name}'")
+    return None
 
 
 def posthoc_class(name: str) -> type[PostHoc]:

@@ -25,11 +25,19 @@ from hetfl.engine.rng import torch_generator
 
 
 class PostHoc:
-    """Base class of post-hoc steps. ``every_round`` steps also run after each round."""
+    """Base class of post-hoc steps. ``every_round`` steps also run after each round.
+
+    ``needs_global_model``: the step works on the server's single global model (its
+    encoder gives the clients' features, its classifier is what it changes); such a step
+    is refused after a personalised method (``Algorithm.personalized``) at configuration
+    time (``hetfl.algorithms.composition_error``). A step that handles personalised
+    models itself sets it to False.
+    """
 
     name: ClassVar[str] = ""
     Hyper: ClassVar[type] = NoHyper
     citation: ClassVar[str] = ""
+    needs_global_model: ClassVar[bool] = True
 
     def __init__(self, hyper: Any, setup: Setup) -> None:
         self.hp = hyper

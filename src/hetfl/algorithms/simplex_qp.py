@@ -4,6 +4,8 @@ FedPAC's classifier-combination weights (Xu et al., ICLR 2023, eq. 9) solve
 one such problem per client, with at most a few hundred variables. Solved
 exactly in float64 by a primal active-set method after repairing ``P`` to the
 nearest positive semidefinite matrix; no solver dependency is needed.
+:func:`drop_small_eigenvalues` is the FedPAC authors' repair of a non-PSD
+matrix (FedPAC applies it before solving, as their code does).
 :func:`project_to_simplex` (Duchi et al. 2008) serves tests and callers that
 need a projection.
 """
@@ -30,6 +32,24 @@ def nearest_psd(p: torch.Tensor) -> torch.Tensor:
     sym = 0.5 * (p + p.T)
     values, vectors = torch.linalg.eigh(sym)
     return (vectors * values.clamp(min=0)) @ vectors.T
+
+
+def drop_small_eigenvalues(p: torch.Tensor, floor: float) -> tuple[torch.Tensor, bool]:
+    """FedPAC authors' repair of a QP matrix that is not positive semidefinite: ``(P', True)``
+    with ``P' = sum of lambda u u^T`` over the eigenpairs of ``P`` with ``lambda >= floor``
+    when ``P`` has a negative eigenvalue; ``(P, False)`` (unchanged) otherwise.
+
+    JianXu95/FedPAC, tools.py, ``get_head_agg_weight`` (commit 7cf08f3e): the same test
+    (any eigenvalue < 0) and the same absolute floor (0.01 there). Computed in float64 on
+    the symmetrised matrix (the authors: float32, ``torch.eig``).
+    """
+    p = p.to(torch.float64)
+    sym = 0.5 * (p + p.T)
+    values, vectors = torch.linalg.eigh(sym)
+    if float(values.min()) >= 0:
+        return p, False
+    keep = values >= floor
+    return (vectors[:, keep] * values[keep]) @ vectors[:, keep].T, True
 
 
 @dataclass
