@@ -147,23 +147,47 @@ DECORRELATED = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]]
 
 def test_feddecorr_hand_values():
     # decorrelated: K = I, ||K||_F^2 / d^2 = d / d^2 = 1/2; the code's off-diagonal form is 0
-    assert decorrelation_loss(DECORRELATED).item() == pytest.approx(0.5, rel=1e-6)
+    assert decorrelation_loss(DECORRELATED, form="paper").item() == pytest.approx(0.5, rel=1e-6)
     assert decorrelation_loss(DECORRELATED, form="code").item() == pytest.approx(0.0, abs=1e-7)
     # three mutually orthogonal +-1 columns (rows of a Hadamard matrix): 1/d = 1/3
     hadamard = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 1.0, -1.0], [1.0, -1.0, -1.0], [-1.0, -1.0, 1.0]])
-    assert decorrelation_loss(hadamard).item() == pytest.approx(1 / 3, rel=1e-6)
+    assert decorrelation_loss(hadamard, form="paper").item() == pytest.approx(1 / 3, rel=1e-6)
     # identical columns: K = all ones, paper 1; code: C_ij = (N - 1) off the diagonal, (N - 1)^2 / N = 9/4
     same = torch.tensor([1.0, 2.0, 3.0, 4.0]).unsqueeze(1).repeat(1, 3)
-    assert decorrelation_loss(same).item() == pytest.approx(1.0, rel=1e-6)
+    assert decorrelation_loss(same, form="paper").item() == pytest.approx(1.0, rel=1e-6)
     assert decorrelation_loss(same, form="code").item() == pytest.approx(9 / 4, rel=1e-6)
     # correlation 1/sqrt(3): a = [1,-1,1,-1], b = [1,1,1,-1] (cov 1/2, var_a 1, var_b 3/4)
     # paper (2 + 2/3) / 4 = 2/3; code: C_ab = (N-1) rho, (9 * 1/3) / 4 = 3/4
     ab = torch.tensor([[1.0, 1.0], [-1.0, 1.0], [1.0, 1.0], [-1.0, -1.0]])
-    assert decorrelation_loss(ab).item() == pytest.approx(2 / 3, rel=1e-6)
+    assert decorrelation_loss(ab, form="paper").item() == pytest.approx(2 / 3, rel=1e-6)
     assert decorrelation_loss(ab, form="code").item() == pytest.approx(3 / 4, rel=1e-6)
     # standardised: invariant to per-dimension shift and scale
     moved = ab * torch.tensor([5.0, 0.1]) + torch.tensor([3.0, -7.0])
-    assert decorrelation_loss(moved).item() == pytest.approx(2 / 3, rel=1e-5)
+    assert decorrelation_loss(moved, form="paper").item() == pytest.approx(2 / 3, rel=1e-5)
+
+
+# Golden values from the authors' loss, transcribed into a scratch script (not in this repository) and run in
+# float64: bytedance/FedDecorr, loss.py, FedDecorrLoss.forward, commit 973e4af2d416e8dacda1fb19a328e440f9e815af.
+GOLDEN_X = (torch.arange(24, dtype=torch.float64).reshape(6, 4) * 0.37).sin() + torch.tensor(
+    [0.0, 1.0, 0.0, 2.0], dtype=torch.float64) * (torch.arange(6, dtype=torch.float64).reshape(6, 1) / 5)
+GOLDEN_Y = torch.tensor([[1.0, 2.0, 0.5], [-1.0, 0.0, 1.5], [0.5, -2.0, 2.0], [2.0, 1.0, -1.0], [0.0, 0.5, 0.0]],
+                        dtype=torch.float64)
+
+
+def test_feddecorr_default_is_the_authors_loss():
+    """The default form reproduces FedDecorrLoss (value and gradient), about N times the paper form here."""
+    assert decorrelation_loss(GOLDEN_X).item() == pytest.approx(2.1288683041053633, rel=1e-12)
+    assert decorrelation_loss(GOLDEN_Y).item() == pytest.approx(1.0917862695628116, rel=1e-12)
+    same01 = GOLDEN_X.clone()
+    same01[:, 1] = same01[:, 0]
+    assert decorrelation_loss(same01).item() == pytest.approx(1.8784777718858416, rel=1e-12)
+    x = GOLDEN_X.clone().requires_grad_(True)
+    decorrelation_loss(x).backward()
+    expected = torch.tensor([0.08790037978226768, 0.2990700781906205, -0.6029831593391879, 0.09909416198739686],
+                            dtype=torch.float64)
+    torch.testing.assert_close(x.grad[0], expected, rtol=1e-9, atol=1e-12)
+    # the paper form is ~3.4 times weaker at N = 6 (the ratio grows ~N: 30-60 at batches of 32-64)
+    assert decorrelation_loss(GOLDEN_X, form="paper").item() == pytest.approx(0.6331962837124775, rel=1e-9)
 
 
 def test_feddecorr_degenerate_batches_are_safe():
@@ -181,7 +205,7 @@ def test_feddecorr_degenerate_batches_are_safe():
 def test_feddecorr_loss_combines_ce_and_penalty():
     setup = tiny_setup()
     algo = build_algorithm("feddecorr", {}, setup)
-    assert (algo.hp.beta, algo.hp.eps, algo.hp.form) == (0.1, 1e-8, "paper")
+    assert (algo.hp.beta, algo.hp.eps, algo.hp.form) == (0.1, 1e-8, "code")  # the authors' code
     state = initial_state(setup)
     batch = Batch(torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
     loss, m = algo.loss(state, batch, ClientContext(0, 1, 6, 0.1, state, {}))

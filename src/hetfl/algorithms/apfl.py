@@ -31,6 +31,10 @@ server averages the ``w_i`` (FedAvg). Clients are evaluated with
 model is evaluated too (``global_acc``).
 
 Buffers (BatchNorm statistics) of the mixture are those of ``v_i``.
+
+Departures from the paper/code: the one alpha step per round is computed on the
+client's whole training set at the start of the round (the code: at the first
+local batch); ``alpha = 0.5`` initial value (the paper's middle fixed value).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ i.e. ``v_i <- v_i - eta (grad F_i(v_i) + lam (v_i - w^t))`` (Algorithm 1),
 with ``w^t`` the global model the client received this round.
 Clients are evaluated with ``v_i``; the global model is evaluated too
 (``global_acc``). A client that never trained is evaluated with the global model.
+
+Departures from the paper/code: ``lam = 0.1`` is hetfl's choice (the paper tunes
+lambda per data set from a small grid); the personal model takes as many
+steps as the global one by default (Algorithm 1).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Learning of Deep Networks from Decentralized Data." AISTATS 2017 (Algorithm 1).
 
 Every hook is the :class:`~hetfl.algorithms.base.Algorithm` default: local
 cross-entropy epochs, upload of the local model, ``w = sum_k n_k/n w_k``.
+
+Departures from the paper/code: none in the rule. The paper's client fraction C,
+batch size B and epochs E are the run's ``train.*`` settings.
 """
 
 from __future__ import annotations

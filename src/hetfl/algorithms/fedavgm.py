@@ -4,6 +4,10 @@ Hsu, Qi, Brown. "Measuring the Effects of Non-Identical Data Distribution for
 Federated Visual Classification." arXiv:1909.06335, 2019 (section 3):
 the averaged update ``Δ = w^t - Σ_k n_k/n w_k`` is fed to server SGD with
 momentum: ``v ← β v + Δ``, ``w^{t+1} = w^t - η_s v``. CCVR uses β = 0.1.
+
+Departures from the paper/code: the default ``beta = 0.1`` is CCVR's; Hsu et al.
+sweep beta up to 0.99 together with the server learning rate (their best runs
+use large beta with a reduced effective step). ``server_lr = 1`` by default.
 """
 
 from __future__ import annotations

@@ -3,28 +3,30 @@
 Shi, Liang, Zhang, Tan, Bai. "Towards Understanding and Mitigating Dimensional
 Collapse in Heterogeneous Federated Learning." ICLR 2023, the FedDecorr
 regulariser (equation numbers not checked against the PDF): the local loss is
-``CE + beta * L_FedDecorr`` with
+``CE + beta * L_FedDecorr`` on the batch's classifier-input features ``F [N, d]``.
+The server is FedAvg. Two forms (``form``):
 
-    ``L_FedDecorr = ||K||_F^2 / d^2``,
-
-``K = Z^T Z / N`` the correlation matrix of the batch's classifier-input
-features ``[N, d]`` standardised per dimension, ``Z = (F - mean) / sqrt(var + eps)``
-(population variance, so ``K_ii = var / (var + eps)`` ~ 1). The server is FedAvg.
-
-Two forms (``form``):
-
-- ``"paper"`` (default): the formula above. Its minimum, for decorrelated
-  features (``K = I``), is ``1/d``; identical columns give 1.
-- ``"code"``: the authors' code (github.com/bytedance/FedDecorr, ``loss.py``):
-  standardise with the unbiased variance, ``C = Z^T Z`` (no ``1/N``), and take
-  the mean of the squared off-diagonal entries divided by N,
-  ``sum_{i != j} C_ij^2 / (d (d - 1) N)``. As ``C ~ (N - 1) K``, this is about
-  ``N`` times the off-diagonal part of the paper's form (0 for decorrelated
-  features, ``(N - 1)^2 / N`` for identical columns): the code's coefficients
-  (0.1 CIFAR-10 / TinyImageNet, 0.05 CIFAR-100) were tuned on this scale.
+- ``"code"`` (default): the authors' code (github.com/bytedance/FedDecorr,
+  ``loss.py``, ``FedDecorrLoss``): standardise each dimension with the
+  unbiased variance, ``Z = (F - mean) / sqrt(var + eps)``, take ``C = Z^T Z``
+  (no ``1/N``) and return the mean of its squared off-diagonal entries divided
+  by N, ``sum_{i != j} C_ij^2 / (d (d - 1) N)``: 0 for decorrelated features,
+  ``(N - 1)^2 / N`` when all columns are identical. The authors'
+  coefficients (0.1 CIFAR-10 / TinyImageNet, 0.05 CIFAR-100) were tuned on
+  this scale, so this is the default.
+- ``"paper"``: the printed formula ``||K||_F^2 / d^2`` with ``K = Z^T Z / N``
+  the correlation matrix of features standardised with the population
+  variance. Its minimum, for decorrelated features (``K = I``), is ``1/d``;
+  identical columns give 1. As ``C ~ (N - 1) K``, the code's value is about
+  ``N`` times the off-diagonal part of this one: at the same ``beta`` the
+  paper form is some 30-60 times weaker at batch sizes 32-64.
 
 A batch of one sample has no correlation: the penalty is 0 there (decided on
 the static batch shape, so the loss stays vmappable).
+
+Departures from the paper/code: none at the defaults (form "code", beta 0.1,
+eps 1e-8 are the code's). The features are hetfl's classifier input (the
+code's ``return_features`` output, the pooled penultimate features).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
 from hetfl.params import setting
 
 
-def decorrelation_loss(features: torch.Tensor, eps: float = 1e-8, form: str = "paper") -> torch.Tensor:
+def decorrelation_loss(features: torch.Tensor, eps: float = 1e-8, form: str = "code") -> torch.Tensor:
     """``L_FedDecorr`` of features ``[N, d]`` ("paper" or "code" form; 0 for N < 2)."""
     n, d = features.shape
     if n < 2 or (form == "code" and d < 2):
@@ -59,15 +61,17 @@ class FedDecorrHyper:
     """FedDecorr settings (Shi et al. 2023).
 
     beta: weight of the penalty (0.1, the authors' CIFAR-10 / TinyImageNet
-        coefficient; 0.05 for CIFAR-100). With ``form = "paper"`` the same beta
-        acts about N (batch size) times more weakly than in the code.
+        coefficient and their ``--feddecorr_coef`` default; 0.05 for CIFAR-100).
+        With ``form = "paper"`` the same beta acts about N (batch size) times
+        more weakly than with the code's form.
     eps: added to the variance in the standardisation (1e-8, the code's).
-    form: "paper" (``||K||_F^2 / d^2``) or "code" (the authors' loss.py).
+    form: "code" (default: the authors' loss.py, on which beta was tuned) or
+        "paper" (``||K||_F^2 / d^2``).
     """
 
     beta: float = setting(0.1, ge=0.0, doc="weight of the decorrelation penalty")
     eps: float = setting(1e-8, gt=0.0, doc="variance epsilon in the standardisation")
-    form: str = setting("paper", choices=("paper", "code"), doc="paper formula or the authors' code")
+    form: str = setting("code", choices=("code", "paper"), doc="the authors' code (default) or the paper formula")
 
 
 class FedDecorr(Algorithm):

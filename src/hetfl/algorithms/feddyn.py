@@ -7,6 +7,11 @@ Dynamic Regularization." ICLR 2021, Algorithm 1:
 - client state: ``∇L_k(θ_k^t) = ∇L_k(θ_k^{t-1}) - α (θ_k^t - θ^{t-1})``
 - server: ``h^t = h^{t-1} - α/m Σ_{k∈P_t} (θ_k^t - θ^{t-1})``,
   ``θ^t = mean_{P_t}(θ_k^t) - h^t / α``  (m = number of all clients)
+
+Departures from the paper/code: ``alpha = 0.01`` (the paper uses 0.1 / 0.01 /
+0.001 by setting). The authors' code divides alpha per client by the client's
+relative data size (``alpha / (n_k / mean n)``); hetfl uses one alpha for all
+clients, as Algorithm 1 does.
 """
 
 from __future__ import annotations

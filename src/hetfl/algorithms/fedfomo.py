@@ -25,6 +25,11 @@ Differences from the paper, kept simple on purpose:
 - the validation split is a fixed random ``val_fraction`` of the client's
   training data (drawn from ``(seed, client)``) which, as hetfl trains on the
   whole local set, is also trained on (the paper holds it out).
+
+Departures from the paper/code: listed above (uniform choice of the M = 5
+models instead of the affinity-based epsilon-greedy sampling with M = 8; the
+validation split is also trained on); ``distance = "l2"`` is the paper's
+formula, the authors' code defaults to l1.
 """
 
 from __future__ import annotations

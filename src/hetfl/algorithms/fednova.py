@@ -6,6 +6,12 @@ client i's cumulative update is divided by its ``a_i`` (``a_i = τ_i`` local
 steps for plain SGD; ``[τ_i - ρ(1-ρ^τ_i)/(1-ρ)] / (1-ρ)`` with momentum ρ),
 then ``w ← w - η_s τ_eff Σ p_i (w - w_i)/a_i`` with ``τ_eff = Σ p_i a_i`` and
 ``p_i = n_i / n``.
+
+Departures from the paper/code: none in the rule; ``a_i`` uses the run's
+``train.momentum`` (the cumulative momentum weights, as the authors'
+``local_normalizing_vec``) and ignores weight decay, as the code does. FedNova's
+proximal variant (FedProx's local solver, where the code uses ``tau_eff =
+sum p_i tau_i``) is not offered.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith. "Federated Optimization in
 Heterogeneous Networks." MLSys 2020, eq. (2):
 ``h_k(w; w^t) = F_k(w) + mu/2 ||w - w^t||^2``.
+
+Departures from the paper/code: ``mu = 0.01`` is the value of the CCVR / MOON /
+FedUV comparisons; the FedProx paper tunes mu per data set over {0.001, 0.01,
+0.1, 1} (1 on its Synthetic data). The paper's inexact solver with
+heterogeneous local work (stragglers doing fewer steps) is not modelled: every
+client runs the run's epochs / steps.
 """
 
 from __future__ import annotations

@@ -20,6 +20,16 @@ distribution and never changes the shared parts. The personalised prediction
 is ``g(f(x)) + p_i(f(x))``: both heads are linear on the same features, so the
 evaluated model is the global model with classifier ``W_g + W_p``,
 ``b_g + b_p``. The generic model is evaluated too (``global_acc``).
+
+Departures from the paper/code: absent classes get the finite log prior
+log(1e-12) = -27.6 instead of log 0 = -inf (the same effect: they leave the
+local balanced softmax). Consequence of the method, not a bug: a client that
+holds a single class has a zero balanced-softmax loss and teaches the generic
+model nothing, so on data where most samples sit on single-class clients (the
+default Synthetic data: 78% of the samples) the generic head stays near chance
+(benchmarks/results/below_chance.md) while the personalised heads do well.
+Only the linear personal head ("Fed-RoD (linear)") is offered, not the
+hypernetwork head.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ epochs of SGD on its own training data,
 
 and is evaluated with ``v_i`` on its own test split. Fine-tuning never changes
 the global model, which is evaluated as well (``global_acc``).
+
+Departures from the paper/code: the papers do not fix FedAvg+FT's budget; one
+epoch of whole-model fine-tuning at the training lr is hetfl's default.
 """
 
 from __future__ import annotations

@@ -10,6 +10,16 @@ evaluation each client fine-tunes a copy of the global model on its own
 training data (the head by default, as in hetfl's issue; ``finetune_part =
 "full"`` fine-tunes the whole model, the paper's main setting) before being
 evaluated on its own test split.
+
+Departures from the paper/code: the head is initialised orthogonally (the FedUV
+paper's Freeze baseline); FedBABU's paper only says "randomly initialized".
+FedBABU's fine-tuning default here is the head only (``finetune_part =
+"head"``, a deliberate hetfl choice: the cheapest personalisation, and what
+the paper's abstract describes, "the head is fine-tuned for
+personalization"); the paper's main personalised results fine-tune the whole
+network (5 epochs at the training lr; the PDF was not re-read for this note):
+set ``finetune_part = "full"`` to reproduce them. Fine-tuning uses the run's
+batch size, lr (``finetune_lr = 0``), momentum and weight decay.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ scale ``scale``). Features are the classifier input (``ctx.features``). The
 predictor returns ``log p_i`` as logits (same argmax; the evaluation loss
 is the log loss of the interpolated distribution). The global model is
 evaluated too (``global_acc``).
+
+Departures from the paper/code: ``k = 10`` and one fixed ``lam = 0.5`` for all
+clients (the paper selects lam per client on a validation split over a grid);
+the datastore is the whole training set (no held-out split).
 """
 
 from __future__ import annotations

@@ -33,6 +33,17 @@ local loss, ``z_c <- alpha_c z_c`` with ``alpha_c = 1`` for present classes.
 - ``scaling = "proportional"`` is that code's rule:
   ``alpha_c = alpha + (1 - alpha) n_c / max_k n_k`` (1 for the largest class,
   ``alpha`` for absent ones); the default ``"binary"`` is the paper's.
+
+Departures from the paper/code: listed in the bullets above (softmax over all
+classes; absent classes clamped at ``min_count``; FedRS scales the whole
+logit). FedLC's tau = 1 (FL-bench) is not the paper's value, which was not
+confirmed. Consequence of the method, not a bug: with absent classes out of
+the local softmax, a client holding one class has a zero loss and trains
+nothing; on the default Synthetic data 78% of the samples (4000 of the 4149
+of the majority class among them) sit on such clients and FedLC's global model
+stays below chance, while it learns on MNIST (benchmarks/results/below_chance.md).
+``min_count = 1`` keeps absent classes in the softmax and recovers FedAvg's
+accuracy there.
 """
 
 from __future__ import annotations

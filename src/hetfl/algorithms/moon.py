@@ -9,6 +9,16 @@ client's own model of its previous round; the local loss is ``CE + μ ℓ_con``.
 The previous local model lives in the client store. In a client's first round
 it has none, and the contrastive term is zero (the reference code uses the
 global model there, which gives the constant log 2 and no gradient).
+
+Departures from the paper/code: ``mu = 1`` is the authors' code default
+(``--mu 1``) and their CIFAR-100 / Tiny-ImageNet value; their CIFAR-10 runs
+(the README's example, and the paper's CIFAR-10 setting) use ``mu = 5``: set
+``algorithm.mu = 5`` there.
+Temperature 0.5 and one previous model (``model_buffer_size = 1``) as the code.
+The first-round term is 0 here and the constant log 2 in the code: same (zero)
+gradient, only the logged loss differs. The authors' local optimiser (SGD lr
+0.01, momentum 0.9, weight decay 1e-5, batch 64, 10 epochs) is the run's
+``train.*``, not fixed by the method.
 """
 
 from __future__ import annotations

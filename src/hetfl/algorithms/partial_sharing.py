@@ -22,6 +22,17 @@ LG-FedAvg (Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov,
     Global Representations." arXiv:2001.01523, 2020): the
     opposite split; the representation (encoder) is local, the top layers
     (projector and classifier) are global and averaged.
+
+Departures from the paper/code: FedRep's default split is 10 head epochs then 1
+body epoch per round. In the authors' code (``Update.py``: ``head_eps =
+local_ep - local_rep_ep``, head first) the argparse defaults ``local_ep = 10``,
+``local_rep_ep = 1`` give 9 + 1; their FEMNIST / Sent140 scripts
+(``--local_ep 15 --local_rep_ep 5``) 10 + 5; a CIFAR-10 script of code built on
+theirs (FedBKD) ``--local_ep 11 --local_rep_ep 1``, i.e. 10 + 1 (the authors'
+own CIFAR scripts were not found in the code index). Both stages use the run's optimiser
+settings (the authors' code: SGD momentum 0.5, weight decay 1e-4 on weights
+only). FedPer and LG-FedAvg split at hetfl's model parts (classifier;
+encoder), the papers at a per-architecture number of layers.
 """
 
 from __future__ import annotations

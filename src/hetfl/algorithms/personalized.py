@@ -3,6 +3,8 @@
 Local-only: each client trains only on its own data, nothing is averaged or
 communicated; the lower bound of every personalised FL comparison (FedPAC,
 Xu et al. ICLR 2023, Table 1; FedBR, Table 1).
+
+Departures from the paper/code: none (no method parameters).
 """
 
 from __future__ import annotations

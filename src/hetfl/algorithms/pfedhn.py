@@ -51,6 +51,11 @@ the same server step. Measured (2-conv CNN, MNIST dominant split, 20 clients,
 lr 0.05, 52.2% (unscaled: NaN); scaled at lr 0.005, 19.0%. Default ``"none"``
 (the paper's hypernetwork); ``"init"`` lets pFedHN run at a larger shared
 local lr.
+
+Departures from the paper/code: by default each target tensor is produced in
+chunks (``chunk_size = 4096``, hetfl's choice) instead of one linear head per
+tensor (``chunk_size = 0``); the phi update sums a round's clients' gradients
+into one step (the code takes one step per client).
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ the inner problem. ``train.max_grad_norm`` would clip this surrogate
 gradient too, so leave it at 0 with pFedMe. BatchNorm statistics (shared by
 ``w`` and ``theta``) are updated once per step, by the forward of
 ``theta_hat`` that gives the envelope's value.
+
+Departures from the paper/code: lam 15, K 5 and personal lr 0.1 are the
+authors' MNIST runs; beta 1 is plain averaging; the outer step size is
+``train.lr`` (theirs 0.005 on MNIST); momentum is not used (plain gradient
+steps, as the paper).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ Controlled Averaging for Federated Learning." ICML 2020, Algorithm 1.
 ``c_i`` persists per client across rounds (and in checkpoints) in the
 engine's client store. With momentum or weight decay the option-II estimate
 ``(x - y)/(K η_l)`` is the average applied update, as in the reference code.
+
+Departures from the paper/code: none in the rule (option II, uniform averages,
+``eta_g = 1``). With momentum / weight decay, ``(x - y) / (K eta_l)`` is the
+average applied update (as the reference code), not an average gradient.
 """
 
 from __future__ import annotations
