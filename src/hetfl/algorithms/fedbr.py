@@ -1,10 +1,16 @@
 """FedBR: local learning bias reduction with pseudo-data and an adversarial projection.
 
 Guo, Tang, Lin. "FedBR: Improving Federated Learning on Heterogeneous Data via
-Local Learning Bias Reduction." ICML 2023, Algorithm 1 and eq. (2)-(7).
+Local Learning Bias Reduction." ICML 2023, Algorithm 1 and eq. (2)-(7); checked
+against the authors' code, LINs-lab/FedBR at commit 3e24f7fa
+(``fedbr/algorithms.py`` class ``FedBR``, ``fedbr/algorithms_fed.py``,
+``fedbr/scripts/train_fed.py`` at d382a37a).
 
-Every client holds a set ``P`` of ``B`` pseudo samples (B = the batch size)
-with soft labels ``q`` and trains, at each local step on a real batch ``x``:
+One pseudo dataset ``D_p`` of ``B`` samples (B = the batch size, 32 in the
+paper: "pseudo-data only transfer once (32 pseudo-data)") with soft labels
+``q = 1/C`` is built once, before round 1, and sent to every client
+(``pseudo_source``, ``pseudo_refresh`` below). At each local step on a real
+batch ``x`` a client then takes:
 
 1. max step (eq. 2): the projection head ``theta`` (a d -> 2d -> 2d -> d MLP on
    the classifier-input features, averaged by the server like the model) takes
@@ -17,22 +23,74 @@ with soft labels ``q`` and trains, at each local step on a real batch ``x``:
 (``f_g``: the round's received global model, computed once per round) and
 ``f2 = exp(cos(θ(f(P_i)), θ(f(x_i))) / tau2)``.
 
-Pseudo-data (sec. 4.3), built by each client from its own data, with no extra
-communication:
+Where ``D_p`` comes from (``pseudo_source``):
 
-- ``rsm`` (random sample mean): each pseudo sample is the mean of ``rsm_size``
-  random local samples, label uniform ``1/C``; drawn once (the same every round).
-- ``mixture`` (eq. 4 with K = 1): means of ``rsm_size`` samples of a globally
-  shared proxy set (standard normal inputs from a seed every client knows, so
-  it costs no traffic; hetfl's stand-in for the paper's "irrelevant proxy
-  data"), mixed 50/50 at every step with the real sample of the same position
-  in the (shuffled) batch, label ``(1/C + onehot(y))/2``.
+- ``"rsm_clients"`` (default; the paper's RSM and the code's
+  ``get_augmentation_mean_data``): each pseudo sample is the mean of ``rsm_size``
+  (K = 10) samples drawn with replacement from one client chosen uniformly at
+  random. In a set-up round every client replays the draw plan from a seed all
+  share (it needs only the clients' sizes) and uploads the means assigned to it;
+  the server assembles ``D_p`` and sends it to every client. Cost: ``B`` samples
+  up in total and ``B`` samples down per client, once (round 1's ``bytes_up`` /
+  ``bytes_down``). What it reveals: every client, and the server, sees averages of
+  10 of another client's raw inputs (in the model's input space), which expose
+  that client's typical content and, through the classes visible in an average,
+  its label skew; the paper calls them privacy-protected because each is a mean,
+  but no formal guarantee comes with them.
+- ``"proxy"``: means of ``rsm_size`` samples drawn with replacement from a proxy
+  dataset the server holds (``proxy_dataset``, ``proxy_root``; its own train split,
+  normalised with its own statistics, as the code does with its proxy). Nothing
+  of the clients' data leaves them; ``B`` samples go down per client.
+- ``"per_client"`` (hetfl's earlier variant, kept for comparison): every client
+  builds its own ``B`` means from its own data; nothing is sent.
+
+``pseudo_refresh = "every_round"`` is Figure 6(b)'s alternative to transferring
+once: a new ``D_p`` each round (``"proxy"``: drawn by the server for each round and
+sent in every payload; ``"per_client"``: redrawn by each client).
+
+The kind of pseudo-data (``pseudo``, Figure 6(c)): ``"rsm"`` uses ``D_p`` as it
+is; ``"mixture"`` (eq. 4 with K = 1, the code's ``get_unlabeled_by_self``) mixes,
+at every step, pseudo sample i 50/50 with the real sample at a random position
+of the batch (drawn per step), label ``(1/C + y)/2`` (``y`` the real sample's
+one-hot label, or its Mixup label under FedBR + Mixup).
+
+The server averages the participating clients' models and heads with uniform
+weights ``1/M`` (the code's ``FedAvg.p = 1``); ``weighting = "size"`` weights them
+by their number of samples.
 
 Ablations (Table 4): ``components = "classifier"`` (component 1: the pseudo-data
 CE only), ``"features"`` (component 2: ``L_con`` with its max step only),
 ``max_step = false`` (component 2 without the max step: a fixed random
-projection). ``mixup > 0`` is "FedBR + Mixup": the real-data CE becomes Mixup
-with Beta(mixup, mixup).
+projection). ``mixup = true`` is "FedBR + Mixup": the real batch is mixed with
+a shuffled copy of itself, ``lam ~ Beta(mixup_alpha, mixup_alpha)`` once per
+batch (0.2, the code's ``get_new_all_x``).
+
+Departures from the paper and the authors' code that remain:
+
+- the head's optimiser is the run's client SGD (``train.momentum``,
+  ``train.weight_decay``; lr ``head_lr`` or the client lr). The code's
+  ``disc_opt`` is SGD with momentum 0.9 and the run's weight decay and lr, so the
+  two agree when ``train.momentum = 0.9``; the max step is not a plain ascent
+  step in the code (nor here unless ``train.momentum = 0``);
+- the code at 3e24f7fa is the snapshot of its CIFAR-100 runs: its ``update``
+  always applies Mixup (Beta(0.2, 0.2)), always mixes the pseudo-data
+  ("Mixture"), and adds ``0.1 * FedDecorr`` of the real features; here Mixup,
+  Mixture and no FedDecorr are the paper's separate settings;
+- under ``"mixture"`` the code computes the global features once per round on
+  the first step's mixed pseudo-data and reuses them at later steps (whose
+  mixtures differ); here they are computed at each step from the step's
+  mixtures;
+- the code's Mixture uses a proxy dataset only when run with ``--use_Mixture``
+  (CIFAR-100 for CIFAR-10 runs, CIFAR-10 for CIFAR-100 runs, nothing for
+  RotatedMNIST); its RSM uses the clients' data, whatever the paper's text says
+  about proxy data;
+- the code draws ``D_p`` from all clients' in-splits in one process; the
+  federated set-up round here gives the same draws (same plan) when every client
+  is non-empty;
+- ``"rsm_clients"`` with ``"every_round"`` is refused: it would need every client
+  (not only the round's participants) to send new means each round, which no
+  hetfl hook does (the code's commented-out regeneration reads all clients' data
+  on the server).
 """
 
 from __future__ import annotations
@@ -40,18 +98,33 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
+from hetfl.algorithms.base import (
+    SHARED,
+    Algorithm,
+    Batch,
+    ClientContext,
+    DrawFn,
+    ServerState,
+    Setup,
+    Stage,
+    Tensors,
+    Upload,
+    weighted_mean,
+)
 from hetfl.algorithms.fedmix import soft_cross_entropy
-from hetfl.algorithms.mixup import mix_inputs, mixup_cross_entropy, mixup_draws
+from hetfl.algorithms.mixup import LAM, PERM, mix_inputs, mixup_cross_entropy, mixup_draws
+from hetfl.algorithms.pseudo_data import Slot, assemble, draw_plan, plan_means, proxy_means
 from hetfl.engine.rng import method_generator
-from hetfl.params import setting
+from hetfl.params import ConfigError, setting
 
 HEAD = "fedbr.head/"
 PSEUDO, PSEUDO_Q, GLOBAL_FEATURES = "fedbr.pseudo", "fedbr.pseudo_q", "fedbr.global_features"
+MIX_INDEX = "fedbr.mix_index"  # per step: the batch position each pseudo sample is mixed with ("mixture")
 
 
 @dataclass(frozen=True)
@@ -61,26 +134,48 @@ class FedBRHyper:
     lam: weight of the pseudo-data soft cross-entropy (component 1), 1.0.
     mu: weight of the contrastive term (component 2), 0.5.
     tau1, tau2: temperatures of f1 and f2; 0.5 (the code multiplies cosines by 2).
-    pseudo: "rsm" or "mixture" (sec. 4.3).
-    num_pseudo: pseudo samples per client (0 = train.batch_size, the paper's B).
+    pseudo: "rsm" or "mixture" (sec. 4.3, Figure 6(c)).
+    pseudo_source: "rsm_clients", "proxy" or "per_client" (where D_p comes from).
+    pseudo_refresh: "once" (the paper's setting) or "every_round" (Figure 6(b)).
+    proxy_dataset, proxy_root: the proxy dataset of ``pseudo_source = "proxy"``
+        (a registry name such as "cifar10", and the folder or archive of its files).
+    num_pseudo: pseudo samples B (0 = train.batch_size, the paper's B).
     rsm_size: samples averaged into one pseudo sample (K = 10).
+    weighting: server weights, "uniform" (1/M, the code) or "size" (by samples).
     components: "both", "classifier" (component 1 only) or "features" (component 2 only).
     max_step: train the projection head by the max step (off: a fixed random head).
     head_lr: learning rate of the max step (0 = the round's client lr).
-    mixup: Beta parameter of Mixup on the real batch (0 = off; > 0 is FedBR + Mixup).
+    mixup: FedBR + Mixup on the real batch.
+    mixup_alpha: its Beta(alpha, alpha) parameter, 0.2 as the code.
     """
 
     lam: float = setting(1.0, ge=0.0, doc="pseudo-data CE weight lambda")
     mu: float = setting(0.5, ge=0.0, doc="contrastive weight mu")
     tau1: float = setting(0.5, gt=0.0, doc="temperature of the global-pseudo pair")
     tau2: float = setting(0.5, gt=0.0, doc="temperature of the pseudo-real pair")
-    pseudo: str = setting("rsm", choices=("rsm", "mixture"), doc="pseudo-data construction")
+    pseudo: str = setting("rsm", choices=("rsm", "mixture"), doc="kind of pseudo-data")
+    pseudo_source: str = setting("rsm_clients", choices=("rsm_clients", "proxy", "per_client"),
+                                 doc="where the pseudo dataset comes from")
+    pseudo_refresh: str = setting("once", choices=("once", "every_round"), doc="send D_p once or each round")
+    proxy_dataset: str = setting("", doc="proxy dataset name (pseudo_source = proxy)")
+    proxy_root: str = setting("", doc="proxy dataset files (empty = the dataset's default folder)")
     num_pseudo: int = setting(0, ge=0, doc="pseudo samples (0 = batch size)")
     rsm_size: int = setting(10, ge=1, doc="samples averaged per pseudo sample (K)")
+    weighting: str = setting("uniform", choices=("uniform", "size"), doc="server weights of the clients")
     components: str = setting("both", choices=("both", "classifier", "features"), doc="ablation")
     max_step: bool = setting(True, doc="train the projection head adversarially")
     head_lr: float = setting(0.0, ge=0.0, doc="max-step lr (0 = client lr)")
-    mixup: float = setting(0.0, ge=0.0, doc="Mixup Beta parameter on real data (0 = off)")
+    mixup: bool = setting(False, doc="FedBR + Mixup on the real batch")
+    mixup_alpha: float = setting(0.2, gt=0.0, doc="Beta(alpha, alpha) of FedBR + Mixup")
+
+    def __post_init__(self) -> None:
+        if self.pseudo_source == "proxy" and not self.proxy_dataset:
+            raise ConfigError("algorithm.proxy_dataset", self.proxy_dataset,
+                              'must name a dataset (e.g. "cifar10") when algorithm.pseudo_source = "proxy"')
+        if self.pseudo_source == "rsm_clients" and self.pseudo_refresh == "every_round":
+            raise ConfigError("algorithm.pseudo_refresh", self.pseudo_refresh,
+                              'with algorithm.pseudo_source = "rsm_clients" only "once" (every client would have to '
+                              'send new means each round); use pseudo_source = "proxy" or "per_client"')
 
 
 def contrastive_loss(
@@ -96,14 +191,6 @@ def contrastive_loss(
     positive = F.cosine_similarity(pseudo_local, pseudo_global, dim=-1) / tau1
     negative = F.cosine_similarity(pseudo_local, real_local, dim=-1) / tau2
     return (torch.logaddexp(positive, negative) - positive).mean()
-
-
-def random_sample_means(x: torch.Tensor, count: int, size: int, generator: torch.Generator) -> torch.Tensor:
-    """``count`` means of ``size`` samples of ``x`` each, drawn without replacement
-    within a mean (all of ``x`` when it has fewer samples)."""
-    size = min(size, len(x))
-    picks = torch.stack([torch.randperm(len(x), generator=generator)[:size] for _ in range(count)])
-    return x[picks.to(x.device)].mean(1)
 
 
 def init_head(feature_dim: int, generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> Tensors:
@@ -128,10 +215,48 @@ def project(state: Tensors, z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def load_proxy(hp: FedBRHyper, seed: int) -> tuple[torch.Tensor, Any]:
+    """The proxy dataset's training inputs (as stored) and a function making them model inputs
+    (normalised with the proxy's own statistics). A ConfigError names the setting on failure."""
+    from hetfl.data.augment import to_float
+    from hetfl.data.base import DatasetError
+    from hetfl.data.datasets import load_dataset
+
+    try:
+        dataset = load_dataset(hp.proxy_dataset, hp.proxy_root or None, download=False, seed=seed)
+    except DatasetError as err:
+        raise ConfigError("algorithm.proxy_root", hp.proxy_root,
+                          f"must hold the files of algorithm.proxy_dataset = {hp.proxy_dataset!r} ({err})") from None
+    info = dataset.info
+    x = torch.as_tensor(dataset.train.x)
+
+    def prepare(raw: torch.Tensor) -> torch.Tensor:
+        return to_float(raw, info.mean, info.std) if raw.dtype == torch.uint8 else raw.float()
+
+    return x, prepare
+
+
 class FedBR(Algorithm):
     name = "fedbr"
     Hyper = FedBRHyper
     citation = "Guo, Tang, Lin, ICML 2023"
+
+    def __init__(self, hyper: FedBRHyper, setup: Setup) -> None:
+        super().__init__(hyper, setup)
+        self.proxy: tuple[torch.Tensor, Any] | None = None
+        if hyper.pseudo_source == "proxy":
+            self.proxy = load_proxy(hyper, setup.seed)
+            self.check_proxy_fits()
+
+    def check_proxy_fits(self) -> None:
+        """A proxy whose images the model cannot take is refused before the run starts."""
+        x, prepare = self.proxy  # type: ignore[misc]
+        state = {**dict(self.model.module.named_parameters()), **dict(self.model.module.named_buffers())}
+        try:
+            self.model.reference_features(state, prepare(x[:2]).to(next(iter(state.values())).device))
+        except (RuntimeError, ValueError) as err:
+            raise ConfigError("algorithm.proxy_dataset", self.hp.proxy_dataset,
+                              f"its inputs of shape {tuple(x.shape[1:])} do not fit the model ({err})") from None
 
     @property
     def uses_features(self) -> bool:
@@ -144,6 +269,9 @@ class FedBR(Algorithm):
     def head_names(self) -> tuple[str, ...]:
         return tuple(f"{HEAD}{i}.{kind}" for i in range(3) for kind in ("weight", "bias"))
 
+    def num_pseudo(self) -> int:
+        return self.hp.num_pseudo or self.setup.train.batch_size
+
     # ------------------------------------------------------------------ server
     def init_server(self, model_state: Tensors) -> ServerState:
         classifier = model_state["classifier.weight"]
@@ -151,22 +279,73 @@ class FedBR(Algorithm):
         head = init_head(classifier.shape[1], gen, classifier.dtype, classifier.device)
         return ServerState(model={**model_state, **head})
 
+    def plan(self) -> list[Slot]:
+        """The draw plan of ``D_p`` over the clients' data (``"rsm_clients"``), the same for everyone."""
+        gen = method_generator(self.setup.seed, "fedbr.pseudo")
+        return draw_plan(self.setup.client_sizes, self.num_pseudo(), self.hp.rsm_size, gen)
+
+    def proxy_pseudo(self, round_: int, device: torch.device) -> torch.Tensor:
+        """``D_p`` for round ``round_`` from the proxy dataset (the server's draws)."""
+        x, prepare = self.proxy  # type: ignore[misc]
+        gen = method_generator(self.setup.seed, "fedbr.proxy", round_)
+        return proxy_means(x, self.num_pseudo(), self.hp.rsm_size, gen, prepare).to(device)
+
+    def setup_query(self, ctx: ClientContext) -> Tensors:
+        """Set-up round, client side: under ``"rsm_clients"`` the means of ``D_p`` assigned to this
+        client by the shared plan (possibly none); otherwise nothing."""
+        if self.hp.pseudo_source != "rsm_clients":
+            return {}
+        return {PSEUDO: plan_means(self.plan(), ctx.client_id, ctx.inputs().x)}
+
+    def setup_aggregate(self, server: ServerState, replies: dict[int, Tensors]) -> ServerState:
+        """Set-up round, server side: ``D_p`` assembled (``"rsm_clients"``) or drawn from the proxy,
+        stored to be sent once (``shared/``) or in round 1's payload (``"every_round"``)."""
+        device = server.model["classifier.weight"].device
+        if self.hp.pseudo_source == "rsm_clients":
+            pseudo = assemble(self.plan(), {c: r[PSEUDO] for c, r in replies.items()}).to(device)
+        elif self.hp.pseudo_source == "proxy":
+            pseudo = self.proxy_pseudo(1, device)
+        else:
+            return server
+        key = SHARED + PSEUDO if self.hp.pseudo_refresh == "once" else PSEUDO
+        return ServerState(model=server.model, extra={**server.extra, key: pseudo})
+
+    def payload(self, server: ServerState, client_id: int) -> Tensors:
+        if PSEUDO in server.extra:  # "every_round": this round's D_p travels with the model
+            return {**server.model, PSEUDO: server.extra[PSEUDO]}
+        return server.model
+
+    def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
+        """Average of the uploads, weights ``1/M`` (the code) or by size; a new proxy ``D_p``
+        for the next round under ``"every_round"``."""
+        weights = [1.0] * len(uploads) if self.hp.weighting == "uniform" else [u.num_samples for u in uploads]
+        model = weighted_mean([u.tensors for u in uploads], weights)
+        extra = dict(server.extra)
+        if PSEUDO in extra and self.hp.pseudo_source == "proxy":
+            extra[PSEUDO] = self.proxy_pseudo(round + 1, extra[PSEUDO].device)
+        return ServerState(model=model, extra=extra)
+
     # ------------------------------------------------------------------ client
-    def num_pseudo(self) -> int:
-        return self.hp.num_pseudo or self.setup.train.batch_size
+    def pseudo_data(self, ctx: ClientContext) -> torch.Tensor:
+        """This round's ``D_p``: as received (once, or in this round's payload) or, under
+        ``"per_client"``, the client's own means (redrawn each round under ``"every_round"``)."""
+        # a fresh copy: a tensor read back from a checkpoint may sit at an address whose alignment
+        # changes the rounding of the matrix products, and a resumed run must repeat the run exactly
+        if PSEUDO in ctx.shared:
+            return ctx.shared[PSEUDO].clone()
+        if PSEUDO in ctx.payload:
+            return ctx.payload[PSEUDO].clone()
+        x = ctx.inputs().x
+        coords = (ctx.client_id,) if self.hp.pseudo_refresh == "once" else (ctx.client_id, ctx.round)
+        gen = method_generator(self.setup.seed, "fedbr.own_pseudo", *coords)
+        plan = draw_plan([len(x)], self.num_pseudo(), self.hp.rsm_size, gen)
+        return plan_means(plan, 0, x)
 
     def begin(self, ctx: ClientContext) -> Tensors:
-        """Pseudo-data of this client (the same every round) and its global features."""
-        data = ctx.inputs()
-        count, c = self.num_pseudo(), self.setup.num_classes
-        if self.hp.pseudo == "rsm":
-            gen = method_generator(self.setup.seed, "fedbr.pseudo", ctx.client_id)
-            pseudo = random_sample_means(data.x, count, self.hp.rsm_size, gen)
-        else:  # means of a proxy set every client derives from the same seed
-            gen = method_generator(self.setup.seed, "fedbr.proxy")
-            proxy = torch.randn((count * self.hp.rsm_size, *data.x.shape[1:]), generator=gen)
-            pseudo = proxy.view(count, self.hp.rsm_size, *data.x.shape[1:]).mean(1).to(data.x)
-        extras = {PSEUDO: pseudo, PSEUDO_Q: torch.full((count, c), 1.0 / c, device=data.x.device)}
+        """``D_p``, its labels ``1/C`` and (``"rsm"``) its features under the received global model."""
+        pseudo = self.pseudo_data(ctx)
+        c = self.setup.num_classes
+        extras = {PSEUDO: pseudo, PSEUDO_Q: torch.full((len(pseudo), c), 1.0 / c, device=pseudo.device)}
         if self.uses_features and self.hp.pseudo == "rsm":
             extras[GLOBAL_FEATURES] = self.model.reference_features(ctx.payload, pseudo)
         return extras
@@ -174,18 +353,26 @@ class FedBR(Algorithm):
     def start_state(self, ctx: ClientContext) -> Tensors:
         return {name: ctx.payload[name] for name in (*self.model.state_names, *self.head_names())}
 
+    def real_inputs(self, batch: Batch) -> torch.Tensor:
+        return mix_inputs(batch) if self.hp.mixup else batch.x
+
+    def real_targets(self, batch: Batch) -> torch.Tensor:
+        """Soft labels of the (mixed) real batch."""
+        onehot = F.one_hot(batch.y, self.setup.num_classes).float()
+        if not self.hp.mixup:
+            return onehot
+        lam = batch.draws[LAM]
+        return lam * onehot + (1 - lam) * onehot[batch.draws[PERM]]
+
     def pseudo_batch(self, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(pseudo inputs, their soft labels, number of pseudo/real pairs) for this step."""
         pseudo, q = ctx.extras[PSEUDO], ctx.extras[PSEUDO_Q]
         pairs = min(len(pseudo), len(batch.y))
-        if self.hp.pseudo == "mixture":  # eq. 4 with K = 1: mix with the real sample at the same position
-            pseudo = torch.cat([(pseudo[:pairs] + batch.x[:pairs]) / 2, pseudo[pairs:]])
-            onehot = F.one_hot(batch.y[:pairs], self.setup.num_classes).to(q)
-            q = torch.cat([(q[:pairs] + onehot) / 2, q[pairs:]])
+        if self.hp.pseudo == "mixture":  # eq. 4 with K = 1: each with the real sample at a drawn position
+            index = batch.draws[MIX_INDEX][: len(pseudo)]
+            pseudo = (pseudo + self.real_inputs(batch)[index]) / 2
+            q = (q + self.real_targets(batch)[index].to(q)) / 2
         return pseudo, q, pairs
-
-    def real_inputs(self, batch: Batch) -> torch.Tensor:
-        return mix_inputs(batch) if self.hp.mixup > 0 else batch.x
 
     def global_features(self, ctx: ClientContext, pseudo: torch.Tensor, pairs: int) -> torch.Tensor:
         if GLOBAL_FEATURES in ctx.extras:
@@ -206,7 +393,7 @@ class FedBR(Algorithm):
         """The min step's objective (eq. 3)."""
         x = self.real_inputs(batch)
         z_real, logits = self.model.features_and_logits(state, x)
-        ce = mixup_cross_entropy(logits, batch) if self.hp.mixup > 0 else F.cross_entropy(logits, batch.y)
+        ce = mixup_cross_entropy(logits, batch) if self.hp.mixup else F.cross_entropy(logits, batch.y)
         loss, metrics = ce, {"ce": ce.detach()}
         if not (self.uses_pseudo_ce or self.uses_features):
             return loss, metrics
@@ -224,6 +411,22 @@ class FedBR(Algorithm):
             metrics["contrastive"] = con.detach()
         return loss, metrics
 
+    def draws(self) -> DrawFn | None:
+        """Per-step random numbers: Mixup's (FedBR + Mixup) and the mixture positions."""
+        mixup = mixup_draws(self.hp.mixup_alpha) if self.hp.mixup else None
+        mixture = self.hp.pseudo == "mixture" and (self.uses_pseudo_ce or self.uses_features)
+        if mixup is None and not mixture:
+            return None
+        count = self.num_pseudo()
+
+        def draw(generator: torch.Generator, batch_size: int) -> Tensors:
+            out = mixup(generator, batch_size) if mixup is not None else {}
+            if mixture:
+                out[MIX_INDEX] = torch.randint(0, batch_size, (count,), generator=generator)
+            return out
+
+        return draw
+
     def stages(self, ctx: ClientContext) -> list[Stage]:
         train = self.setup.train
         adversary = None
@@ -237,7 +440,7 @@ class FedBR(Algorithm):
                 sgd=self.setup.sgd(ctx.lr),
                 epochs=train.local_epochs,
                 steps=train.local_steps,
-                draws=mixup_draws(self.hp.mixup) if self.hp.mixup > 0 else None,
+                draws=self.draws(),
                 adversary=adversary,
             )
         ]
