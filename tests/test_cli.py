@@ -32,7 +32,7 @@ def test_compare_writes_mean_std_tables_and_reuses_finished_runs(tmp_path, capsy
             "--set", "train.rounds=2", "--quiet"]
     assert main(argv) == 0
     table = (out / "comparison.md").read_text()
-    assert "| fedavg | global | 2 |" in table and "| fedprox |" in table and "rounds to 30%" in table
+    assert "| fedavg | - | global | 2 |" in table and "| fedprox | 0.01 |" in table and "rounds to 30%" in table
     rows = list(csv.DictReader((out / "comparison.csv").open()))
     assert [r["method"] for r in rows] == ["fedavg", "fedprox"]
     finals = [json.loads((out / f"fedavg-seed{s}" / "summary.json").read_text())["final_global_acc"] for s in (0, 1)]

@@ -50,6 +50,9 @@ def test_round_trip_through_toml(tmp_path):
         ("bogus=1", "bogus", "unknown key"),
         ("data.uniform_share=1.5", "data.uniform_share", "<= 1.0"),
         ("runtime.progress=maybe", "runtime.progress", "true or false"),
+        ("train.lr=inf", "train.lr", "finite"),
+        ("train.momentum=nan", "train.momentum", "finite"),
+        ("data.angles=[0, -inf]", "data.angles[1]", "finite"),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(override, key, hint):
@@ -68,3 +71,7 @@ def test_malformed_set_and_missing_file(tmp_path):
     bad.write_text("[train\nlr=1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         config.load(bad)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"# r\xe9glages\n[train]\nlr = 0.1\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        config.load(latin1)

@@ -33,7 +33,38 @@ def test_rows_before_and_after_calibration_share_one_run():
     assert specs[("FedProx", "a0.05", 0)] != specs[("FedProx", "a0.1", 0)]  # mu 0.01 vs 0.001
     prox = reproduce.build_config(preset, specs[("FedProx", "a0.05", 0)], [])
     assert prox.algorithm.params["mu"] == 0.01 and prox.data.alpha == 0.05
-    assert len(set(specs.values())) == 45  # 3 columns x (4 trainers + oracle) x 3 seeds
+    assert len(set(specs.values())) == 120  # 5 columns x (4 trainers + 4 oracles) x 3 seeds
+
+
+def test_ccvr_settings_vary_with_row_and_column_as_table_8():
+    """Head re-training epochs depend on the method and the column (CCVR Table 8); a row's ``column_set``
+    carries them, and the row before calibration keeps sharing its run with the calibrated row."""
+    preset = reproduce.load_preset("ccvr-table2")
+    specs = reproduce.run_specs(preset)
+    epochs = {"FedAvg": (30, 10, 10, 30, 50), "FedProx": (30, 10, 10, 30, 50), "FedAvgM": (50, 10, 10, 10, 50),
+              "MOON": (30, 10, 10, 10, 10)}
+    columns = ("a0.5", "a0.1", "a0.05", "c100", "cinic10")
+    for method, per_column in epochs.items():
+        for column, expected in zip(columns, per_column, strict=True):
+            assert specs[(method, column, 0)] == specs[(f"{method} + CCVR", column, 0)]
+            cfg = reproduce.build_config(preset, specs[(f"{method} + CCVR", column, 0)], [])
+            assert cfg.algorithm.params["ccvr"]["epochs"] == expected, (method, column)
+    virtual = dict(zip(columns, (100, 2000, 2000, 500, 1000), strict=True))
+    for column, m_c in virtual.items():
+        cfg = reproduce.build_config(preset, specs[("MOON + CCVR", column, 0)], [])
+        assert cfg.algorithm.params["ccvr"]["num_virtual"] == m_c
+    c100 = reproduce.build_config(preset, specs[("FedAvg + CCVR", "c100", 0)], [])
+    oracle = reproduce.build_config(preset, specs[("FedAvg + oracle calibration", "c100", 0)], [])
+    assert c100.algorithm.params["ccvr"]["lr"] == 1e-5 and c100.model.name == "mobilenetv2"
+    assert oracle.algorithm.params["ccvr"]["lr"] == 0.001 and oracle.algorithm.params["ccvr"]["epochs"] == 50
+    cinic = reproduce.build_config(preset, specs[("FedProx", "cinic10", 0)], [])
+    assert cinic.train.batch_size == 512 and cinic.algorithm.params["mu"] == 0.01
+
+
+def test_an_unused_step_table_is_an_error_not_silently_ignored():
+    """Why a column ``set`` of ``algorithm.ccvr.*`` may only be used when every row runs ``+ccvr``."""
+    with pytest.raises(ConfigError, match="algorithm.ccvr"):
+        hyperparameters("fedavg", {"ccvr": {"epochs": 30}})
 
 
 PRESET = """
@@ -61,7 +92,8 @@ seeds = [0]
 
 
 def fake_run(accs):
-    def run(cfg, run_dir):
+    def run(cfg, run_dir, resume):
+        assert not resume
         run_dir.mkdir(parents=True)
         curve = [a + 0.01 * cfg.seed for a in accs[cfg.algorithm.name]]
         lines = [json.dumps({"round": i + 1, "global_acc": a}) for i, a in enumerate(curve)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from hetfl import __version__
 from hetfl import config as config_mod
@@ -50,11 +52,12 @@ class RichReporter:
         if not self.enabled:
             return
         c = cfg
-        self.console.print(
-            f"[bold]hetfl[/] {c.algorithm.name} on {c.data.dataset} ({c.data.partition}, "
+        self.console.print(Text.assemble(
+            ("hetfl", "bold"),
+            f" {c.algorithm.name} on {c.data.dataset} ({c.data.partition}, "
             f"{c.data.num_clients} clients), model {c.model.name} ({exp.num_params:,} parameters), "
-            f"device {exp.device}" + (f", resuming after round {start_round}" if start_round else "")
-        )
+            f"device {exp.device}" + (f", resuming after round {start_round}" if start_round else ""),
+        ))
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"), console=self.console, transient=False,
@@ -73,7 +76,7 @@ class RichReporter:
 
     def note(self, message: str) -> None:
         if self.enabled:
-            self.console.print(f"[yellow]{message}[/]")
+            self.console.print(message, style="yellow")
 
     def round_end(self, line: dict[str, Any]) -> None:
         if not self.progress:
@@ -117,27 +120,46 @@ def default_run_dir(cfg: config_mod.RunConfig) -> Path:
     return Path("runs") / f"{stamp}-{name}-{cfg.data.dataset}-seed{cfg.seed}"
 
 
+def _writable_dir(path: Path) -> bool:
+    """A folder we may create files in: write and search permission, and a write bit at all (root can
+    write into a read-only folder, but a folder marked read-only is not meant to be written)."""
+    return os.access(path, os.W_OK | os.X_OK) and bool(path.stat().st_mode & 0o222)
+
+
 def check_new_run_dir(path: Path) -> None:
+    """``--out`` of a new run must be absent or an empty folder, below folders (not files), and writable:
+    a RunDirError (exit 2) otherwise, before anything is written."""
     from hetfl.engine.experiment import RunDirError
 
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise RunDirError(f"--out {path}: already exists and is not empty; use --resume {path} or another --out")
+    try:
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise RunDirError(f"--out {path}: already exists and is not empty; use --resume {path} or another --out")
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if not existing.is_dir():
+            raise RunDirError(f"--out {path}: {existing} is not a folder; choose another --out")
+        if not _writable_dir(existing):
+            raise RunDirError(f"--out {path}: {existing} is not writable; choose another --out")
+    except OSError as err:
+        raise RunDirError(f"--out {path}: cannot be used ({err.strerror or err}); choose another --out") from None
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from hetfl.engine.experiment import CONFIG_NAME, Experiment, RunDirError
+    from hetfl.engine.rundir import check_unlocked
 
     if args.resume:
         run_dir = Path(args.resume)
         if args.config or args.set or args.out:
             raise ConfigError("--resume", str(run_dir),
                               "takes no CONFIG, --set or --out (the run's config.toml is used)")
+        check_unlocked(run_dir)  # another process running there: named now, before the set-up's work
         if not (run_dir / CONFIG_NAME).is_file():
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
         cfg = config_mod.load(run_dir / CONFIG_NAME)
     else:
         cfg = config_mod.load(args.config, args.set)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+        check_unlocked(run_dir)
         check_new_run_dir(run_dir)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
@@ -160,8 +182,10 @@ def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.R
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl import compare
+    from hetfl.algorithms import hyperparameters
+    from hetfl.engine import identity
     from hetfl.engine.checkpoint import atomic_write_text
-    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.experiment import CONFIG_NAME, Experiment
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
@@ -170,6 +194,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--seeds", args.seeds, "must be comma-separated integers, e.g. 0,1,2") from None
     if not methods or not seeds:
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "need at least one of each")
+    if len(set(seeds)) < len(seeds) or len(set(methods)) < len(methods):
+        raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "must not repeat a method or seed")
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
     out = Path(args.out)
@@ -180,20 +206,23 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
             cfg = config_mod.load(args.config, overrides)
             if args.quiet:
                 cfg = _with(cfg, runtime={"progress": False})
-            from hetfl.algorithms import hyperparameters
-
             hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
             plans.append((method, seed, cfg, out / f"{method.replace('+', '-')}-seed{seed}"))
+    # what each folder holds, against the resolved config of the run planned there: errors before any run
+    resolved = identity.resolve_configs([cfg for _, _, cfg, _ in plans])
+    states = [identity.check_run_dir(run_dir, config_mod.to_tree(full))
+              for (*_, run_dir), full in zip(plans, resolved, strict=True)]
     records = []
-    for method, seed, cfg, run_dir in plans:
-        if (run_dir / "summary.json").exists():
-            console.print(f"{run_dir}: finished earlier, reusing")
+    for (method, seed, cfg, run_dir), state in zip(plans, states, strict=True):
+        if state == "finished":
+            console.print(f"{run_dir}: finished earlier, reusing (same configuration)")
         else:
-            exp = Experiment(cfg)
-            reporter = RichReporter(console, exp.cfg.runtime.progress)
-            resume = (run_dir / "config.toml").exists()
+            # an interrupted run goes on from its own config.toml (as hetfl run --resume); the checkpoint's
+            # configuration is checked against it in Experiment.run
+            exp = Experiment(config_mod.load(run_dir / CONFIG_NAME) if state == "unfinished" else cfg)
+            reporter = RichReporter(console, cfg.runtime.progress)
             try:
-                exp.run(run_dir, resume=resume, reporter=reporter)
+                exp.run(run_dir, resume=state == "unfinished", reporter=reporter)
             finally:
                 reporter.close()
         records.append(compare.read_run(run_dir, method, seed))
@@ -246,6 +275,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
             settings = ", ".join(f"{n}={d}" for n, d, _ in describe(cls.Hyper)) or "-"
             table.add_row(name, cls.citation, settings)
         console.print(table)
+        console.print(posthoc_table())
     if what in ("all", "datasets"):
         console.print("datasets (data.dataset): " + ", ".join(DATASETS))
     if what in ("all", "partitions"):
@@ -265,6 +295,22 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def posthoc_table() -> Table:
+    """The post-hoc steps (CCVR and its side studies' settings), each with its ``algorithm.<step>.<key>`` settings."""
+    from hetfl import algorithms
+    from hetfl.params import describe
+
+    table = Table(title="post-hoc steps (after a method: algorithm.name = METHOD+STEP, e.g. fedavg+ccvr; "
+                        "settings under algorithm.STEP.)")
+    for col in ("name", "paper", "settings (default)"):
+        table.add_column(col)
+    for step in algorithms._POSTHOC:
+        cls = algorithms.posthoc_class(step)
+        settings = ", ".join(f"algorithm.{step}.{n}={d}" for n, d, _ in describe(cls.Hyper)) or "-"
+        table.add_row(step, cls.citation, settings)
+    return table
+
+
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from hetfl.analysis.run import analyze_run
 
@@ -275,14 +321,14 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     for name, result in index["written"].items():
         table.add_row(name, ", ".join(str(v) for k, v in result.items() if k in ("png", "data")))
     for name, why in index["skipped"].items():
-        table.add_row(name, f"[yellow]skipped[/]: {why}")
+        table.add_row(name, Text.assemble(("skipped", "yellow"), f": {why}"))
     console.print(table)
     return 0
 
 
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from hetfl import reproduce
-    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.experiment import CONFIG_NAME, Experiment
 
     if args.list or not args.name:
         table = Table(title="reproduction presets (hetfl reproduce NAME [--quick])")
@@ -298,11 +344,13 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     preset = reproduce.load_preset(args.name).variant(args.quick)
     out = Path(args.out or f"runs/reproduce/{preset.name}{'-quick' if args.quick else ''}")
 
-    def run(cfg: config_mod.RunConfig, run_dir: Path) -> None:
-        console.print(f"[bold]{run_dir}[/]")
+    def run(cfg: config_mod.RunConfig, run_dir: Path, resume: bool) -> None:
+        console.print(str(run_dir), style="bold")
         reporter = RichReporter(console, enabled=not args.quiet)
+        if resume:  # an interrupted run of this configuration goes on from its own config.toml (hetfl run --resume)
+            cfg = config_mod.load(run_dir / CONFIG_NAME)
         try:
-            Experiment(cfg).run(run_dir, resume=(run_dir / "checkpoint.safetensors").exists(), reporter=reporter)
+            Experiment(cfg).run(run_dir, resume=resume, reporter=reporter)
         finally:
             reporter.close()
 
@@ -312,12 +360,24 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def default_report_dir(run_dirs: list[str]) -> Path:
+    """``hetfl report``'s folder when no ``--out`` is given: ``RUN_DIR/report`` for one run; for several,
+    ``report`` in the deepest folder holding them all (the ``--out`` folder of ``hetfl compare``)."""
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "report"
+    common = Path(os.path.commonpath([os.path.abspath(p) for p in run_dirs]))
+    if common.is_relative_to(Path.cwd()):
+        common = common.relative_to(Path.cwd())
+    return common / "report"
+
+
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from hetfl.report import build_report
 
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
-    html_path, md_path = build_report(args.run_dirs, args.out, target=args.target, title=args.title)
+    out = Path(args.out) if args.out else default_report_dir(args.run_dirs)
+    html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title)
     print(f"report: {html_path} (self-contained), {md_path}")
     return 0
 
@@ -344,12 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=cmd_run)
 
-    cmp = sub.add_parser("compare", help="several methods x seeds on one setting: mean ± std table")
+    cmp = sub.add_parser(
+        "compare", help="several methods x seeds on one setting: mean ± std table",
+        description="Run every method x seed into OUT/<method>-seed<k> and table mean ± std over seeds. A folder "
+                    "that already holds a run of the same resolved configuration is reused (finished) or resumed "
+                    "(interrupted); one that holds a run of another configuration is an error naming the "
+                    "differing keys: give another --out for the new setting. Each table row is one setting "
+                    "(runs differing only in the seed), with its setting id; keys that vary between rows get "
+                    "a column each.")
     add_config_args(cmp)
     cmp.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
-    cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv")
+    cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv (runs of the same "
+                     "configuration there are reused; another configuration there is an error)")
     cmp.add_argument("--quiet", action="store_true")
     cmp.set_defaults(func=cmd_compare)
 
@@ -359,7 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--json", metavar="FILE", help="write the per-client statistics as JSON")
     part.set_defaults(func=cmd_partition)
 
-    rep = sub.add_parser("reproduce", help="run a paper table's preset and compare with the published numbers")
+    rep = sub.add_parser(
+        "reproduce", help="run a paper table's preset and compare with the published numbers",
+        description="Run every distinct run of a preset under OUT/<column>/<run> and write reproduction.md/.json. "
+                    "A run folder that already holds a run of the same resolved configuration is reused "
+                    "(finished) or resumed (interrupted); one that holds a run of another configuration (say, "
+                    "other --set values) is an error naming the differing keys: give another --out.")
     rep.add_argument("name", nargs="?", help="preset name (see --list) or a preset .toml file")
     rep.add_argument("--list", action="store_true", help="list the presets with their estimated cost")
     rep.add_argument("--quick", action="store_true", help="the small CPU variant (minutes): ordering, not numbers")
@@ -371,8 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_reproduce)
 
     rpt = sub.add_parser("report", help="one self-contained HTML page (and Markdown) for one or more runs")
-    rpt.add_argument("run_dirs", nargs="+", help="run directories (runs differing only by seed are grouped)")
-    rpt.add_argument("--out", required=True, help="folder for report.html, report.md and their images")
+    rpt.add_argument("run_dirs", nargs="+", help="run directories; runs whose resolved configurations differ "
+                     "only in the seed share a table row, and the keys that vary between rows get a column each")
+    rpt.add_argument("--out", help="folder for report.html, report.md and their images (default: RUN_DIR/report "
+                     "for one run; for several, report/ in the folder that holds them all, e.g. the --out of "
+                     "hetfl compare)")
     rpt.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
     rpt.add_argument("--title", default="hetfl report")
     add_plugin_arg(rpt)
@@ -395,10 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_console() -> Console:
+    """The terminal console of the commands: text goes out as it is (no rich markup, no emoji codes),
+    so that square brackets in names, notes and messages (``hetfl[flower]``, a preset's ``[quick]``)
+    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`)."""
+    return Console(stderr=False, markup=False, emoji=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=False)
+    console = make_console()
     try:
         from hetfl.algorithms import load_plugin
 

@@ -1,8 +1,13 @@
 """Comparison tables: several methods x several seeds on one setting.
 
 Reads finished run directories (``summary.json`` + ``metrics.jsonl``) and
-reports, per method, mean ± std over seeds of the final and best accuracy and
+reports, per setting, mean ± std over seeds of the final and best accuracy and
 the rounds needed to reach a target accuracy, as Markdown and CSV.
+
+A row is one setting: runs whose resolved configurations differ only in the
+seed (equal :func:`hetfl.engine.identity.setting_id`). Each row carries its
+setting id, and the configuration keys that differ between rows get a column
+each (dotted names, as for ``--set``), so two rows never look like one setting.
 """
 
 from __future__ import annotations
@@ -11,10 +16,15 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
+
+from hetfl.engine import identity
+
+#: shown in a key's column for a row whose configuration does not have that key (another method's setting)
+UNSET = "-"
 
 
 @dataclass
@@ -23,6 +33,12 @@ class RunRecord:
     seed: int
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved configuration (empty: unknown)
+
+    @property
+    def setting_id(self) -> str:
+        """The run's setting (hash of its resolved config without the seed); '' when its config is unknown."""
+        return identity.setting_id(self.config) if self.config else ""
 
     @property
     def metric_key(self) -> str:
@@ -35,9 +51,11 @@ class RunRecord:
 
 
 def read_run(run_dir: Path, method: str, seed: int) -> RunRecord:
+    """A finished run: its summary, metrics and resolved configuration (``config.toml``, read
+    through today's defaults, so runs written before a key existed group with new ones)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return RunRecord(method, seed, summary, metrics)
+    return RunRecord(method, seed, summary, metrics, identity.saved_tree(run_dir) or {})
 
 
 def rounds_to_target(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -51,49 +69,76 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean(values), (stdev(values) if len(values) > 1 else 0.0)
 
 
+def _cell(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str, Any]]:
-    """One row per method, in first-seen order."""
-    methods = list(dict.fromkeys(r.method for r in records))
+    """One row per setting (records with equal setting ids; by method label where a record's
+    config is unknown), in first-seen order. Keys that vary between the rows' settings (other
+    than ``algorithm.name``, which is the method column) become columns named by the dotted key."""
+    groups: dict[str, list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
+    configs = [runs[0].config for runs in groups.values() if runs[0].config]
+    varying = [k for k in identity.varying_keys(configs) if k != "algorithm.name"]
     rows = []
-    for method in methods:
-        runs = [r for r in records if r.method == method]
+    for runs in groups.values():
+        flat = identity.flatten(runs[0].config)
         key = runs[0].metric_key
         best_key = key.replace("final_", "best_")
         final_m, final_s = _mean_std([100 * r.summary[key] for r in runs])
         best_m, best_s = _mean_std([100 * r.summary[best_key] for r in runs])
-        row: dict[str, Any] = {
-            "method": method,
+        row: dict[str, Any] = {"method": runs[0].method}
+        row.update({k: _cell(flat[k]) if k in flat else UNSET for k in varying})
+        row.update({
             "metric": "global" if key == "final_global_acc" else "client mean",
             "seeds": len(runs),
             "final_mean": final_m, "final_std": final_s,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
-        }
+        })
         if target is not None:
             reached = [rounds_to_target(r.curve(), target) for r in runs]
             hits = [x for x in reached if x is not None]
             row["rounds_to_target"] = mean(hits) if hits else None
             row["reached"] = f"{len(hits)}/{len(runs)}"
+        row["setting_id"] = runs[0].setting_id
         rows.append(row)
     return rows
 
 
+def key_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The configuration keys that vary between rows (the dotted columns of :func:`table_rows`)."""
+    return [k for k in (rows[0] if rows else {}) if "." in k]
+
+
+def differences_line(rows: list[dict[str, Any]]) -> str:
+    """One sentence saying what distinguishes the rows (and that a row's runs differ only by seed)."""
+    keys = (["method"] if len({r["method"] for r in rows}) > 1 else []) + key_columns(rows)
+    if len(rows) <= 1:
+        return "One setting; its runs differ only in the seed."
+    return f"Rows differ in: {', '.join(keys)}; the runs of a row differ only in the seed."
+
+
 def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
-    head = ["method", "metric", "seeds", "final acc (%)", "best acc (%)"]
+    """The table as Markdown, followed by :func:`differences_line`."""
+    keys = key_columns(rows)
+    head = ["method", *keys, "metric", "seeds", "final acc (%)", "best acc (%)"]
     if target is not None:
         head += [f"rounds to {100 * target:g}%"]
-    head += ["time (s)"]
+    head += ["time (s)", "setting"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row["method"], row["metric"], str(row["seeds"]),
+        cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
                  f"{row['final_mean']:.2f} ± {row['final_std']:.2f}",
                  f"{row['best_mean']:.2f} ± {row['best_std']:.2f}"]
         if target is not None:
             rtt = row["rounds_to_target"]
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
-        cells.append(f"{row['wall_time_s']:.1f}")
+        cells += [f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + differences_line(rows) + "\n"
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:

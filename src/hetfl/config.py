@@ -10,6 +10,7 @@ settings of a post-hoc step live in a sub-table named after it
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from hetfl.params import ConfigError, build, setting, to_dict
 
 DATASET_NAMES = (
     "synthetic", "mnist", "fmnist", "emnist", "cifar10", "cifar100", "cinic10", "stl10",
-    "tinyimagenet", "imagefolder", "pacs", "officehome", "domainnet",
+    "tinyimagenet", "imagefolder", "pacs", "officehome", "domainnet", "ham10000",
 )
 PARTITION_NAMES = (
     "auto", "iid", "dirichlet", "shards", "dominant", "quantity", "domain", "natural",
@@ -82,6 +83,13 @@ class TrainConfig:
     eval_every: int = setting(1, ge=1, doc="evaluate every this many rounds (and at the last)")
     eval_batch_size: int = setting(1024, ge=1, doc="batch size of evaluation")
 
+    def check(self, prefix: str = "train.") -> None:
+        """Constraints between keys: the cosine schedule decays from ``lr`` down to ``lr_min``
+        (a floor above the start would make the lr climb, to 2.5 from 0.05 with ``lr_min = 5``)."""
+        if self.lr_schedule == "cosine" and self.lr_min > self.lr:
+            raise ConfigError(prefix + "lr_min", self.lr_min,
+                              f"must be <= {prefix}lr = {self.lr} under the cosine schedule (it is the floor)")
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -96,9 +104,9 @@ class RuntimeConfig:
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
-    device: str = setting("auto", choices=("auto", "cpu", "cuda"), doc="auto = cuda when present")
+    device: str = setting("auto", doc="auto (cuda when present), cpu, cuda, or cuda:N (GPU N of those present)")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
-    threads: int = setting(0, ge=0, doc="torch CPU threads (0 = torch's default)")
+    threads: int = setting(0, ge=0, le=1024, doc="torch CPU threads (0 = torch's default)")
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
         (), doc="rounds after which every participating client's local model is saved (layer-wise CKA)")
@@ -108,6 +116,12 @@ class RuntimeConfig:
                                                    "the run to go on (0 = all of them)")
     flower_client_cpus: float = setting(1.0, gt=0.0, doc="flower simulation: CPUs per client (Ray)")
     flower_client_gpus: float = setting(0.0, ge=0.0, doc="flower simulation: GPUs per client (Ray)")
+
+    def check(self, prefix: str = "runtime.") -> None:
+        """The form of ``device`` (whether GPU N is present is checked when the run is set up)."""
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(prefix + "device", self.device, "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, ...: "
+                                                               "the index of a GPU present)")
 
 
 @dataclass(frozen=True)
@@ -174,7 +188,24 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     if not isinstance(name, str):
         raise ConfigError("algorithm.name", name, "must be a string such as 'fedavg' or 'fedavg+ccvr'")
     top = build(_Top, {k: v for k, v in tree.items() if k == "seed"})
-    return RunConfig(seed=top.seed, algorithm=AlgorithmConfig(name, algo), **sections)
+    cfg = RunConfig(seed=top.seed, algorithm=AlgorithmConfig(name, algo), **sections)
+    check_across(cfg)
+    return cfg
+
+
+def check_across(cfg: RunConfig) -> None:
+    """Constraints between keys of different sections, as ConfigErrors naming the key to change
+    (those within one section are the section's ``check``)."""
+    t, d = cfg.train, cfg.data
+    if t.clients_per_round > d.num_clients:
+        raise ConfigError("train.clients_per_round", t.clients_per_round,
+                          f"must be <= data.num_clients = {d.num_clients} (0 = all)")
+    if d.partition == "rotation" and d.dataset == "synthetic":
+        raise ConfigError("data.partition", d.partition, "rotates images; synthetic has feature vectors")
+    late = [r for r in cfg.runtime.save_client_models if not 1 <= r <= t.rounds]
+    if late:
+        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
+                          f"must be rounds between 1 and train.rounds = {t.rounds} ({late} never happen)")
 
 
 @dataclass(frozen=True)
@@ -190,12 +221,29 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         if not path.is_file():
             raise ConfigError("CONFIG", str(path), "no such file")
         try:
-            tree = tomllib.loads(path.read_text())
+            tree = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError("CONFIG", str(path), f"not UTF-8 text (byte {err.start}: {err.reason}); TOML files "
+                                                   "are UTF-8, save it with that encoding") from None
+        except OSError as err:
+            raise ConfigError("CONFIG", str(path), f"cannot be read ({err.strerror or err})") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError("CONFIG", str(path), f"not valid TOML ({err})") from None
+        if isinstance(tree.get("preset"), dict):
+            raise ConfigError("CONFIG", str(path), preset_hint(path))
     for assignment in overrides:
         apply_override(tree, assignment)
     return from_dict(tree)
+
+
+def preset_hint(path: Path) -> str:
+    """What to tell about a reproduction preset (a TOML file with a ``[preset]`` table, see
+    ``hetfl.reproduce``) given where a run configuration is expected: the command that runs it."""
+    from hetfl.reproduce import PRESET_DIR  # hetfl.reproduce imports this module
+
+    name = path.stem if path.resolve() == (PRESET_DIR / f"{path.stem}.toml").resolve() else str(path)
+    return (f"a reproduction preset (hetfl reproduce NAME), not a run configuration; run it with "
+            f"`hetfl reproduce {name}` (add --quick for its small CPU variant)")
 
 
 def to_tree(cfg: RunConfig) -> dict[str, Any]:

@@ -5,12 +5,16 @@ A settings class is a frozen dataclass whose fields are declared with
 :func:`setting`, which records the allowed range or choices. :func:`build`
 turns a plain dict (from TOML or ``--set``) into an instance, rejecting unknown
 keys, wrong types and out-of-range values with a :class:`ConfigError` that
-names the key, the value and what is allowed.
+names the key, the value and what is allowed. Float settings are finite: ``inf``
+and ``nan`` (which TOML and ``--set`` accept as numbers) are refused unless a
+field is declared with ``finite=False``, since a non-finite learning rate or
+coefficient only turns a run into NaNs that exits 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -35,10 +39,15 @@ def setting(
     le: float | None = None,
     lt: float | None = None,
     choices: Sequence[Any] | None = None,
+    finite: bool = True,
     doc: str = "",
 ) -> Any:
-    """A dataclass field with validation metadata (range, choices, help text)."""
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "doc": doc}
+    """A dataclass field with validation metadata (range, choices, help text).
+
+    ``finite=False`` lets a float setting (or the floats of a list setting) be ``inf`` or ``nan``;
+    by default they are refused.
+    """
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite, "doc": doc}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -97,7 +106,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(key, value, f"must be of type {_type_name(tp)}")
 
 
+def _check_finite(key: str, value: Any) -> None:
+    """Refuse ``inf``/``nan`` in a float or in the floats of a list (``key[i]``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, value, "must be a finite number (not inf or nan)")
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_finite(f"{key}[{i}]", item)
+
+
 def _check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    if meta.get("finite", True):
+        _check_finite(key, value)
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(key, value, "allowed: " + ", ".join(map(str, choices)))

@@ -1,7 +1,8 @@
 """``hetfl report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page and its Markdown twin.
 
-The page holds, for the given runs: the comparison table (mean ± std over seeds
-of runs that differ only by seed), accuracy/spread/loss curves, each distinct
+The page holds, for the given runs: the comparison table (one row per setting,
+i.e. runs whose resolved configurations differ only in the seed, with mean ± std
+over seeds, the setting id and a column per key that varies between rows), accuracy/spread/loss curves, each distinct
 setting's configuration and partition heat map, and the analyses a run has
 (``hetfl analyze``). Images are embedded as base64 PNG and the style is
 inline: the file opens offline, in any browser, and can be mailed as one file.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from hetfl import compare
 from hetfl import config as config_mod
 from hetfl.analysis.plots import plot_curves
+from hetfl.engine import identity
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 
 STYLE = """
@@ -45,14 +46,17 @@ class ReportError(ValueError):
 class Run:
     path: Path
     config_text: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # the resolved configuration, read through today's defaults (identity.saved_tree)
     summary: dict[str, Any]
 
     @property
-    def setting_key(self) -> str:
-        """The config without its seed: runs with the same key differ only by seed."""
-        tree = {k: v for k, v in self.config.items() if k != "seed"}
-        return json.dumps(tree, sort_keys=True, default=str)
+    def setting_id(self) -> str:
+        """Hash of the resolved config without its seed: runs with equal ids share a table row."""
+        return identity.setting_id(self.config)
+
+    @property
+    def run_id(self) -> str:
+        return identity.run_id(self.config)
 
     @property
     def seed(self) -> int:
@@ -60,37 +64,34 @@ class Run:
 
 
 def read_runs(run_dirs: list[Path]) -> list[Run]:
-    runs = []
+    """The runs, each given once: two folders holding the same run (equal run ids) are an error,
+    as a row's "seeds" would count one seed twice."""
+    runs: list[Run] = []
     for path in run_dirs:
         for name in (CONFIG_NAME, SUMMARY_NAME, METRICS_NAME):
             if not (path / name).is_file():
                 raise ReportError(f"{path}: no {name}; give finished run directories (hetfl run --out DIR)")
-        text = (path / CONFIG_NAME).read_text()
-        runs.append(Run(path, text, tomllib.loads(text), json.loads((path / SUMMARY_NAME).read_text())))
+        tree = identity.saved_tree(path)
+        if tree is None:
+            raise ReportError(f"{path}: {CONFIG_NAME} is not readable TOML; give finished run directories")
+        run = Run(path, (path / CONFIG_NAME).read_text(), tree, json.loads((path / SUMMARY_NAME).read_text()))
+        twin = next((r for r in runs if r.run_id == run.run_id), None)
+        if twin is not None:
+            raise ReportError(f"{twin.path} and {path} are the same run (run id {run.run_id}: same configuration, "
+                              f"seed {run.seed}); give each run once")
+        runs.append(run)
     return runs
 
 
 def labels_for(groups: dict[str, list[Run]]) -> dict[str, str]:
-    """A short label per setting: the algorithm, plus the keys that differ between settings."""
-    flat = {key: _flatten(runs[0].config) for key, runs in groups.items()}
-    shared = set.intersection(*(set(f) for f in flat.values()))  # method settings only some runs have: no
-    varying = sorted(k for k in shared if k not in ("seed", "algorithm.name")
-                     and len({json.dumps(f[k], default=str) for f in flat.values()}) > 1)
+    """A label per setting: the method, plus the keys that vary between settings and its setting id."""
+    varying = [k for k in identity.varying_keys([g[0].config for g in groups.values()]) if k != "algorithm.name"]
     labels = {}
     for key, runs in groups.items():
-        extra = ", ".join(f"{k}={flat[key].get(k)}" for k in varying if k.startswith(("algorithm.", "data.")))
+        flat = identity.flatten(runs[0].config)
+        extra = ", ".join(f"{k}={flat[k]}" for k in varying if k in flat)
         labels[key] = runs[0].config.get("algorithm", {}).get("name", "?") + (f" ({extra})" if extra else "")
     return labels
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and not (prefix.endswith("options.") or k == "options"):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _img(path: Path) -> str:
@@ -111,7 +112,7 @@ def partition_plot(run: Run, out: Path) -> Path | None:
     except Exception:  # data moved or offline: the report goes on without the heat map
         return None
     cfg = resolve(cfg, dataset)
-    target = out / f"partition_{run.path.name}.png"
+    target = out / f"partition_{run.run_id}.png"  # one per run: folders of different runs may share a name
     plot_partition(build_partition(cfg, dataset), dataset.train.y.numpy(), dataset.info.num_classes, target,
                    title=f"{cfg.data.dataset}, {cfg.data.partition}, {cfg.data.num_clients} clients")
     return target
@@ -125,21 +126,24 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     out.mkdir(parents=True, exist_ok=True)
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(run.setting_key, []).append(run)
+        groups.setdefault(run.setting_id, []).append(run)
     labels = labels_for(groups)
-    records = [compare.read_run(r.path, labels[key], r.seed) for key, rs in groups.items() for r in rs]
+    records = [compare.read_run(r.path, r.config.get("algorithm", {}).get("name", "?"), r.seed)
+               for rs in groups.values() for r in rs]
     rows = compare.table_rows(records, target)
     table_md = compare.to_markdown(rows, target)
+    differences = compare.differences_line(rows)
     curves = plot_curves({f"{labels[key]} seed {r.seed}": r.path / METRICS_NAME for key, rs in groups.items()
                           for r in rs}, out, target=target)
     html_parts = [f"<h1>{html.escape(title)}</h1>",
                   f'<p class="muted">{len(runs)} run(s), {len(groups)} setting(s).</p>',
-                  "<h2>Comparison</h2>", _table_html(table_md), "<h2>Curves</h2>", _img(Path(curves["png"]))]
+                  "<h2>Comparison</h2>", _table_html(table_md), f'<p class="muted">{html.escape(differences)}</p>',
+                  "<h2>Curves</h2>", _img(Path(curves["png"]))]
     md_parts = [f"# {title}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",
                 table_md, "## Curves", "", f"![curves]({Path(curves['png']).name})", ""]
     for key, group in groups.items():
         first = group[0]
-        name = labels[key]
+        name = f"{labels[key]} [{key}]"
         html_parts += [f"<h2>Setting: {html.escape(name)}</h2>",
                        f'<p class="muted">runs: {html.escape(", ".join(str(r.path) for r in group))}</p>',
                        "<h3>Configuration</h3>", f"<pre>{html.escape(first.config_text)}</pre>"]
@@ -154,6 +158,11 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
             if not index_path.is_file():
                 continue
             index = json.loads(index_path.read_text())
+            if index.get("run_id", run.run_id) != run.run_id:  # written for another configuration in this folder
+                note = f"analyses of {run.path.name} skipped: written for another configuration; rerun hetfl analyze"
+                html_parts.append(f'<p class="muted">{html.escape(note)}</p>')
+                md_parts += [note, ""]
+                continue
             html_parts.append(f"<h3>Analyses of {html.escape(run.path.name)} (round {index['round']})</h3>")
             md_parts += [f"### Analyses of {run.path.name} (round {index['round']})", ""]
             for analysis, result in index["written"].items():

@@ -20,9 +20,11 @@ A preset (``configs/<name>.toml``) holds:
 ``[quick]``
     a small CPU variant: ``set``, ``columns`` and ``seeds`` replacing the full ones.
 
-``hetfl reproduce NAME [--quick]`` runs every distinct run (resuming or reusing
-finished ones) and writes ``reproduction.md`` / ``.json``: our mean ± std over
-seeds beside the paper's number and the difference.
+``hetfl reproduce NAME [--quick]`` runs every distinct run (resuming interrupted
+ones and reusing finished ones of the same resolved configuration; a run folder
+holding another configuration is an error naming the keys) and writes
+``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
+number and the difference.
 """
 
 from __future__ import annotations
@@ -195,18 +197,28 @@ def metric_value(run_dir: Path, metric: str) -> float:
 def reproduce(
     preset: Preset,
     out: Path,
-    run: Callable[[config_mod.RunConfig, Path], None],
+    run: Callable[[config_mod.RunConfig, Path, bool], None],
     user_set: list[str] | None = None,
+    resolve: Callable[[list[config_mod.RunConfig]], list[config_mod.RunConfig]] | None = None,
 ) -> dict[str, Any]:
-    """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir)``,
-    then write ``reproduction.json`` / ``.md`` there. Configs are all validated before any run."""
+    """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir, resume)``,
+    then write ``reproduction.json`` / ``.md`` there.
+
+    Configs are all validated, and every run folder checked against the resolved config of the
+    run planned there (``resolve``, default :func:`hetfl.engine.identity.resolve_configs`), before
+    any run: a folder holding the same run is reused (finished) or resumed (``resume=True``); one
+    holding another configuration is a RunDirError naming the differing keys."""
+    from hetfl.engine import identity
+
     specs = run_specs(preset)
     configs = {spec: build_config(preset, spec, user_set or []) for spec in set(specs.values())}
     order = sorted(configs, key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
+    resolved = (resolve or identity.resolve_configs)([configs[spec] for spec in order])
+    states = {spec: identity.check_run_dir(out / spec.column / spec.dirname, config_mod.to_tree(full))
+              for spec, full in zip(order, resolved, strict=True)}
     for spec in order:
-        run_dir = out / spec.column / spec.dirname
-        if not (run_dir / "summary.json").exists():
-            run(configs[spec], run_dir)
+        if states[spec] != "finished":
+            run(configs[spec], out / spec.column / spec.dirname, states[spec] == "unfinished")
     table: dict[str, Any] = {}
     for row in preset.rows:
         metric = row.metric or preset.metric

@@ -162,6 +162,7 @@ class FedPAC(Algorithm):
     Hyper = FedPACHyper
     citation = "Xu et al., ICLR 2023"
     personalized = True
+    model_requires = ("encoder",)  # feature alignment trains the encoder, apart from the classifier
 
     @property
     def head_names(self) -> list[str]:

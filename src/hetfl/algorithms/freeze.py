@@ -63,6 +63,7 @@ class Freeze(Algorithm):
     name = "freeze"
     Hyper = FreezeHyper
     citation = "FedUV's baseline, Son et al., CVPR 2024"
+    model_requires = ("encoder",)  # the classifier is frozen: only an encoder trains
 
     def __init__(self, hyper: FreezeHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)

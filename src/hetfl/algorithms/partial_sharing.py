@@ -62,6 +62,7 @@ class PartialSharing(Algorithm):
     """
 
     personalized = True
+    model_requires = ("encoder",)  # the model is split between encoder and classifier (and projector)
     prefix = "partial"
     split_key = "personal"
 

@@ -38,6 +38,8 @@ class PostHoc:
     Hyper: ClassVar[type] = NoHyper
     citation: ClassVar[str] = ""
     needs_global_model: ClassVar[bool] = True
+    # model parts (keys of base.MODEL_PARTS) the step cannot work without; checked when a run is set up
+    model_requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hyper: Any, setup: Setup) -> None:
         self.hp = hyper

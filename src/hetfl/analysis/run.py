@@ -4,7 +4,10 @@ Rebuilds the run's data and model from its ``config.toml``, loads the last
 checkpoint (global model, client states) and, when the run saved them
 (``runtime.save_client_models``), the clients' local models. Each analysis
 writes a PNG and the numbers behind it into ``RUN_DIR/analysis/``; an
-``index.json`` lists what was written and what was skipped, and why.
+``index.json`` lists what was written and what was skipped, and why, with the
+run's ``setting_id`` / ``run_id``. A checkpoint written by another configuration
+than ``config.toml`` (an edited config) is refused rather than analysed against
+data and a model rebuilt from the other one.
 
 - ``curves``: accuracy, per-client spread, train loss, traffic (``metrics.jsonl``).
 - ``weight_norms``: classifier row norms of each saved local model against that
@@ -12,7 +15,9 @@ writes a PNG and the numbers behind it into ``RUN_DIR/analysis/``; an
 - ``spectrum``: singular values of the feature covariance of the global model
   on the test set, and of each saved local model (dimensional collapse, FedUV).
 - ``cka``: linear CKA of each layer between saved local models on the same
-  probe data, mean over client pairs per layer (CCVR Figs. 1-2).
+  probe data, mean over client pairs per layer (CCVR Figs. 1-2). A model without a
+  hidden layer (logistic regression) has only its logits compared: its input layer's
+  CKA would be 1 for any models (they all see the same inputs); ``index.json`` notes it.
 - ``swd``: sliced Wasserstein distance between the clients' class-conditional
   feature distributions (per-class Gaussians under the global encoder; CCVR appendix).
 - ``tsne``: t-SNE of global-model features of a sample of training data,
@@ -37,12 +42,15 @@ from hetfl.analysis.classifier import class_weight_norms
 from hetfl.analysis.plots import plot_cka, plot_curves, plot_spectrum, plot_swd_matrix, plot_tsne, plot_weight_norms
 from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
+from hetfl.engine import identity
 from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import CLIENT_MODELS_DIR, CONFIG_NAME, METRICS_NAME, Experiment
 from hetfl.engine.rng import torch_generator
+from hetfl.params import ConfigError
 
 ANALYSES = ("curves", "weight_norms", "spectrum", "cka", "swd", "tsne")
 OUT_DIR = "analysis"
+NO_HIDDEN_LAYER = "the model has no hidden layer"
 
 
 class AnalysisError(ValueError):
@@ -63,6 +71,22 @@ def saved_client_models(run_dir: Path, state_names: Sequence[str]) -> tuple[int,
     return int(files[-1].stem.split("_")[1]), dict(sorted(clients.items()))
 
 
+def check_same_run(run_dir: Path, checkpoint_config: dict[str, Any] | None, config: dict[str, Any]) -> None:
+    """The checkpoint (whose model is analysed) must come from the run ``config.toml`` describes (from
+    which data, partition and model are rebuilt); otherwise the analyses would mix two runs."""
+    if checkpoint_config is None:
+        return  # a checkpoint written before checkpoints recorded their configuration
+    try:
+        saved = identity.canonical_tree(checkpoint_config)
+    except ConfigError:
+        saved = checkpoint_config
+    diffs = identity.differing_keys(saved, config)
+    if diffs:
+        raise AnalysisError(f"{run_dir}: the checkpoint was written by another configuration than {CONFIG_NAME} "
+                            f"({'; '.join(diffs[:4])}; checkpoint -> {CONFIG_NAME}); analyse the run whose "
+                            f"{CONFIG_NAME} is unchanged")
+
+
 class RunAnalysis:
     """A run directory with its experiment rebuilt and its last state loaded."""
 
@@ -75,6 +99,8 @@ class RunAnalysis:
         ckpt = load_checkpoint(self.run_dir, self.exp.device)
         if ckpt is None:
             raise AnalysisError(f"{self.run_dir}: no checkpoint to analyse (runtime.checkpoint_every = 0?)")
+        self.config = identity.saved_tree(self.run_dir) or {}
+        check_same_run(self.run_dir, ckpt.info.get("config"), self.config)
         self.server, self.clients, self.round = ckpt.server, ckpt.clients, ckpt.round
         caller = self.exp.caller
         self.local_round, self.local_models = saved_client_models(self.run_dir, caller.state_names)
@@ -101,28 +127,60 @@ class RunAnalysis:
         labels = self.exp.data.client_train_split(client)[1]
         return np.bincount(labels.cpu().numpy(), minlength=self.exp.dataset.info.num_classes)
 
+    def context(self, round_: int | None = None) -> str:
+        """Which run (and round) a figure shows: ``"<dir>: <method> on <dataset> (<model>), round R"``."""
+        cfg = self.exp.cfg
+        run = f"{self.run_dir.resolve().name}: {cfg.algorithm.name} on {cfg.data.dataset} ({cfg.model.name})"
+        return run if round_ is None else f"{run}, round {round_}"
+
+    def has_hidden_layer(self) -> bool:
+        """Whether anything with parameters runs before the classifier. Without (logistic regression:
+        the encoder is a flatten) the "features" are the inputs themselves, the same for every model."""
+        module = self.exp.model
+        return any(True for _ in module.encoder.parameters()) or getattr(module, "projector", None) is not None
+
+    def feature_layer(self) -> str:
+        """What the features are, for titles: the classifier's input and where it comes from."""
+        d = self.exp.model.feature_dim
+        if not self.has_hidden_layer():
+            return f"features = the inputs (d={d}; {NO_HIDDEN_LAYER})"
+        source = "projector" if getattr(self.exp.model, "projector", None) is not None else "encoder"
+        return f"features = classifier input ({source} output, d={d})"
+
     # --------------------------------------------------------------- analyses
     def curves(self) -> dict[str, Any]:
-        return plot_curves(self.run_dir / METRICS_NAME, self.out)
+        return plot_curves(self.run_dir / METRICS_NAME, self.out, context=self.context())
 
     def weight_norms(self) -> dict[str, Any]:
         if self.local_models:
             clients = list(self.local_models)[:12]  # a readable figure
             norms = torch.stack([class_weight_norms(self.local_models[c]["classifier.weight"]) for c in clients])
             counts = np.stack([self.client_counts(c) for c in clients])
-            labels = [f"client {c} (round {self.local_round})" for c in clients]
+            labels = [f"client {c} local model" for c in clients]
+            context = self.context(self.local_round)
         else:
             norms = class_weight_norms(self.server.model["classifier.weight"])[None]
             counts = np.stack([self.client_counts(c) for c in range(self.exp.data.num_clients)]).sum(0)[None]
             labels = ["global model (all clients' counts)"]
-        return plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels)
+            context = self.context(self.round)
+        return plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels, context=context)
 
     def spectrum(self) -> dict[str, Any]:
-        spectra = {"global": singular_values(self.features(self.server.model, self.probe_x).cpu())}
-        for c, state in list(self.local_models.items())[:8]:
-            spectra[f"client {c}"] = singular_values(self.features(state, self.probe_x).cpu())
-        result = plot_spectrum(spectra, self.out)
-        result["effective_rank_global"] = effective_rank(self.features(self.server.model, self.probe_x).cpu())
+        global_features = self.features(self.server.model, self.probe_x).cpu()
+        note = None
+        if self.has_hidden_layer():
+            spectra = {"global": singular_values(global_features)}
+            for c, state in list(self.local_models.items())[:8]:
+                spectra[f"client {c}"] = singular_values(self.features(state, self.probe_x).cpu())
+        else:  # every model's features are the probe inputs: one curve, the data's own spectrum
+            spectra = {"probe inputs": singular_values(global_features)}
+            note = f"{NO_HIDDEN_LAYER}: the features are the inputs, the same for every model; one curve"
+        rounds = f"{self.round}" if len(spectra) < 2 or self.local_round == self.round else \
+            f"{self.round} (local models: round {self.local_round})"
+        result = plot_spectrum(spectra, self.out, context=f"{self.context()}, round {rounds}", note=note)
+        result["effective_rank_global"] = effective_rank(global_features)
+        if note:
+            result["note"] = note
         return result
 
     def cka(self) -> dict[str, Any]:
@@ -130,14 +188,21 @@ class RunAnalysis:
             raise AnalysisError("needs local models of two or more clients: run with runtime.save_client_models")
         module = self.exp.model
         layers = [f"encoder.{name}" for name, child in module.encoder.named_children()
-                  if any(True for _ in child.parameters())] or ["encoder"]  # layers that compute something
+                  if any(True for _ in child.parameters())]  # layers that compute something
+        if not layers and any(True for _ in module.encoder.parameters()):
+            layers = ["encoder"]  # an encoder that is one module with parameters
+        note = None if layers else (f"{NO_HIDDEN_LAYER}: the input layer's CKA is trivially 1 (every model sees "
+                                    "the same probe inputs) and is left out; only the logits are compared")
         if getattr(module, "projector", None) is not None:
             layers.append("projector")
         layers.append("classifier")
         states = list(self.local_models.values())
         cka = pairwise_cka(states, module, self.probe_x, layers)
-        result = plot_cka(cka, self.out, model_labels=[f"client {c}" for c in self.local_models])
+        result = plot_cka(cka, self.out, model_labels=[f"client {c}" for c in self.local_models],
+                          context=self.context(self.local_round), note=note)
         result["mean_cka"] = mean_pairwise_cka(cka)
+        if note:
+            result["note"] = note
         return result
 
     def swd(self) -> dict[str, Any]:
@@ -150,7 +215,10 @@ class RunAnalysis:
             mixtures.append(GaussianMixture.from_features(feats.cpu(), y.cpu(), num_classes, eps=1e-6))
             labels.append(str(c))
         matrix = sliced_wasserstein_matrix(mixtures, num_projections=64)
-        return plot_swd_matrix(matrix, self.out, labels=labels)
+        return plot_swd_matrix(matrix, self.out, labels=labels, round=self.round, context=self.context(),
+                               title="Sliced W2 distance between clients' class-conditional feature laws "
+                                     "(Gaussian per class, global model)",
+                               layer=self.feature_layer())
 
     def tsne(self) -> dict[str, Any]:
         from hetfl.analysis.tsne import tsne_embedding
@@ -163,7 +231,10 @@ class RunAnalysis:
             labels.append(y[:per_client].cpu())
             clients.append(torch.full((len(labels[-1]),), c))
         embedding = tsne_embedding(torch.cat(feats), seed=0)
-        return plot_tsne(embedding, torch.cat(labels), self.out, clients=torch.cat(clients))
+        what = ("global-model features of training samples" if self.has_hidden_layer() else
+                f"the inputs of training samples (= the features: {NO_HIDDEN_LAYER})")
+        return plot_tsne(embedding, torch.cat(labels), self.out, clients=torch.cat(clients),
+                         context=self.context(self.round), what=what)
 
 
 def analyze_run(
@@ -175,7 +246,9 @@ def analyze_run(
         raise AnalysisError(f"unknown analysis {unknown[0]!r}; allowed: {', '.join(ANALYSES)}")
     run = RunAnalysis(run_dir, device=device, probe=probe)
     run.out.mkdir(exist_ok=True)
-    index: dict[str, Any] = {"round": run.round, "local_models_round": run.local_round, "written": {}, "skipped": {}}
+    index: dict[str, Any] = {"round": run.round, "local_models_round": run.local_round,
+                             "setting_id": identity.setting_id(run.config), "run_id": identity.run_id(run.config),
+                             "written": {}, "skipped": {}}
     for name in only or ANALYSES:
         try:
             result = getattr(run, name)()

@@ -31,11 +31,13 @@ from hetfl.algorithms.base import (
     Setup,
     Tensors,
     Upload,
+    check_model_parts,
 )
 from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
 from hetfl.data.datasets import load_dataset
 from hetfl.data.partition import Partition, make_partition
+from hetfl.engine import resources
 from hetfl.engine.checkpoint import (
     Checkpoint,
     atomic_write_text,
@@ -45,8 +47,10 @@ from hetfl.engine.checkpoint import (
 )
 from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
+from hetfl.engine.identity import differing_keys
 from hetfl.engine.local import LocalResult, run_stages, train_client
 from hetfl.engine.rng import derive_seed, numpy_generator
+from hetfl.engine.rundir import HISTORY_KEY, MetricsLog, RunDirError, check_no_run, lock_run_dir, restore_metrics
 from hetfl.engine.vectorized import train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
@@ -58,16 +62,25 @@ CONFIG_NAME = "config.toml"
 CLIENT_MODELS_DIR = "client_models"
 
 
-class RunDirError(ValueError):
-    """The output directory cannot be used (exists with another run, nothing to resume)."""
-
-
 def pick_device(name: str) -> torch.device:
+    """The device of ``runtime.device`` (auto, cpu, cuda, cuda:N), checked against this machine's GPUs.
+    A device index becomes the current CUDA device, so that what runs on the current device (the
+    vectorised executor's CUDA streams and graphs) runs on the chosen one."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ConfigError("runtime.device", name, "CUDA is not available on this machine; use auto or cpu")
-    return torch.device(name)
+    count = torch.cuda.device_count()
+    if device.index is not None:
+        if device.index >= count:
+            present = ", ".join(f"cuda:{i}" for i in range(count))
+            raise ConfigError("runtime.device", name, f"this machine has {count} CUDA device{'s' * (count != 1)} "
+                                                      f"({present}); use one of them, cuda or auto")
+        torch.cuda.set_device(device)
+    return device
 
 
 def vmap_clients(runtime: config_mod.RuntimeConfig, device: torch.device) -> bool:
@@ -180,30 +193,20 @@ def check_flower(cfg: RunConfig) -> None:
                           "is not supported with runtime.executor = flower (local models stay on the nodes)")
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
-                   {f"{prefix}{key}": value})
-    return out
-
-
 def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
     """How ``cfg`` differs from the configuration a checkpoint was written with, as
     ``"key: saved -> now"`` lines (empty: the same run). The saved configuration is read
     through today's defaults first, so that a key added to hetfl after the checkpoint was
-    written (with a default that leaves old runs unchanged) does not stop them resuming."""
+    written (with a default that leaves old runs unchanged) does not stop them resuming.
+    Keys that change only what the terminal shows (``identity.PRESENTATION_KEYS``, e.g.
+    ``--quiet``'s ``runtime.progress``) are not changes."""
     if saved is None:
         return ["the checkpoint records no configuration"]
     try:
         saved = config_mod.to_tree(config_mod.from_dict(saved))
     except ConfigError as err:
         return [f"the checkpoint's configuration is no longer valid: {err}"]
-    old, new = _flatten(saved), _flatten(config_mod.to_tree(cfg))
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
-            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    return differing_keys(saved, config_mod.to_tree(cfg))
 
 
 class Experiment:
@@ -217,6 +220,8 @@ class Experiment:
             torch.set_num_threads(cfg.runtime.threads)
         parse_name(cfg.algorithm.name)
         hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
+        vmap = vmap_clients(cfg.runtime, self.device)
+        resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
         self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, seed=cfg.seed,
                                     **cfg.data.options)
@@ -231,11 +236,14 @@ class Experiment:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
         self.partition = build_partition(cfg, self.dataset)
+        resources.check_plan(cfg, [len(idx) for idx in self.partition.train], vmap)
         self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment)
         info = self.dataset.info
+        resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)
+        check_model_parts(cfg.algorithm.name, cfg.model, param_groups(self.model), info.input_shape, info.num_classes)
         self.model.to(self.device).train()
         self.caller = ModelCaller(self.model)
         self.setup = Setup(
@@ -349,24 +357,64 @@ class Experiment:
 
     # ------------------------------------------------------------------ run
     def run(self, run_dir: str | Path, *, resume: bool = False, reporter: Reporter | None = None) -> dict[str, Any]:
-        """Run (or continue) the experiment in ``run_dir``; returns the summary."""
-        cfg = self.cfg
-        if cfg.runtime.executor == "flower" and self.federation is None:
-            from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
+        """Run (or continue) the experiment in ``run_dir``; returns the summary.
 
-            return run_simulation(self, run_dir, resume=resume, reporter=reporter)
+        The whole run holds the directory's lock (:mod:`hetfl.engine.rundir`): a second process
+        is refused naming this one. A new run needs a directory holding no run, checked under the
+        lock; a resumed one checks ``metrics.jsonl`` against the checkpoint before continuing."""
         run_dir = Path(run_dir)
+        with lock_run_dir(run_dir) as taken:
+            if taken and not resume:
+                check_no_run(run_dir)
+            if self.cfg.runtime.executor == "flower" and self.federation is None:
+                from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
+
+                return run_simulation(self, run_dir, resume=resume, reporter=reporter)
+            return self.run_locked(run_dir, resume, reporter or Reporter())
+
+    def run_locked(self, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
+        """The body of :meth:`run`, with the run directory's lock held."""
+        cfg = self.cfg
         self.run_dir = run_dir
-        reporter = reporter or Reporter()
         ckpt = load_checkpoint(run_dir, self.device) if resume else None
         if ckpt is not None:
             changed = config_changes(ckpt.info.get("config"), cfg)
             if changed:
                 raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
                                   f"({'; '.join(changed[:5])})")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
+        if resume and (run_dir / SUMMARY_NAME).exists():
+            return self.finished(run_dir, ckpt, reporter)
+        start = ckpt.round if ckpt else 0
+        metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
+        with metrics_log:
+            if not resume or not (run_dir / CONFIG_NAME).exists():
+                atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
+            return self.round_loop(run_dir, ckpt, metrics_log, reporter)
+
+    def finished(self, run_dir: Path, ckpt: Checkpoint | None, reporter: Reporter) -> dict[str, Any]:
+        """A resumed run that has its summary: check its history, say so, and return the summary
+        (rewritten only if unreadable); nothing is recomputed."""
+        rounds = self.cfg.train.rounds
+        if ckpt is not None and ckpt.round != rounds:
+            raise RunDirError(f"{run_dir}: {SUMMARY_NAME} says the run finished but the checkpoint is at round "
+                              f"{ckpt.round} of {rounds}")
+        record = ckpt.info.get(HISTORY_KEY) if ckpt else None
+        with restore_metrics(run_dir / METRICS_NAME, rounds, record) as metrics_log:
+            history = metrics_log.history
+        self.note(f"{run_dir}: the run already finished ({rounds} rounds, {SUMMARY_NAME}); nothing to do", reporter)
+        try:
+            summary = json.loads((run_dir / SUMMARY_NAME).read_text())
+        except (OSError, ValueError):
+            wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
+            summary = make_summary(self.cfg, history, wall, self)
+            atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        reporter.finish(summary)
+        return summary
+
+    def round_loop(self, run_dir: Path, ckpt: Checkpoint | None, metrics_log: MetricsLog,
+                   reporter: Reporter) -> dict[str, Any]:
+        """Rounds after the checkpoint's (all, without one) to the last; then the summary."""
+        cfg = self.cfg
         server = ckpt.server if ckpt else self.initial_server()
         if self.federation is not None:
             self.federation.start(run_dir, ckpt.round if ckpt else 0, ckpt.info if ckpt else {})
@@ -376,41 +424,38 @@ class Experiment:
         clients: dict[int, Tensors] = ckpt.clients if ckpt else {}
         start = ckpt.round if ckpt else 0
         wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
-        history = truncate_metrics(run_dir / METRICS_NAME, start)
+        history = metrics_log.history
         reporter.start(cfg, start, self)
-        with open(run_dir / METRICS_NAME, "a") as metrics_file:
-            for round_ in range(start + 1, cfg.train.rounds + 1):
-                t0 = time.perf_counter()
-                line = self.round(server, clients, round_, reporter)
-                server = line.pop("_server")
-                if round_ == 1:  # the set-up round's traffic counts with round 1
-                    line["bytes_up"] += setup_up
-                    line["bytes_down"] += setup_down
-                server = self.run_posthoc(server, round_, line)
-                if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
-                    t_eval = time.perf_counter()
-                    line.update(self.evaluate(server, clients, round_))
-                    line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
+        for round_ in range(start + 1, cfg.train.rounds + 1):
+            t0 = time.perf_counter()
+            line = self.round(server, clients, round_, reporter)
+            server = line.pop("_server")
+            if round_ == 1:  # the set-up round's traffic counts with round 1
+                line["bytes_up"] += setup_up
+                line["bytes_down"] += setup_down
+            server = self.run_posthoc(server, round_, line)
+            if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
+                t_eval = time.perf_counter()
+                line.update(self.evaluate(server, clients, round_))
+                line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
+            if self.federation is not None:
+                line.update(self.federation.round_info(round_))
+            line["round_time_s"] = round(time.perf_counter() - t0, 4)
+            wall += line["round_time_s"]
+            metrics_log.append(line)
+            if not math.isfinite(line["train_loss"]) and diverged_round(history) == round_:
+                self.note(f"training diverged: the train loss is {line['train_loss']} from round {round_} on "
+                          "(summary.json: diverged_round); try a lower train.lr or train.max_grad_norm",
+                          reporter)
+            every = cfg.runtime.checkpoint_every
+            if every and (round_ % every == 0 or round_ == cfg.train.rounds):
+                info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall, HISTORY_KEY: metrics_log.record()}
                 if self.federation is not None:
-                    line.update(self.federation.round_info(round_))
-                line["round_time_s"] = round(time.perf_counter() - t0, 4)
-                wall += line["round_time_s"]
-                metrics_file.write(json.dumps(line) + "\n")
-                metrics_file.flush()
-                history.append(line)
-                if not math.isfinite(line["train_loss"]) and diverged_round(history) == round_:
-                    self.note(f"training diverged: the train loss is {line['train_loss']} from round {round_} on "
-                              "(summary.json: diverged_round); try a lower train.lr or train.max_grad_norm",
-                              reporter)
-                every = cfg.runtime.checkpoint_every
-                if every and (round_ % every == 0 or round_ == cfg.train.rounds):
-                    info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall}
-                    if self.federation is not None:
-                        info.update(self.federation.checkpoint_info())
-                    save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
-                    if self.federation is not None:
-                        self.federation.committed(round_)
-                reporter.round_end(line)
+                    info.update(self.federation.checkpoint_info())
+                save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
+                if self.federation is not None:
+                    self.federation.committed(round_)
+            reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         reporter.finish(summary)
@@ -589,25 +634,6 @@ class Experiment:
         }
 
 
-def truncate_metrics(path: Path, last_round: int) -> list[dict[str, Any]]:
-    """Keep the metrics lines of rounds <= ``last_round`` (drop anything after the
-    checkpoint, including a line half-written by a kill); return them."""
-    if not path.exists():
-        return []
-    kept, lines = [], []
-    for raw in path.read_text().splitlines():
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError:
-            break
-        if line.get("round", math.inf) > last_round:
-            break
-        kept.append(line)
-        lines.append(raw)
-    atomic_write_text(path, "".join(raw + "\n" for raw in lines))
-    return kept
-
-
 def diverged_round(history: list[dict[str, Any]]) -> int | None:
     """The first round whose train loss is inf or NaN (``metrics.jsonl`` lines), or None."""
     return next((m["round"] for m in history if not math.isfinite(m["train_loss"])), None)
@@ -635,6 +661,10 @@ def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp
     summary["final_train_loss"] = history[-1]["train_loss"] if history else None
     summary["diverged_round"] = diverged_round(history)
     summary["config"] = config_mod.to_tree(cfg)
+    from hetfl.engine.identity import run_id, setting_id  # the run's identity (what compare/report decide by)
+
+    summary["setting_id"] = setting_id(summary["config"])
+    summary["run_id"] = run_id(summary["config"])
     return summary
 
 

@@ -139,9 +139,24 @@ def generate_tls(folder: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "loc
     files = TLSFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key")
     files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.NoEncryption()))
+    write_private(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
     return files
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write a private key readable by its owner only (mode 0600 from creation, never briefly wider):
+    into a new temporary file created 0600, then renamed over ``path``, so that an older key file with
+    wider permissions is replaced, not rewritten in place with its old mode."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def flower_env(home: str | Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ and in ``RUN_DIR/flower_nodes/`` (what a resumed run reads back).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import threading
@@ -16,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfl.engine.rundir import check_no_run, lock_run_dir
 from hetfl.flower import INSTALL_HINT, offline_defaults, require_flwr
 from hetfl.flower.protocol import NODES_DIR
 
@@ -42,7 +44,6 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
     offline_defaults()
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation as flower_run_simulation
 
     from hetfl.flower.client_app import app as client_app
     from hetfl.flower.server import FlowerFederation
@@ -62,6 +63,21 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
             finally:
                 exp.federation = None
 
+    with contextlib.ExitStack() as locks:  # every job's run directory, for the whole simulation
+        for _, run_dir, resume in jobs:
+            if locks.enter_context(lock_run_dir(Path(run_dir))) and not resume:
+                check_no_run(Path(run_dir))
+        _simulate(server_app, client_app, jobs, stop, verbose)
+    if len(summaries) != len(jobs):
+        raise RuntimeError("the Flower simulation ended before its runs finished (see the log above)")
+    return summaries
+
+
+def _simulate(server_app: Any, client_app: Any, jobs: list[tuple[Experiment, str | Path, bool]],
+              stop: threading.Event, verbose: bool) -> None:
+    """Flower's simulation engine running ``server_app`` (the jobs' round loops) to its end."""
+    from flwr.simulation import run_simulation as flower_run_simulation
+
     runtime = jobs[0][0].cfg.runtime
     backend_config = {
         "client_resources": {"num_cpus": runtime.flower_client_cpus, "num_gpus": runtime.flower_client_gpus},
@@ -80,6 +96,3 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
     finally:
         stop.set()  # Ctrl-C or an error in the engine: the ServerApp thread stops at its next poll
         flwr_log.setLevel(level)
-    if len(summaries) != len(jobs):
-        raise RuntimeError("the Flower simulation ended before its runs finished (see the log above)")
-    return summaries

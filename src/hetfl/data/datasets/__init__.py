@@ -10,12 +10,14 @@ and allowed, and decoded once into a ``.npy`` cache (default
 
 Modules: ``idx`` (MNIST, Fashion-MNIST, EMNIST), ``cifar``, ``stl10``,
 ``cinic10``, ``tinyimagenet``, ``imagefolder`` (generic, PACS, Office-Home,
-DomainNet), ``synthetic`` (FedProx); ``download``, ``cache``, ``tree``
-(folders and archives alike), ``decode`` (Pillow) and ``common`` serve them.
+DomainNet), ``ham10000`` (images + metadata table, source domains),
+``synthetic`` (FedProx); ``download``, ``cache``, ``tree`` (folders and archives
+alike), ``decode`` (Pillow) and ``common`` serve them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,13 +30,16 @@ from hetfl.data.datasets.cache import default_cache_dir, user_cache_dir
 from hetfl.data.datasets.cifar import load_cifar10, load_cifar100
 from hetfl.data.datasets.cinic10 import load_cinic10
 from hetfl.data.datasets.common import IMAGENET_NORM, Context
+from hetfl.data.datasets.ham10000 import DEFAULT_SIZE as HAM10000_SIZE
+from hetfl.data.datasets.ham10000 import SPLIT_BY as HAM10000_SPLIT_BY
+from hetfl.data.datasets.ham10000 import load_ham10000
 from hetfl.data.datasets.idx import EMNIST_CLASSES, load_emnist, load_fmnist, load_mnist
 from hetfl.data.datasets.imagefolder import load_imagefolder
 from hetfl.data.datasets.stl10 import load_stl10
 from hetfl.data.datasets.synthetic import load_synthetic
 from hetfl.data.datasets.tinyimagenet import load_tinyimagenet
 
-__all__ = ["DATASETS", "Option", "dataset_options", "load_dataset"]
+__all__ = ["DATASETS", "Option", "checked_options", "dataset_options", "load_dataset"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +59,12 @@ def _int(default: int, low: int, allowed: str = "") -> Option:
 
 def _float(default: float, low: float, high: float | None = None, high_open: bool = False) -> Option:
     def ok(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float) or v < low:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < low:
             return False
         return high is None or (v < high if high_open else v <= high)
 
     bound = "" if high is None else f" and {'<' if high_open else '<='} {high}"
-    return Option(default, ok, f"a number >= {low}{bound}", float)
+    return Option(default, ok, f"a number >= {low}{bound}, not inf or nan", float)
 
 
 def _choice(default: Any, *values: Any) -> Option:
@@ -81,6 +86,7 @@ _FOLDER = {
     "channels": _choice(3, 1, 3),
     "domains": _names(),
     "test_fraction": _float(0.2, 0.0, 1.0, high_open=True),
+    "follow_links": _bool(False),  # read symlinks that lead out of data.root (refused by default)
 }
 
 
@@ -115,6 +121,12 @@ _REGISTRY: dict[str, _Entry] = {
     "pacs": _domain_dataset(96),
     "officehome": _domain_dataset(96),
     "domainnet": _domain_dataset(96),
+    "ham10000": _Entry(load_ham10000, {
+        "image_size": _int(HAM10000_SIZE, 0, f"an integer >= 0 (side in pixels; 0 = {HAM10000_SIZE})"),
+        "test_fraction": _float(0.2, 0.0, 1.0, high_open=True),
+        "split_by": _choice(HAM10000_SPLIT_BY[0], *HAM10000_SPLIT_BY),
+        "domains": _names(),
+    }),
 }
 DATASETS: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -138,6 +150,14 @@ def _resolve_options(name: str, entry: _Entry, options: Mapping[str, Any]) -> di
             raise DatasetError(f"data.options.{key} = {value!r} is not valid for {name}: expected {option.allowed}")
         resolved[key] = option.convert(value)
     return resolved
+
+
+def checked_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Dataset ``name``'s ``options`` validated (DatasetError naming the bad one) with the defaults filled in:
+    what :func:`load_dataset` will use, known before anything is read or generated."""
+    if name not in _REGISTRY:
+        raise DatasetError(f"data.dataset = {name!r} is unknown; allowed: {', '.join(DATASETS)}")
+    return _resolve_options(name, _REGISTRY[name], options)
 
 
 def default_root(name: str) -> Path:

@@ -6,6 +6,13 @@ are cached; for the domain layout the cache holds all domains and the domain
 selection and train/test split happen at load time, so changing ``domains``,
 ``test_fraction`` or the seed never decodes again.
 
+Data stays inside ``data.root``: a symbolic link (to a file or a folder) whose
+target lies outside it is refused with a DatasetError naming the link, unless
+``data.options.follow_links = true`` (then it is read like any file, and linked
+folders are descended into); links that stay inside are always followed. A link
+loop or a broken link is a DatasetError too. Archives are read, never extracted,
+and their link members are skipped, so no archive path can leave the root.
+
 Domain datasets (PACS, Li et al. 2017; Office-Home, Venkateswara et al. 2017;
 DomainNet, Peng et al. 2019) use this loader with their domain names as
 metadata. Their train/test split is the deterministic per-domain split below,
@@ -14,8 +21,10 @@ not DomainNet's official split lists.
 
 from __future__ import annotations
 
+import errno
+import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +83,97 @@ def _has_image_folders(root: Path) -> bool:
     return any(p.is_dir() and not p.name.startswith(".") for p in root.iterdir())
 
 
+def link_target(path: Path, root: Path, follow_links: bool | None) -> Path:
+    """Where link (or folder/archive) ``path`` really is; a DatasetError naming ``path`` when that is a
+    loop, nowhere (broken link), or outside ``root`` while ``follow_links`` is off (False: the loader
+    offers ``data.options.follow_links``; None: it does not)."""
+    try:
+        real = path.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop this way
+        real = None
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise DatasetError(f"{path}: a broken link (to {os.readlink(path)!r}) in data.root; remove it or "
+                               "make it point to an image") from None
+        real = None
+    if real is None:
+        raise DatasetError(f"{path}: a symbolic link loop in data.root; remove the link") from None
+    boundary = root.resolve()
+    if not follow_links and real != boundary and not real.is_relative_to(boundary):
+        option = "" if follow_links is None else (", or set data.options.follow_links = true to read linked "
+                                                  "files wherever they are")
+        raise DatasetError(f"{path}: a symbolic link to {real}, outside data.root ({boundary}); hetfl reads only "
+                           f"files inside data.root; copy the file in{option}")
+    return real
+
+
+def list_folder(source: Path, root: Path, follow_links: bool | None = None) -> list[tuple[tuple[str, ...], Path]]:
+    """Every visible file under folder ``source`` as (path parts relative to ``source``, path).
+
+    Hidden entries (``.hetfl-cache``, ``._x``, ``__MACOSX``) are skipped. Symbolic links are checked by
+    :func:`link_target` (inside ``root``, or ``follow_links``); linked folders are descended into, and a
+    folder that leads back to one of its own ancestors is a link loop (DatasetError).
+    """
+    files: list[tuple[tuple[str, ...], Path]] = []
+
+    def visit(folder: Path, rel: tuple[str, ...], ancestors: frozenset[Path]) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted((e for e in it if not e.name.startswith(".") and e.name != "__MACOSX"),
+                                 key=lambda e: e.name)
+        except OSError as err:
+            raise DatasetError(f"{folder}: cannot be listed ({err.strerror or err})") from None
+        for entry in entries:
+            path, parts = Path(entry.path), (*rel, entry.name)
+            real = link_target(path, root, follow_links) if entry.is_symlink() else None
+            if entry.is_dir():
+                real = real or path.resolve()
+                if real in ancestors:
+                    raise DatasetError(f"{path}: a symbolic link loop in data.root (it leads back to {real}); "
+                                       "remove the link")
+                visit(path, parts, ancestors | {real})
+            else:
+                files.append((parts, path))
+
+    visit(source, (), frozenset({source.resolve()}))
+    return files
+
+
+def _walk(source: Path, root: Path, follow_links: bool | None,
+          select: Callable[[tuple[str, ...]], bool]) -> Iterator[tuple[tuple[str, ...], bytes]]:
+    """``(parts, bytes)`` of the selected files of a folder (links checked) or an archive."""
+    if not source.is_dir():
+        yield from tree.walk(source, select)
+        return
+    for parts, path in list_folder(source, root, follow_links):
+        if select(parts):
+            try:
+                yield parts, path.read_bytes()
+            except OSError as err:
+                raise DatasetError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+
+def check_source(source: Path, root: Path, follow_links: bool) -> None:
+    """The image tree (or archive) found in ``root`` must itself lie inside it (it may be a link):
+    a DatasetError naming it otherwise (see :func:`link_target`); then its links are checked."""
+    if source.is_symlink() or not source.resolve().is_relative_to(root.resolve()):
+        link_target(source, root, follow_links)
+    if source.is_dir():
+        list_folder(source, root, follow_links)
+
+
 def read_images(source: Path, channels: int, size: decode.Size | None,
-                skip: Callable[[tuple[str, ...]], bool] = lambda parts: False) -> list[Entry]:
+                skip: Callable[[tuple[str, ...]], bool] = lambda parts: False, *,
+                root: Path | None = None, follow_links: bool | None = None) -> list[Entry]:
     """Decode every image under ``source`` (minus ``skip``ped paths), sorted by path, common wrapper removed.
 
-    Images keep their own size when ``size`` is None (see :func:`decode.stack`).
+    Images keep their own size when ``size`` is None (see :func:`decode.stack`). Links must stay inside
+    ``root`` (default ``source``) unless ``follow_links`` (None: the caller offers no such option; see
+    :func:`link_target`).
     """
+    boundary = source if root is None else root
     entries = [(parts, decode.decode(data, f"{source}/{'/'.join(parts)}", channels, size))
-               for parts, data in tree.walk(source, lambda p: is_image(p) and not skip(p))]
+               for parts, data in _walk(source, boundary, follow_links, lambda p: is_image(p) and not skip(p))]
     entries.sort(key=lambda e: e[0])
     strip = tree.strip_common_top([p for p, _ in entries], 3)
     return [(parts[strip:], image) for parts, image in entries if len(parts) - strip >= 3]
@@ -159,8 +251,9 @@ def _size(image_size: int) -> decode.Size | None:
 
 
 def load_imagefolder(ctx: Context, layout: str, domains: Sequence[str], image_size: int, channels: int,
-                     test_fraction: float, norm: Norm | None = None) -> Dataset:
-    """Any image folder; ``layout`` auto|split|domain, ``domains`` to select (domain layout)."""
+                     test_fraction: float, norm: Norm | None = None, follow_links: bool = False) -> Dataset:
+    """Any image folder; ``layout`` auto|split|domain, ``domains`` to select (domain layout);
+    ``follow_links``: read symbolic links that lead out of ``data.root`` (refused otherwise)."""
     if not ctx.root.exists():
         raise DatasetError(f"{ctx.name}: data.root = {str(ctx.root)!r} does not exist; set it to the folder "
                            "with <train|test>/<class>/<image> or <domain>/<class>/<image> files")
@@ -169,11 +262,12 @@ def load_imagefolder(ctx: Context, layout: str, domains: Sequence[str], image_si
         raise DatasetError(f"{ctx.name}: no image tree in {ctx.root}; expected {ctx.root}/<train|test>/<class>/"
                            f"<image> or {ctx.root}/<domain>/<class>/<image> (or a .tar/.tar.gz/.zip of it); "
                            "put the images there or set data.root to their folder")
+    check_source(source, ctx.root, follow_links)  # before the fingerprint follows any link
     key = {"dataset": ctx.name, "format": FORMAT, "layout": layout, "image_size": image_size, "channels": channels,
            "source": fingerprint([source])}
 
     def build() -> dict[str, np.ndarray]:
-        entries = read_images(source, channels, _size(image_size))
+        entries = read_images(source, channels, _size(image_size), root=ctx.root, follow_links=follow_links)
         tops = {parts[0] for parts, _ in entries}
         use = layout if layout != "auto" else "split" if "train" in tops and tops & set(TEST_SPLITS) else "domain"
         if use == "split":

@@ -33,18 +33,22 @@ def sigma_diagonal(dim: int) -> np.ndarray:
     return np.arange(1, dim + 1, dtype=np.float64) ** -1.2
 
 
+def _child_seed(seed: int, index: int) -> np.random.SeedSequence:
+    """Child ``index`` of ``SeedSequence(seed).spawn(...)``, made on its own: the same stream without
+    holding a seed object per device in memory at once (a million devices would hold a million)."""
+    return np.random.SeedSequence(seed, spawn_key=(index,))
+
+
 def generate(alpha: float, beta: float, num_devices: int, dim: int, num_classes: int, iid: bool, seed: int,
              max_samples: int = 5000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(features float32 ``[N, dim]``, labels int64 ``[N]``, device ids int64 ``[N]``)."""
-    root = np.random.SeedSequence(seed)
-    shared_rng, *device_seeds = root.spawn(num_devices + 1)
-    shared = np.random.default_rng(shared_rng)
+    shared = np.random.default_rng(_child_seed(seed, 0))
     w_shared = shared.normal(0.0, 1.0, (num_classes, dim))
     b_shared = shared.normal(0.0, 1.0, num_classes)
     std = np.sqrt(sigma_diagonal(dim))
     xs, ys, groups = [], [], []
-    for k, device_seed in enumerate(device_seeds):
-        rng = np.random.default_rng(device_seed)
+    for k in range(num_devices):
+        rng = np.random.default_rng(_child_seed(seed, k + 1))
         n = int(rng.lognormal(4, 2)) + 50
         n = min(n, max_samples) if max_samples else n
         u_k = rng.normal(0.0, np.sqrt(alpha))

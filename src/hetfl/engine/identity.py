@@ -1,0 +1,182 @@
+"""A run's identity: which resolved configuration produced its numbers.
+
+Every command that reuses a run directory or groups runs into one table row
+decides by these functions, never by a folder name: a run is reused only for
+an identical resolved configuration, and runs share a row only when their
+configurations differ in nothing but the seed.
+
+``setting_id`` is a short hash of the resolved configuration without the seed
+(the row a run belongs to); ``run_id`` includes the seed (the run itself).
+Keys that change only what the terminal shows (``runtime.progress``) are left
+out of both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+#: keys that do not change a run's numbers and are left out of its identity
+PRESENTATION_KEYS = frozenset({"runtime.progress"})
+#: run-directory files (the same names as hetfl.engine.experiment's, which imports this module)
+CONFIG_NAME, SUMMARY_NAME = "config.toml", "summary.json"
+#: files that do not make a folder hold a run: a lock left by a process killed before it wrote config.toml
+#: (hetfl.engine.rundir.LOCK_NAME; the run itself then refuses a live holder)
+IGNORED = frozenset({".lock"})
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config tree as ``{"train.lr": 0.05, ...}``; empty tables stay as ``{}`` values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _canonical(flat: dict[str, Any]) -> str:
+    return json.dumps({k: flat[k] for k in sorted(flat)}, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def _digest(flat: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(flat).encode()).hexdigest()[:12]
+
+
+def identity_keys(tree: dict[str, Any], *, with_seed: bool) -> dict[str, Any]:
+    """The flattened keys that make up a run's identity."""
+    flat = flatten(tree)
+    return {k: v for k, v in flat.items() if k not in PRESENTATION_KEYS and (with_seed or k != "seed")}
+
+
+def setting_id(tree: dict[str, Any]) -> str:
+    """Hash of a resolved config tree without its seed: runs with equal ids differ only by seed."""
+    return _digest(identity_keys(tree, with_seed=False))
+
+
+def run_id(tree: dict[str, Any]) -> str:
+    """Hash of a resolved config tree, seed included: equal ids are the same run."""
+    return _digest(identity_keys(tree, with_seed=True))
+
+
+def differing_keys(a: dict[str, Any], b: dict[str, Any], *, with_seed: bool = True) -> list[str]:
+    """Identity keys whose values differ between two config trees, as ``"key: a -> b"`` lines."""
+    fa, fb = identity_keys(a, with_seed=with_seed), identity_keys(b, with_seed=with_seed)
+    same = lambda k: json.dumps(fa.get(k), sort_keys=True, default=str) == json.dumps(fb.get(k), sort_keys=True,
+                                                                                        default=str)
+    return [f"{k}: {fa.get(k, '(unset)')!r} -> {fb.get(k, '(unset)')!r}"
+            for k in sorted(fa.keys() | fb.keys()) if not same(k)]
+
+
+def varying_keys(trees: list[dict[str, Any]]) -> list[str]:
+    """Identity keys (seed excluded) whose values are not the same in every tree."""
+    flats = [identity_keys(t, with_seed=False) for t in trees]
+    keys = set().union(*flats) if flats else set()
+    return sorted(k for k in keys
+                  if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1)
+
+
+# ----------------------------------------------------------------- run directories
+def canonical_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    """A saved config tree read through today's code: keys added to hetfl since the run was
+    written get their defaults, values their types, and the method's (and post-hoc steps')
+    hyperparameters are filled in as :func:`hetfl.engine.experiment.resolve` does; so an old
+    run and a new one of the same setting get the same ids. Raises ConfigError for a tree that
+    is no longer a valid configuration."""
+    import dataclasses
+
+    from hetfl import config as config_mod
+    from hetfl.algorithms import hyperparameters, parse_name, step_hyper
+    from hetfl.params import to_dict
+
+    cfg = config_mod.from_dict(tree)
+    params = cfg.algorithm.params
+    _, steps = parse_name(cfg.algorithm.name)
+    full = {**to_dict(hyperparameters(cfg.algorithm.name, params)),
+            **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
+    return config_mod.to_tree(dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=full)))
+
+
+def saved_tree(run_dir: Path) -> dict[str, Any] | None:
+    """The resolved configuration a run directory holds (``config.toml``, else the ``config`` of
+    its ``summary.json``), read through :func:`canonical_tree` where it is still valid; None if
+    the folder holds neither."""
+    from hetfl.params import ConfigError
+
+    config_path, summary_path = run_dir / CONFIG_NAME, run_dir / SUMMARY_NAME
+    try:
+        if config_path.is_file():
+            tree = tomllib.loads(config_path.read_text())
+        elif summary_path.is_file() and "config" in (summary := json.loads(summary_path.read_text())):
+            tree = summary["config"]
+        else:
+            return None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError):  # damaged: no known config
+        return None
+    try:
+        return canonical_tree(tree)
+    except ConfigError:  # a method or key this hetfl no longer knows: compare the tree as written
+        return tree
+
+
+def run_dir_ids(run_dir: Path) -> tuple[str, str]:
+    """(setting_id, run_id) of a run directory, recomputed from its saved configuration (runs
+    written before summaries carried ids get them too)."""
+    tree = saved_tree(run_dir)
+    if tree is None:
+        raise FileNotFoundError(f"{run_dir}: no {CONFIG_NAME}")
+    return setting_id(tree), run_id(tree)
+
+
+def resolve_configs(cfgs: list[Any]) -> list[Any]:
+    """Each RunConfig resolved for its dataset (``auto`` model and partition, the method's default
+    hyperparameters), as the run itself will resolve it. Each distinct dataset setting is loaded
+    once and dropped before the next (loaders cache decoded files, so this is quick)."""
+    from hetfl.data.datasets import load_dataset
+    from hetfl.engine.experiment import resolve
+
+    def key(cfg: Any) -> str:
+        d = cfg.data
+        return json.dumps([d.dataset, d.root, d.download, d.options, cfg.seed], sort_keys=True, default=str)
+
+    by_dataset: dict[str, list[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        by_dataset.setdefault(key(cfg), []).append(i)
+    resolved: list[Any] = list(cfgs)
+    for indices in by_dataset.values():
+        d, seed = cfgs[indices[0]].data, cfgs[indices[0]].seed
+        dataset = load_dataset(d.dataset, d.root or None, download=d.download, seed=seed, **d.options)
+        for i in indices:
+            resolved[i] = resolve(cfgs[i], dataset)
+        del dataset
+    return resolved
+
+
+def check_run_dir(run_dir: Path, planned: dict[str, Any], *, option: str = "--out") -> str:
+    """Whether the run ``planned`` (a resolved config tree) can go into ``run_dir``: ``"new"`` (no
+    folder, or an empty one), ``"finished"`` (it holds this very run: reuse it) or ``"unfinished"``
+    (it holds this run, interrupted: resume it). A folder holding a run of another configuration,
+    or files that are no run, raises RunDirError naming the differing keys: its numbers would
+    otherwise be tabled as the planned run's."""
+    from hetfl.engine.experiment import RunDirError
+
+    if not run_dir.exists() or (run_dir.is_dir() and not any(p.name not in IGNORED for p in run_dir.iterdir())):
+        return "new"
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: exists and is not a folder; pick another {option}")
+    saved = saved_tree(run_dir)
+    if saved is None:
+        raise RunDirError(f"{run_dir}: holds files but no readable {CONFIG_NAME}, so no hetfl run to reuse or resume; "
+                          f"pick another {option} (or empty that folder)")
+    diffs = differing_keys(saved, planned)
+    if diffs:
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise RunDirError(f"{run_dir}: holds a run of another configuration ({shown}; there -> now). "
+                          f"Pick another {option} for this configuration, or delete {run_dir} to replace "
+                          "that run")
+    return "finished" if (run_dir / SUMMARY_NAME).is_file() else "unfinished"
