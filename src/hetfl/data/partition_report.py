@@ -5,14 +5,16 @@ classes it holds, the share of its largest class and the entropy of its label
 distribution (log2 C bits for a balanced client, 0 for a single class), and
 the total-variation distance between its training and personal test label
 distributions (near 0 when the test split follows the training split). The
-heat map (clients x classes, colour = training samples) is the usual picture
-of a non-IID split (e.g. NIID-Bench, Li et al. ICDE 2022, Fig. 2).
+heat map (clients x classes, colour = training samples, on a log scale when
+a few clients hold most samples) is the usual picture of a non-IID split
+(e.g. NIID-Bench, Li et al. ICDE 2022, Fig. 2).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -126,33 +128,40 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_partition(
+LOG_COLOUR_RATIO = 50.0  # counts spanning more than this factor get a log colour scale
+
+
+def partition_figure(
     partition: Partition,
     train_labels: np.ndarray,
     num_classes: int,
-    path: str | os.PathLike[str],
     class_names: list[str] | None = None,
     title: str | None = None,
-) -> None:
-    """Write a PNG heat map of training samples per client (rows) and class
-    (columns), with a colour bar; counts are written in the cells when there
-    are at most ``ANNOTATE_MAX_CELLS`` of them.
+) -> Any:
+    """The heat map of :func:`plot_partition` as a matplotlib ``Figure`` (Agg canvas, no pyplot).
 
-    Uses matplotlib's Agg canvas directly (no pyplot, so the caller's backend
-    and figure state are untouched) and writes atomically: a temporary file in
-    the target folder, then ``os.replace``, so a reader never sees half a PNG
-    and a failure leaves nothing behind.
+    Rows are clients, columns classes, colour the training samples, with a labelled colour bar.
+    When the nonzero counts span more than :data:`LOG_COLOUR_RATIO` (quantity skew: one client
+    with thousands of samples would paint every other cell the colour of zero) the colour scale
+    is logarithmic, empty cells are drawn white, and the colour bar says so. ``title`` (e.g. the
+    dataset, partition and number of clients) goes under a first line saying what is shown.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm, Normalize
     from matplotlib.figure import Figure
 
     counts = class_counts(partition, train_labels, num_classes)
     k = counts.shape[0]
-    fig = Figure(figsize=(min(3 + 0.45 * num_classes, 24), min(2 + 0.3 * k, 30)))
+    fig = Figure(figsize=(min(3.5 + 0.45 * num_classes, 24), min(2.5 + 0.3 * k, 30)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     top = int(counts.max(initial=0)) or 1
-    image = ax.imshow(counts, aspect="auto", cmap="viridis", vmin=0, vmax=top, interpolation="nearest")
+    nonzero = counts[counts > 0]
+    log = nonzero.size > 0 and top / nonzero.min() > LOG_COLOUR_RATIO
+    cmap = _colormap("viridis").with_extremes(bad="white")
+    norm = LogNorm(vmin=1, vmax=top) if log else Normalize(vmin=0, vmax=top)
+    shown = np.ma.masked_equal(counts, 0) if log else counts
+    image = ax.imshow(shown, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
     ax.set_xlabel("class")
     ax.set_ylabel("client")
     if num_classes <= 30:
@@ -163,11 +172,41 @@ def plot_partition(
         ax.set_yticks(range(k))
     if 0 < k * num_classes <= ANNOTATE_MAX_CELLS:
         for (i, j), value in np.ndenumerate(counts):
+            light = value > 0 and norm(value) > 0.6
             ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
-                    color="black" if value > 0.6 * top else "white")
-    fig.colorbar(image, ax=ax, label="training samples")
-    ax.set_title(title or f"{k} clients x {num_classes} classes")
-    fig.tight_layout()
+                    color="black" if light or (log and value == 0) else "white")
+    label = "training samples (log scale; white = none)" if log else "training samples"
+    fig.colorbar(image, ax=ax, label=label)
+    width = max(20, int(fig.get_figwidth() * 0.7 * 72 / 6.0))  # characters of a 10-point title over the axes
+    what = f"Training samples per client and class ({k} clients x {num_classes} classes)"
+    ax.set_title("\n".join(textwrap.fill(part, width) for part in (what, title) if part), fontsize="medium")
+    return fig
+
+
+def _colormap(name: str) -> Any:
+    import matplotlib
+
+    return matplotlib.colormaps[name]
+
+
+def plot_partition(
+    partition: Partition,
+    train_labels: np.ndarray,
+    num_classes: int,
+    path: str | os.PathLike[str],
+    class_names: list[str] | None = None,
+    title: str | None = None,
+) -> None:
+    """Write a PNG heat map of training samples per client (rows) and class
+    (columns), with a colour bar (:func:`partition_figure`); counts are written in
+    the cells when there are at most ``ANNOTATE_MAX_CELLS`` of them.
+
+    Uses matplotlib's Agg canvas directly (no pyplot, so the caller's backend
+    and figure state are untouched) and writes atomically: a temporary file in
+    the target folder, then ``os.replace``, so a reader never sees half a PNG
+    and a failure leaves nothing behind.
+    """
+    fig = partition_figure(partition, train_labels, num_classes, class_names, title)
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
