@@ -104,6 +104,35 @@ def test_feduv_cnn_options() -> None:
     assert n_params(build_model("feduv_cnn", (1, 21, 21), 10)) == feduv_count(1, 10)  # the smallest input
 
 
+# ---------------------------------------------------------------- FedUV's ResNet-18
+def feduv_resnet18_count(classes: int, out_dim: int = 256) -> int:
+    """The authors' ResNet_18 (sonhamin/FedUV nets/models.py): every stage's first block has stride 2 and a
+    1x1 conv + BN shortcut (the first stage's too), then fc1/BN/fc2/BN and fc3. Built by hand from the code
+    (commit dd2e3c59) in a scratch script: 11,396,900 parameters with 100 classes."""
+    total, cin = conv(3, 64, 3, bias=False) + norm(64), 64
+    for c in (64, 128, 256, 512):
+        total += conv(cin, c, 3, bias=False) + norm(c) + conv(c, c, 3, bias=False) + norm(c)  # first block
+        total += conv(cin, c, 1, bias=False) + norm(c)  # its projection shortcut
+        total += 2 * (conv(c, c, 3, bias=False) + norm(c))  # second block
+        cin = c
+    total += linear(512, out_dim) + norm(out_dim) + linear(out_dim, out_dim) + norm(out_dim)
+    return total + linear(out_dim, classes)
+
+
+def test_feduv_resnet18_matches_the_authors_model() -> None:
+    assert feduv_resnet18_count(100) == 11_396_900  # the authors' ResNet_18(out_dim=256, num_class=100)
+    model = build_model("feduv_resnet18", CIFAR, 100)
+    assert n_params(model) == 11_396_900 and model.feature_dim == 256
+    assert n_params(build_model("feduv_resnet18", CIFAR, 10, out_dim=64)) == feduv_resnet18_count(10, 64)
+    convs = [m for m in model.encoder.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert [c.stride[0] for c in convs] == [1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1]
+    model.train()
+    z, logits = model(torch.randn(2, *CIFAR), return_features=True)
+    assert z.shape == (2, 256) and logits.shape == (2, 100) and (z >= 0).all()  # projector's last ReLU
+    assert model.encoder[:4](torch.randn(1, *CIFAR)).shape == (1, 64, 16, 16)  # the first stage downsamples
+    assert len(param_groups(model)["projector"]) == 8
+
+
 # ---------------------------------------------------------------- CCT-7/3x1
 def cct_encoder_count(channels: int, tokens: int, dim: int = 256, layers: int = 7, mlp: int = 512) -> int:
     tokenizer = conv(channels, dim, 3, bias=False)

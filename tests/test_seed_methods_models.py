@@ -29,7 +29,7 @@ MNIST = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "mnist"
 pytestmark = needs_shared_data
 SEED_METHODS = ("fedavg+ccvr", "feduv", "fedbr", "fedpac")
 BIG_MODELS = {"resnet18": "feduv", "resnet50": "fedpac", "mobilenetv2": "fedbr", "vgg11": "fedavg+ccvr",
-              "cct": "feduv"}
+              "cct": "feduv", "feduv_resnet18": "feduv"}
 FULL_MATRIX = os.environ.get("HETFL_FULL_MATRIX") == "1"
 PAIRS = [(method, model) for model in sorted(MODELS) for method in SEED_METHODS
          if FULL_MATRIX or model not in BIG_MODELS or BIG_MODELS[model] == method]

@@ -16,6 +16,8 @@ Models (options with defaults; feature_dim = classifier input size):
 * ``vgg11``: FedMA / FedBR CIFAR VGG-11; ``norm="none"`` (or "bn", "gn"), ``gn_groups=2``, ``dropout=0.0``; 512.
 * ``fedpac_cnn``: FedPAC's CNN (authors' code); ``convs="auto"`` (3 for 3-channel inputs, else 2); 128.
 * ``feduv_cnn``: FedUV's 10-layer CNN (authors' code) with BatchNorm; ``width=1``, ``out_dim=256``; out_dim.
+* ``feduv_resnet18``: FedUV's ResNet-18 (authors' code: stride-2 first stage, 2-layer BatchNorm projection head);
+  ``out_dim=256``; out_dim.
 * ``cct``: Compact Convolutional Transformer, CCT-7/3x1 by default (FedBR's CIFAR-100 model); ``num_layers=7``,
   ``embed_dim=256``, ``num_heads=4``, ``mlp_ratio=2.0``, ``kernel_size=3``, ``conv_layers=1``, ``dropout=0.0``,
   ``attention_dropout=0.0``, ``stochastic_depth=0.0``; embed_dim.
@@ -32,7 +34,7 @@ from hetfl.models.cct import CCT
 from hetfl.models.cnn import CNN2, SimpleCNN
 from hetfl.models.mlp import MLP
 from hetfl.models.mobilenet import MobileNetV2
-from hetfl.models.paper_cnns import FedPACCNN, FedUVCNN
+from hetfl.models.paper_cnns import FedPACCNN, FedUVCNN, FedUVResNet18
 from hetfl.models.resnet import ResNet, resnet18, resnet50
 from hetfl.models.vgg import VGG11
 
@@ -45,6 +47,7 @@ __all__ = [
     "FLModel",
     "FedPACCNN",
     "FedUVCNN",
+    "FedUVResNet18",
     "MobileNetV2",
     "ModelError",
     "ResNet",
@@ -65,6 +68,7 @@ _BUILDERS: dict[str, Callable[..., FLModel]] = {
     "vgg11": VGG11,
     "fedpac_cnn": FedPACCNN,
     "feduv_cnn": FedUVCNN,
+    "feduv_resnet18": FedUVResNet18,
     "cct": CCT,
 }
 

@@ -1,10 +1,11 @@
-"""Small CNNs of two seed papers, as in the authors' code: FedPAC's CNN and FedUV's 10-layer CNN."""
+"""Networks of two seed papers, as in the authors' code: FedPAC's CNN, FedUV's 10-layer CNN and ResNet-18."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
+from hetfl.models.resnet import BasicBlock
 
 
 # --------------------------------------------------------------------------- FedPAC
@@ -126,6 +127,44 @@ class FedUVCNN(FLModel):
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         projector = nn.Sequential(
             nn.Linear(inp, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            nn.Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+        )  # fmt: skip
+        super().__init__(nn.Sequential(*layers), nn.Linear(out_dim, num_classes), projector)
+
+
+class FedUVResNet18(FLModel):
+    """FedUV's ResNet-18 for CIFAR-100 (Son, Kim, Kim, Lee, CVPR 2024), as in the authors'
+    code (github.com/sonhamin/FedUV, ``nets/models.py``: ``ResNet_18``, ``out_dim = 256``;
+    commit dd2e3c59fba20662a4234810f93061f4a4edc1b7).
+
+    Differs from hetfl's ``resnet18`` in two places, both from that code:
+
+    * the first stage also downsamples: its first BasicBlock has stride 2 and a 1x1
+      projection shortcut (conv + BatchNorm), so 32x32 inputs go 32 -> 16 -> 8 -> 4 -> 2;
+      stem 3x3 conv stride 1 + BatchNorm + ReLU, no max pool;
+    * after global average pooling, the projection head fc 512 -> out_dim,
+      BatchNorm1d, ReLU, fc out_dim -> out_dim, BatchNorm1d, ReLU (``fc1``/``fc2``:
+      its returned feature ``pro1``, the classifier input, and what FedUV's
+      uniformity loss acts on), then the classifier out_dim -> C (``fc3``).
+
+    Parameters (3x32x32, out_dim 256): 11,396,900 with 100 classes, 11,373,770 with
+    10. PyTorch default initialisation, as in the code. BatchNorm1d needs batches
+    of at least 2 samples in training mode (the code's loader drops the last
+    incomplete batch: ``train.drop_last = true``).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, out_dim: int = 256) -> None:
+        c, _, _ = image_shape("feduv_resnet18", input_shape)
+        check_positive_int("out_dim", out_dim)
+        layers: list[nn.Module] = [nn.Conv2d(c, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+        inp = 64
+        for planes in (64, 128, 256, 512):
+            # stride 2 in every stage, the first included: each first block has a 1x1 projection shortcut
+            layers.append(nn.Sequential(BasicBlock(inp, planes, 2, "bn", 2), BasicBlock(planes, planes, 1, "bn", 2)))
+            inp = planes
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        projector = nn.Sequential(
+            nn.Linear(512, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
             nn.Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
         )  # fmt: skip
         super().__init__(nn.Sequential(*layers), nn.Linear(out_dim, num_classes), projector)
