@@ -415,3 +415,21 @@ def test_tls_private_key_is_owner_only(existing, tmp_path):
     assert files.key.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
     assert stat.S_IMODE(files.ca.stat().st_mode) == 0o644  # certificates are public
 
+
+
+@pytest.mark.parametrize("command", [
+    ["compare", "--methods", "fedavg", "--seeds", "0", "--set", "train.rounds=1", "--out"],
+    ["reproduce", "ccvr-table2", "--quick", "--out"],
+    ["report", "RUN", "--out"],
+    ["partition", "--plot"],
+])
+def test_every_output_flag_below_a_file_is_refused_before_anything_runs(command, tmp_path, capsys):
+    """compare, reproduce, report and partition check their output path as run does: exit 2, one line."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    argv = [str(tmp_path) if part == "RUN" else part for part in command]
+    target = blocker / "sub" / ("heat.png" if command[0] == "partition" else "out")
+    assert main([*argv, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and str(blocker) in err and "Traceback" not in err
+    assert blocker.read_text() == "not a folder"

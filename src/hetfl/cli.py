@@ -126,6 +126,22 @@ def _writable_dir(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and bool(path.stat().st_mode & 0o222)
 
 
+def check_output_dir(path: Path, flag: str = "--out") -> None:
+    """An output folder (which may exist: compare, reproduce and report add to theirs) must be a
+    folder, below folders (not files), and writable: a RunDirError (exit 2) otherwise, before
+    anything is written."""
+    from hetfl.engine.experiment import RunDirError
+
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if not existing.is_dir():
+            raise RunDirError(f"{flag} {path}: {existing} is not a folder; choose another {flag}")
+        if not _writable_dir(existing):
+            raise RunDirError(f"{flag} {path}: {existing} is not writable; choose another {flag}")
+    except OSError as err:
+        raise RunDirError(f"{flag} {path}: cannot be used ({err.strerror or err}); choose another {flag}") from None
+
+
 def check_new_run_dir(path: Path) -> None:
     """``--out`` of a new run must be absent or an empty folder, below folders (not files), and writable:
     a RunDirError (exit 2) otherwise, before anything is written."""
@@ -134,13 +150,9 @@ def check_new_run_dir(path: Path) -> None:
     try:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise RunDirError(f"--out {path}: already exists and is not empty; use --resume {path} or another --out")
-        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-        if not existing.is_dir():
-            raise RunDirError(f"--out {path}: {existing} is not a folder; choose another --out")
-        if not _writable_dir(existing):
-            raise RunDirError(f"--out {path}: {existing} is not writable; choose another --out")
     except OSError as err:
         raise RunDirError(f"--out {path}: cannot be used ({err.strerror or err}); choose another --out") from None
+    check_output_dir(path)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -199,6 +211,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
     out = Path(args.out)
+    check_output_dir(out)
     plans = []
     for method in methods:  # validate every combination before running anything
         for seed in seeds:
@@ -241,6 +254,9 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> int:
     from hetfl.engine.experiment import build_partition, resolve
 
     cfg = config_mod.load(args.config, args.set)
+    for flag, target in (("--plot", args.plot), ("--json", args.json)):
+        if target:
+            check_output_dir(Path(target).parent, flag)
     dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=cfg.data.download, seed=cfg.seed,
                            **cfg.data.options)
     cfg = resolve(cfg, dataset)
@@ -343,6 +359,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         return 0
     preset = reproduce.load_preset(args.name).variant(args.quick)
     out = Path(args.out or f"runs/reproduce/{preset.name}{'-quick' if args.quick else ''}")
+    check_output_dir(out)
 
     def run(cfg: config_mod.RunConfig, run_dir: Path, resume: bool) -> None:
         console.print(str(run_dir), style="bold")
@@ -377,6 +394,7 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
     out = Path(args.out) if args.out else default_report_dir(args.run_dirs)
+    check_output_dir(out)
     html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title)
     print(f"report: {html_path} (self-contained), {md_path}")
     return 0
