@@ -24,6 +24,7 @@ from hetfl.data.datasets import imagefolder, tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import CIFAR10_NORM, CIFAR100_NORM, Context, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.paths import check_source, guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
 CIFAR10 = Remote("cifar-10-binary.tar.gz", ("https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",),
@@ -71,30 +72,41 @@ def _members(folder: str, files: dict[str, list[str]]) -> list[str]:
 def _binary_source(root: Path, remote: Remote, folder: str, files: dict[str, list[str]]) -> Path | None:
     """The extracted batches folder or the official archive at ``root``, if any."""
     for candidate in (root / folder, root):
-        if candidate.is_dir() and all((candidate / n).is_file() for ns in files.values() for n in ns):
+        if candidate.is_dir() and all(present(candidate / n) for ns in files.values() for n in ns):
             return candidate
     for candidate in (root, root / remote.name):
-        if candidate.is_file() and candidate.name == remote.name:
+        if present(candidate) and candidate.name == remote.name:
             return candidate
     return None
 
 
-def read_binary(source: Path, folder: str, files: dict[str, list[str]]) -> dict[str, list[bytes]]:
-    """The bytes of each batch file, from the extracted folder or streamed from the archive."""
+def read_binary(source: Path, folder: str, files: dict[str, list[str]],
+                root: Path | None = None) -> dict[str, list[bytes]]:
+    """The bytes of each batch file, from the extracted folder or streamed from the archive; they must
+    stay inside ``root`` (default ``source``; see :mod:`hetfl.data.datasets.paths`)."""
+    root = source if root is None else root
     if source.is_dir():
-        return {split: [(source / n).read_bytes() for n in names] for split, names in files.items()}
+        return {split: [read_file(source / n, root) for n in names] for split, names in files.items()}
     wanted = set(_members(folder, files))
-    found = {"/".join(parts[-2:]): data for parts, data in tree.walk(source, lambda p: "/".join(p[-2:]) in wanted)}
+    found = {"/".join(parts[-2:]): data
+             for parts, data in tree.walk(source, lambda p: "/".join(p[-2:]) in wanted, root=root)}
     missing = sorted(wanted - set(found))
     if missing:
         raise DatasetError(f"{source}: not the official archive ({', '.join(missing)} missing); replace it")
     return {split: [found[f"{folder}/{n}"] for n in names] for split, names in files.items()}
 
 
+def check_binary(source: Path, files: dict[str, list[str]], root: Path) -> None:
+    """The batch files of folder ``source`` (or archive ``source``) must stay inside ``root``; checked
+    before the fingerprint follows any link (see :mod:`hetfl.data.datasets.paths`)."""
+    for path in [source / n for ns in files.values() for n in ns] if source.is_dir() else [source]:
+        guard(path, root)
+
+
 def _decode_binary(source: Path, folder: str, files: dict[str, list[str]], label_bytes: int,
-                   num_classes: int) -> dict[str, np.ndarray]:
+                   num_classes: int, root: Path) -> dict[str, np.ndarray]:
     arrays = {}
-    for split, chunks in read_binary(source, folder, files).items():
+    for split, chunks in read_binary(source, folder, files, root).items():
         parts = [parse_records(c, label_bytes, f"{source} ({split} batch {i + 1})") for i, c in enumerate(chunks)]
         labels = np.concatenate([p[1] for p in parts])
         limits = (20, num_classes) if label_bytes == 2 else (num_classes,)  # CIFAR-100: 20 coarse, 100 fine
@@ -116,10 +128,11 @@ def load_cifar10(ctx: Context) -> Dataset:
     source = _binary_source(ctx.root, CIFAR10, CIFAR10_DIR, CIFAR10_FILES)
     folder = None if source else imagefolder.find_source(ctx.root, needs_train=True, exclude=_not_binary)
     if folder is not None:
+        check_source(folder, ctx.root)  # before the fingerprint follows any link
         key = {"dataset": "cifar10", "format": FORMAT, "layout": "folder", "source": fingerprint([folder])}
 
         def build_folder() -> dict[str, np.ndarray]:
-            entries = imagefolder.read_images(folder, 3, (32, 32))
+            entries = imagefolder.read_images(folder, 3, (32, 32), root=ctx.root)
             arrays = imagefolder.split_arrays(entries, folder, (32, 32), classes=CIFAR10_CLASSES,
                                               test_split="test")
             del arrays["classes"]
@@ -132,8 +145,9 @@ def load_cifar10(ctx: Context) -> Dataset:
         ensure(ctx.root, [CIFAR10], download=ctx.download, dataset="cifar10",
                alternative=f"(or its extracted {CIFAR10_DIR}/, or an image folder train/<class>/, test/<class>/)")
         source = ctx.root / CIFAR10.name
+    check_binary(source, CIFAR10_FILES, ctx.root)
     key = {"dataset": "cifar10", "format": FORMAT, "source": fingerprint([source])}
-    arrays = cached(ctx.cache_dir, key, lambda: _decode_binary(source, CIFAR10_DIR, CIFAR10_FILES, 1, 10))
+    arrays = cached(ctx.cache_dir, key, lambda: _decode_binary(source, CIFAR10_DIR, CIFAR10_FILES, 1, 10, ctx.root))
     return image_dataset("cifar10", arrays, CIFAR10_CLASSES, CIFAR10_NORM, notes=[f"cifar10 from {source}"])
 
 
@@ -144,8 +158,10 @@ def load_cifar100(ctx: Context, label_mode: str) -> Dataset:
         ensure(ctx.root, [CIFAR100], download=ctx.download, dataset="cifar100",
                alternative=f"(or its extracted {CIFAR100_DIR}/train.bin, test.bin)")
         source = ctx.root / CIFAR100.name
+    check_binary(source, CIFAR100_FILES, ctx.root)
     key = {"dataset": "cifar100", "format": FORMAT, "source": fingerprint([source])}
-    arrays = dict(cached(ctx.cache_dir, key, lambda: _decode_binary(source, CIFAR100_DIR, CIFAR100_FILES, 2, 100)))
+    arrays = dict(cached(ctx.cache_dir, key,
+                         lambda: _decode_binary(source, CIFAR100_DIR, CIFAR100_FILES, 2, 100, ctx.root)))
     classes = CIFAR100_FINE
     if label_mode == "coarse":
         arrays["train_y"], arrays["test_y"], classes = arrays["train_coarse"], arrays["test_coarse"], CIFAR100_COARSE

@@ -16,6 +16,7 @@ from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.cifar import CIFAR10_CLASSES
 from hetfl.data.datasets.common import CINIC10_NORM, Context, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.paths import check_source
 
 FORMAT = 1  # bump when the decoded arrays change
 CINIC10 = Remote("CINIC-10.tar.gz", ("https://datashare.ed.ac.uk/bitstream/handle/10283/3192/CINIC-10.tar.gz",),
@@ -29,10 +30,12 @@ def load_cinic10(ctx: Context) -> Dataset:
         ensure(ctx.root, [CINIC10], download=ctx.download, dataset="cinic10",
                alternative="(or the extracted train/<class>/, test/<class>/ folders)")
         source = ctx.root / CINIC10.name
+    check_source(source, ctx.root)  # before the fingerprint follows any link
     key = {"dataset": "cinic10", "format": FORMAT, "source": fingerprint([source])}
 
     def build() -> dict[str, np.ndarray]:
-        entries = imagefolder.read_images(source, 3, (32, 32), skip=lambda parts: "valid" in parts[:-2])
+        entries = imagefolder.read_images(source, 3, (32, 32), skip=lambda parts: "valid" in parts[:-2],
+                                           root=ctx.root)
         arrays = imagefolder.split_arrays(entries, source, (32, 32), classes=CIFAR10_CLASSES, test_split="test")
         del arrays["classes"]
         return arrays

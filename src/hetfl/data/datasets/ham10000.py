@@ -57,6 +57,7 @@ from hetfl.data.datasets import decode, tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import Context, image_dataset
 from hetfl.data.datasets.imagefolder import is_image
+from hetfl.data.datasets.paths import check_source, present, read_file
 from hetfl.engine.rng import numpy_generator
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -88,7 +89,7 @@ def find_metadata(root: Path) -> Path | None:
     folders = [root] + [p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")]
     for folder in folders:
         for name in METADATA_NAMES:
-            if (folder / name).is_file():
+            if present(folder / name):
                 return folder / name
     return None
 
@@ -129,11 +130,13 @@ def parse_metadata(text: str, source: Path) -> list[Record]:
     return records
 
 
-def read_images(folder: Path, wanted: set[str], size: int) -> dict[str, np.ndarray]:
+def read_images(folder: Path, wanted: set[str], size: int, root: Path | None = None) -> dict[str, np.ndarray]:
     """Decode the wanted images (file stem = image_id) found under ``folder`` or in the zips directly in it.
 
-    An image present twice (zip and extracted copy) is decoded once.
+    An image present twice (zip and extracted copy) is decoded once. Files must stay inside ``root``
+    (default ``folder``; see :mod:`hetfl.data.datasets.paths`).
     """
+    root = folder if root is None else root
     images: dict[str, np.ndarray] = {}
 
     def select(parts: tuple[str, ...]) -> bool:
@@ -142,17 +145,19 @@ def read_images(folder: Path, wanted: set[str], size: int) -> dict[str, np.ndarr
 
     sources = [folder] + [p for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(".zip")]
     for source in sources:
-        for parts, data in tree.walk(source, select):
+        for parts, data in tree.walk(source, select, root=root):
             stem = PurePosixPath(parts[-1]).stem
             if stem not in images:
                 images[stem] = decode.decode(data, f"{source}/{'/'.join(parts)}", 3, (size, size))
     return images
 
 
-def decode_ham10000(metadata: Path, size: int) -> dict[str, np.ndarray]:
-    """All images in metadata order with labels ``y``, domain ids ``g``, lesion ids ``lesion``, names."""
-    records = parse_metadata(metadata.read_bytes().decode("utf-8-sig"), metadata)
-    images = read_images(metadata.parent, {r.image_id for r in records}, size)
+def decode_ham10000(metadata: Path, size: int, root: Path | None = None) -> dict[str, np.ndarray]:
+    """All images in metadata order with labels ``y``, domain ids ``g``, lesion ids ``lesion``, names;
+    files must stay inside ``root`` (default the metadata's folder)."""
+    root = metadata.parent if root is None else root
+    records = parse_metadata(read_file(metadata, root).decode("utf-8-sig"), metadata)
+    images = read_images(metadata.parent, {r.image_id for r in records}, size, root)
     absent = [r.image_id for r in records if r.image_id not in images]
     if absent:
         raise DatasetError(f"{metadata.parent}: {len(absent)} of the {len(records)} images named in {metadata.name} "
@@ -203,9 +208,11 @@ def load_ham10000(ctx: Context, image_size: int, test_fraction: float, split_by:
     metadata = find_metadata(ctx.root)
     if metadata is None:
         raise missing_files_error(ctx.root, ctx.download)
+    check_source(metadata, ctx.root)  # before the fingerprint follows any link
+    check_source(metadata.parent, ctx.root)
     size = image_size or DEFAULT_SIZE
     key = {"dataset": "ham10000", "format": FORMAT, "image_size": size, "source": fingerprint([metadata.parent])}
-    arrays = dict(cached(ctx.cache_dir, key, lambda: decode_ham10000(metadata, size)))
+    arrays = dict(cached(ctx.cache_dir, key, lambda: decode_ham10000(metadata, size, ctx.root)))
     available = tuple(str(d) for d in arrays["domains"])
     missing = [d for d in domains if d not in available]
     if missing:

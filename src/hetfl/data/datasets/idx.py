@@ -23,6 +23,7 @@ from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets.cache import atomic_write, cached, fingerprint
 from hetfl.data.datasets.common import EMNIST_NORM, FMNIST_NORM, MNIST_NORM, Context, Norm, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.paths import guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
@@ -72,9 +73,10 @@ def parse_idx(data: bytes, source: str, ndim: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
 
 
-def read_idx(path: Path, ndim: int) -> np.ndarray:
-    """Read a (possibly gzipped) IDX file."""
-    raw = path.read_bytes()
+def read_idx(path: Path, ndim: int, root: Path | None = None) -> np.ndarray:
+    """Read a (possibly gzipped) IDX file, which must stay inside ``root`` (default its folder; see
+    :mod:`hetfl.data.datasets.paths`)."""
+    raw = read_file(path, path.parent if root is None else root)
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
@@ -83,10 +85,10 @@ def read_idx(path: Path, ndim: int) -> np.ndarray:
     return parse_idx(raw, str(path), ndim)
 
 
-def read_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
+def read_pair(images_path: Path, labels_path: Path, root: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Images ``[N, 28, 28]`` and int64 labels, checked for 28x28 images and equal counts."""
-    images = read_idx(images_path, 3)
-    labels = read_idx(labels_path, 1).astype(np.int64)
+    images = read_idx(images_path, 3, root)
+    labels = read_idx(labels_path, 1, root).astype(np.int64)
     if images.shape[1:] != (28, 28):
         raise DatasetError(f"{images_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
     if len(images) != len(labels):
@@ -102,9 +104,10 @@ def check_labels(labels: np.ndarray, num_classes: int, source: Path) -> None:
 
 
 def locate(folder: Path, name: str) -> Path | None:
-    """``folder/name`` (``.gz``) or its uncompressed twin, whichever exists."""
+    """``folder/name`` (``.gz``) or its uncompressed twin, whichever exists (a broken link counts, so that
+    reading it reports it)."""
     for candidate in (folder / name, folder / name.removesuffix(".gz")):
-        if candidate.is_file():
+        if present(candidate):
             return candidate
     return None
 
@@ -117,11 +120,13 @@ def _load_mnist_like(ctx: Context, remotes: tuple[Remote, ...], classes: tuple[s
     if missing:
         ensure(ctx.root, missing, download=ctx.download, dataset=ctx.name, alternative="(gzipped or not)")
     files = [p for name in FILES if (p := locate(ctx.root, name)) is not None]  # train images, labels, test ...
+    for path in files:  # before the fingerprint follows any link
+        guard(path, ctx.root)
 
     def build() -> dict[str, np.ndarray]:
         arrays = {}
         for split, (images, labels) in (("train", files[:2]), ("test", files[2:])):
-            x, y = read_pair(images, labels)
+            x, y = read_pair(images, labels, ctx.root)
             check_labels(y, len(classes), labels)
             arrays[f"{split}_x"], arrays[f"{split}_y"] = x[:, None], y
         return arrays
@@ -147,8 +152,18 @@ def emnist_files(split: str) -> list[str]:
 
 
 def _extract_emnist(root: Path, names: list[str]) -> Path:
-    """Extract ``names`` from NIST's ``gzip.zip`` (members ``gzip/<name>``) into ``root/gzip``, atomically."""
+    """Extract ``names`` from NIST's ``gzip.zip`` (members ``gzip/<name>``) into ``root/gzip``, atomically.
+
+    Only these fixed plain names are written (never a member's own path), into a folder that must stay
+    inside ``root``, from an archive that must too: nothing is written or read outside ``data.root``.
+    """
     archive_path, folder = root / EMNIST_ZIP.name, root / "gzip"
+    bad = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+    if bad:
+        raise DatasetError(f"EMNIST file names {bad} are not plain file names")
+    guard(archive_path, root)
+    if folder.exists() or folder.is_symlink():
+        guard(folder, root)
     try:
         with zipfile.ZipFile(archive_path) as archive:
             folder.mkdir(parents=True, exist_ok=True)
@@ -174,12 +189,14 @@ def load_emnist(ctx: Context, split: str) -> Dataset:
         ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative)
         folder = _extract_emnist(ctx.root, names)
     files = [p for n in names if (p := locate(folder, n)) is not None]
+    for path in files:  # before the fingerprint follows any link
+        guard(path, ctx.root)
     classes = EMNIST_CLASSES[split]
 
     def build() -> dict[str, np.ndarray]:
         arrays = {}
         for part, (images, labels) in (("train", files[:2]), ("test", files[2:])):
-            x, y = read_pair(images, labels)
+            x, y = read_pair(images, labels, ctx.root)
             y = y - 1 if split == "letters" else y
             check_labels(y, len(classes), labels)
             arrays[f"{part}_x"], arrays[f"{part}_y"] = x.transpose(0, 2, 1)[:, None].copy(), y

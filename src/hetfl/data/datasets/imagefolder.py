@@ -21,10 +21,8 @@ not DomainNet's official split lists.
 
 from __future__ import annotations
 
-import errno
-import os
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets import decode, tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import Context, Norm, image_dataset
+from hetfl.data.datasets.paths import check_source, link_target, list_folder  # noqa: F401 (shared, re-exported)
 
 FORMAT = 1  # bump when the decoded arrays change
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff")
@@ -83,85 +82,6 @@ def _has_image_folders(root: Path) -> bool:
     return any(p.is_dir() and not p.name.startswith(".") for p in root.iterdir())
 
 
-def link_target(path: Path, root: Path, follow_links: bool | None) -> Path:
-    """Where link (or folder/archive) ``path`` really is; a DatasetError naming ``path`` when that is a
-    loop, nowhere (broken link), or outside ``root`` while ``follow_links`` is off (False: the loader
-    offers ``data.options.follow_links``; None: it does not)."""
-    try:
-        real = path.resolve(strict=True)
-    except RuntimeError:  # Python < 3.13 reports a loop this way
-        real = None
-    except OSError as err:
-        if err.errno != errno.ELOOP:
-            raise DatasetError(f"{path}: a broken link (to {os.readlink(path)!r}) in data.root; remove it or "
-                               "make it point to an image") from None
-        real = None
-    if real is None:
-        raise DatasetError(f"{path}: a symbolic link loop in data.root; remove the link") from None
-    boundary = root.resolve()
-    if not follow_links and real != boundary and not real.is_relative_to(boundary):
-        option = "" if follow_links is None else (", or set data.options.follow_links = true to read linked "
-                                                  "files wherever they are")
-        raise DatasetError(f"{path}: a symbolic link to {real}, outside data.root ({boundary}); hetfl reads only "
-                           f"files inside data.root; copy the file in{option}")
-    return real
-
-
-def list_folder(source: Path, root: Path, follow_links: bool | None = None) -> list[tuple[tuple[str, ...], Path]]:
-    """Every visible file under folder ``source`` as (path parts relative to ``source``, path).
-
-    Hidden entries (``.hetfl-cache``, ``._x``, ``__MACOSX``) are skipped. Symbolic links are checked by
-    :func:`link_target` (inside ``root``, or ``follow_links``); linked folders are descended into, and a
-    folder that leads back to one of its own ancestors is a link loop (DatasetError).
-    """
-    files: list[tuple[tuple[str, ...], Path]] = []
-
-    def visit(folder: Path, rel: tuple[str, ...], ancestors: frozenset[Path]) -> None:
-        try:
-            with os.scandir(folder) as it:
-                entries = sorted((e for e in it if not e.name.startswith(".") and e.name != "__MACOSX"),
-                                 key=lambda e: e.name)
-        except OSError as err:
-            raise DatasetError(f"{folder}: cannot be listed ({err.strerror or err})") from None
-        for entry in entries:
-            path, parts = Path(entry.path), (*rel, entry.name)
-            real = link_target(path, root, follow_links) if entry.is_symlink() else None
-            if entry.is_dir():
-                real = real or path.resolve()
-                if real in ancestors:
-                    raise DatasetError(f"{path}: a symbolic link loop in data.root (it leads back to {real}); "
-                                       "remove the link")
-                visit(path, parts, ancestors | {real})
-            else:
-                files.append((parts, path))
-
-    visit(source, (), frozenset({source.resolve()}))
-    return files
-
-
-def _walk(source: Path, root: Path, follow_links: bool | None,
-          select: Callable[[tuple[str, ...]], bool]) -> Iterator[tuple[tuple[str, ...], bytes]]:
-    """``(parts, bytes)`` of the selected files of a folder (links checked) or an archive."""
-    if not source.is_dir():
-        yield from tree.walk(source, select)
-        return
-    for parts, path in list_folder(source, root, follow_links):
-        if select(parts):
-            try:
-                yield parts, path.read_bytes()
-            except OSError as err:
-                raise DatasetError(f"{path}: cannot be read ({err.strerror or err})") from None
-
-
-def check_source(source: Path, root: Path, follow_links: bool) -> None:
-    """The image tree (or archive) found in ``root`` must itself lie inside it (it may be a link):
-    a DatasetError naming it otherwise (see :func:`link_target`); then its links are checked."""
-    if source.is_symlink() or not source.resolve().is_relative_to(root.resolve()):
-        link_target(source, root, follow_links)
-    if source.is_dir():
-        list_folder(source, root, follow_links)
-
-
 def read_images(source: Path, channels: int, size: decode.Size | None,
                 skip: Callable[[tuple[str, ...]], bool] = lambda parts: False, *,
                 root: Path | None = None, follow_links: bool | None = None) -> list[Entry]:
@@ -173,7 +93,8 @@ def read_images(source: Path, channels: int, size: decode.Size | None,
     """
     boundary = source if root is None else root
     entries = [(parts, decode.decode(data, f"{source}/{'/'.join(parts)}", channels, size))
-               for parts, data in _walk(source, boundary, follow_links, lambda p: is_image(p) and not skip(p))]
+               for parts, data in tree.walk(source, lambda p: is_image(p) and not skip(p), root=boundary,
+                                            follow_links=follow_links)]
     entries.sort(key=lambda e: e[0])
     strip = tree.strip_common_top([p for p, _ in entries], 3)
     return [(parts[strip:], image) for parts, image in entries if len(parts) - strip >= 3]

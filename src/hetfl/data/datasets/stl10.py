@@ -19,6 +19,7 @@ from hetfl.data.datasets import tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import STL10_NORM, Context, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.paths import guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
 STL10 = Remote("stl10_binary.tar.gz", ("http://ai.stanford.edu/~acoates/stl10/stl10_binary.tar.gz",),
@@ -31,23 +32,30 @@ NATIVE = 96
 def find_source(root: Path) -> Path | None:
     """The folder holding the four ``.bin`` files, or the official archive, at ``root``."""
     for candidate in (root / "stl10_binary", root):
-        if candidate.is_dir() and all((candidate / n).is_file() for n in STL10_FILES):
+        if candidate.is_dir() and all(present(candidate / n) for n in STL10_FILES):
             return candidate
     for candidate in (root, root / STL10.name):
-        if candidate.is_file() and candidate.name == STL10.name:
+        if present(candidate) and candidate.name == STL10.name:
             return candidate
     return None
 
 
-def read_files(source: Path) -> dict[str, bytes]:
-    """The four files' bytes, from the folder or streamed from the archive (skipping ``unlabeled_X.bin``)."""
+def read_files(source: Path, root: Path | None = None) -> dict[str, bytes]:
+    """The four files' bytes, from the folder or streamed from the archive (skipping ``unlabeled_X.bin``);
+    they must stay inside ``root`` (default ``source``; see :mod:`hetfl.data.datasets.paths`)."""
+    root = source if root is None else root
     if source.is_dir():
-        return {n: (source / n).read_bytes() for n in STL10_FILES}
-    found = {parts[-1]: data for parts, data in tree.walk(source, lambda p: p[-1] in STL10_FILES)}
+        return {n: read_file(source / n, root) for n in STL10_FILES}
+    found = {parts[-1]: data for parts, data in tree.walk(source, lambda p: p[-1] in STL10_FILES, root=root)}
     missing = [n for n in STL10_FILES if n not in found]
     if missing:
         raise DatasetError(f"{source}: not the official archive ({', '.join(missing)} missing); replace it")
     return found
+
+
+def _sources(source: Path) -> list[Path]:
+    """The paths read from ``source``: the four files of a folder, or the archive itself."""
+    return [source / n for n in STL10_FILES] if source.is_dir() else [source]
 
 
 def decode_stl10(files: dict[str, bytes], source: Path) -> dict[str, np.ndarray]:
@@ -85,10 +93,12 @@ def load_stl10(ctx: Context, image_size: int) -> Dataset:
         ensure(ctx.root, [STL10], download=ctx.download, dataset="stl10",
                alternative=f"(or its extracted stl10_binary/ with {', '.join(STL10_FILES)})")
         source = ctx.root / STL10.name
+    for path in _sources(source):  # before the fingerprint follows any link
+        guard(path, ctx.root)
     size = image_size or NATIVE
 
     def build() -> dict[str, np.ndarray]:
-        arrays = decode_stl10(read_files(source), source)
+        arrays = decode_stl10(read_files(source, ctx.root), source)
         if size != NATIVE:
             for split in ("train", "test"):
                 arrays[f"{split}_x"] = resize_batch(arrays[f"{split}_x"], size)

@@ -19,6 +19,7 @@ from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import TINYIMAGENET_NORM, Context, image_dataset
 from hetfl.data.datasets.download import Remote, ensure
 from hetfl.data.datasets.imagefolder import is_image
+from hetfl.data.datasets.paths import check_source, present
 
 FORMAT = 1  # bump when the decoded arrays change
 TINYIMAGENET = Remote("tiny-imagenet-200.zip", ("http://cs231n.stanford.edu/tiny-imagenet-200.zip",),
@@ -30,10 +31,10 @@ NATIVE = 64
 def find_source(root: Path) -> Path | None:
     """The folder with ``wnids.txt`` or the official zip, at ``root``."""
     for candidate in (root / "tiny-imagenet-200", root):
-        if (candidate / "wnids.txt").is_file():
+        if present(candidate / "wnids.txt"):
             return candidate
     for candidate in (root, root / TINYIMAGENET.name):
-        if candidate.is_file() and candidate.name == TINYIMAGENET.name:
+        if present(candidate) and candidate.name == TINYIMAGENET.name:
             return candidate
     return None
 
@@ -46,12 +47,13 @@ def _wanted(parts: tuple[str, ...]) -> bool:
         or (len(parts) >= 3 and parts[-2] == "images" and parts[-3] == "val"))
 
 
-def decode_tinyimagenet(source: Path, size: int) -> dict[str, np.ndarray]:
-    """Decode train and val images (in one pass over the folder or archive) with their labels."""
+def decode_tinyimagenet(source: Path, size: int, root: Path | None = None) -> dict[str, np.ndarray]:
+    """Decode train and val images (in one pass over the folder or archive) with their labels; files
+    must stay inside ``root`` (default ``source``; see :mod:`hetfl.data.datasets.paths`)."""
     texts: dict[str, str] = {}
     train: list[tuple[tuple[str, ...], str, np.ndarray]] = []
     val: list[tuple[tuple[str, ...], str, np.ndarray]] = []
-    for parts, data in tree.walk(source, _wanted):
+    for parts, data in tree.walk(source, _wanted, root=source if root is None else root):
         if parts[-1] in TEXT_FILES:
             texts[parts[-1]] = data.decode()
             continue
@@ -88,9 +90,10 @@ def load_tinyimagenet(ctx: Context, image_size: int) -> Dataset:
         ensure(ctx.root, [TINYIMAGENET], download=ctx.download, dataset="tinyimagenet",
                alternative="(or the extracted tiny-imagenet-200/ folder)")
         source = ctx.root / TINYIMAGENET.name
+    check_source(source, ctx.root)  # before the fingerprint follows any link
     size = image_size or NATIVE
     key = {"dataset": "tinyimagenet", "format": FORMAT, "image_size": size, "source": fingerprint([source])}
-    arrays = dict(cached(ctx.cache_dir, key, lambda: decode_tinyimagenet(source, size)))
+    arrays = dict(cached(ctx.cache_dir, key, lambda: decode_tinyimagenet(source, size, ctx.root)))
     classes = tuple(str(c) for c in arrays.pop("classes"))
     return image_dataset("tinyimagenet", arrays, classes, TINYIMAGENET_NORM,
                          notes=[f"tinyimagenet ({size}px, val split as test) from {source}"])

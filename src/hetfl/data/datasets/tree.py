@@ -9,13 +9,13 @@ compressed tar is decompressed exactly once. Hidden entries (``.hetfl-cache``,
 
 from __future__ import annotations
 
-import os
 import tarfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from hetfl.data.base import DatasetError
+from hetfl.data.datasets import paths
 
 Parts = tuple[str, ...]
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
@@ -31,21 +31,23 @@ def _visible(parts: Parts) -> bool:
     return bool(parts) and not any(p.startswith(".") or p == "__MACOSX" for p in parts)
 
 
-def walk(source: Path, select: Callable[[Parts], bool]) -> Iterator[tuple[Parts, bytes]]:
+def walk(source: Path, select: Callable[[Parts], bool], *, root: Path,
+         follow_links: bool | None = None) -> Iterator[tuple[Parts, bytes]]:
     """``(path parts, bytes)`` of each file under ``source`` (folder or archive) for which ``select(parts)``.
 
     Parts are relative to the folder or to the archive's root; folders are
-    visited in sorted order, archives in storage order.
+    visited in sorted order, archives in storage order. ``source`` and every
+    file read must stay inside ``root`` (``data.root``; see
+    :mod:`hetfl.data.datasets.paths`): folders are listed and read through its
+    guarded helpers, an archive is checked before it is opened. Archive
+    members are only read, never extracted, and link members are skipped.
     """
     if source.is_dir():
-        for top, dirs, files in os.walk(source):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            rel = Path(top).relative_to(source).parts
-            for name in sorted(files):
-                parts = (*rel, name)
-                if _visible(parts) and select(parts):
-                    yield parts, Path(top, name).read_bytes()
+        for parts, path in paths.list_folder(source, root, follow_links):
+            if _visible(parts) and select(parts):
+                yield parts, paths.read_file(path, root, follow_links)
         return
+    paths.guard(source, root, follow_links)
     try:
         if source.name.lower().endswith(".zip"):
             with zipfile.ZipFile(source) as archive:
