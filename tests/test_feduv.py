@@ -9,7 +9,7 @@ import torch
 
 from hetfl.algorithms import build_algorithm
 from hetfl.algorithms.base import Batch, ClientContext
-from hetfl.algorithms.feduv import identity_std, uniformity_loss, variance_loss
+from hetfl.algorithms.feduv import identity_std, pair_sq_distances, uniformity_loss, variance_loss
 from hetfl.params import ConfigError
 from tests.helpers import tiny_setup
 
@@ -166,11 +166,36 @@ def test_feduv_weights_and_bad_lam():
     setup = tiny_setup()
     assert build_algorithm("feduv", {}, setup).variance_weight == 3 / 4  # D/4 with D = 3
     assert build_algorithm("feduv", {"lam": 2.5}, setup).variance_weight == 2.5
-    with pytest.raises(ConfigError, match="algorithm.lam"):
+    assert build_algorithm("feduv", {"lam": 0.5}, setup).variance_weight == 0.5
+    assert build_algorithm("feduv", {"lam": 0.0}, setup).variance_weight == 0.0  # L_V off: allowed
+    with pytest.raises(ConfigError, match=r"algorithm\.lam = -2\.0: must be >= 0, or -1 for num_classes / 4"):
         build_algorithm("feduv", {"lam": -2.0}, setup)
 
 
-@pytest.mark.parametrize("options", [{}, {"bandwidth": "code", "lam": 2.5, "mu": 0.2}])
+def test_uniformity_bandwidth_counts_every_nonzero_distance_even_small_ones():
+    """Features at 1/100 of the golden ones: every squared distance is below 1 and still counts for σ
+    (L_U is scale-free, so the value is the golden one)."""
+    _, z = golden_inputs()
+    small = 0.01 * z.detach()
+    assert pair_sq_distances(small).max() < 1
+    assert uniformity_loss(small).item() == pytest.approx(uniformity_loss(z.detach()).item(), rel=1e-9)
+
+
+def test_normalize_puts_uniformity_on_the_unit_sphere():
+    """normalize=True: L_U of the rows scaled to unit norm (so one row's length changes nothing)."""
+    _, z = golden_inputs()
+    z = z.detach()
+    unit = z / z.norm(dim=1, keepdim=True)
+    assert uniformity_loss(z, normalize=True).item() == pytest.approx(uniformity_loss(unit).item(), rel=1e-12)
+    stretched = z.clone()
+    stretched[0] *= 7
+    assert uniformity_loss(stretched, normalize=True).item() == pytest.approx(
+        uniformity_loss(z, normalize=True).item(), rel=1e-12)
+    assert uniformity_loss(stretched).item() != pytest.approx(uniformity_loss(z).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"bandwidth": "code", "lam": 2.5, "mu": 0.2},
+                                     {"normalize": True, "sigma_grad": False, "eps": 1e-3}])
 def test_feduv_loss_is_ce_plus_weighted_terms_on_logits_and_features(options):
     """Each term computed here from the model's own features (classifier input) and logits, with the
     functions' defaults (σ not detached): loss, logged terms and the gradient w.r.t. the weights agree."""
@@ -187,8 +212,11 @@ def test_feduv_loss_is_ce_plus_weighted_terms_on_logits_and_features(options):
     assert not torch.allclose(uniformity_loss(features), uniformity_loss(logits))  # the test can tell them apart
     lam, mu = options.get("lam", 3 / 4), options.get("mu", 0.5)
     ce = torch.nn.functional.cross_entropy(logits, batch.y)
-    lv = variance_loss(logits)
-    lu = uniformity_loss(features, options.get("bandwidth", "paper"))
+    lv = variance_loss(logits, options.get("eps", 0.0))
+    lu = uniformity_loss(features, options.get("bandwidth", "paper"), options.get("normalize", False),
+                         options.get("sigma_grad", True))
+    assert set(m) == {"ce", "variance", "uniformity"}
+    torch.testing.assert_close(m["ce"], ce.detach())
     torch.testing.assert_close(m["variance"], lv.detach())
     torch.testing.assert_close(m["uniformity"], lu.detach())
     expected = ce + lam * lv + mu * lu
