@@ -102,23 +102,31 @@ def prepare(target: Target, workdir: Path) -> None:
     (workdir / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + section)
 
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def run_target(target: Target, workdir: Path, children: int) -> dict:
     prepare(target, workdir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = dt.datetime.now()
     proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=workdir,
-                          env=env, capture_output=True, text=True)
+                          env=ENV, capture_output=True, text=True)
     seconds = (dt.datetime.now() - started).total_seconds()
     meta_path = workdir / "mutants" / (target.source + ".meta")
     if proc.returncode != 0 or not meta_path.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"mutmut failed on {target.source} (exit {proc.returncode}):\n{tail}")
+    return collect_target(target, workdir, seconds)
+
+
+def collect_target(target: Target, workdir: Path, seconds: float | None = None) -> dict:
+    """The statuses of a target's mutants from mutmut's files in ``workdir`` (a run finished there)."""
+    meta_path = workdir / "mutants" / (target.source + ".meta")
     codes = json.loads(meta_path.read_text())["exit_code_by_key"]
     statuses = {key: STATUS.get(code, "suspicious") for key, code in codes.items()}
     survivors = sorted(k for k, s in statuses.items() if s == "survived")
     diffs = []
     for key in survivors:
-        shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=workdir, env=env,
+        shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=workdir, env=ENV,
                                capture_output=True, text=True)
         diffs.append(shown.stdout.strip())
     counts: dict[str, int] = {}
@@ -128,7 +136,8 @@ def run_target(target: Target, workdir: Path, children: int) -> dict:
     checked = total - counts.get("not checked", 0) - counts.get("no tests", 0)
     return {"target": target.name, "source": target.source, "tests": [*target.tests, *extra_tests(target)],
             "mutants": total, "counts": counts, "survivors": survivors, "diffs": diffs,
-            "kill_rate": killed / checked if checked else None, "seconds": round(seconds, 1)}
+            "kill_rate": killed / checked if checked else None,
+            "seconds": None if seconds is None else round(seconds, 1)}
 
 
 def write_results(results: dict[str, dict]) -> None:
@@ -151,8 +160,9 @@ def write_results(results: dict[str, dict]) -> None:
         c = r["counts"]
         other = r["mutants"] - c.get("killed", 0) - c.get("survived", 0)
         rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
+        secs = "-" if r["seconds"] is None else r["seconds"]
         lines.append(f"| `{r['source']}` | {', '.join(f'`{t}`' for t in r['tests'])} | {r['mutants']} | "
-                     f"{c.get('killed', 0)} | {c.get('survived', 0)} | {other} | {rate} | {r['seconds']} |")
+                     f"{c.get('killed', 0)} | {c.get('survived', 0)} | {other} | {rate} | {secs} |")
     (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
 
 
@@ -163,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="mutants tested at once")
     parser.add_argument("--workdir", type=Path, default=REPO.parent / ".hetfl-mutation",
                         help="scratch folder for the copies (removed per target before use)")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="do not run mutmut: tabulate the runs already finished in --workdir")
     args = parser.parse_args(argv)
     names = {t.name for t in TARGETS}
     unknown = set(args.only or []) - names
@@ -177,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             diffs = survivors_file.read_text().split("\n\n")[1:] if survivors_file.exists() else []
             results[name] = {**r, "diffs": [d.strip() for d in diffs if d.strip()]}
     for target in chosen:
-        print(f"{target.name}: mutating {target.source} ...", flush=True)
-        results[target.name] = r = run_target(target, args.workdir / target.name, args.children)
+        print(f"{target.name}: {'collecting' if args.collect_only else 'mutating'} {target.source} ...", flush=True)
+        workdir = args.workdir / target.name
+        if args.collect_only:
+            results[target.name] = r = collect_target(target, workdir)
+        else:
+            results[target.name] = r = run_target(target, workdir, args.children)
         print(f"  {r['mutants']} mutants, {r['counts']}, {r['seconds']} s", flush=True)
     order = [t.name for t in TARGETS]
     write_results({n: results[n] for n in order if n in results})
