@@ -113,8 +113,9 @@ def no_temp_files(folder: Path) -> bool:
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    """A private HOME so that nothing lands in the real ~/.cache."""
+    """A private HOME (and no XDG_CACHE_HOME) so that nothing lands in the real ~/.cache."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     return tmp_path / "home"
 
 
@@ -285,7 +286,8 @@ def test_download_with_checksum(tmp_path, monkeypatch, home):
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == sorted(payload)
     assert no_temp_files(root)
     assert ds.train.y.tolist() == data["train_y"].tolist()
-    assert (root / ".hetfl-cache").is_dir()  # default cache next to the data
+    assert not (root / ".hetfl-cache").exists()  # default cache: the user's (data.cache_dir), not next to the data
+    assert (home / ".cache" / "hetfl" / "datasets").is_dir()
 
 
 def test_download_checksum_mismatch(tmp_path, monkeypatch):
@@ -541,12 +543,12 @@ def _fail(*args, **kwargs):
     raise AssertionError("decoded again instead of reading the cache")
 
 
-def test_cache_reuse_without_decoding(tmp_path, monkeypatch):
+def test_cache_reuse_without_decoding(tmp_path, monkeypatch, home):
     make_mnist(tmp_path / "mnist")
     make_split_folder(tmp_path / "folder", {"a": 10, "b": 20})
-    first = load_dataset("mnist", tmp_path / "mnist", download=False)  # default cache: <root>/.hetfl-cache
+    first = load_dataset("mnist", tmp_path / "mnist", download=False)  # default cache: ~/.cache/hetfl/datasets
     folder_first = load_dataset("imagefolder", tmp_path / "folder", download=False)
-    assert (tmp_path / "mnist" / ".hetfl-cache").is_dir() and (tmp_path / "folder" / ".hetfl-cache").is_dir()
+    assert len(list((home / ".cache" / "hetfl" / "datasets").iterdir())) == 2
     monkeypatch.setattr(idx, "read_idx", _fail)
     monkeypatch.setattr(decode, "decode", _fail)
     second = load_dataset("mnist", tmp_path / "mnist", download=False)
@@ -607,12 +609,8 @@ def test_atomic_write_keeps_old_file_on_error(tmp_path):
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
 
 
-def test_default_cache_dir(tmp_path, home):
-    assert cache_mod.default_cache_dir(tmp_path) == tmp_path / ".hetfl-cache"
-    (tmp_path / "data.tar.gz").write_bytes(b"")
-    assert cache_mod.default_cache_dir(tmp_path / "data.tar.gz") == tmp_path / ".hetfl-cache"
-    (tmp_path / "ro").mkdir(mode=0o555)  # marked read-only (even root, who could write, leaves it alone)
-    assert cache_mod.default_cache_dir(tmp_path / "ro") == home / ".cache" / "hetfl"
+def test_default_cache_dir(tmp_path, home):  # more in tests/test_cache_dir.py
+    assert cache_mod.default_cache_dir() == home / ".cache" / "hetfl" / "datasets"
 
 
 def test_fingerprint_ignores_cache_folder(tmp_path):

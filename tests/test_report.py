@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import subprocess
+import urllib.parse
+from pathlib import Path
 
 import pytest
 
 from hetfl.cli import main
+from hetfl.report import build_report
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -62,3 +67,56 @@ def test_the_page_renders_in_headless_chromium(report, tmp_path):
 def test_report_on_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     assert "no config.toml" in capsys.readouterr().err
+
+
+# A note with characters HTML and Markdown must escape, given to a fake analysis that reuses a real figure.
+FAKE_NOTE = "logistic regression has no hidden layer: only the classifier <fc> & its inputs_x are compared"
+FAKE_NOTE_MD = r"logistic regression has no hidden layer: only the classifier \<fc\> & its inputs\_x are compared"
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+
+
+@pytest.fixture(scope="module")
+def moved(report, tmp_path_factory):
+    """A report over a copy of the analysed run (with a fake ``cka`` analysis and its note added to
+    ``analysis/index.json``), built in ``before/report`` and then moved, run and all, to ``after/``."""
+    before = tmp_path_factory.mktemp("moved") / "before"
+    shutil.copytree(report.parent / "fedavg-0", before / "fedavg-0")
+    analysis = before / "fedavg-0" / "analysis"
+    index = json.loads((analysis / "index.json").read_text())
+    shutil.copyfile(analysis / "curves.png", analysis / "cka.png")
+    index["written"]["cka"] = {"png": str(analysis / "cka.png"), "note": FAKE_NOTE}
+    index["written"]["curves"].pop("note", None)  # an analysis without a note shows none
+    (analysis / "index.json").write_text(json.dumps(index))
+    build_report([before / "fedavg-0"], before / "report")
+    after = before.parent / "after"
+    shutil.move(before, after)
+    return after / "report", index
+
+
+def test_markdown_links_are_relative_and_survive_moving_the_folder(moved):
+    out, _ = moved
+    targets = IMAGE_LINK.findall((out / "report.md").read_text())
+    assert len(targets) == 5  # curves, partition heat map, 3 analyses (curves, spectrum, cka)
+    for target in targets:
+        path = Path(urllib.parse.unquote(target))
+        assert not path.is_absolute() and ".." not in path.parts, target
+        assert (out / path).is_file(), target  # resolves after the move, next to report.md
+
+
+def _section(page: str, analysis: str) -> str:
+    """What report.html shows under ``analysis``'s heading, up to the next heading or the end."""
+    return re.split(r"<h\d|</body>", page.split(f"<h4>{analysis}</h4>", 1)[1], maxsplit=1)[0]
+
+
+def test_each_analysis_note_is_shown_under_its_figure(moved):
+    out, index = moved
+    page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    spectrum_note = index["written"]["spectrum"]["note"]
+    for name, note, note_md in (("cka", FAKE_NOTE, FAKE_NOTE_MD), ("spectrum", spectrum_note, spectrum_note)):
+        section = _section(page, name)
+        shown = re.fullmatch(r'<img [^>]+><p class="muted">Note: ([^<]*)</p>', section)
+        assert shown is not None and shown.group(1) == html.escape(note)
+        lines = md.splitlines()
+        link = next(i for i, line in enumerate(lines) if line.startswith(f"![{name}]("))
+        assert lines[link + 1:link + 3] == ["", f"*Note:* {note_md}"]
+    assert re.fullmatch(r"<img [^>]+>", _section(page, "curves"))  # no note recorded, none shown

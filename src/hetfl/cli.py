@@ -257,8 +257,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> int:
     for flag, target in (("--plot", args.plot), ("--json", args.json)):
         if target:
             check_output_dir(Path(target).parent, flag)
-    dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=cfg.data.download, seed=cfg.seed,
-                           **cfg.data.options)
+    dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=cfg.data.download,
+                           cache_dir=cfg.data.cache_dir, seed=cfg.seed, **cfg.data.options)
     cfg = resolve(cfg, dataset)
     part = build_partition(cfg, dataset)
     train_y, test_y = dataset.train.y.numpy(), dataset.test.y.numpy()

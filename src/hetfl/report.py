@@ -4,9 +4,12 @@ The page holds, for the given runs: the comparison table (one row per setting,
 i.e. runs whose resolved configurations differ only in the seed, with mean ± std
 over seeds, the setting id and a column per key that varies between rows), accuracy/spread/loss curves, each distinct
 setting's configuration and partition heat map, and the analyses a run has
-(``hetfl analyze``). Images are embedded as base64 PNG and the style is
-inline: the file opens offline, in any browser, and can be mailed as one file.
-The Markdown twin links the same PNGs, written next to it.
+(``hetfl analyze``), each figure with the note its analysis recorded (``written.<name>.note`` in
+``analysis/index.json``, e.g. why CKA on logistic regression shows only the classifier layer).
+Images are embedded as base64 PNG and the style is inline: the file opens offline, in any
+browser, and can be mailed as one file. The Markdown twin links the same PNGs, all written next
+to it (an analysis figure is copied from its run directory) and linked by relative path, so the
+output folder can be moved or shared whole.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
+import shutil
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +105,34 @@ def _img(path: Path) -> str:
     return f'<img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
 
 
+def _md_img(alt: str, png: Path, out: Path) -> str:
+    """A Markdown image link to ``png`` (inside ``out``) relative to ``out``, where report.md is."""
+    rel = Path(png).resolve().relative_to(out.resolve()).as_posix()
+    return f"![{alt}]({urllib.parse.quote(rel)})"
+
+
+def _copy_in(png: Path, out: Path, name: str) -> Path:
+    """``png`` copied into ``out`` as ``name`` (characters other than letters, digits, ``._-`` replaced), so
+    report.md's folder holds every image it links."""
+    target = out / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    shutil.copyfile(png, target)
+    return target
+
+
+def _md_text(text: str) -> str:
+    """``text`` shown literally in Markdown: characters that would start markup (``*_`[]<>``) backslash-escaped."""
+    return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
+
+
+def _note_parts(result: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The HTML and Markdown lines of an analysis's note (``written.<name>.note``; none if it has none), on
+    one line each."""
+    note = " ".join(str(result.get("note") or "").split())
+    if not note:
+        return [], []
+    return [f'<p class="muted">Note: {html.escape(note)}</p>'], [f"*Note:* {_md_text(note)}", ""]
+
+
 def partition_plot(run: Run, out: Path) -> Path | None:
     """The run's partition heat map (rebuilt from its config), or None if its data is unavailable."""
     from hetfl.data.datasets import load_dataset
@@ -107,8 +141,8 @@ def partition_plot(run: Run, out: Path) -> Path | None:
 
     try:
         cfg = config_mod.load(run.path / CONFIG_NAME, [])
-        dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=False, seed=cfg.seed,
-                               **cfg.data.options)
+        dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=False, cache_dir=cfg.data.cache_dir,
+                               seed=cfg.seed, **cfg.data.options)
     except Exception:  # data moved or offline: the report goes on without the heat map
         return None
     cfg = resolve(cfg, dataset)
@@ -140,7 +174,7 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
                   "<h2>Comparison</h2>", _table_html(table_md), f'<p class="muted">{html.escape(differences)}</p>',
                   "<h2>Curves</h2>", _img(Path(curves["png"]))]
     md_parts = [f"# {title}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",
-                table_md, "## Curves", "", f"![curves]({Path(curves['png']).name})", ""]
+                table_md, "## Curves", "", _md_img("curves", Path(curves["png"]), out), ""]
     for key, group in groups.items():
         first = group[0]
         name = f"{labels[key]} [{key}]"
@@ -152,7 +186,7 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
         heat = partition_plot(first, out)
         if heat is not None:
             html_parts += ["<h3>Partition</h3>", _img(heat)]
-            md_parts += [f"![partition]({heat.name})", ""]
+            md_parts += [_md_img("partition", heat, out), ""]
         for run in group:
             index_path = run.path / "analysis" / "index.json"
             if not index_path.is_file():
@@ -168,8 +202,10 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
             for analysis, result in index["written"].items():
                 png = run.path / "analysis" / Path(result["png"]).name
                 if png.is_file():
-                    html_parts += [f"<h4>{html.escape(analysis)}</h4>", _img(png)]
-                    md_parts += [f"![{analysis}]({png.resolve()})", ""]
+                    note_html, note_md = _note_parts(result)
+                    local = _copy_in(png, out, f"analysis_{run.run_id}_{analysis}.png")
+                    html_parts += [f"<h4>{html.escape(analysis)}</h4>", _img(png), *note_html]
+                    md_parts += [_md_img(analysis, local, out), "", *note_md]
             for analysis, why in index.get("skipped", {}).items():
                 html_parts.append(f'<p class="muted">{html.escape(analysis)} skipped: {html.escape(why)}</p>')
                 md_parts += [f"{analysis} skipped: {why}", ""]

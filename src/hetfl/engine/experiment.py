@@ -223,8 +223,8 @@ class Experiment:
         vmap = vmap_clients(cfg.runtime, self.device)
         resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
-        self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, seed=cfg.seed,
-                                    **cfg.data.options)
+        self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
+                                    seed=cfg.seed, **cfg.data.options)
         self.cfg = cfg = resolve(cfg, self.dataset)
         bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
         if bad_rounds:

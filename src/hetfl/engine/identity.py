@@ -7,8 +7,8 @@ configurations differ in nothing but the seed.
 
 ``setting_id`` is a short hash of the resolved configuration without the seed
 (the row a run belongs to); ``run_id`` includes the seed (the run itself).
-Keys that change only what the terminal shows (``runtime.progress``) are left
-out of both.
+Keys that do not change the numbers (``runtime.progress``: what the terminal
+shows; ``data.cache_dir``: where decoded data is cached) are left out of both.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-#: keys that do not change a run's numbers and are left out of its identity
-PRESENTATION_KEYS = frozenset({"runtime.progress"})
+#: keys that do not change a run's numbers and are left out of its identity: what the terminal shows,
+#: where decoded data is cached (the cache is keyed by the source files, so any folder gives the same arrays)
+PRESENTATION_KEYS = frozenset({"runtime.progress", "data.cache_dir"})
 #: run-directory files (the same names as hetfl.engine.experiment's, which imports this module)
 CONFIG_NAME, SUMMARY_NAME = "config.toml", "summary.json"
 #: files that do not make a folder hold a run: a lock left by a process killed before it wrote config.toml
@@ -150,7 +151,8 @@ def resolve_configs(cfgs: list[Any]) -> list[Any]:
     resolved: list[Any] = list(cfgs)
     for indices in by_dataset.values():
         d, seed = cfgs[indices[0]].data, cfgs[indices[0]].seed
-        dataset = load_dataset(d.dataset, d.root or None, download=d.download, seed=seed, **d.options)
+        dataset = load_dataset(d.dataset, d.root or None, download=d.download, cache_dir=d.cache_dir, seed=seed,
+                               **d.options)
         for i in indices:
             resolved[i] = resolve(cfgs[i], dataset)
         del dataset

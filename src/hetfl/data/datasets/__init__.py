@@ -4,8 +4,10 @@ Every loader returns a :class:`hetfl.data.base.Dataset` of tensors. Real
 datasets are read in their official formats from ``root`` (a folder, or an
 archive for the image-folder datasets; default ``~/.cache/hetfl/data/<name>``),
 downloaded from the official source with checksum verification when missing
-and allowed, and decoded once into a ``.npy`` cache (default
-``<root>/.hetfl-cache``, else ``~/.cache/hetfl``). Every failure is a
+and allowed, and decoded once into a ``.npy`` cache in the user's cache
+directory (``data.cache_dir``; default ``$XDG_CACHE_HOME/hetfl/datasets``, else
+``~/.cache/hetfl/datasets``; never next to the data, which may be shared or
+read-only). Every failure is a
 :class:`~hetfl.data.base.DatasetError` that says what to fix.
 
 Modules: ``idx`` (MNIST, Fashion-MNIST, EMNIST), ``cifar``, ``stl10``,
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.data.base import Dataset, DatasetError
-from hetfl.data.datasets.cache import default_cache_dir, user_cache_dir
+from hetfl.data.datasets.cache import resolve_cache_dir, user_cache_dir
 from hetfl.data.datasets.cifar import load_cifar10, load_cifar100
 from hetfl.data.datasets.cinic10 import load_cinic10
 from hetfl.data.datasets.common import IMAGENET_NORM, Context
@@ -180,8 +182,9 @@ def load_dataset(
         root: folder with the dataset's files (or, for image-folder datasets,
             an archive of the tree); ``None``: ``~/.cache/hetfl/data/<name>``.
         download: fetch missing official files (checksum-verified).
-        cache_dir: where decoded ``.npy`` arrays go; ``None``:
-            ``<root>/.hetfl-cache`` if writable, else ``~/.cache/hetfl``.
+        cache_dir: where decoded ``.npy`` arrays go (``data.cache_dir``); ``None`` or ``""``:
+            ``$XDG_CACHE_HOME/hetfl/datasets``, else ``~/.cache/hetfl/datasets``. Entries are keyed
+            by a fingerprint of the source files, so one folder serves every dataset and root.
         seed: randomness of generated data and of derived train/test splits.
         options: dataset-specific, see :func:`dataset_options`.
     """
@@ -189,6 +192,7 @@ def load_dataset(
         raise DatasetError(f"data.dataset = {name!r} is unknown; allowed: {', '.join(DATASETS)}")
     entry = _REGISTRY[name]
     resolved = _resolve_options(name, entry, options)
+    cache = resolve_cache_dir(cache_dir)  # a bad data.cache_dir is refused for every dataset alike
     if not entry.files:
         return entry.load(Context(name, Path(), download, Path(), seed), **resolved)
     if root is None or str(root) == "":
@@ -203,5 +207,4 @@ def load_dataset(
         if not base.exists():
             raise DatasetError(f"data.root = {str(root)!r} does not exist; create it (to download into it) or set "
                                f"data.root to the folder holding the {name} files")
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(base)
     return entry.load(Context(name, base, download, cache, seed), **resolved)

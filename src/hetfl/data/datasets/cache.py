@@ -6,7 +6,13 @@ complete exactly when its manifest exists; a crash mid-write leaves at most
 stray temporary files, never a half-written array under its final name. The
 digest is over a JSON key: dataset name, the options that change the decoded
 arrays, a format version and a cheap fingerprint of the source files (paths,
-sizes, modification times), so editing or replacing the source invalidates it.
+sizes, modification times), so editing or replacing the source invalidates it,
+and two datasets (or two copies of one in different folders) never share an entry.
+
+The cache lives in the user's cache directory (``data.cache_dir``; default
+``$XDG_CACHE_HOME/hetfl/datasets``, else ``~/.cache/hetfl/datasets``), never
+next to the data: a dataset folder may be shared between users or read-only
+(hetfl writes there only to download missing files).
 """
 
 from __future__ import annotations
@@ -22,37 +28,44 @@ from typing import Any
 
 import numpy as np
 
-CACHE_DIRNAME = ".hetfl-cache"
+from hetfl.params import ConfigError
+
+#: sub-folder of the user's cache directory holding decoded datasets
+DATASETS_DIRNAME = "datasets"
 
 
 def user_cache_dir() -> Path:
-    """``~/.cache/hetfl``: where caches go when the data folder is not writable."""
+    """``~/.cache/hetfl``: where datasets are downloaded when ``data.root`` is ``""`` (``<this>/data/<name>``)."""
     return Path.home() / ".cache" / "hetfl"
 
 
-def _writable(path: Path) -> bool:
-    """Writable by us and not marked read-only (no write bit at all: root can write anywhere, but should not)."""
-    try:
-        return os.access(path, os.W_OK) and bool(path.stat().st_mode & 0o222)
-    except OSError:
-        return False
+def default_cache_dir() -> Path:
+    """Where decoded datasets go when ``data.cache_dir`` is ``""``: ``$XDG_CACHE_HOME/hetfl/datasets``, or
+    ``~/.cache/hetfl/datasets`` when ``XDG_CACHE_HOME`` is unset or not absolute (the XDG Base Directory rule)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "hetfl" / DATASETS_DIRNAME
 
 
-def default_cache_dir(root: Path) -> Path:
-    """``<root>/.hetfl-cache`` (``root``'s folder for an archive) when writable, else ``~/.cache/hetfl``."""
-    base = root if root.is_dir() else root.parent
-    candidate = base / CACHE_DIRNAME
-    if _writable(candidate) if candidate.is_dir() else (not candidate.exists() and _writable(base)):
-        return candidate
-    return user_cache_dir()
+def resolve_cache_dir(setting: str | os.PathLike | None) -> Path:
+    """The cache folder a ``data.cache_dir`` value names (``""``/``None``: :func:`default_cache_dir`; ``~``
+    expanded). A path that exists and is not a folder is a ConfigError, raised before anything is read or
+    written. A folder that cannot be created or written is allowed: loading works, only without a cache."""
+    if setting is None or str(setting) == "":
+        return default_cache_dir()
+    path = Path(setting).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError("data.cache_dir", str(setting),
+                          f"is a file; set it to a folder for decoded datasets ('' = {default_cache_dir()})")
+    return path
 
 
 def fingerprint(paths: Iterable[Path]) -> str:
     """Cheap identity of source files and folders: relative names, sizes and mtimes, hashed.
 
-    Folders are walked (hidden entries such as the cache folder itself are
-    skipped, and the folders' own mtimes are ignored, so creating a cache
-    inside a data folder does not change its fingerprint). About 0.5 s for
+    Folders are walked (hidden entries, such as the ``.hetfl-cache`` folder
+    that hetfl wrote inside data folders before ``data.cache_dir``, are
+    skipped, and the folders' own mtimes are ignored, so a stray hidden file
+    does not change a data folder's fingerprint). About 0.5 s for
     60,000 files. Links are followed (their targets are what a loader reads),
     except into a folder's own ancestor (a link loop), and a link that leads
     nowhere counts as itself: the fingerprint never fails or recurses without
