@@ -7,6 +7,7 @@ Ray once (~15-30 s on 2 CPU cores), so the methods share one simulation.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,20 @@ def test_hetfl_run_with_the_flower_executor_in_one_command(tmp_path):
         p.name for p in run.iterdir()}
     assert config.load(run / "config.toml").runtime.executor == "flower"
     assert metrics(run) == metrics(tmp_path / "sequential")
+
+
+def test_simulated_nodes_take_the_processs_thread_count_unless_runtime_threads_is_set():
+    """torch's CPU kernels round differently with another thread count, and Ray starts actors with
+    one thread per CPU: with runtime.threads=0 the nodes must use the hetfl process's count to give
+    the sequential executor's numbers bit for bit (default synthetic run, 8 rounds: equal with this,
+    different without; see server.node_config)."""
+    from hetfl.flower.server import FlowerFederation, node_config
+
+    default = config.load(None, ["runtime.progress=false"])
+    assert default.runtime.threads == 0
+    assert node_config(default, simulation=True).runtime.threads == torch.get_num_threads()
+    assert node_config(default, simulation=False) == default  # a deployed node decides for itself
+    one = config.load(None, ["runtime.threads=1"])
+    assert node_config(one, simulation=True) == one
+    sent = FlowerFederation(Experiment(default), grid=None, simulation=True).config_text
+    assert config.from_dict(tomllib.loads(sent)).runtime.threads == torch.get_num_threads()

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,20 @@ class _Encoder:
         return ArrayRecord(out)
 
 
+def node_config(cfg: config_mod.RunConfig, simulation: bool) -> config_mod.RunConfig:
+    """The config the nodes build their experiment from.
+
+    In a simulation with ``runtime.threads = 0`` (torch's default) the nodes get this process's
+    thread count: Ray starts each actor with one thread per CPU it was given, and torch's CPU
+    kernels split reductions by thread count, so a node on another count than the sequential
+    executor differs from it in the last bits (and, rounds later, in accuracy). With equal
+    counts the simulation gives the sequential executor's numbers bit for bit.
+    """
+    if simulation and cfg.runtime.threads == 0:
+        return replace(cfg, runtime=replace(cfg.runtime, threads=torch.get_num_threads()))
+    return cfg
+
+
 class FlowerFederation:
     """The clients of an experiment, reached through a Flower ``Grid``."""
 
@@ -121,7 +136,7 @@ class FlowerFederation:
         self.exp, self.grid = exp, grid
         self.stop = stop or threading.Event()  # set by whoever runs the Flower engine when it ends early
         cfg = exp.cfg
-        self.config_text = config_mod.dumps(cfg)
+        self.config_text = config_mod.dumps(node_config(cfg, simulation))
         self.num_clients = cfg.data.num_clients
         self.timeout = float(cfg.runtime.flower_timeout_s)
         # how long the first greeting may take (nodes starting: Ray actors importing torch on a busy machine)
