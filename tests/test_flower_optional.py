@@ -18,7 +18,7 @@ def test_core_hetfl_does_not_import_flower(tmp_path):
         "from hetfl.cli import main\n"
         f"assert main(['run', '--out', r'{tmp_path / 'r'}', '--set', 'train.rounds=1', '--set', 'data.num_clients=3', "
         "'--set', 'data.partition=dirichlet', '--set', 'runtime.threads=1', '--quiet']) == 0\n"
-        "import hetfl.engine.experiment, hetfl.compare, hetfl.reproduce\n"
+        "import hetfl.engine.experiment, hetfl.tables, hetfl.reproduce\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray')))\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -193,11 +193,7 @@ def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.R
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from hetfl import compare
-    from hetfl.algorithms import hyperparameters
-    from hetfl.engine import identity
-    from hetfl.engine.checkpoint import atomic_write_text
-    from hetfl.engine.experiment import CONFIG_NAME, Experiment
+    from hetfl.api import run_comparison
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
@@ -211,39 +207,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
     out = Path(args.out)
-    check_output_dir(out)
-    plans = []
-    for method in methods:  # validate every combination before running anything
-        for seed in seeds:
-            overrides = [*args.set, f"algorithm.name={method}", f"seed={seed}"]
-            cfg = config_mod.load(args.config, overrides)
-            if args.quiet:
-                cfg = _with(cfg, runtime={"progress": False})
-            hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
-            plans.append((method, seed, cfg, out / f"{method.replace('+', '-')}-seed{seed}"))
-    # what each folder holds, against the resolved config of the run planned there: errors before any run
-    resolved = identity.resolve_configs([cfg for _, _, cfg, _ in plans])
-    states = [identity.check_run_dir(run_dir, config_mod.to_tree(full))
-              for (*_, run_dir), full in zip(plans, resolved, strict=True)]
-    records = []
-    for (method, seed, cfg, run_dir), state in zip(plans, states, strict=True):
-        if state == "finished":
-            console.print(f"{run_dir}: finished earlier, reusing (same configuration)")
-        else:
-            # an interrupted run goes on from its own config.toml (as hetfl run --resume); the checkpoint's
-            # configuration is checked against it in Experiment.run
-            exp = Experiment(config_mod.load(run_dir / CONFIG_NAME) if state == "unfinished" else cfg)
-            reporter = RichReporter(console, cfg.runtime.progress)
-            try:
-                exp.run(run_dir, resume=state == "unfinished", reporter=reporter)
-            finally:
-                reporter.close()
-        records.append(compare.read_run(run_dir, method, seed))
-    rows = compare.table_rows(records, args.target)
-    markdown = compare.to_markdown(rows, args.target)
-    atomic_write_text(out / "comparison.md", markdown)
-    atomic_write_text(out / "comparison.csv", compare.to_csv(rows))
-    console.print(markdown)
+    # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
+    result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
+                            args.target, progress=False if args.quiet else None, console=console)
+    console.print(result.markdown)
     print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}")
     return 0
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetfl import compare
 from hetfl import config as config_mod
+from hetfl import tables
 from hetfl.analysis.plots import plot_curves
 from hetfl.engine import identity
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
@@ -162,11 +162,11 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     for run in runs:
         groups.setdefault(run.setting_id, []).append(run)
     labels = labels_for(groups)
-    records = [compare.read_run(r.path, r.config.get("algorithm", {}).get("name", "?"), r.seed)
+    records = [tables.read_run(r.path, r.config.get("algorithm", {}).get("name", "?"), r.seed)
                for rs in groups.values() for r in rs]
-    rows = compare.table_rows(records, target)
-    table_md = compare.to_markdown(rows, target)
-    differences = compare.differences_line(rows)
+    rows = tables.table_rows(records, target)
+    table_md = tables.to_markdown(rows, target)
+    differences = tables.differences_line(rows)
     curves = plot_curves({f"{labels[key]} seed {r.seed}": r.path / METRICS_NAME for key, rs in groups.items()
                           for r in rs}, out, target=target)
     html_parts = [f"<h1>{html.escape(title)}</h1>",

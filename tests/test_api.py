@@ -1,0 +1,295 @@
+"""The Python API (issue 18, "A Python API"): ``hetfl.run`` and ``hetfl.compare`` from a config
+object, a dict or a TOML path plus overrides; result objects; errors as exceptions, never
+``SystemExit``; an existing run directory reused, resumed, refused or (explicitly) overwritten.
+
+Tiny synthetic runs (4 clients, logistic regression, 2 rounds of 2 local steps): well under a second each.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import hetfl
+from hetfl import api
+from hetfl import config as config_mod
+from hetfl.cli import main
+from hetfl.engine.experiment import Experiment
+from hetfl.params import ConfigError
+
+from .helpers import one_thread  # noqa: F401 (autouse: one torch thread)
+
+TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
+        "train.rounds=2", "train.local_steps=2", "runtime.threads=1"]
+#: the same configuration as TINY, as the dict a TOML file gives
+TINY_TREE = {"data": {"partition": "iid", "num_clients": 4, "options": {"num_devices": 8, "max_samples": 60}},
+             "train": {"rounds": 2, "local_steps": 2}, "runtime": {"threads": 1}}
+TINY_TOML = """\
+[data]
+partition = "iid"
+num_clients = 4
+options = {num_devices = 8, max_samples = 60}
+[train]
+rounds = 2
+local_steps = 2
+[runtime]
+threads = 1
+"""
+TIME_KEYS = {"round_time_s", "eval_time_s", "wall_time_s"}
+
+
+def numbers(result: hetfl.RunResult) -> tuple[list[dict], dict]:
+    """A result's metrics and summary without the wall-clock fields."""
+    rows = [{k: v for k, v in m.items() if k not in TIME_KEYS} for m in result.metrics]
+    return rows, {k: v for k, v in result.summary.items() if k not in TIME_KEYS}
+
+
+def files(run_dir: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(run_dir.iterdir()) if p.is_file()}
+
+
+def interrupt_in_round(monkeypatch, round_: int) -> None:
+    """Make the next run stop (KeyboardInterrupt, as Ctrl-C) at the start of ``round_``."""
+    original = Experiment.round
+
+    def stop(self, server, clients, r, reporter):
+        if r == round_:
+            monkeypatch.setattr(Experiment, "round", original)
+            raise KeyboardInterrupt
+        return original(self, server, clients, r, reporter)
+
+    monkeypatch.setattr(Experiment, "round", stop)
+
+
+# ------------------------------------------------------------- configuration forms
+def test_the_three_config_forms_give_the_same_resolved_config_and_numbers(tmp_path):
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(TINY_TOML)
+    extra = ["train.lr=0.1", "seed=3"]  # overrides apply on top of every form
+    by_path = hetfl.run(toml, overrides=extra, out=tmp_path / "path")
+    by_dict = hetfl.run(TINY_TREE, overrides=extra, out=tmp_path / "dict")
+    by_object = hetfl.run(config_mod.load(None, TINY), overrides=extra, out=tmp_path / "object")
+    for result in (by_path, by_dict, by_object):
+        assert result.status == "ran" and result.config.train.lr == 0.1 and result.config.seed == 3
+        assert len(result.metrics) == 2 and 0 < result.final_accuracy <= 1
+    assert by_path.config == by_dict.config == by_object.config
+    assert by_path.config.model.name == "mlp", "the resolved configuration (auto model filled in)"
+    assert by_path.run_id == by_dict.run_id == by_object.run_id != ""
+    assert numbers(by_path) == numbers(by_dict) == numbers(by_object)
+    assert TINY_TREE["train"] == {"rounds": 2, "local_steps": 2}, "the caller's dict is not modified"
+
+
+def test_make_config_rejects_what_is_not_a_config():
+    with pytest.raises(ConfigError) as err:
+        api.make_config(42)
+    assert err.value.key == "config"
+    with pytest.raises(ConfigError) as err:
+        api.make_config(None, "train.lr=0.1")  # a bare string would be read letter by letter
+    assert err.value.key == "overrides"
+
+
+# ------------------------------------------------------------- errors are exceptions
+@pytest.mark.parametrize("form", ["overrides", "dict"])
+@pytest.mark.parametrize(("key", "value", "error_key"), [
+    ("train.lrr", "0.1", "train.lrr"),  # a bad key
+    ("train.lr", "-1", "train.lr"),  # a bad value
+    ("algorithm.name", "fedpac", "model.name"),  # a method that needs an encoder, on logistic regression
+])
+def test_bad_input_raises_a_config_error_naming_the_key_before_anything_is_written(tmp_path, form, key, value,
+                                                                                   error_key):
+    out = tmp_path / "run"
+    if form == "overrides":
+        config, overrides = None, [*TINY, f"{key}={value}"]
+    else:
+        tree = json.loads(json.dumps(TINY_TREE))
+        config_mod.apply_override(tree, f"{key}={value}")
+        config, overrides = tree, []
+    with pytest.raises(ConfigError) as err:  # a SystemExit would escape pytest.raises and fail the test
+        hetfl.run(config, overrides=overrides, out=out)
+    assert err.value.key == error_key
+    assert not out.exists()
+
+
+def test_compare_errors_are_exceptions(tmp_path):
+    out = tmp_path / "cmp"
+    with pytest.raises(ConfigError) as err:
+        hetfl.compare(["fedavg", "fedavg"], out=out, overrides=TINY)
+    assert err.value.key == "methods"
+    with pytest.raises(ConfigError) as err:
+        hetfl.compare(["fedavg"], seeds=[0, "1"], out=out, overrides=TINY)
+    assert err.value.key == "seeds"
+    with pytest.raises(ConfigError) as err:
+        hetfl.compare(["fedavg"], target=1.5, out=out, overrides=TINY)
+    assert err.value.key == "target"
+    with pytest.raises(ConfigError) as err:
+        hetfl.compare(["fedavg"], out=out, overrides=[*TINY, "train.momentum=2"])
+    assert err.value.key == "train.momentum"
+    with pytest.raises(ConfigError) as err:
+        hetfl.compare(["nosuchmethod"], out=out, overrides=TINY)
+    assert err.value.key == "algorithm.name"
+    assert not out.exists()
+
+
+# ------------------------------------------------------------- an existing run directory
+def test_a_finished_run_of_the_same_config_is_returned_not_recomputed(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    first = hetfl.run(overrides=TINY, out=out)
+    before = files(out)
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a finished run was recomputed")
+
+    monkeypatch.setattr(Experiment, "run", no_run)
+    again = hetfl.run(TINY_TREE, out=out, progress=True)  # another form; progress is display only
+    assert again.status == "reused"
+    assert again.summary == first.summary and again.metrics == first.metrics
+    assert files(out) == before, "nothing rewritten"
+    loaded = hetfl.RunResult.load(out)
+    assert loaded.status == "loaded" and loaded.summary == first.summary and loaded.config == first.config
+
+
+def test_an_interrupted_run_needs_resume_true_and_then_matches_an_uninterrupted_one(tmp_path, monkeypatch):
+    config = [*TINY, "train.rounds=3"]
+    out = tmp_path / "run"
+    interrupt_in_round(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        hetfl.run(overrides=config, out=out)
+    assert not (out / "summary.json").exists() and (out / "config.toml").exists()
+    with pytest.raises(hetfl.RunDirError, match=r"interrupted run .*1 round.*resume=True"):
+        hetfl.run(overrides=config, out=out)
+    with pytest.raises(hetfl.RunDirError, match="not finished"):
+        hetfl.RunResult.load(out)
+    resumed = hetfl.run(overrides=config, out=out, resume=True)
+    assert resumed.status == "resumed" and len(resumed.metrics) == 3
+    whole = hetfl.run(overrides=config, out=tmp_path / "whole")
+    assert numbers(resumed) == numbers(whole)
+    assert hetfl.run(out / "config.toml", out=out, resume=True).status == "reused", "a run's own config.toml"
+
+
+def test_a_run_of_another_config_is_refused_naming_the_key(tmp_path):
+    out = tmp_path / "run"
+    hetfl.run(overrides=TINY, out=out)
+    before = files(out)
+    with pytest.raises(hetfl.RunDirError, match=r"another configuration \(train\.lr: 0\.05 -> 0\.2"):
+        hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out)
+    with pytest.raises(hetfl.RunDirError, match="another configuration"):
+        hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, resume=True)
+    assert files(out) == before
+
+
+def test_overwrite_replaces_a_run_but_never_deletes_another_folder(tmp_path):
+    out = tmp_path / "run"
+    hetfl.run(overrides=TINY, out=out)
+    (out / "analysis").mkdir()  # what hetfl analyze adds to a run directory goes with it
+    (out / "analysis" / "curves.png").write_bytes(b"png")
+    replaced = hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True)
+    assert replaced.status == "ran" and replaced.config.train.lr == 0.2
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "config.toml", "metrics.jsonl",
+                                                     "summary.json"]
+    again = hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True)  # the same config: recomputed
+    assert again.status == "ran"
+
+    notes = tmp_path / "notes"  # a folder of other files, given by mistake
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep me")
+    (notes / "config.toml").write_text(config_mod.dumps(config_mod.load(None, TINY)))  # a config alone is no run
+    with pytest.raises(hetfl.RunDirError, match=r"holds files \(config.toml, mine.txt\) but no hetfl run"):
+        hetfl.run(overrides=TINY, out=notes, overwrite=True)
+    assert sorted(p.name for p in notes.iterdir()) == ["config.toml", "mine.txt"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert hetfl.run(overrides=TINY, out=empty, overwrite=True).status == "ran"
+
+
+def test_overwrite_checks_the_new_config_before_deleting_the_old_run(tmp_path):
+    out = tmp_path / "run"
+    hetfl.run(overrides=TINY, out=out)
+    before = files(out)
+    with pytest.raises(ConfigError) as err:
+        hetfl.run(overrides=[*TINY, "algorithm.name=fedpac"], out=out, overwrite=True)
+    assert err.value.key == "model.name"
+    with pytest.raises(ConfigError) as err:
+        hetfl.run(overrides=TINY, out=out, overwrite=True, resume=True)
+    assert err.value.key == "overwrite"
+    assert files(out) == before
+
+
+def test_the_default_run_dir_is_the_clis(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = hetfl.run(overrides=[*TINY, "seed=2"])
+    assert result.run_dir.parent == Path("runs") and result.run_dir.name.endswith("-fedavg-synthetic-seed2")
+    assert (tmp_path / result.run_dir / "summary.json").is_file()
+
+
+# ------------------------------------------------------------- results
+def test_final_accuracy_is_the_metric_the_tables_pick(tmp_path):
+    global_run = hetfl.run(overrides=TINY, out=tmp_path / "fedavg")
+    assert global_run.metric == "global"
+    assert global_run.final_accuracy == global_run.summary["final_global_acc"] == global_run.metrics[-1]["global_acc"]
+    assert global_run.best_accuracy == max(m["global_acc"] for m in global_run.metrics)
+    personal = hetfl.run(overrides=[*TINY, "algorithm.name=local"], out=tmp_path / "local")
+    assert personal.metric == "client mean" and "final_global_acc" not in personal.summary
+    assert personal.final_accuracy == personal.summary["final_client_acc_mean"] != global_run.final_accuracy
+
+
+def test_to_dataframe_needs_pandas_and_says_so(tmp_path, monkeypatch):
+    result = hetfl.run(overrides=TINY, out=tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
+    with pytest.raises(ImportError, match="needs pandas.*pip install pandas"):
+        result.to_dataframe()
+    fake = types.ModuleType("pandas")
+    fake.DataFrame = lambda rows: ("frame", rows)
+    monkeypatch.setitem(sys.modules, "pandas", fake)
+    assert result.to_dataframe() == ("frame", result.metrics)
+
+
+# ------------------------------------------------------------- compare
+def test_compare_returns_the_rows_hetfl_compare_writes(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    table = hetfl.compare("fedavg,local", seeds=[0, 1], overrides=TINY, out=out, target=0.5)
+    assert [r.status for r in table.runs] == ["ran"] * 4
+    assert [(r.config.algorithm.name, r.config.seed) for r in table.runs] == [
+        ("fedavg", 0), ("fedavg", 1), ("local", 0), ("local", 1)]
+    assert [(row["method"], row["metric"], row["seeds"]) for row in table.rows] == [
+        ("fedavg", "global", 2), ("local", "client mean", 2)]
+    mean = sum(r.final_accuracy for r in table.runs[:2]) / 2
+    assert table.rows[0]["final_mean"] == pytest.approx(100 * mean)
+    assert table.markdown == (out / "comparison.md").read_text()
+    assert table.csv == (out / "comparison.csv").read_bytes().decode()
+
+    # the same call on the command line reuses the four runs and writes the same tables
+    argv = ["compare", "--methods", "fedavg,local", "--seeds", "0,1", "--out", str(out), "--target", "0.5", "--quiet"]
+    assert main([*argv, *(a for kv in TINY for a in ("--set", kv))]) == 0
+    assert capsys.readouterr().out.count("finished earlier, reusing") == 4
+    written = list(csv.DictReader(io.StringIO((out / "comparison.csv").read_text())))
+    assert written == [{k: "" if v is None else str(v) for k, v in row.items()} for row in table.rows]
+    assert (out / "comparison.md").read_text() == table.markdown
+    again = hetfl.compare(["fedavg", "local"], seeds=(0, 1), overrides=TINY, out=out, target=0.5)
+    assert [r.status for r in again.runs] == ["reused"] * 4 and again.rows == table.rows
+
+
+def test_compare_refuses_a_folder_of_another_config_before_running_anything(tmp_path):
+    out = tmp_path / "cmp"
+    hetfl.compare(["fedavg"], overrides=TINY, out=out)
+    with pytest.raises(hetfl.RunDirError, match=r"fedavg-seed0: holds a run of another configuration.*train\.lr"):
+        hetfl.compare(["fedprox", "fedavg"], overrides=[*TINY, "train.lr=0.2"], out=out)
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.csv", "comparison.md", "fedavg-seed0"]
+
+
+# ------------------------------------------------------------- the package
+def test_the_api_is_served_lazily_and_import_hetfl_stays_cheap():
+    from hetfl import api, tables
+
+    assert hetfl.compare is api.compare and hetfl.run is api.run and tables.table_rows is not None
+    code = ("import sys, hetfl; assert 'torch' not in sys.modules, 'import hetfl pulls torch';"
+            "from hetfl import compare, run; assert callable(compare) and callable(run); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
