@@ -351,3 +351,249 @@ def test_round_trip_of_personalised_heads_and_centroids():
     state = algo.start_state(context(1, payload, algo.init_client_state(1, new)))
     assert torch.equal(state["classifier.weight"], new.extra["head.1/classifier.weight"])
     assert torch.equal(algo.client_model(new, {}, 1)["classifier.weight"], new.extra["head.1/classifier.weight"])
+
+
+# ------------------------------------------------------------------ details the golden cases above leave open
+def test_statistics_of_one_sample_and_of_thirds_by_hand():
+    # one sample: pi = 1, h = its features at its class, no variance left
+    h, v = feature_statistics(torch.tensor([[3.0, 4.0]], dtype=torch.float64), torch.tensor([1]), num_classes=2)
+    assert h.tolist() == [[0.0, 0.0], [3.0, 4.0]] and v == 0.0
+    # n = 3: pi = (2/3, 1/3) is not a float32 number, so the statistics must stay in float64 throughout
+    z = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    counts, _ = class_means(z, y, 2)
+    assert counts.dtype == torch.float64 and counts.tolist() == [2.0, 1.0]
+    h, v = feature_statistics(z, y, num_classes=2)
+    # mu = (1.5, 0), (0, 3); tr E[zz^T|k] = 2.5, 9; v = [(2/3 2.5 + 1/3 9) - (4/9 2.25 + 1/9 9)] / 3 = 8/9
+    assert v == pytest.approx(8 / 9, rel=1e-14)
+    assert torch.allclose(h, torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+def test_client_tensors_stay_on_the_features_device_not_torchs_default():
+    """A CUDA run has its features on the GPU while torch's default device is the CPU; here the
+    default device is switched to ``meta`` instead, so a tensor made without the features' (or
+    the model's) device lands elsewhere and the arithmetic fails or moves off the inputs' device."""
+    z = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 2.0]])
+    y = torch.tensor([0, 0, 1, 1])
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    state = initial_state(setup)
+    with torch.device("meta"):
+        counts, means = class_means(z, y, 3)
+        h, v = feature_statistics(z, y, num_classes=3)
+        server = algo.init_server(state)
+    assert counts.device.type == means.device.type == h.device.type == "cpu"
+    assert means.tolist() == [[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]] and v == pytest.approx(2.5 / 4)
+    assert server.extra[CENTROIDS].device.type == server.extra[HAS_CENTROID].device.type == "cpu"
+
+
+def test_first_round_server_state_payload_and_client_start():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    assert server.extra[CENTROIDS].shape == (C, D) and not server.extra[CENTROIDS].any()
+    assert server.extra[HAS_CENTROID].shape == (C,) and not server.extra[HAS_CENTROID].any()
+    own = {"fedpac.local_head/classifier.weight": torch.full((C, D), 7.0),
+           "fedpac.local_head/classifier.bias": torch.full((C,), -7.0)}
+    ctx = context(2, algo.payload(server, 2), own)  # no personalised head from the server yet
+    state = algo.start_state(ctx)
+    assert torch.equal(state["classifier.weight"], own["fedpac.local_head/classifier.weight"])
+    assert torch.equal(state["classifier.bias"], own["fedpac.local_head/classifier.bias"])
+    assert torch.equal(state["encoder.weight"], server.model["encoder.weight"])
+    # evaluation of a client the server has not combined a head for: its own classifier
+    model = algo.client_model(server, own, 2)
+    assert torch.equal(model["classifier.weight"], own["fedpac.local_head/classifier.weight"])
+
+
+def test_one_class_with_a_global_centroid_switches_alignment_on():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    server.extra[HAS_CENTROID] = torch.tensor([0.0, 1.0, 0.0])
+    server.extra[CENTROIDS][1] = 3.0
+    extras = algo.begin(client_context(algo, server, 0))
+    assert float(extras["align"]) == 1.0 and extras["target"][1].tolist() == [3.0] * D
+
+
+def test_alignment_loss_logs_its_terms_by_name():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    state = initial_state(setup)
+    x, y = torch.linspace(-1, 2, 12).reshape(3, 4), torch.tensor([0, 1, 2])
+    ctx = context(0, {})
+    ctx.extras = {"target": torch.tensor(CENTROIDS_GOLDEN), "align": torch.tensor(1.0)}
+    _, info = algo.alignment_loss(state, Batch(x, y), ctx)
+    _, logits = setup.model.features_and_logits(state, x)
+    assert set(info) == {"ce", "alignment"}  # the names metrics.jsonl shows
+    assert float(info["ce"]) == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-6)
+
+
+def test_stages_take_their_settings_from_the_options_and_the_round():
+    setup = tiny_setup(local_epochs=3, local_steps=5, momentum=0.7)
+    algo = build_algorithm("fedpac", {"head_epochs": 2}, setup)
+    server = algo.init_server(initial_state(setup))
+    ctx = context(0, algo.payload(server, 0), algo.init_client_state(0, server), lr=0.037)  # a decayed lr
+    head, encoder = algo.stages(ctx)
+    assert head.epochs == 2
+    assert (encoder.epochs, encoder.steps) == (3, 5)
+    assert (encoder.sgd.lr, encoder.sgd.momentum, encoder.sgd.weight_decay) == (0.037, 0.7, setup.train.weight_decay)
+    # the classifier stage minimises plain cross-entropy
+    state = initial_state(setup)
+    x, y = torch.linspace(-1, 1, 12).reshape(3, 4), torch.tensor([2, 0, 1])
+    loss, _ = head.loss(state, Batch(x, y), ctx)
+    with torch.no_grad():
+        expected = F.cross_entropy(setup.model.module(x), y)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    # no classifier stage at all with head_epochs = 0
+    only = build_algorithm("fedpac", {"head_epochs": 0}, setup).stages(ctx)
+    assert [s.name for s in only] == ["encoder"]
+
+
+def test_uploads_from_finish_aggregate_to_the_golden_heads():
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = []
+    for c in range(4):
+        ctx = client_context(algo, server, c)
+        ctx.extras = algo.begin(ctx)
+        local = {**algo.start_state(ctx), **heads(c)}
+        upload, _ = algo.finish(ctx, local, steps=1)
+        assert float(upload["fedpac.v"]) == pytest.approx(V[c], rel=1e-6)
+        uploads.append(Upload(c, upload, len(LABELS[c]), 1))
+    new = algo.aggregate(server, uploads, 1)
+    for c in range(4):
+        assert torch.allclose(new.extra[f"head.{c}/classifier.weight"], torch.tensor(HEAD_W[c]), atol=2e-6), c
+
+
+def test_a_class_seen_once_has_a_global_centroid():
+    setup = tiny_setup(num_clients=2)
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = []
+    for c, counts in ((0, [1.0, 0.0, 2.0]), (1, [0.0, 0.0, 3.0])):
+        tensors = {**{n: server.model[n] for n in setup.model.state_names}, "fedpac.counts": torch.tensor(counts),
+                   CENTROIDS: torch.full((3, 8), 2.0 + c), "fedpac.h": torch.rand(3, 8, dtype=torch.float64),
+                   "fedpac.v": torch.tensor(0.1)}
+        uploads.append(Upload(c, tensors, 10, 1))
+    new = algo.aggregate(server, uploads, 1)
+    assert new.extra[HAS_CENTROID].tolist() == [1.0, 0.0, 1.0]
+    assert new.extra[CENTROIDS][0].tolist() == [2.0] * 8  # client 0's single sample of class 0
+    assert torch.allclose(new.extra[CENTROIDS][2], torch.full((8,), (2 * 2.0 + 3 * 3.0) / 5))
+
+
+class BNNet5(Net5):
+    """Net5 with a batch-norm layer in the encoder: float buffers and an integer step counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, D), nn.BatchNorm1d(D))
+
+
+def test_aggregation_keeps_each_tensors_dtype():
+    model = BNNet5().double()
+    names = [n for n, _ in model.named_parameters()]
+    groups = {part: [n for n in names if n.startswith(part + ".")] for part in ("encoder", "classifier")}
+    setup = Setup(ModelCaller(model), groups, num_clients=4, num_classes=C, client_sizes=[len(y) for y in LABELS],
+                  train=TrainConfig(), seed=0)
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = []
+    for c, up in enumerate(golden_uploads(setup, server)):
+        tensors = {**up.tensors, **{n: t.double() for n, t in heads(c).items()},
+                   "encoder.1.num_batches_tracked": torch.tensor(8 * (c + 1))}
+        uploads.append(Upload(c, tensors, up.num_samples, 1))
+    new = algo.aggregate(server, uploads, 1)
+    assert new.model["encoder.1.num_batches_tracked"].dtype == torch.int64
+    # an integer buffer is a counter: the most advanced one, as FedAvg's weighted_mean (not a truncated mean: 19)
+    assert int(new.model["encoder.1.num_batches_tracked"]) == 32
+    sizes = torch.tensor([float(len(y)) for y in LABELS], dtype=torch.float64)
+    shift = float((sizes * torch.arange(4.0, dtype=torch.float64)).sum() / sizes.sum())
+    weight = new.model["encoder.0.weight"]
+    assert weight.dtype == torch.float64
+    assert torch.allclose(weight, server.model["encoder.0.weight"] + shift, atol=1e-6)
+    assert new.extra["head.0/classifier.weight"].dtype == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_aggregation_follows_the_uploads_device():
+    """Uploaded models on the GPU, sizes and QP weights made on the CPU: the weights must be moved
+    to the uploads' device; the encoder mean and the personalised heads stay there. (``meta`` could
+    stand in for the GPU, but its first ``torch.stack`` costs ~14 s of imports.)"""
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = []
+    for up in golden_uploads(setup, server):
+        tensors = {n: (t.to("cuda") if n in setup.model.state_names else t) for n, t in up.tensors.items()}
+        uploads.append(Upload(up.client_id, tensors, up.num_samples, 1))
+    new = algo.aggregate(server, uploads, 1)
+    assert new.model["encoder.weight"].device.type == "cuda"
+    for c in range(4):
+        head = new.extra[f"head.{c}/classifier.weight"]
+        assert head.device.type == "cuda" and torch.allclose(head.cpu(), torch.tensor(HEAD_W[c]), atol=2e-6), c
+    assert torch.allclose(new.extra[CENTROIDS], torch.tensor(CENTROIDS_GOLDEN), atol=1e-6)
+
+
+def indefinite_uploads(setup: Setup, server) -> list[Upload]:
+    """Client 1's statistics close to client 0's and a (rounding-like) negative variance: client 0's
+    QP matrix has eigenvalues -0.0027 and 0.004, client 1's -0.003 (the others are PSD)."""
+    h, _ = golden_statistics(scale=0.05)
+    h[1] = h[0] + 0.01 * torch.arange(C * D, dtype=torch.float64).reshape(C, D) / (C * D)
+    v = [0.004, -0.003, 0.02, 0.03]
+    uploads = golden_uploads(setup, server)
+    for c, up in enumerate(uploads):
+        up.tensors.update({"fedpac.h": h[c], "fedpac.v": torch.tensor(v[c])})
+    return uploads
+
+
+def combined(uploads: list[Upload], alpha: torch.Tensor) -> torch.Tensor:
+    return sum(float(a) * u.tensors["classifier.weight"] for a, u in zip(alpha, uploads, strict=True))
+
+
+def test_eigenvalue_floor_and_weight_threshold_options_reach_the_server():
+    setup = net5_setup()
+    # default floor 0.01 drops client 0's eigenvalue 0.004 as well: it keeps its own classifier
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = indefinite_uploads(setup, server)
+    new = algo.aggregate(server, uploads, 1)
+    assert torch.allclose(new.extra["head.0/classifier.weight"], heads(0)["classifier.weight"], atol=1e-7)
+    # floor 0 keeps it: client 0 now leans on client 1's classifier
+    algo = build_algorithm("fedpac", {"qp_eig_floor": 0.0}, setup)
+    new = algo.aggregate(server, uploads, 1)
+    h, v = [u.tensors["fedpac.h"] for u in uploads], [float(u.tensors["fedpac.v"]) for u in uploads]
+    alpha = combination_weights(h, v, 0, eig_floor=0.0)
+    assert 0.9 < float(alpha[1]) < 1.0
+    assert torch.allclose(new.extra["head.0/classifier.weight"], combined(uploads, alpha), atol=1e-6)
+    # min_weight = 0 keeps client 2's weight 6.9e-4 on client 3 that the default 1e-3 removes
+    algo = build_algorithm("fedpac", {"min_weight": 0.0}, setup)
+    uploads = golden_uploads(setup, server)
+    new = algo.aggregate(server, uploads, 1)
+    h, v = golden_statistics()
+    alpha = combination_weights(h, v, 2, min_weight=0.0)
+    assert float(alpha[3]) > 5e-4
+    assert torch.allclose(new.extra["head.2/classifier.weight"], combined(uploads, alpha), atol=1e-6)
+    assert not torch.allclose(new.extra["head.2/classifier.weight"], torch.tensor(HEAD_W[2]), atol=1e-5)
+
+
+def test_no_solution_fallback_is_float64_like_every_solution():
+    h, v = golden_statistics()
+    assert combination_weights(h, v, 0).dtype == torch.float64
+    fallback = combination_weights(h, v, 0, min_weight=0.9)  # no weight survives the threshold
+    assert fallback.dtype == torch.float64 and fallback.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", ["nan_v", "inf_h"])
+def test_non_finite_statistics_fall_back_to_the_clients_own_head(bad):
+    """A client whose variance or feature means are not finite gives no QP (eigh and LAPACK fail on them):
+    every client's combination is then its own head, as the authors' code does when there is no solution."""
+    h = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+    v = [0.5, 0.5, 0.5]
+    if bad == "nan_v":
+        v[1] = float("nan")
+    else:
+        h[2] = torch.tensor([float("inf"), 0.0])
+    for i in range(3):
+        alpha = combination_weights(h, v, i)
+        assert torch.equal(alpha, torch.nn.functional.one_hot(torch.tensor(i), 3).double()), (bad, i)

@@ -88,3 +88,135 @@ def test_authors_repair_drops_small_eigenvalues_only_when_indefinite():
     psd = 0.5 * (psd + psd.T)
     kept, changed = drop_small_eigenvalues(psd + 1e-9 * torch.eye(3, dtype=torch.float64), 0.01)
     assert not changed and torch.allclose(kept, psd + 1e-9 * torch.eye(3, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ the active-set path, tolerances and limits
+def f64(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_iterates_of_the_active_set_method_by_hand():
+    """diag(1, 2): start at vertex 0 (smallest diagonal); iteration 1 finds no step on {0} and frees
+    coordinate 1 (multiplier -2); iteration 2 steps to the minimiser (2/3, 1/3) on {0, 1}; iteration 3
+    finds no step and no fixed coordinate left: optimal (Nocedal & Wright, Alg. 16.3)."""
+    p = torch.diag(f64([1.0, 2.0]))
+    first = solve_simplex_qp(p, max_iter=1)
+    assert first.weights.tolist() == [1.0, 0.0] and first.iterations == 1 and first.converged is False
+    second = solve_simplex_qp(p, max_iter=2)
+    assert torch.allclose(second.weights, f64([2 / 3, 1 / 3]), rtol=0, atol=1e-14)
+    assert second.iterations == 2 and second.converged is False
+    done = solve_simplex_qp(p)
+    assert done.iterations == 3 and done.converged is True
+    assert done.objective == pytest.approx(2 / 3, rel=1e-14)
+
+
+def test_default_iteration_limit_is_1000():
+    res = solve_simplex_qp(torch.diag(f64([1.0, 3.0])), tol=-1.0)  # a tolerance no step can meet
+    assert res.iterations == 1000 and res.converged is False and res.weights.tolist() == [1.0, 0.0]
+
+
+def test_tolerance_is_relative_to_the_largest_entry_of_p():
+    d = f64([1.0, 2.0, 4.0])
+    expected = (1 / d) / (1 / d).sum()
+    for scale in (1e-12, 1.0, 1e6):
+        res = solve_simplex_qp(scale * torch.diag(d))
+        assert res.converged and torch.allclose(res.weights, expected, rtol=0, atol=1e-9), scale
+
+
+def test_a_multiplier_of_exactly_minus_tol_times_scale_is_accepted():
+    """diag(1, 1.5, 8) at its start vertex 0: the fixed coordinates' multipliers are -2 = -0.25 * max|P|."""
+    p = torch.diag(f64([1.0, 1.5, 8.0]))
+    loose = solve_simplex_qp(p, tol=0.25)
+    assert loose.converged and loose.iterations == 1 and loose.weights.tolist() == [1.0, 0.0, 0.0]
+    tighter = solve_simplex_qp(p, tol=0.2)  # -2 < -1.6: free coordinate 1, stop at the edge's minimiser
+    assert tighter.converged and torch.allclose(tighter.weights, f64([0.6, 0.4, 0.0]), rtol=0, atol=1e-12)
+
+
+def test_zero_matrix_with_zero_tolerance_stops_at_once():
+    res = solve_simplex_qp(torch.zeros(3, 3, dtype=torch.float64), tol=0.0)  # the zero step is no step
+    assert res.converged and res.iterations == 1 and res.weights.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_float32_input_is_solved_in_float64():
+    res = solve_simplex_qp(torch.diag(torch.tensor([1.0, 2.0, 4.0])))
+    assert res.weights.dtype == torch.float64
+    assert torch.allclose(res.weights, f64([4 / 7, 2 / 7, 1 / 7]), rtol=0, atol=1e-12)
+
+
+def test_symmetric_pair_splits_evenly():
+    res = solve_simplex_qp(f64([[5.0, -3.0], [-3.0, 5.0]]))
+    assert res.converged and torch.allclose(res.weights, f64([0.5, 0.5]), rtol=0, atol=1e-12)
+
+
+def test_a_dyadic_problem_whose_steps_leave_some_free_weights_unchanged():
+    p = f64([[1.4375, -0.8125, -0.875, -1.125, -0.125, -0.8125, 0.5625],
+             [-0.8125, 0.6875, 0.125, 0.5625, 0.25, 0.75, -0.375],
+             [-0.875, 0.125, 1.75, 1.0625, -0.125, -0.1875, -0.0625],
+             [-1.125, 0.5625, 1.0625, 1.3125, 0.0, 0.5, -0.4375],
+             [-0.125, 0.25, -0.125, 0.0, 0.625, 0.0, 0.375],
+             [-0.8125, 0.75, -0.1875, 0.5, 0.0, 1.25, -0.8125],
+             [0.5625, -0.375, -0.0625, -0.4375, 0.375, -0.8125, 1.0]])
+    res = solve_simplex_qp(p)
+    assert res.converged and torch.isfinite(res.weights).all() and kkt_residual(p, res.weights) < 1e-12
+    assert abs(float(res.weights.sum()) - 1) < 1e-12 and float(res.weights.min()) >= 0
+
+
+def test_authors_repair_boundaries_and_precision():
+    from hetfl.algorithms.simplex_qp import drop_small_eigenvalues
+
+    # an exactly zero eigenvalue is not negative: left alone (the code: all eigenvalues >= 0)
+    psd = torch.diag(f64([2.0, 0.005, 0.0]))
+    kept, changed = drop_small_eigenvalues(psd, 0.01)
+    assert not changed and torch.equal(kept, psd)
+    # an eigenvalue equal to the floor is kept (the code: evals >= 0.01)
+    repaired, changed = drop_small_eigenvalues(torch.diag(f64([2.0, 0.01, -1.0])), 0.01)
+    assert changed and torch.equal(repaired.abs(), torch.diag(f64([2.0, 0.01, 0.0])))
+    # float32 input: computed and returned in float64
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    p64 = q @ torch.diag(f64([2.0, 0.3, -1.0])) @ q.T
+    p64 = 0.5 * (p64 + p64.T)
+    out, changed = drop_small_eigenvalues(p64.float(), 0.01)
+    exact, _ = drop_small_eigenvalues(p64.float().double(), 0.01)
+    assert changed and out.dtype == torch.float64 and torch.allclose(out, exact, rtol=0, atol=1e-13)
+    same, changed = drop_small_eigenvalues(psd.float(), 0.01)
+    assert not changed and same.dtype == torch.float64
+
+
+def test_kkt_residual_by_hand():
+    # diag(1, 4) at (3/4, 1/4): grad = (3/4, 1), lambda = 13/16: both active, off by 1/16 and 3/16
+    assert kkt_residual(torch.diag(f64([1.0, 4.0])), f64([0.75, 0.25])) == pytest.approx(0.1875, rel=1e-14)
+    # diag(1, 2) at vertex 1: lambda = 2 but coordinate 0's gradient is 0 < lambda
+    assert kkt_residual(torch.diag(f64([1.0, 2.0])), f64([0.0, 1.0])) == pytest.approx(2.0, rel=1e-14)
+    # no positive weight at all: only the inequality part, here satisfied
+    assert kkt_residual(torch.diag(f64([1.0, 2.0])), torch.zeros(2, dtype=torch.float64)) == 0.0
+    # weights up to 1e-9 (rounding noise) count as zero: their large gradient is no violation
+    p = f64([[1.0, 6.0], [6.0, 40.0]])
+    assert kkt_residual(p, f64([1 - 1e-9, 1e-9])) < 1e-7
+    # float32 inputs are evaluated in float64
+    p32, a32 = torch.diag(torch.tensor([1.0, 4.0])), torch.tensor([0.75, 0.25])
+    assert kkt_residual(p32, a32) == pytest.approx(0.1875, rel=1e-14)
+
+
+def test_projection_allocates_on_the_inputs_device_not_torchs_default():
+    """As on a GPU, where the default device (the CPU) is not the input's: the default is switched to
+    ``meta`` here, so a tensor made without the input's device lands apart from it."""
+    v = f64([0.5, 0.4, -0.2])
+    with torch.device("meta"):
+        out = project_to_simplex(v)
+    assert out.device.type == "cpu" and torch.allclose(out, f64([0.55, 0.45, 0.0]), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1.0, 1e8, 1e12])
+def test_the_solution_does_not_depend_on_the_scale_of_p(scale):
+    """min a^T (s D) a over the simplex has a_i proportional to 1/d_i at any s > 0; FedPAC's P grows like
+    |h|^2, so unnormalised features reach s = 1e8, where the unscaled KKT solve made LAPACK fail."""
+    d = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    result = solve_simplex_qp(scale * torch.diag(d))
+    assert result.converged
+    assert torch.allclose(result.weights, torch.tensor([4 / 7, 2 / 7, 1 / 7], dtype=torch.float64), atol=1e-12)
+    assert result.objective == pytest.approx(scale * 4 / 7, rel=1e-12)
+
+
+def test_a_non_finite_matrix_is_an_error_not_a_lapack_crash():
+    with pytest.raises(ValueError, match="non-finite"):
+        solve_simplex_qp(torch.tensor([[1.0, float("nan")], [float("nan"), 1.0]]))

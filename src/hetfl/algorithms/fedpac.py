@@ -54,8 +54,8 @@ Remaining departures from the paper and the authors' code:
 - "No solution": the code falls back when the repaired matrix still shows a
   negative eigenvalue in ``np.linalg.eigvals``, which the rounding of the zero
   eigenvalues the repair creates can cause (not reproduced); here the fallback is
-  taken when the solver does not converge, returns non-finite weights or no
-  weight survives the threshold.
+  taken when a client's statistics are not finite, the solver does not
+  converge, returns non-finite weights or no weight survives the threshold.
 - The encoder stage uses the run's optimiser settings (``train.lr``,
   ``train.momentum``, ``train.weight_decay``); the code hard-codes momentum 0.5
   and weight decay 5e-4 (set them in the config to match).
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
 from hetfl.engine.optim import SGDConfig
 from hetfl.params import setting
@@ -148,9 +148,12 @@ def combination_weights(
     """Client i's classifier-combination weights over the participants (eq. 11), float64:
     the exact simplex QP on ``P_i`` (repaired as the authors do if not PSD), thresholded;
     the one-hot vector of client i (its own classifier) when there is no solution."""
-    p, _ = drop_small_eigenvalues(qp_matrix(h, v, i), eig_floor)
-    result = solve_simplex_qp(p)
-    alpha = threshold_weights(result.weights, min_weight) if result.converged else None
+    matrix = qp_matrix(h, v, i)
+    alpha = None
+    if torch.isfinite(matrix).all():  # a client's non-finite statistics: no solution, own head
+        p, _ = drop_small_eigenvalues(matrix, eig_floor)
+        result = solve_simplex_qp(p)
+        alpha = threshold_weights(result.weights, min_weight) if result.converged else None
     if alpha is None or not torch.isfinite(alpha).all():
         alpha = torch.zeros(len(h), dtype=torch.float64)
         alpha[i] = 1.0
@@ -231,14 +234,9 @@ class FedPAC(Algorithm):
         return upload, {OWN_HEAD + n: local[n] for n in self.head_names}
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        sizes = torch.tensor([float(u.num_samples) for u in uploads])
-        w = sizes / sizes.sum()
-        model = dict(server.model)
-        for n in self.model.state_names:
-            stacked = torch.stack([u.tensors[n].float() for u in uploads])
-            shaped = w.to(stacked.device).view(-1, *[1] * (stacked.dim() - 1))
-            mean = (shaped * stacked).sum(0)
-            model[n] = mean.to(server.model[n].dtype) if stacked.is_floating_point() else stacked[0]
+        model = dict(server.model)  # the shared model: FedAvg's size-weighted mean (integer buffers: max)
+        model.update(weighted_mean([{n: u.tensors[n] for n in self.model.state_names} for u in uploads],
+                                   [float(u.num_samples) for u in uploads]))
         extra = dict(server.extra)
         counts = torch.stack([u.tensors["fedpac.counts"] for u in uploads])  # [m, C]
         cents = torch.stack([u.tensors[CENTROIDS] for u in uploads])  # [m, C, d]

@@ -71,9 +71,14 @@ def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-10, max_iter: int = 1000) 
     to the first blocking bound or frees the coordinate with the most negative
     multiplier.
     """
-    p = nearest_psd(p.to(torch.float64))
+    original = p.to(torch.float64)
+    if not torch.isfinite(original).all():
+        raise ValueError("solve_simplex_qp: P has non-finite entries")
+    # the minimiser does not depend on P's scale; solving on P / max|P| keeps the KKT matrix (entries
+    # 2 P next to the constraint's ones) well conditioned at any scale (1e8 * I made LAPACK fail)
+    scale = float(original.abs().max().clamp(min=1e-300))
+    p = nearest_psd(original / scale)
     n = p.shape[0]
-    scale = float(p.abs().max().clamp(min=1e-300))
     k = int(torch.argmin(torch.diagonal(p)))
     a = torch.zeros(n, dtype=torch.float64)
     a[k] = 1.0  # start at the best vertex
@@ -99,7 +104,7 @@ def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-10, max_iter: int = 1000) 
             multipliers = grad - mu
             multipliers[~fixed] = 0.0
             worst = int(torch.argmin(multipliers))
-            if not fixed.any() or float(multipliers[worst]) >= -tol * scale:
+            if not fixed.any() or float(multipliers[worst]) >= -tol:  # relative to max|P| (P scaled)
                 converged = True
                 break
             fixed[worst] = False
@@ -118,7 +123,7 @@ def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-10, max_iter: int = 1000) 
             fixed[blocking] = True
         a = a.clamp(min=0)
         a = a / a.sum()
-    return SimplexQPResult(a, float(a @ p @ a), iterations, converged)
+    return SimplexQPResult(a, float(a @ nearest_psd(original) @ a), iterations, converged)
 
 
 def kkt_residual(p: torch.Tensor, a: torch.Tensor) -> float:
