@@ -11,6 +11,17 @@ The run directory (``config.toml``, ``metrics.jsonl``, ``summary.json``, the che
 written by the ServerApp; each node keeps its client's state in ``WORKDIR/state/node_C`` so that
 ``--resume`` continues a stateful method exactly. Everything started is stopped at the end
 (also on Ctrl-C). See README.md next to this file for the same steps across machines.
+
+The run is checked first exactly as ``hetfl run`` checks it (configuration, run directory,
+memory, method against model, dataset and partition: the experiment is set up once here), so
+bad input exits 2 with ``hetfl run``'s one-line message before any process starts. While it runs
+the script prints what happens (SuperLink up, SuperNodes connected, one line per round as the
+ServerApp logs it); a failed run exits 1 naming its cause (the ServerApp's exception, a process
+that died, or the phase a timeout was waiting for).
+
+Every SuperNode is a Python process, and each message it gets starts another (a ClientApp that
+imports torch and loads the dataset): one node per client on one machine is for small
+federations (a handful of clients on a laptop; 30 nodes on 2 cores spend minutes starting).
 """
 
 from __future__ import annotations
@@ -23,8 +34,32 @@ import tempfile
 from pathlib import Path
 
 from hetfl import config as config_mod
-from hetfl.engine.experiment import CONFIG_NAME, SUMMARY_NAME
+from hetfl.config import RunConfig
+from hetfl.engine.experiment import CONFIG_NAME
 from hetfl.flower.deploy import LocalFederation, generate_tls, write_run_config
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def checked_config(args: argparse.Namespace, out: Path) -> RunConfig:
+    """The run's configuration, checked as ``hetfl run`` checks it before writing anything (the CLI's
+    and the engine's own checks: run directory free and writable, then the whole set-up of the
+    experiment, which refuses a method whose model lacks a part it needs, a dataset or partition
+    that does not fit, a plan that cannot fit in memory). Raises what ``hetfl run`` raises."""
+    from hetfl.cli import check_new_run_dir
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.rundir import check_unlocked
+
+    check_unlocked(out)
+    if args.resume:
+        cfg = config_mod.load(out / CONFIG_NAME)
+    else:
+        cfg = config_mod.load(args.config, [*args.set, "runtime.executor=flower", "runtime.progress=false"])
+        check_new_run_dir(out)
+    Experiment(cfg)  # the ServerApp sets the same experiment up; here its errors come before any process
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,34 +79,67 @@ def main(argv: list[str] | None = None) -> int:
                              "SuperLink and SuperNodes you started yourself), start nothing")
     args = parser.parse_args(argv)
     # SIGTERM (and SIGINT, which shells ignore in background jobs) end the run through the
-    # `with` below, which stops every process started
+    # `finally` of deploy(), which stops every process started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
     out = Path(args.out).resolve()
+    try:
+        if args.write_run_config:
+            return write_only(args, out)
+        cfg = checked_config(args, out)
+    except _user_errors() as err:
+        print(f"hetfl: error: {err}", file=sys.stderr)
+        return 2
+    return deploy(cfg, args, out)
+
+
+def write_only(args: argparse.Namespace, out: Path) -> int:
+    """``--write-run-config``: the overrides for a federation elsewhere, whose dataset need not be on
+    this machine, so only the configuration is checked here (the ServerApp sets the run up there)."""
     if args.resume:
         cfg = config_mod.load(out / CONFIG_NAME)
     else:
         cfg = config_mod.load(args.config, [*args.set, "runtime.executor=flower", "runtime.progress=false"])
-    if args.write_run_config:
-        write_run_config(args.write_run_config, config_mod.dumps(cfg), out, resume=args.resume)
-        print(f"wrote {args.write_run_config}: flwr run examples/flower/app SUPERLINK --run-config "
-              f"{args.write_run_config} --stream")
-        return 0
+    write_run_config(args.write_run_config, config_mod.dumps(cfg), out, resume=args.resume)
+    print(f"wrote {args.write_run_config}: flwr run examples/flower/app SUPERLINK --run-config "
+          f"{args.write_run_config} --stream")
+    return 0
+
+
+def deploy(cfg: RunConfig, args: argparse.Namespace, out: Path) -> int:
+    """Start the federation, run, report; everything started is stopped on the way out."""
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hetfl-flower-")).resolve()
     tls = None if args.insecure else generate_tls(workdir / "tls")
-    fed = LocalFederation(workdir, cfg.data.num_clients, tls=tls, data_root=args.data_root,
-                          state_dir=str(workdir / "state"))
-    with fed:
-        print(f"SuperLink on {fed.address} ({'TLS' if tls else 'insecure'}), {cfg.data.num_clients} SuperNodes; "
-              f"logs in {workdir}; running (flwr run --stream > {workdir / 'flwr-run.log'})", flush=True)
-        result = fed.submit(config_mod.dumps(cfg), out, resume=args.resume, timeout_s=args.timeout)
-    if result.returncode != 0 or not (out / SUMMARY_NAME).exists():
-        print(f"the run failed (flwr run exit code {result.returncode}); see {workdir}/*.log", file=sys.stderr)
+    n = cfg.data.num_clients
+    fed = LocalFederation(workdir, n, tls=tls, data_root=args.data_root, state_dir=str(workdir / "state"))
+    rounds = cfg.train.rounds
+    say(f"{cfg.algorithm.name} on {cfg.data.dataset}, {n} clients, {rounds} round{'s' * (rounds != 1)}; starting a "
+        f"SuperLink and {n} SuperNodes (logs, certificates and node state in {workdir})")
+    try:  # the finally stops what was started, also on Ctrl-C and SIGTERM (SystemExit) while starting
+        try:
+            fed.start()
+        except RuntimeError as err:  # the SuperLink did not start: its exit code and log
+            print(f"deploy: {err}", file=sys.stderr)
+            return 1
+        say(f"SuperLink up on {fed.address} ({'TLS' if tls else 'insecure, loopback only'}); "
+            f"{n} SuperNodes started, waiting for them to connect")
+        outcome = fed.run(config_mod.dumps(cfg), out, resume=args.resume, timeout_s=args.timeout, report=say)
+    finally:
+        fed.stop()
+    if not outcome.ok:
+        print(f"deploy: the run failed: {outcome.cause}\nlogs: {workdir} (flwr-run.log, superlink.log, "
+              "supernode-C.log)", file=sys.stderr)
         return 1
-    summary = json.loads((out / SUMMARY_NAME).read_text())
+    summary = outcome.summary or {}
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     print(f"run directory: {out}")
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What ``hetfl run`` exits 2 on (bad input), from the CLI itself."""
+    from hetfl.cli import _user_errors as cli_user_errors
+
+    return cli_user_errors()
 
 
 if __name__ == "__main__":

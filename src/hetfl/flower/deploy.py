@@ -12,6 +12,13 @@ machines run the same three commands by hand (see ``examples/flower/README.md``)
 
 Every process is started in its own session (process group) so that :meth:`Process.kill`
 also ends what it spawned (a SuperNode's SuperExec and ClientApp processes).
+
+:meth:`LocalFederation.run` is the watched form of :meth:`LocalFederation.submit`: it waits for
+the SuperNodes to connect, starts ``flwr run`` and follows ``WORKDIR/flwr-run.log`` as it grows,
+reporting the ServerApp's lines (one per round) as they come, and on failure says why: the
+ServerApp's exception (``flwr run --stream`` exits 0 when the ServerApp raised: Flower 1.41 only
+logs the traceback and "Exit Code: 201"), a SuperLink or SuperNode that died (exit code, last
+lines of its log), or the phase a timeout was waiting for.
 """
 
 from __future__ import annotations
@@ -19,12 +26,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import ipaddress
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,13 +211,103 @@ class Process:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(grace_s)
 
+    def exit_report(self, lines: int = 12) -> str:
+        """Why it is gone, for a person: its exit code (or signal) and the last lines of its log."""
+        return f"{self.name} (pid {self.popen.pid}) {exit_description(self.popen.poll())}\n" + \
+            log_tail(self.log, lines, f"last lines of {self.log}")
 
-def start(name: str, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
+
+def exit_description(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """A log line without its colour codes."""
+    return ANSI.sub("", text)
+
+
+def log_tail(path: Path, lines: int = 12, title: str = "") -> str:
+    """The last ``lines`` lines of a log file (colour codes removed), indented, under ``title``."""
+    try:
+        text = plain(path.read_text(errors="replace"))
+    except OSError as err:
+        return f"  ({path}: {err.strerror or err})"
+    tail = [x for x in text.splitlines() if x.strip()][-lines:] or ["(empty)"]
+    return (f"{title}:\n" if title else "") + "\n".join(f"  {x}" for x in tail)
+
+
+def start(name: str, args: list[str], workdir: Path, env: dict[str, str], *, append: bool = False) -> Process:
     log = workdir / f"{name}.log"
-    with open(log, "w") as out:
+    with open(log, "a" if append else "w") as out:
         popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                  start_new_session=True)
     return Process(name, popen, log)
+
+
+# what Flower 1.41 logs: a SuperNode once the SuperLink registered it; the ServerApp's exception
+NODE_CONNECTED = "SuperNode ID:"
+SERVERAPP_RAISED = "ServerApp raised an exception"
+LEVEL_LINE = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s+(?P<message>.*)$")
+FLOWER_EXIT_CODE = re.compile(r"Exit Code: (\d+)")
+
+
+class LogFollower:
+    """The complete lines a growing log file gained since the last call (a partial last line waits)."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path, self.start, self.offset, self.rest = path, offset, offset, b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *complete, self.rest = (self.rest + data).split(b"\n")
+        return [plain(x.decode(errors="replace")).rstrip() for x in complete]
+
+    def since_start(self) -> str:
+        """Everything the file gained since this follower was made (the current run's part of the log)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.start)
+                return fh.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def serverapp_error(log_text: str) -> str:
+    """The ServerApp's exception in a ``flwr run --stream`` log, as ``Type: message`` with the
+    traceback's last frames; "" if the log holds none. Flower prints "ServerApp raised an
+    exception", the traceback, then "Exit Code: 201" and exits 0 itself."""
+    lines = plain(log_text).splitlines()
+    starts = [i for i, x in enumerate(lines) if x.strip().startswith("Traceback (most recent call last)")]
+    if not starts:
+        return ""
+    block = lines[starts[-1]:]
+    end = next((i for i, x in enumerate(block[1:], 1) if x.strip() and not x.startswith((" ", "\t"))), None)
+    if end is None:
+        return "\n".join(block[-12:])
+    exception = [block[end]]
+    for x in block[end + 1:]:  # a message over several lines, up to the next log line
+        if not x.strip() or LEVEL_LINE.match(x) or FLOWER_EXIT_CODE.search(x):
+            break
+        exception.append(x)
+    frames = [x for x in block[1:end] if x.strip().startswith("File ")][-3:]
+    where = "".join(f"\n  {x.strip()}" for x in frames)
+    code = next((m.group(1) for x in block[end:] if (m := FLOWER_EXIT_CODE.search(x))), None)
+    flower = f" (Flower exit code {code})" if code else ""
+    return "\n".join(exception) + flower + (f"\n  where:{where}" if where else "")
 
 
 @dataclass
@@ -238,8 +339,10 @@ class LocalFederation:
                                self.workdir, flower_env(self.workdir / "home-superlink"))
         if not wait_for(lambda: port_open(self.superlink_port) or not self.superlink.alive, 120, poll_s=0.2) \
                 or not self.superlink.alive:
+            why = (self.superlink.exit_report() if not self.superlink.alive else
+                   f"port {self.superlink_port} not open after 120 s\n" + log_tail(self.superlink.log))
             self.stop()
-            raise RuntimeError(f"the SuperLink did not start; see {self.superlink.log}")
+            raise RuntimeError(f"the SuperLink did not start: {why}")
         for c in range(self.num_nodes):
             self.nodes.append(self.start_node(c))
         return self
@@ -278,6 +381,113 @@ class LocalFederation:
                                   stdout=out, stderr=subprocess.STDOUT, env=self.cli_env(), cwd=self.workdir,
                                   timeout=timeout_s, check=False)
 
+    def launch(self, config_text: str, run_dir: str | Path, *, resume: bool = False,
+               poll_s: float = 0.5) -> Process:
+        """Start ``flwr run`` the hetfl app with this config, without waiting: its output goes to
+        ``WORKDIR/flwr-run.log`` (appended to), its process group is ended by :meth:`Process.stop`."""
+        app = write_app(self.workdir / "app")
+        overrides = write_run_config(self.workdir / "run-config.toml", config_text, run_dir, resume=resume,
+                                     poll_s=poll_s)
+        return start("flwr-run", [_bin("flwr"), "run", str(app), "hetfl", "--run-config", str(overrides), "--stream"],
+                     self.workdir, self.cli_env(), append=True)
+
+    def connected(self) -> list[Process]:
+        """The SuperNodes the SuperLink has registered, as far as their logs say (``SuperNode ID:``)."""
+        return [p for p in self.nodes if _log_has(p.log, NODE_CONNECTED)]
+
+    def wait_connected(self, timeout_s: float, report: Callable[[str], None] = print) -> str:
+        """Wait until every SuperNode is registered, reporting each new count; "" when they are, else
+        why not (a SuperLink or SuperNode that died: its exit code and log; a timeout: who is missing)."""
+        deadline, shown = time.monotonic() + timeout_s, -1
+        while True:
+            up = self.connected()
+            if len(up) != shown:
+                shown = len(up)
+                report(f"SuperNodes connected: {shown}/{len(self.nodes)}")
+            if shown == len(self.nodes):
+                return ""
+            if self.superlink is not None and not self.superlink.alive:
+                return f"the SuperLink died while the SuperNodes were connecting: {self.superlink.exit_report()}"
+            dead = [p for p in self.nodes if not p.alive]
+            if dead:
+                return "a SuperNode died before connecting: " + "\n".join(p.exit_report() for p in dead)
+            if time.monotonic() > deadline:
+                missing = [p for p in self.nodes if p not in up]
+                return (f"timed out after {timeout_s:g} s waiting for the SuperNodes to connect ({shown}/"
+                        f"{len(self.nodes)} connected; still waiting for {', '.join(p.name for p in missing)})\n"
+                        + "\n".join(log_tail(p.log, 5, f"last lines of {p.log}") for p in missing[:3]))
+            time.sleep(0.2)
+
+    def run(self, config_text: str, run_dir: str | Path, *, resume: bool = False, timeout_s: float = 3600.0,
+            poll_s: float = 0.5, report: Callable[[str], None] = print) -> RunOutcome:
+        """Run the hetfl app on this federation and watch it: wait for the SuperNodes to connect,
+        ``flwr run`` (:meth:`launch`), then follow ``flwr-run.log`` as it grows, passing what happens
+        to ``report`` as one line each (the ServerApp's start, one line per round, client failures,
+        SuperNodes that died) until ``flwr run`` ends or ``timeout_s`` (all phases together) passes.
+
+        The log, not ``metrics.jsonl``, is followed: it carries the rounds (the ServerApp logs each
+        round's ``metrics.jsonl`` line) and also what happens before round 1 and what goes wrong,
+        which ``metrics.jsonl`` cannot show. A run succeeds when ``flwr run`` exits 0 and the run
+        wrote ``summary.json``; otherwise :attr:`RunOutcome.cause` says why (:meth:`failure_cause`)."""
+        deadline = time.monotonic() + timeout_s
+        failure = self.wait_connected(timeout_s, report)
+        if failure:
+            return RunOutcome(False, failure)
+        summary_path = Path(run_dir) / "summary.json"
+        before = _mtime(summary_path)
+        log = self.workdir / "flwr-run.log"
+        follower = LogFollower(log, log.stat().st_size if log.exists() else 0)
+        watch = RunWatch(report, _rounds(config_text))
+        flwr = self.launch(config_text, run_dir, resume=resume, poll_s=poll_s)
+        report(f"run submitted: flwr run --stream > {log}")
+        try:
+            failure = self._follow(flwr, follower, watch, deadline, timeout_s)
+        finally:
+            flwr.stop()
+        for line in follower.new_lines():  # what came between the last poll and the end
+            watch.feed(line)
+        # a resumed run that had finished logs "finished" and leaves summary.json as it was
+        fresh = _mtime(summary_path) not in (None, before) or (watch.finished and summary_path.exists())
+        if not failure and flwr.popen.returncode == 0 and fresh and not watch.raised:
+            return RunOutcome(True, "", 0, json.loads(summary_path.read_text()))
+        cause = failure or self.failure_cause(flwr.popen.returncode, follower.since_start(), summary_path)
+        return RunOutcome(False, cause, flwr.popen.returncode)
+
+    def _follow(self, flwr: Process, follower: LogFollower, watch: RunWatch, deadline: float, timeout_s: float) -> str:
+        """Feed the log's new lines to ``watch`` until ``flwr run`` exits: "" then, or why it was stopped."""
+        dead_nodes: set[str] = set()
+        while flwr.alive:
+            for line in follower.new_lines():
+                watch.feed(line)
+            if self.superlink is not None and not self.superlink.alive:
+                return f"the SuperLink died during the run: {self.superlink.exit_report()}"
+            for node in self.nodes:
+                if not node.alive and node.name not in dead_nodes:  # the run may go on without it
+                    dead_nodes.add(node.name)
+                    watch.report(f"warning: {node.exit_report().splitlines()[0]}; its client counts as failed "
+                                 f"when asked (see {node.log})")
+            if time.monotonic() > deadline:
+                return (f"timed out after {timeout_s:g} s (--timeout) waiting for {watch.phase}\n"
+                        + log_tail(follower.path, 10, f"last lines of {follower.path}"))
+            time.sleep(0.2)
+        return ""
+
+    def failure_cause(self, returncode: int | None, log_text: str, summary_path: Path) -> str:
+        """Why a run that ended did not succeed, from its part of ``flwr-run.log`` and the processes:
+        the ServerApp's exception, else ``flwr run``'s own failure, else a run that ended without a
+        summary; with the exit codes and last log lines of SuperNodes or the SuperLink that died."""
+        error = serverapp_error(log_text)
+        tail = "\n".join(f"  {x}" for x in [x for x in plain(log_text).splitlines() if x.strip()][-12:])
+        if error:
+            cause = f"the ServerApp failed: {error}"
+        elif returncode:
+            cause = f"flwr run {exit_description(returncode)}; last lines of its log:\n{tail}"
+        else:
+            cause = (f"flwr run ended (exit code {returncode}) but the run wrote no {summary_path}; "
+                     f"last lines of its log:\n{tail}")
+        gone = [p for p in [*([self.superlink] if self.superlink else []), *self.nodes] if not p.alive]
+        return cause + "".join(f"\n{p.exit_report(6)}" for p in gone)
+
     def stop(self) -> None:
         for process in [*self.nodes, *([self.superlink] if self.superlink else [])]:
             process.stop()
@@ -287,6 +497,99 @@ class LocalFederation:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class RunOutcome:
+    """How :meth:`LocalFederation.run` ended: ``ok`` with the run's ``summary.json``, or ``cause``
+    (for a person: the ServerApp's exception, a process that died, the phase a timeout waited for)."""
+
+    ok: bool
+    cause: str = ""
+    returncode: int | None = None  # flwr run's (None: it was not started)
+    summary: dict[str, Any] | None = None
+
+
+class RunWatch:
+    """Turns ``flwr run --stream`` log lines into progress lines for a person, and keeps the phase
+    the run is in (what a timeout was waiting for)."""
+
+    def __init__(self, report: Callable[[str], None], rounds: int | None = None) -> None:
+        self.report, self.rounds = report, rounds
+        self.phase = "the SuperLink to accept the run (flwr run)"
+        self.raised = False  # the ServerApp raised (flwr run still exits 0)
+        self.finished = False  # the ServerApp logged its summary
+
+    def feed(self, line: str) -> None:
+        if line.startswith("Successfully started run"):
+            self.report(f"SuperLink: {line.removeprefix('Successfully ')}; starting the ServerApp")
+            self.phase = "the ServerApp to start (it loads the dataset and builds the model)"
+            return
+        # Flower's own lines carry a level ("ERROR :  ..."); the ServerApp's hetfl lines come bare
+        match = LEVEL_LINE.match(line.strip())
+        message = match.group("message") if match else line.strip()
+        if match and match.group("level") == "ERROR" and SERVERAPP_RAISED in message:
+            self.raised = True
+            self.report("ServerApp raised an exception (the run stops; the cause follows when flwr run ends)")
+        elif message.startswith("hetfl on Flower:"):
+            self.report(f"ServerApp: {message.removeprefix('hetfl on Flower: ')}; greeting the nodes")
+            self.phase = self._round_phase(1)
+        elif message.startswith("hetfl: finished, "):
+            self.report("ServerApp finished; the summary follows when flwr run ends")
+            self.finished = True
+            self.phase = "flwr run to end after the ServerApp finished"
+        elif message.startswith("hetfl: {"):
+            self._round(message.removeprefix("hetfl: "))
+        elif message.startswith(("hetfl: ", "flower: ")):
+            self.report(f"ServerApp: {message.split(': ', 1)[1]}")
+        elif match and match.group("level") == "ERROR" and not FLOWER_EXIT_CODE.search(message):
+            self.report(f"Flower: {message}")
+
+    def _round(self, text: str) -> None:
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            self.report(f"ServerApp: {text}")
+            return
+        r = int(line.get("round", 0))
+        parts = [f"round {r}" + (f"/{self.rounds}" if self.rounds else "")]
+        if "train_loss" in line:
+            parts.append(f"loss {line['train_loss']:.4f}")
+        for key, name in (("global_acc", "global acc"), ("client_acc_mean", "client acc")):
+            if key in line:
+                parts.append(f"{name} {100 * line[key]:.2f}%")
+        if line.get("failed_clients"):
+            parts.append(f"failed clients {line['failed_clients']}")
+        if "round_time_s" in line:
+            parts.append(f"{line['round_time_s']:.1f} s")
+        self.report(f"{parts[0]}: {', '.join(parts[1:])}")
+        self.phase = self._round_phase(r + 1)
+
+    def _round_phase(self, r: int) -> str:
+        if self.rounds and r > self.rounds:
+            return "the run to finish (summary, checkpoint)"
+        return f"round {r}" + (f" of {self.rounds}" if self.rounds else "") + " (the ServerApp's next log line)"
+
+
+def _rounds(config_text: str) -> int | None:
+    try:
+        return int(tomllib.loads(config_text)["train"]["rounds"])
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _log_has(path: Path, text: str) -> bool:
+    try:
+        return text in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def wait_for(predicate: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
