@@ -9,7 +9,8 @@ per mutant whether a test failed (killed) or not (survived). Results go to
 ``benchmarks/results/mutation/``: ``summary.json``, ``mutation.md`` (kill rate
 per file) and ``<target>.survivors.txt`` (the diff of every surviving mutant,
 to be killed by a new test or explained as equivalent in
-``benchmarks/results/mutation/equivalent.md``).
+``benchmarks/results/mutation/<target>.equivalent.md``; the table counts
+the survivors explained there and those left unexplained).
 
 Not part of the test suite (minutes per file). One command, from the
 repository root, after ``pip install -e ".[test,mutation]"``::
@@ -25,6 +26,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -55,7 +57,7 @@ E2E_CCVR = ("--deselect", "tests/test_ccvr.py::test_ccvr_composes_and_raises_acc
 TARGETS = (
     # the four seed methods
     Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/test_feduv.py",)),
-    Target("fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/test_fedbr.py",)),
+    Target("fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/test_fedbr.py", "tests/test_fedbr_mutants.py")),
     Target("fedpac", "src/hetfl/algorithms/fedpac.py", ("tests/test_fedpac.py",)),
     Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py", ("tests/test_simplex_qp.py", "tests/test_fedpac.py")),
     Target("ccvr", "src/hetfl/algorithms/ccvr.py", ("tests/test_ccvr_math.py", "tests/test_ccvr.py"), E2E_CCVR),
@@ -121,6 +123,9 @@ def run_target(target: Target, workdir: Path, children: int) -> dict:
 def collect_target(target: Target, workdir: Path, seconds: float | None = None) -> dict:
     """The statuses of a target's mutants from mutmut's files in ``workdir`` (a run finished there)."""
     meta_path = workdir / "mutants" / (target.source + ".meta")
+    if not meta_path.exists():
+        raise SystemExit(f"--collect-only: no finished mutmut run of {target.name} in {workdir} "
+                         f"({meta_path.name} missing); run it without --collect-only first")
     codes = json.loads(meta_path.read_text())["exit_code_by_key"]
     statuses = {key: STATUS.get(code, "suspicious") for key, code in codes.items()}
     survivors = sorted(k for k, s in statuses.items() if s == "survived")
@@ -140,8 +145,21 @@ def collect_target(target: Target, workdir: Path, seconds: float | None = None) 
             "seconds": None if seconds is None else round(seconds, 1)}
 
 
+def listed_equivalents(name: str) -> set[str]:
+    """Mutant names explained as equivalent in ``<name>.equivalent.md`` (each a backticked name on a list line)."""
+    path = RESULTS / f"{name}.equivalent.md"
+    if not path.exists():
+        return set()
+    return set(re.findall(r"^- `([^`]+__mutmut_\d+)`", path.read_text(), flags=re.MULTILINE))
+
+
 def write_results(results: dict[str, dict]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    for r in results.values():
+        listed = listed_equivalents(r["target"])
+        r["equivalent"] = sorted(listed & set(r["survivors"]))
+        r["unexplained"] = sorted(set(r["survivors"]) - listed)
+        r["listed_not_surviving"] = sorted(listed - set(r["survivors"]))
     for name, r in results.items():
         text = f"# surviving mutants of {r['source']} (tests: {', '.join(r['tests'])})\n\n"
         (RESULTS / f"{name}.survivors.txt").write_text(text + "\n\n".join(r["diffs"]) + "\n")
@@ -153,16 +171,21 @@ def write_results(results: dict[str, dict]) -> None:
              f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}). A mutant is killed when one "
              "of the target's tests fails on it. Survivors are listed, with their diffs, in "
              "`<target>.survivors.txt`; those judged equivalent (no test can tell them apart) are explained "
-             "in `equivalent.md`.", "",
-             "| file | tests | mutants | killed | survived | other | kill rate | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "in `<target>.equivalent.md`; 'unexplained' survivors are neither killed nor explained.", "",
+             "| file | tests | mutants | killed | survived | equivalent | unexplained | other | kill rate | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary.values():
         c = r["counts"]
         other = r["mutants"] - c.get("killed", 0) - c.get("survived", 0)
         rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
         secs = "-" if r["seconds"] is None else r["seconds"]
         lines.append(f"| `{r['source']}` | {', '.join(f'`{t}`' for t in r['tests'])} | {r['mutants']} | "
-                     f"{c.get('killed', 0)} | {c.get('survived', 0)} | {other} | {rate} | {secs} |")
+                     f"{c.get('killed', 0)} | {c.get('survived', 0)} | {len(r['equivalent'])} | "
+                     f"{len(r['unexplained'])} | {other} | {rate} | {secs} |")
+    stale = {n: r["listed_not_surviving"] for n, r in summary.items() if r["listed_not_surviving"]}
+    if stale:
+        lines += ["", "Listed as equivalent but no longer surviving (killed since, or renamed): "
+                  + "; ".join(f"{n}: {', '.join(v)}" for n, v in stale.items())]
     (RESULTS / "mutation.md").write_text("\n".join(lines) + "\n")
 
 

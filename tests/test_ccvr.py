@@ -11,6 +11,7 @@ import torch
 from hetfl import config
 from hetfl.algorithms import build_posthoc, hyperparameters
 from hetfl.algorithms.base import FEATURE_BETA, ServerState, relu_tukey
+from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
 from tests.helpers import initial_state, needs_shared_data, tiny_setup
@@ -63,6 +64,127 @@ def test_calibration_replaces_only_the_classifier_and_records_the_transform():
         assert torch.allclose(setup.model.logits(new.model, x), expected.detach(), atol=1e-6)
     (plain,) = build_posthoc("fedavg+ccvr", {"ccvr": {"transform": "none", "epochs": 1}}, setup)
     assert FEATURE_BETA not in plain.apply(server, replies, 1)[0].model
+
+
+
+def _skewed_replies(step, server, classes_by_client):
+    """Client k holds 6 samples of each class in ``classes_by_client[k]`` (8-d features)."""
+    gen = torch.Generator().manual_seed(4)
+    replies = {}
+    for k, classes in enumerate(classes_by_client):
+        labels = torch.tensor(classes).repeat_interleave(6)
+        replies[k] = step.client_query(server.model, torch.randn(len(labels), 8, generator=gen) + k, labels)
+    return replies
+
+
+def test_apply_reports_the_mean_number_of_floats_a_client_uploads():
+    """Per class held: its index, count, mean (d = 8) and covariance (8 x 8): 74 floats. Clients with 3 and
+    1 classes upload 222 and 74 floats: 148 per client on average; one client alone: its own 222."""
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 5, "epochs": 1}}, setup)
+    server = ServerState(initial_state(setup))
+    replies = _skewed_replies(step, server, [[0, 1, 2], [1]])
+    assert sum(t.numel() for t in replies[0].values()) == 3 * (1 + 1 + 8 + 64)
+    _, info = step.apply(server, replies, round_=1)
+    assert info["ccvr_floats_per_client"] == pytest.approx((222 + 74) / 2)
+    _, info = step.apply(server, {0: replies[0]}, round_=1)
+    assert info["ccvr_floats_per_client"] == pytest.approx(222)
+
+
+def test_apply_keeps_the_trainers_server_state():
+    """Calibration replaces the classifier only: the trainer's own server tensors (``extra``: server momentum,
+    control variates, ...) go on unchanged to the next round (every_round calibration)."""
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 5, "epochs": 1}}, setup)
+    extra = {"momentum": torch.arange(3.0)}
+    server = ServerState(initial_state(setup), extra=extra)
+    new, _ = step.apply(server, _skewed_replies(step, server, [[0, 1], [2]]), round_=1)
+    assert set(new.extra) == {"momentum"} and torch.equal(new.extra["momentum"], extra["momentum"])
+
+
+def test_recalibration_without_transform_drops_an_earlier_feature_transform():
+    """A model calibrated before with ReLU + Tukey (every_round) and re-calibrated with transform = none: the
+    new classifier is trained on raw features, so inference must not transform them any more."""
+    setup = tiny_setup()
+    (tukey,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 5, "epochs": 1}}, setup)
+    (plain,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 5, "epochs": 1, "transform": "none"}}, setup)
+    server = ServerState(initial_state(setup))
+    replies = _skewed_replies(tukey, server, [[0, 1], [1, 2]])
+    calibrated, _ = tukey.apply(server, replies, round_=1)
+    assert FEATURE_BETA in calibrated.model
+    again, _ = plain.apply(calibrated, replies, round_=2)
+    assert FEATURE_BETA not in again.model
+    x = torch.randn(5, 4)
+    expected = setup.model.module.features(x) @ again.model["classifier.weight"].T + again.model["classifier.bias"]
+    with torch.no_grad():
+        torch.testing.assert_close(setup.model.logits(again.model, x), expected.detach())
+
+
+def _oracle_replies(step, server):
+    """Three clients, 40 real features per class in all (30 of class k at client k, 10 of class k + 1)."""
+    gen = torch.Generator().manual_seed(1)
+    return {k: step.client_query(server.model, torch.randn(40, 8, generator=gen) + k,
+                                 torch.tensor([k] * 30 + [(k + 1) % 3] * 10)) for k in range(3)}
+
+
+def test_oracle_all_keeps_every_real_feature_whatever_oracle_per_class():
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"oracle": "all", "oracle_per_class": 5}}, setup)
+    feats, labels = step.real_features(_oracle_replies(step, ServerState(initial_state(setup))),
+                                       torch.Generator().manual_seed(0))
+    assert [len(f) for f in feats] == [40, 40, 40] and [len(y) for y in labels] == [40, 40, 40]
+
+
+def test_oracle_per_class_with_k_at_least_the_class_size_is_the_all_oracle():
+    """k >= N_c leaves nothing to draw: every real feature in its order, the stream untouched, so the
+    calibrated classifier equals the 'all' oracle's (k = N_c = 40 and k = 1000)."""
+    setup = tiny_setup()
+    server = ServerState(initial_state(setup))
+    common = {"epochs": 2, "lr": 0.05, "transform": "none"}
+    (everything,) = build_posthoc("fedavg+ccvr", {"ccvr": {**common, "oracle": "all"}}, setup)
+    want, _ = everything.apply(server, _oracle_replies(everything, server), round_=3)
+    for k in (40, 1000):
+        (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {**common, "oracle": "per_class", "oracle_per_class": k}},
+                                setup)
+        got, info = step.apply(server, _oracle_replies(step, server), round_=3)
+        assert info["ccvr_virtual_features"] == 120
+        torch.testing.assert_close(got.model["classifier.weight"], want.model["classifier.weight"])
+        torch.testing.assert_close(got.model["classifier.bias"], want.model["classifier.bias"])
+
+
+def test_oracle_per_class_draws_from_the_given_stream_only():
+    """The k real features per class come from the step's generator: the same generator seed gives the same
+    features whatever the global torch seed (reproducible runs), another seed other features."""
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"oracle": "per_class", "oracle_per_class": 7}}, setup)
+    replies = _oracle_replies(step, ServerState(initial_state(setup)))
+    drawn = []
+    with torch.random.fork_rng(devices=[]):
+        for global_seed, seed in ((0, 5), (1, 5), (0, 6)):
+            torch.manual_seed(global_seed)
+            feats, _ = step.real_features(replies, torch.Generator().manual_seed(seed))
+            assert [len(f) for f in feats] == [7, 7, 7]
+            drawn.append(torch.cat(feats))
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+
+
+def test_apply_oracle_per_class_is_drawn_and_trained_on_the_steps_stream():
+    """apply with the per-class oracle = the k features per class drawn from the step's stream of the round,
+    then re-training on the same stream (independent of the global torch seed)."""
+    setup = tiny_setup()
+    hp = {"oracle": "per_class", "oracle_per_class": 7, "epochs": 2, "lr": 0.05, "transform": "none"}
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": hp}, setup)
+    server = ServerState(initial_state(setup))
+    replies = _oracle_replies(step, server)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)
+        new, _ = step.apply(server, replies, round_=2)
+    own = stream(setup, 2, "ccvr")
+    feats, labels = step.real_features(replies, own)
+    w, b = retrain_classifier(server.model["classifier.weight"], server.model["classifier.bias"], torch.cat(feats),
+                              torch.cat(labels), ClassifierTraining(2, 0.05, 0.9, 1e-5, 64), own)
+    torch.testing.assert_close(new.model["classifier.weight"], w)
+    torch.testing.assert_close(new.model["classifier.bias"], b)
 
 
 @needs_shared_data

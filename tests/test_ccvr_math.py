@@ -54,6 +54,17 @@ def test_virtual_counts_fixed_and_proportional():
     assert virtual_counts(stats, 5, proportional=True).tolist() == [15, 5, 0, 0]
 
 
+def test_virtual_counts_are_integer_sizes_from_two_samples_on():
+    """N_c = 2 is the smallest class with a covariance (eq. 2): it gets its M_c; N_c = 1 and 0 get none. The
+    counts are integers usable as sizes (here: the labels of the virtual features)."""
+    stats = ClassStats(torch.tensor([2.0, 1.0, 0.0, 3.0], dtype=F64), torch.zeros(4, 2, dtype=F64),
+                       torch.zeros(4, 2, 2, dtype=F64))
+    for proportional, want in ((False, [4, 0, 0, 4]), (True, [5, 0, 0, 8])):  # round(4 * 4 * N_c / 6)
+        m = virtual_counts(stats, 4, proportional)
+        assert m.tolist() == want
+        assert torch.arange(4).repeat_interleave(m).tolist() == [c for c in range(4) for _ in range(want[c])]
+
+
 def _replies(step, server, feats_by_client, labels_by_client):
     return {k: step.client_query(server.model, f, y) for k, (f, y) in
             enumerate(zip(feats_by_client, labels_by_client, strict=True))}
@@ -76,6 +87,38 @@ def test_virtual_features_follow_the_pooled_gaussians():
         scale = zc.std(0).max().item()
         torch.testing.assert_close(v.mean(0), zc.mean(0), atol=0.05 * scale, rtol=0)
         torch.testing.assert_close(torch.cov(v.T), torch.cov(zc.T), atol=0.08 * scale**2, rtol=0)
+
+
+def test_a_class_held_by_single_samples_is_uploaded_and_calibrated():
+    """A client uploads every class it holds, a single sample too (count 1, the sample as mean, zero
+    covariance): class 2, one sample at each of two clients, pools to N_2 = 2 and gets its virtual features."""
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 4, "epochs": 1}}, setup)
+    server = ServerState(initial_state(setup))
+    gen = torch.Generator().manual_seed(6)
+    feats = [torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)]
+    labels = [torch.tensor([0, 0, 0, 2]), torch.tensor([1, 1, 1, 2])]
+    replies = _replies(step, server, feats, labels)
+    assert replies[0]["classes"].tolist() == [0, 2] and replies[0]["counts"].tolist() == [3.0, 1.0]
+    torch.testing.assert_close(replies[0]["means"][1], feats[0][3].double())
+    assert torch.count_nonzero(replies[0]["covs"][1]) == 0
+    _, info = step.apply(server, replies, round_=1)
+    assert info["ccvr_virtual_features"] == 12 and info["ccvr_classes_without_virtual"] == 0
+
+
+def test_virtual_features_per_class_counts_fixed_proportional_and_one():
+    """M_c reaches the drawing: proportional = round(M * C * N_c / N) per class; M = 1 draws one feature."""
+    setup = tiny_setup()
+    server = ServerState(initial_state(setup))
+    gen = torch.Generator().manual_seed(5)
+    feats = [torch.randn(20, 8, generator=gen), torch.randn(10, 8, generator=gen)]
+    labels = [torch.tensor([0] * 12 + [1] * 8), torch.tensor([1] * 2 + [2] * 8)]  # N_c = 12, 10, 8; N = 30
+    for hp, want in (({"num_virtual": 10, "proportional": True}, [12, 10, 8]), ({"num_virtual": 1}, [1, 1, 1])):
+        (step,) = build_posthoc("fedavg+ccvr", {"ccvr": hp}, setup)
+        virtual, virtual_labels = step.virtual_features(_replies(step, server, feats, labels), 8,
+                                                        torch.Generator().manual_seed(0))
+        assert [len(v) for v in virtual] == want
+        assert [lab.tolist() for lab in virtual_labels] == [[c] * n for c, n in enumerate(want)]
 
 
 def test_apply_is_algorithm_1_composed_of_its_parts():

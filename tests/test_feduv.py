@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from hetfl.algorithms import build_algorithm
 from hetfl.algorithms.base import Batch, ClientContext
-from hetfl.algorithms.feduv import identity_std, pair_sq_distances, uniformity_loss, variance_loss
+from hetfl.algorithms.feduv import (
+    column_std,
+    identity_std,
+    median_bandwidth,
+    pair_sq_distances,
+    uniformity_loss,
+    variance_loss,
+)
 from hetfl.params import ConfigError
 from tests.helpers import tiny_setup
 
@@ -225,3 +233,29 @@ def test_feduv_loss_is_ce_plus_weighted_terms_on_logits_and_features(options):
     want = torch.autograd.grad(expected, weights, allow_unused=True)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_column_std_default_is_the_plain_unbiased_std():
+    """``column_std(p)`` without eps: torch's std with ddof 1 per column (eq. 3), no eps added."""
+    probs = torch.tensor([[0.5, 0.5], [0.75, 0.25], [0.2, 0.8]], dtype=torch.float64)
+    torch.testing.assert_close(column_std(probs), probs.std(dim=0, correction=1), rtol=1e-15, atol=0)
+
+
+def test_median_bandwidth_default_lets_the_gradient_reach_the_median_distance():
+    """By default σ keeps its graph (the authors' code): ∂σ/∂sq is 1 at the (lower) median entry, 0 elsewhere;
+    ``sigma_grad=False`` detaches it."""
+    sq = torch.tensor([4.0, 1.0, 9.0, 0.0, 16.0], requires_grad=True)  # non-zero: 1, 4, 9, 16; lower median 4
+    sigma = median_bandwidth(sq)
+    assert sigma.item() == 4.0
+    sigma.backward()
+    torch.testing.assert_close(sq.grad, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert not median_bandwidth(sq, sigma_grad=False).requires_grad
+
+
+def test_regularisers_emit_no_warnings():
+    """The terms run every step: no (deprecation) warning may flood the training log."""
+    logits, features = golden_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (variance_loss(logits) + variance_loss(logits, eps=1e-3)).backward()
+        uniformity_loss(features, normalize=True).backward()
