@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetfl.data.base import Dataset, DatasetInfo, Split
+from hetfl.data.base import Dataset, DatasetError, DatasetInfo, Split
 
 Norm = tuple[tuple[float, ...], tuple[float, ...]]
 
@@ -38,6 +38,16 @@ class Context:
     download: bool
     cache_dir: Path
     seed: int
+
+
+def choose_domains(domains: Sequence[str], available: Sequence[str], source: object) -> tuple[str, ...]:
+    """The domains ``data.options.domains`` asks for, in that order (all of ``available`` when empty);
+    a DatasetError naming the option, the missing ones, ``source`` and what is available otherwise."""
+    missing = [d for d in domains if d not in available]
+    if missing:
+        raise DatasetError(f"data.options.domains = {list(domains)}: {missing} not in {source}; "
+                           f"available: {list(available)}")
+    return tuple(domains) or tuple(available)
 
 
 def split(x: np.ndarray, y: np.ndarray, group: np.ndarray | None = None) -> Split:

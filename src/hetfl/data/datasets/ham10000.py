@@ -55,7 +55,7 @@ import numpy as np
 from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets import decode, tree
 from hetfl.data.datasets.cache import cached, fingerprint
-from hetfl.data.datasets.common import Context, image_dataset
+from hetfl.data.datasets.common import Context, choose_domains, image_dataset
 from hetfl.data.datasets.imagefolder import is_image
 from hetfl.data.datasets.paths import check_source, present, read_file
 from hetfl.engine.rng import numpy_generator
@@ -214,11 +214,7 @@ def load_ham10000(ctx: Context, image_size: int, test_fraction: float, split_by:
     key = {"dataset": "ham10000", "format": FORMAT, "image_size": size, "source": fingerprint([metadata.parent])}
     arrays = dict(cached(ctx.cache_dir, key, lambda: decode_ham10000(metadata, size, ctx.root)))
     available = tuple(str(d) for d in arrays["domains"])
-    missing = [d for d in domains if d not in available]
-    if missing:
-        raise DatasetError(f"data.options.domains = {list(domains)}: {missing} not in {metadata}; "
-                           f"available: {list(available)}")
-    chosen = tuple(domains) or available
+    chosen = choose_domains(domains, available, metadata)
     keep = np.isin(arrays["g"], [available.index(d) for d in chosen])
     index = np.flatnonzero(keep)
     y, lesion = arrays["y"][index], arrays["lesion"][index]

@@ -31,7 +31,7 @@ import numpy as np
 from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets import decode, tree
 from hetfl.data.datasets.cache import cached, fingerprint
-from hetfl.data.datasets.common import Context, Norm, image_dataset
+from hetfl.data.datasets.common import Context, Norm, choose_domains, image_dataset
 from hetfl.data.datasets.paths import check_source, link_target, list_folder  # noqa: F401 (shared, re-exported)
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -206,11 +206,7 @@ def load_imagefolder(ctx: Context, layout: str, domains: Sequence[str], image_si
                                "(train/test), not domains; remove the option")
         return image_dataset(ctx.name, arrays, classes, norm, notes=notes)
     available = tuple(str(d) for d in arrays["domains"])
-    missing = [d for d in domains if d not in available]
-    if missing:
-        raise DatasetError(f"data.options.domains = {list(domains)}: {missing} not in {source}; "
-                           f"available: {list(available)}")
-    chosen = tuple(domains) or available
+    chosen = choose_domains(domains, available, source)
     meta = DOMAIN_DATASETS.get(ctx.name)
     if meta is not None and (set(available) != set(meta.domains) or len(classes) != meta.num_classes):
         notes.append(f"{ctx.name}: expected domains {list(meta.domains)} and {meta.num_classes} classes, found "
