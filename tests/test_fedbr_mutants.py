@@ -40,8 +40,8 @@ from hetfl.algorithms.pseudo_data import draw_plan, plan_means
 from hetfl.config import TrainConfig
 from hetfl.engine.experiment import Experiment, lr_at
 from hetfl.engine.local import train_client
-from hetfl.engine.rng import method_generator
 from hetfl.params import ConfigError
+from hetfl.rng import method_generator
 from tests.helpers import initial_state, one_thread, perturbed  # noqa: F401
 from tests.test_fedbr import client_context, data_batch, fake_proxy, make, ready, set_up, sized_setup
 

@@ -22,7 +22,7 @@ from hetfl.algorithms.fedrod import log_class_prior
 from hetfl.algorithms.knnper import interpolated_log_probs, knn_probabilities
 from hetfl.engine.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hetfl.engine.local import sgd_step
-from hetfl.engine.optim import sgd_init
+from hetfl.optim import sgd_init
 from hetfl.params import ConfigError
 from tests.helpers import context, initial_state, perturbed, tiny_setup
 

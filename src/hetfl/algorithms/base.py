@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from hetfl.engine.optim import SGDConfig
+from hetfl.optim import SGDConfig
 from hetfl.params import ConfigError
 
 Tensors = dict[str, torch.Tensor]

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Tensors
-from hetfl.engine.rng import method_generator
 from hetfl.params import setting
+from hetfl.rng import method_generator
 
 HEAD = "dann.head/"
 DOMAIN = "dann.domain"  # extras: this client's domain label (a 0-d int64 tensor)

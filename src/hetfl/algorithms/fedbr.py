@@ -119,8 +119,8 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.fedmix import soft_cross_entropy
 from hetfl.algorithms.mixup import LAM, PERM, mix_inputs, mixup_cross_entropy, mixup_draws
 from hetfl.algorithms.pseudo_data import Slot, assemble, draw_plan, plan_means, proxy_means
-from hetfl.engine.rng import method_generator
 from hetfl.params import ConfigError, setting
+from hetfl.rng import method_generator
 
 HEAD = "fedbr.head/"
 PSEUDO, PSEUDO_Q, GLOBAL_FEATURES = "fedbr.pseudo", "fedbr.pseudo_q", "fedbr.global_features"

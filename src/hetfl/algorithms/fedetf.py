@@ -62,8 +62,8 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload
 from hetfl.algorithms.logit_adjust import client_counts
-from hetfl.engine.rng import method_generator
 from hetfl.params import setting
+from hetfl.rng import method_generator
 
 ETF, PROJ_W, PROJ_B, BETA = "fedetf.etf", "fedetf.proj.weight", "fedetf.proj.bias", "fedetf.beta"
 LOG_COUNTS = "fedetf.log_counts"  # extras: log of the client's class counts (absent classes: log 1)

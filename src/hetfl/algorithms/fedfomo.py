@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ModelCaller, ServerState, Tensors, Upload
-from hetfl.engine.rng import torch_generator
 from hetfl.params import setting
+from hetfl.rng import torch_generator
 
 OWN = "fedfomo.model/"  # client store: the client's own latest model
 ROUND = "fedfomo.round"  # server: the last aggregated round

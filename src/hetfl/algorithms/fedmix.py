@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch.func import grad
 
 from hetfl.algorithms.base import SHARED, Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
-from hetfl.engine.rng import method_generator
 from hetfl.params import setting
+from hetfl.rng import method_generator
 
 MEAN_X, MEAN_Y = "fedmix.x", "fedmix.y"
 PICK = "fedmix.pick"  # per-sample uniform numbers choosing a mean

@@ -78,7 +78,6 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
-from hetfl.engine.optim import SGDConfig
 from hetfl.params import setting
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
@@ -217,7 +216,7 @@ class FedPAC(Algorithm):
 
     def stages(self, ctx: ClientContext) -> list[Stage]:
         hp, train = self.hp, self.setup.train
-        head_sgd = SGDConfig(hp.head_lr, hp.head_momentum, hp.head_weight_decay)
+        head_sgd = self.setup.sgd(hp.head_lr, momentum=hp.head_momentum, weight_decay=hp.head_weight_decay)
         stages = [Stage("classifier", self.loss, tuple(self.head_names), head_sgd, epochs=hp.head_epochs)]
         if hp.head_epochs == 0:
             stages = []

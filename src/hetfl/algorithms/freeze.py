@@ -38,8 +38,8 @@ from hetfl.algorithms.base import (
     Upload,
     weighted_mean,
 )
-from hetfl.engine.rng import torch_generator
 from hetfl.params import ConfigError, setting
+from hetfl.rng import torch_generator
 
 
 def orthogonal_(weight: torch.Tensor, generator: torch.Generator, gain: float = 1.0) -> torch.Tensor:

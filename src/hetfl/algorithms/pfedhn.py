@@ -67,8 +67,8 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Setup, Tensors, Upload, weighted_mean
-from hetfl.engine.rng import torch_generator
 from hetfl.params import setting
+from hetfl.rng import torch_generator
 
 HN = "pfedhn.hn/"  # server: hypernetwork tensors
 MOMENTUM = "pfedhn.momentum/"  # server: their momentum buffers

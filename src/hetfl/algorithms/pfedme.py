@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
-from hetfl.engine.optim import SGDConfig
 from hetfl.params import setting
 
 THETA = "pfedme.theta/"
@@ -127,8 +126,8 @@ class PFedMe(Algorithm):
     def stages(self, ctx: ClientContext) -> list[Stage]:
         train = self.setup.train
         trainable = self.model.param_names + tuple(THETA + n for n in self.model.param_names)
-        return [Stage("local", self.loss, trainable, SGDConfig(lr=ctx.lr), epochs=train.local_epochs,
-                      steps=train.local_steps)]
+        sgd = self.setup.sgd(ctx.lr, momentum=0.0, weight_decay=0.0)  # pFedMe's own update: plain SGD
+        return [Stage("local", self.loss, trainable, sgd, epochs=train.local_epochs, steps=train.local_steps)]
 
     def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
         upload = {n: local[n] for n in self.model.state_names}

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import NoHyper, ServerState, Setup, Tensors
-from hetfl.engine.rng import torch_generator
+from hetfl.rng import torch_generator
 
 
 class PostHoc:

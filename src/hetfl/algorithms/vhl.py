@@ -68,8 +68,8 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, DrawFn, ServerState, Setup, Stage, Tensors
 from hetfl.algorithms.dann import init_mlp
-from hetfl.engine.rng import method_generator
 from hetfl.params import ConfigError, setting
+from hetfl.rng import method_generator
 
 VIRTUAL_X, VIRTUAL_Y = "vhl.x", "vhl.y"  # extras: the virtual dataset (the same tensors for every client)
 PICK = "vhl.pick"  # draws: indices of this step's virtual batch

@@ -45,8 +45,8 @@ from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import CLIENT_MODELS_DIR, CONFIG_NAME, METRICS_NAME, Experiment
-from hetfl.engine.rng import torch_generator
 from hetfl.params import ConfigError
+from hetfl.rng import torch_generator
 
 ANALYSES = ("curves", "weight_norms", "spectrum", "cka", "swd", "tsne")
 OUT_DIR = "analysis"

@@ -5,7 +5,7 @@ are stored as safetensors; everything else (round, wall time, a fingerprint of
 the config) as JSON in the safetensors header's metadata. One file means one
 atomic ``os.replace``: a kill at any moment leaves either the previous or the
 new checkpoint, never a mix. RNG states need no saving: every stream is
-derived from ``(seed, round, client)`` (see :mod:`hetfl.engine.rng`).
+derived from ``(seed, round, client)`` (see :mod:`hetfl.rng`).
 """
 
 from __future__ import annotations

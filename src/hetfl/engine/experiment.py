@@ -49,12 +49,12 @@ from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
 from hetfl.engine.identity import differing_keys
 from hetfl.engine.local import LocalResult, run_stages, train_client
-from hetfl.engine.rng import derive_seed, numpy_generator
 from hetfl.engine.rundir import HISTORY_KEY, MetricsLog, RunDirError, check_no_run, lock_run_dir, restore_metrics
 from hetfl.engine.vectorized import train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError, to_dict
+from hetfl.rng import derive_seed, numpy_generator
 
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"

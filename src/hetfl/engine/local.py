@@ -17,9 +17,9 @@ import torch
 from torch.func import grad
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
-from hetfl.engine.optim import sgd_init, sgd_update
-from hetfl.engine.rng import torch_generator
 from hetfl.engine.schedule import batch_schedule
+from hetfl.optim import sgd_init, sgd_update
+from hetfl.rng import torch_generator
 
 if TYPE_CHECKING:
     from hetfl.engine.data import FederatedData

@@ -31,9 +31,9 @@ from torch.func import vmap
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, functional_grad, run_stages, sgd_step
-from hetfl.engine.optim import sgd_init
-from hetfl.engine.rng import torch_generator
 from hetfl.engine.schedule import batch_schedule
+from hetfl.optim import sgd_init
+from hetfl.rng import torch_generator
 
 Log = Callable[[str], None]
 

@@ -58,7 +58,7 @@ from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import Context, choose_domains, image_dataset
 from hetfl.data.datasets.imagefolder import is_image
 from hetfl.data.datasets.paths import check_source, present, read_file
-from hetfl.engine.rng import numpy_generator
+from hetfl.rng import numpy_generator
 
 FORMAT = 1  # bump when the decoded arrays change
 CLASSES = ("akiec", "bcc", "bkl", "df", "mel", "nv", "vasc")
