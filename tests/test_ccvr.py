@@ -10,7 +10,8 @@ import torch
 
 from hetfl import config
 from hetfl.algorithms import build_posthoc, hyperparameters
-from hetfl.algorithms.base import FEATURE_BETA, ServerState, relu_tukey
+from hetfl.algorithms.base import ServerState
+from hetfl.algorithms.ccvr import FEATURE_BETA, relu_tukey
 from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
@@ -36,6 +37,27 @@ def test_relu_tukey():
     z = torch.tensor([-1.0, 0.0, 4.0])
     assert relu_tukey(z, 0.5).tolist() == [0.0, 0.0, 2.0]
     assert torch.allclose(relu_tukey(z, 0.0)[2], torch.log(torch.tensor(4.0 + 1e-6)))
+
+
+def test_head_transforms_apply_where_registered_and_an_unknown_one_is_refused():
+    """The model state names its head transforms; the caller applies each registered one and
+    refuses a key in their namespace that nobody registered (never silently the plain head)."""
+    from hetfl.algorithms.base import without_feature_transforms
+    from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
+
+    setup = tiny_setup()
+    state = initial_state(setup)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        z = setup.model.module.features(x)
+        w, b = state["classifier.weight"], state["classifier.bias"]
+        both = {**state, FEATURE_BETA: torch.tensor(0.5), CLASSIFIER_NORM: torch.ones(())}
+        expected = relu_tukey(z, 0.5) @ torch.nn.functional.normalize(w, dim=1).T + b
+        assert torch.allclose(setup.model.logits(both, x), expected, atol=1e-6)
+        raw = without_feature_transforms(both)
+        assert FEATURE_BETA not in raw and CLASSIFIER_NORM in raw  # only the feature transform goes
+        with pytest.raises(KeyError, match="feature_transform/unknown"):
+            setup.model.logits({**state, "feature_transform/unknown": torch.ones(())}, x)
 
 
 def test_calibration_replaces_only_the_classifier_and_records_the_transform():

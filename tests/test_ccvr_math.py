@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms import build_posthoc
-from hetfl.algorithms.base import FEATURE_BETA, ServerState, relu_tukey
-from hetfl.algorithms.ccvr import virtual_counts
+from hetfl.algorithms.base import ServerState
+from hetfl.algorithms.ccvr import FEATURE_BETA, relu_tukey, virtual_counts
 from hetfl.algorithms.gaussian_stats import ClassStats, class_statistics, pool_statistics
 from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from tests.helpers import initial_state, tiny_setup

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from hetfl import config
 from hetfl.algorithms import build_algorithm, build_posthoc
-from hetfl.algorithms.base import CLASSIFIER_NORM, Batch, ServerState
+from hetfl.algorithms.base import Batch, ServerState
+from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import sgd_step

@@ -54,22 +54,49 @@ class Batch:
     draws: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-FEATURE_BETA = "feature_transform/tukey_beta"
-# present in a model state whose classifier rows are L2-normalised in the forward pass
-# (CCVR's "clsnorm", Luo et al. 2021, sec. 3.3): training and inference alike
-CLASSIFIER_NORM = "classifier_transform/normalize"
+@dataclass(frozen=True)
+class HeadTransform:
+    """A method's change to how the classifier is applied, carried in the model state.
 
-
-def relu_tukey(features: torch.Tensor, beta: torch.Tensor | float) -> torch.Tensor:
-    """ReLU then Tukey's ladder of powers: ``x^beta`` (``log x`` for beta = 0, on ``x + 1e-6``).
-
-    The transform CCVR applies to features before re-training the classifier
-    (Luo et al. 2021, sec. 5.1; Tukey 1977).
+    A state holding ``key`` (a scalar tensor: the transform's parameter) is called with
+    ``features(z, value)`` applied to the encoder's output and ``weight(W, value)`` to the
+    classifier's rows, in training and at inference alike, so that a model keeps the head a method
+    gave it through aggregation, checkpoints and evaluation. The method that owns a transform
+    defines and registers it in its own module (:func:`register_head_transform`): CCVR's ReLU +
+    Tukey on features, clsnorm's L2-normalised rows.
     """
-    z = F.relu(features)
-    beta = torch.as_tensor(beta, dtype=z.dtype, device=z.device)
-    safe_beta = torch.where(beta == 0, torch.ones_like(beta), beta)
-    return torch.where(beta == 0, torch.log(z + 1e-6), z.pow(safe_beta))
+
+    key: str
+    features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    weight: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+# a state key in these namespaces is a head transform's; one nobody registered is an error, never ignored
+HEAD_TRANSFORM_NAMESPACES = ("feature_transform/", "classifier_transform/")
+HEAD_TRANSFORMS: dict[str, HeadTransform] = {}
+
+
+def register_head_transform(transform: HeadTransform) -> HeadTransform:
+    """Make :class:`ModelCaller` apply ``transform`` to every state that holds its key."""
+    if not transform.key.startswith(HEAD_TRANSFORM_NAMESPACES):
+        raise ValueError(f"head transform key {transform.key!r} must start with one of {HEAD_TRANSFORM_NAMESPACES}")
+    HEAD_TRANSFORMS[transform.key] = transform
+    return transform
+
+
+def without_feature_transforms(state: Tensors) -> Tensors:
+    """``state`` without the transforms that change features: the model whose encoder gives raw
+    features (what a post-hoc step's clients compute statistics of)."""
+    return {k: v for k, v in state.items()
+            if not (k in HEAD_TRANSFORMS and HEAD_TRANSFORMS[k].features is not None)}
+
+
+def _active_transforms(state: Mapping[str, torch.Tensor]) -> list[HeadTransform]:
+    unknown = [k for k in state if k.startswith(HEAD_TRANSFORM_NAMESPACES) and k not in HEAD_TRANSFORMS]
+    if unknown:
+        raise KeyError(f"the model state holds head transform(s) {unknown} that no loaded method registered; "
+                       "import the method that wrote them (e.g. hetfl.algorithms.ccvr)")
+    return [t for key, t in HEAD_TRANSFORMS.items() if key in state]
 
 
 class ModelCaller:
@@ -77,10 +104,9 @@ class ModelCaller:
 
     The state dict may hold more than the model's tensors (method tensors such
     as control variates): only the model's own names are passed through. A
-    state that carries :data:`FEATURE_BETA` (a classifier calibrated by CCVR on
-    ReLU + Tukey-transformed features) gets the same transform applied to its
-    real features before the classifier, so training and inference agree; one
-    that carries :data:`CLASSIFIER_NORM` uses L2-normalised classifier rows.
+    state that carries a registered :class:`HeadTransform`'s key is applied
+    with that transform (CCVR's calibrated classifier sees the ReLU + Tukey
+    features it was trained on; clsnorm's rows are L2-normalised).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -93,14 +119,16 @@ class ModelCaller:
         self, state: Tensors, x: torch.Tensor, features: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         own = {name: state[name] for name in self.state_names}
-        if FEATURE_BETA not in state and CLASSIFIER_NORM not in state:
+        transforms = _active_transforms(state)
+        if not transforms:
             return functional_call(self.module, own, (x,), {"return_features": features})
         z, _ = functional_call(self.module, own, (x,), {"return_features": True})
-        if FEATURE_BETA in state:
-            z = relu_tukey(z, state[FEATURE_BETA])
         weight = state["classifier.weight"]
-        if CLASSIFIER_NORM in state:
-            weight = F.normalize(weight, dim=1)
+        for t in transforms:
+            if t.features is not None:
+                z = t.features(z, state[t.key])
+            if t.weight is not None:
+                weight = t.weight(weight, state[t.key])
         logits = F.linear(z, weight, state.get("classifier.bias"))
         return (z, logits) if features else logits
 

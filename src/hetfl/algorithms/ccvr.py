@@ -28,10 +28,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import CLASSIFIER_NORM, FEATURE_BETA, ServerState, Tensors, relu_tukey
+from hetfl.algorithms.base import HeadTransform, ServerState, Tensors, register_head_transform
+from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.gaussian_stats import ClassStats, class_statistics, pool_statistics, sample_gaussian
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, retrain_classifier, stream
 from hetfl.params import setting
+
+FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
+
+
+def relu_tukey(features: torch.Tensor, beta: torch.Tensor | float) -> torch.Tensor:
+    """ReLU then Tukey's ladder of powers: ``x^beta`` (``log x`` for beta = 0, on ``x + 1e-6``).
+
+    The transform CCVR applies to features before re-training the classifier
+    (Luo et al. 2021, sec. 5.1; Tukey 1977).
+    """
+    z = F.relu(features)
+    beta = torch.as_tensor(beta, dtype=z.dtype, device=z.device)
+    safe_beta = torch.where(beta == 0, torch.ones_like(beta), beta)
+    return torch.where(beta == 0, torch.log(z + 1e-6), z.pow(safe_beta))
+
+
+# a calibrated classifier sees the transformed real features it was trained on
+register_head_transform(HeadTransform(FEATURE_BETA, features=relu_tukey))
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from hetfl.algorithms.base import CLASSIFIER_NORM, Algorithm, Batch, ClientContext, ServerState, Tensors
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    HeadTransform,
+    ServerState,
+    Tensors,
+    register_head_transform,
+)
 from hetfl.algorithms.fedprox import proximal_term
 from hetfl.params import setting
+
+# in a model state: its classifier rows are L2-normalised in the forward pass (sec. 3.3), training and inference
+CLASSIFIER_NORM = "classifier_transform/normalize"
+register_head_transform(HeadTransform(CLASSIFIER_NORM, weight=lambda w, _: F.normalize(w, dim=1)))
 
 
 @dataclass(frozen=True)

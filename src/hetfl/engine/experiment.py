@@ -22,7 +22,6 @@ import torch
 from hetfl import config as config_mod
 from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name, step_hyper
 from hetfl.algorithms.base import (
-    FEATURE_BETA,
     SHARED,
     Batch,
     ClientContext,
@@ -32,6 +31,7 @@ from hetfl.algorithms.base import (
     Tensors,
     Upload,
     check_model_parts,
+    without_feature_transforms,
 )
 from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
@@ -517,7 +517,7 @@ class Experiment:
                 acc = accuracy_and_loss(self.caller, server.model, data.test_x, data.test_y, data,
                                         self.cfg.train.eval_batch_size)[1]
                 line[f"global_acc_before_{step.name}"] = acc
-            raw = {k: v for k, v in server.model.items() if k != FEATURE_BETA}
+            raw = without_feature_transforms(server.model)
             if self.federation is not None:
                 replies = self.federation.posthoc_replies(step, raw, round_)
             else:
