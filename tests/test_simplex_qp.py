@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -220,3 +221,80 @@ def test_the_solution_does_not_depend_on_the_scale_of_p(scale):
 def test_a_non_finite_matrix_is_an_error_not_a_lapack_crash():
     with pytest.raises(ValueError, match="non-finite"):
         solve_simplex_qp(torch.tensor([[1.0, float("nan")], [float("nan"), 1.0]]))
+
+
+# ------------------------------------------- mutation testing (issue 15): steps, messages, reproducibility
+def test_the_non_finite_error_message_names_the_function_and_the_matrix():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError) as caught:
+            solve_simplex_qp(f64([[1.0, bad], [bad, 1.0]]))
+        assert str(caught.value) == "solve_simplex_qp: P has non-finite entries"
+
+
+def test_a_zero_step_component_is_not_a_blocking_one():
+    """diag(0, 1) at its start vertex 0: the gradient there is zero, so the KKT right-hand side and the
+    step are exactly zero. Only coordinates with ``p_i < 0`` can block (N&W Alg. 16.3); a zero component
+    must leave the iterate where it is (a ratio ``-a_i / 0`` would send it to infinity). ``tol=-1`` keeps
+    the zero step from ending the iteration, so the step update itself runs."""
+    res = solve_simplex_qp(torch.diag(f64([0.0, 1.0])), tol=-1.0, max_iter=3)
+    assert res.weights.tolist() == [1.0, 0.0] and res.iterations == 3 and res.converged is False
+    assert res.objective == 0.0
+
+
+def test_a_singular_problem_whose_last_step_leaves_a_free_weight_unchanged():
+    """P = [[5, 4, -7], [4, 5, -8], [-7, -8, 13]] has rank 2 and null vector (1, 4, 3): the only zero-cost
+    point of the simplex is (1/8, 1/2, 3/8). By hand: vertex 0; free 2; step to the edge minimiser
+    (5/8, 0, 3/8); free 1; step to (1/8, 1/2, 3/8), where weight 2 keeps its value (a zero step
+    component); stop: 5 iterations."""
+    p = f64([[5.0, 4.0, -7.0], [4.0, 5.0, -8.0], [-7.0, -8.0, 13.0]])
+    assert torch.allclose(solve_simplex_qp(p, max_iter=2).weights, f64([5 / 8, 0.0, 3 / 8]), rtol=0, atol=1e-13)
+    res = solve_simplex_qp(p)
+    assert res.converged and res.iterations == 5
+    assert torch.allclose(res.weights, f64([1 / 8, 1 / 2, 3 / 8]), rtol=0, atol=1e-13)
+    assert abs(res.objective) < 1e-13
+
+
+def test_a_full_step_that_more_than_halves_a_weight_is_not_overshot():
+    """P = [[2, -3, -2], [-3, 11, 7], [-2, 7, 6]] by hand (N&W Alg. 16.3): vertex 0 (gradient (4, -6, -4),
+    multipliers -10 and -8: free 1); step to the edge minimiser (14/19, 5/19, 0); gradient 2 (13, 13, 7) / 19:
+    free 2; step to (11/16, 1/8, 3/16), where P a = (5/8) 1. Weight 1 falls from 5/19 to 1/8, more than half
+    way to zero but not past it (blocking ratio 40/21 > 1): a full step, no bound hit; stop at iteration 5."""
+    p = f64([[2.0, -3.0, -2.0], [-3.0, 11.0, 7.0], [-2.0, 7.0, 6.0]])
+    edge = solve_simplex_qp(p, max_iter=2).weights
+    assert torch.allclose(edge, f64([14 / 19, 5 / 19, 0.0]), rtol=0, atol=1e-13)
+    face = solve_simplex_qp(p, max_iter=4).weights
+    assert torch.allclose(face, f64([11 / 16, 1 / 8, 3 / 16]), rtol=0, atol=1e-13)
+    res = solve_simplex_qp(p)
+    assert res.converged and res.iterations == 5 and torch.allclose(res.weights, face, rtol=0, atol=0)
+    assert res.objective == pytest.approx(5 / 8, rel=1e-13)
+
+
+def test_forty_variables_stay_on_the_simplex_through_many_steps():
+    """diag(1, ..., 40): every coordinate enters the support, one per free-then-step pair (2 n - 1 = 79
+    iterations); the weights must stay normalised through the 39 steps (a_i proportional to 1 / d_i)."""
+    d = torch.arange(1, 41, dtype=torch.float64)
+    res = solve_simplex_qp(torch.diag(d))
+    assert res.converged and res.iterations == 79
+    assert abs(float(res.weights.sum()) - 1) < 1e-13
+    assert torch.allclose(res.weights, (1 / d) / (1 / d).sum(), rtol=0, atol=1e-13)
+    assert res.objective == pytest.approx(float(1 / (1 / d).sum()), rel=1e-12)
+
+
+def test_the_solver_is_bitwise_reproducible():
+    """The same P gives bitwise the same weights and path on every call (the project's determinism rule:
+    FedPAC's combination weights feed the next round). The SVD-based least-squares driver is; others
+    (MKL's pivoted-QR gelsy) return last-bit different steps from call to call on problems like this."""
+    p = f64([[13, -6, 3, -1, 6, -6], [-6, 16, 0, -8, 0, 0], [3, 0, 2, -1, -1, 1],
+             [-1, -8, -1, 6, -2, 3], [6, 0, -1, -2, 10, -9], [-6, 0, 1, 3, -9, 10]])
+    first = solve_simplex_qp(p)
+    assert first.converged and kkt_residual(p, first.weights) < 1e-12
+    for _ in range(20):
+        again = solve_simplex_qp(p)
+        assert torch.equal(again.weights, first.weights) and again.iterations == first.iterations
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (3,), (2, 3), (0, 0), (2, 2, 2)])
+def test_a_matrix_that_is_not_square_is_refused_with_its_shape(shape):
+    """(1, n) used to broadcast to n x n inside the PSD repair and return a 'solution'."""
+    with pytest.raises(ValueError, match=r"square matrix, got shape " + re.escape(str(shape))):
+        solve_simplex_qp(torch.ones(shape, dtype=torch.float64))

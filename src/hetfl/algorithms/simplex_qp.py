@@ -71,7 +71,9 @@ def solve_simplex_qp(p: torch.Tensor, tol: float = 1e-10, max_iter: int = 1000) 
     to the first blocking bound or frees the coordinate with the most negative
     multiplier.
     """
-    original = p.to(torch.float64)
+    if p.dim() != 2 or p.shape[0] != p.shape[1] or p.shape[0] == 0:
+        raise ValueError(f"solve_simplex_qp: P must be a non-empty square matrix, got shape {tuple(p.shape)}")
+    original = p.to(device="cpu", dtype=torch.float64)  # a few hundred variables: solved on the CPU
     if not torch.isfinite(original).all():
         raise ValueError("solve_simplex_qp: P has non-finite entries")
     # the minimiser does not depend on P's scale; solving on P / max|P| keeps the KKT matrix (entries
