@@ -36,7 +36,17 @@ def test_step_settings_are_validated():
 def test_relu_tukey():
     z = torch.tensor([-1.0, 0.0, 4.0])
     assert relu_tukey(z, 0.5).tolist() == [0.0, 0.0, 2.0]
-    assert torch.allclose(relu_tukey(z, 0.0)[2], torch.log(torch.tensor(4.0 + 1e-6)))
+    # beta = 0 is log(x + 1e-6): finite where ReLU gave 0
+    assert torch.equal(relu_tukey(z, 0.0), torch.log(torch.tensor([0.0, 0.0, 4.0]) + 1e-6))
+
+
+def test_relu_tukey_keeps_float64_features_in_float64():
+    """beta is taken at the features' precision: x^0.3 of float64 features is numpy's float64 power
+    (a float32 beta would give 0.30000001192... and differ in the 8th digit)."""
+    z = torch.tensor([0.5, 2.0, 7.0], dtype=torch.float64)
+    out = relu_tukey(z, 0.3)
+    assert out.dtype == torch.float64
+    assert out.tolist() == (z.numpy() ** 0.3).tolist()
 
 
 def test_head_transforms_apply_where_registered_and_an_unknown_one_is_refused():
