@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     for target in chosen:
         print(f"{target.name}: {'collecting' if args.collect_only else 'mutating'} {target.source} ...", flush=True)
         workdir = args.workdir / target.name
-        if args.collect_only:
-            results[target.name] = r = collect_target(target, workdir)
+        if args.collect_only:  # the seconds of the run that made the statuses, when recorded
+            earlier = results.get(target.name, {}).get("seconds")
+            results[target.name] = r = collect_target(target, workdir, earlier)
         else:
             results[target.name] = r = run_target(target, workdir, args.children)
         print(f"  {r['mutants']} mutants, {r['counts']}, {r['seconds']} s", flush=True)

@@ -298,3 +298,12 @@ def test_a_matrix_that_is_not_square_is_refused_with_its_shape(shape):
     """(1, n) used to broadcast to n x n inside the PSD repair and return a 'solution'."""
     with pytest.raises(ValueError, match=r"square matrix, got shape " + re.escape(str(shape))):
         solve_simplex_qp(torch.ones(shape, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_matrix_is_solved_on_the_cpu():
+    """FedPAC's P may live on the GPU; the solver's least-squares driver (gelsd) exists only on the CPU."""
+    p = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    on_cpu = solve_simplex_qp(p)
+    on_gpu = solve_simplex_qp(p.cuda())
+    assert on_gpu.weights.device.type == "cpu" and torch.equal(on_gpu.weights, on_cpu.weights)
