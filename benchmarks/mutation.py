@@ -66,10 +66,12 @@ TARGETS = (
     # the baselines' update rules
     Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/test_baselines.py",)),
     Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/test_baselines.py",)),
-    Target("scaffold", "src/hetfl/algorithms/scaffold.py", ("tests/test_baselines.py",)),
-    Target("feddyn", "src/hetfl/algorithms/feddyn.py", ("tests/test_baselines.py",)),
-    Target("fednova", "src/hetfl/algorithms/fednova.py", ("tests/test_baselines.py",)),
-    Target("moon", "src/hetfl/algorithms/moon.py", ("tests/test_baselines.py",)),
+    Target("scaffold", "src/hetfl/algorithms/scaffold.py",
+           ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
+    Target("feddyn", "src/hetfl/algorithms/feddyn.py", ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
+    Target("fednova", "src/hetfl/algorithms/fednova.py",
+           ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
+    Target("moon", "src/hetfl/algorithms/moon.py", ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
 )
 
 
