@@ -191,8 +191,8 @@ def test_overwrite_replaces_a_run_but_never_deletes_another_folder(tmp_path):
     (out / "analysis" / "curves.png").write_bytes(b"png")
     replaced = hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True)
     assert replaced.status == "ran" and replaced.config.train.lr == 0.2
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "config.toml", "metrics.jsonl",
-                                                     "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "client_metrics.jsonl", "config.toml",
+                                                     "metrics.jsonl", "summary.json"]
     again = hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True)  # the same config: recomputed
     assert again.status == "ran"
 
@@ -281,7 +281,8 @@ def test_compare_refuses_a_folder_of_another_config_before_running_anything(tmp_
     hetfl.compare(["fedavg"], overrides=TINY, out=out)
     with pytest.raises(hetfl.RunDirError, match=r"fedavg-seed0: holds a run of another configuration.*train\.lr"):
         hetfl.compare(["fedprox", "fedavg"], overrides=[*TINY, "train.lr=0.2"], out=out)
-    assert sorted(p.name for p in out.iterdir()) == ["comparison.csv", "comparison.md", "fedavg-seed0"]
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.csv", "comparison.md", "curves.csv", "curves.png",
+                                                    "fedavg-seed0"]
 
 
 # ------------------------------------------------------------- the package

@@ -102,6 +102,15 @@ def test_fedpac_on_the_default_model_exits_2_naming_model_name_and_writes_nothin
     assert not out.exists()
 
 
+def test_compare_refuses_a_method_the_model_cannot_serve_before_its_first_run(tmp_path, capsys):
+    """fedavg ran to the end before fedpac was refused at its own set-up; the plan checks every pairing first."""
+    out = tmp_path / "cmp"
+    code = main(["compare", "--methods", "fedavg,fedpac", "--seeds", "0", "--out", str(out), *QUIET])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "model.name = 'mlp'" in err and "fedpac needs an encoder" in err, err
+    assert not out.exists()  # not even fedavg's folder
+
+
 def test_the_declared_requirements_are_model_parts():
     for name in available():
         assert set(algorithm_class(name).model_requires) <= set(MODEL_PARTS), name

@@ -102,7 +102,9 @@ def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
     run_on(grid, [*SMALL, "algorithm.name=fedpac", "runtime.flower_timeout_s=0.5"], tmp_path / "r")
     got = metrics(tmp_path / "r")
     assert [x["failed_clients"] for x in got] == [[0, 2], [0, 2]]
-    assert all(x["clients"] == 3 and len(x["client_acc"]) == 1 for x in got)  # only client 1 trained, evaluated
+    assert all(x["clients"] == 3 and x["clients_evaluated"] == 1 for x in got)  # only client 1 trained, evaluated
+    rows = [json.loads(raw) for raw in (tmp_path / "r" / "client_metrics.jsonl").read_text().splitlines()]
+    assert [[acc is not None for acc in row["client_acc"]] for row in rows] == [[False, True, False]] * 2
     assert "disk full" in caplog.text and "no reply within 0.5 s" in caplog.text
 
 

@@ -422,8 +422,10 @@ def kill_and_resume(tmp_path: Path, capsys, points: list[tuple[str, int]], round
     assert metrics(run) == metrics(tmp_path / "full"), points
     summary, full = (json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "full"))
     assert summary["rounds"] == rounds and summary["final_global_acc"] == full["final_global_acc"]
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.safetensors", "config.toml", "metrics.jsonl",
-                                                     "summary.json"], points
+    clients = "client_metrics.jsonl"  # the per-client file: cut back and recomputed like metrics.jsonl
+    assert (run / clients).read_bytes() == (tmp_path / "full" / clients).read_bytes(), points
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.safetensors", clients, "config.toml",
+                                                     "metrics.jsonl", "summary.json"], points
 
 
 def random_points(seed: int, count: int, rounds: int) -> list[tuple[str, int]]:
@@ -457,8 +459,8 @@ def test_a_run_killed_before_its_summary_gets_the_same_summary_and_no_temp_files
     code, err = resume(run, capsys)
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text()) == summary
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.safetensors", "config.toml", "metrics.jsonl",
-                                                     "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.safetensors", "client_metrics.jsonl", "config.toml",
+                                                     "metrics.jsonl", "summary.json"]
 
 
 @pytest.mark.slow

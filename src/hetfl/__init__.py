@@ -6,6 +6,7 @@ The Python API (:mod:`hetfl.api`), imported on first use so that ``import hetfl`
 
     result = hetfl.run({"train": {"rounds": 3}}, out="runs/demo")    # a RunResult
     table = hetfl.compare(["fedavg", "fedprox"], overrides=["train.rounds=3"], out="runs/cmp")  # a CompareResult
+    grid = hetfl.sweep({"train.lr": [0.01, 0.1]}, overrides=["train.rounds=3"], out="runs/sweep")  # one too
 """
 
 __version__ = "0.1.0"
@@ -14,13 +15,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "run": "hetfl.api",
     "compare": "hetfl.api",
+    "sweep": "hetfl.sweeps",
     "RunResult": "hetfl.api",
     "CompareResult": "hetfl.api",
     "ConfigError": "hetfl.params",
     "RunDirError": "hetfl.engine.rundir",
 }
 
-__all__ = ["CompareResult", "ConfigError", "RunDirError", "RunResult", "__version__", "compare", "run"]
+__all__ = ["CompareResult", "ConfigError", "RunDirError", "RunResult", "__version__", "compare", "run", "sweep"]
 
 
 def __getattr__(name: str) -> object:

@@ -368,37 +368,23 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
 # ----------------------------------------------------------------- compare
 def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[list[str]], RunConfig], out: Path,
                    target: float | None, *, progress: bool | None, console: Console | None,
-                   option: str = "--out") -> CompareResult:
-    """Every method x seed into ``out/<method>-seed<k>``, then ``comparison.md`` and ``comparison.csv``
-    (``hetfl compare`` and :func:`compare`).
+                   option: str = "--out", grid: Mapping[str, list[Any]] | None = None) -> CompareResult:
+    """Every method x seed into ``out/<method>-seed<k>`` (with a ``grid``: every method x grid cell x seed
+    into ``out/<method>/<cell>/seed<k>``, see :mod:`hetfl.sweeps`), then ``comparison.md`` and
+    ``comparison.csv``, one row per method (and cell) (``hetfl compare``, :func:`compare`, :func:`hetfl.sweep`).
 
     ``configure(extra)`` gives the RunConfig with the ``--set``-style ``extra`` overrides
-    (``algorithm.name``, ``seed``) applied last; ``progress`` sets ``runtime.progress`` (None: as
-    configured); ``console`` shows progress and reuse notes (None: silent). Every configuration and
+    (``algorithm.name``, ``seed``, the cell's grid values) applied last; ``progress`` sets
+    ``runtime.progress`` (None: as configured); ``console`` shows progress, reuse notes and
+    ``run k of n (...): about M min left`` before each run (None: silent). Every configuration and
     every folder is checked before any run starts: a folder holding a finished run of the same resolved
     configuration is reused, an interrupted one resumed, another configuration is a RunDirError naming
     the keys (``option`` names the argument to change)."""
-    from hetfl.algorithms import hyperparameters
-    from hetfl.cli import check_output_dir
-    from hetfl.engine.checkpoint import atomic_write_text
+    from hetfl.report import with_curves
+    from hetfl.sweeps import check_grid, run_plan
 
-    check_output_dir(out, option)
-    plans = []
-    for method in methods:  # validate every combination before running anything
-        for seed in seeds:
-            cfg = _with_progress(configure([f"algorithm.name={method}", f"seed={seed}"]), progress)
-            hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
-            plans.append((method, cfg, out / f"{method.replace('+', '-')}-seed{seed}"))
-    states = plan_states([cfg for _, cfg, _ in plans], [run_dir for *_, run_dir in plans], option)
-    runs = []
-    for (_, cfg, run_dir), state in zip(plans, states, strict=True):
-        runs.append(RunResult.load(run_dir, status=execute(cfg, run_dir, state, console)))
-    records = [result.record(method) for (method, _, _), result in zip(plans, runs, strict=True)]
-    rows = tables.table_rows(records, target)
-    markdown = tables.to_markdown(rows, target)
-    atomic_write_text(out / "comparison.md", markdown)
-    atomic_write_text(out / "comparison.csv", tables.to_csv(rows))
-    return CompareResult(out, runs, rows, markdown, target)
+    return with_curves(run_plan(methods, seeds, check_grid(grid), configure, out, target, progress=progress,
+                                console=console, option=option))  # + curves.png, linked from comparison.md
 
 
 def _method_list(methods: str | Sequence[str]) -> list[str]:

@@ -161,13 +161,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     if args.resume:
         run_dir = Path(args.resume)
-        if args.config or args.set or args.out:
-            raise ConfigError("--resume", str(run_dir),
-                              "takes no CONFIG, --set or --out (the run's config.toml is used)")
+        if args.config or args.out or any(not s.strip().startswith("tracking.") for s in args.set):
+            raise ConfigError("--resume", str(run_dir), "takes no CONFIG, --out, or --set other than "
+                                                        "tracking.KEY=VALUE (the run's config.toml is used)")
         check_unlocked(run_dir)  # another process running there: named now, before the set-up's work
         if not (run_dir / CONFIG_NAME).is_file():
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
-        cfg = config_mod.load(run_dir / CONFIG_NAME)
+        cfg = config_mod.load(run_dir / CONFIG_NAME, args.set)  # tracking keys: not part of the run's identity
     else:
         cfg = config_mod.load(args.config, args.set)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
@@ -194,6 +194,7 @@ def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.R
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl.api import run_comparison
+    from hetfl.sweeps import grid_from_cli
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
@@ -206,12 +207,14 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "must not repeat a method or seed")
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    grid = grid_from_cli(args.grid, args.sweep, args.set)  # checked before anything is written
     out = Path(args.out)
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
     result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
-                            args.target, progress=False if args.quiet else None, console=console)
+                            args.target, progress=False if args.quiet else None, console=console, grid=grid)
     console.print(result.markdown)
-    print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}")
+    curves = f"; curves: {out / 'curves.png'}" if (out / "curves.png").is_file() else ""
+    print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}{curves}")
     return 0
 
 
@@ -320,8 +323,11 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         for name in reproduce.available():
             preset = reproduce.load_preset(name)
             runs = len(set(reproduce.run_specs(preset).values()))
-            table.add_row(name, preset.title, str(runs), f"{preset.gpu_minutes:.0f}",
-                          f"{preset.quick_cpu_minutes:.0f}")
+            quick = (f"{preset.quick_cpu_minutes:.0f} (measured)" if preset.quick_cpu_measured
+                     else f"~{preset.quick_cpu_minutes:.0f} (rough)")
+            table.add_row(name, preset.title, str(runs), f"~{preset.gpu_minutes:.0f} (rough, not measured)", quick)
+        table.caption = ("quick CPU minutes: the --quick variant on 2 idle CPU cores; 'measured' ones say how in "
+                         "their preset (quick_cpu_measured), 'rough' ones are not measured; GPU minutes: not measured")
         console.print(table)
         return 0
     preset = reproduce.load_preset(args.name).variant(args.quick)
@@ -338,7 +344,8 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         finally:
             reporter.close()
 
-    result = reproduce.reproduce(preset, out, run, args.set)
+    say = lambda message: console.print(Text(message, style="bold"))  # text, never rich markup
+    result = reproduce.reproduce(preset, out, run, args.set, say=say)
     console.print(reproduce.markdown(result))
     print(f"tables: {out / 'reproduction.md'}, {out / 'reproduction.json'}")
     return 0
@@ -362,7 +369,8 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
     out = Path(args.out) if args.out else default_report_dir(args.run_dirs)
     check_output_dir(out)
-    html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title)
+    html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title,
+                                      per_seed=args.per_seed)
     print(f"report: {html_path} (self-contained), {md_path}")
     return 0
 
@@ -385,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one experiment")
     add_config_args(run)
     run.add_argument("--out", help="run directory (default: runs/<time>-<method>-<dataset>-seed<k>)")
-    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR")
+    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (with it, --set takes "
+                                                         "only tracking.KEY=VALUE)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=cmd_run)
 
@@ -396,13 +405,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "(interrupted); one that holds a run of another configuration is an error naming the "
                     "differing keys: give another --out for the new setting. Each table row is one setting "
                     "(runs differing only in the seed), with its setting id; keys that vary between rows get "
-                    "a column each.")
+                    "a column each. With --grid or --sweep: every method x grid cell x seed into "
+                    "OUT/<method>/<key=value,...>/seed<k>, one row per method and cell.")
     add_config_args(cmp)
     cmp.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
     cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv (runs of the same "
                      "configuration there are reused; another configuration there is an error)")
+    cmp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                     help="sweep a config key over values, parsed as --set parses one, e.g. --grid "
+                          "train.lr=0.01,0.1 (repeatable: the cartesian product; not a key also given with --set)")
+    cmp.add_argument("--sweep", metavar="FILE", help="TOML file with a [grid] table of KEY = [values] (as --grid)")
     cmp.add_argument("--quiet", action="store_true")
     cmp.set_defaults(func=cmd_compare)
 
@@ -436,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "hetfl compare)")
     rpt.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
     rpt.add_argument("--title", default="hetfl report")
+    rpt.add_argument("--per-seed", action="store_true", help="draw each seed as a thin line in the mean ± std "
+                     "bands, and add the per-run curves (accuracy, client spread, loss, traffic)")
     add_plugin_arg(rpt)
     rpt.set_defaults(func=cmd_report)
 

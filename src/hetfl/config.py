@@ -109,6 +109,10 @@ class RuntimeConfig:
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
     device: str = setting("auto", doc="auto (cuda when present), cpu, cuda, or cuda:N (GPU N of those present)")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
+    client_metrics_every: int = setting(
+        1, ge=0, doc="write every client's accuracy to client_metrics.jsonl on the evaluated rounds that are "
+                     "multiples of this, and the last (0 = never; metrics.jsonl always has their mean, std "
+                     "and quartiles). Output only: not part of a run's identity")
     threads: int = setting(0, ge=0, le=1024, doc="torch CPU threads (0 = torch's default)")
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
@@ -128,6 +132,40 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    """Optional experiment tracking (:mod:`hetfl.tracking`): what a run also sends to TensorBoard and
+    MLflow. Off by default; none of these keys changes a run's numbers, so none is part of its identity
+    (``identity.PRESENTATION_KEYS``): a run resumed or compared with tracking switched on is the same run."""
+
+    tensorboard: bool = setting(False, doc="also write TensorBoard events: each round's numbers (step = round), "
+                                           "the config as text, the summary as hparams (pip install "
+                                           "\"hetfl[tensorboard]\")")
+    tensorboard_dir: str = setting("", doc="TensorBoard log root shared by runs: events go to <it>/<run name> "
+                                           "('' = <run folder>/tensorboard)")
+    mlflow: bool = setting(False, doc="also log to MLflow: config as params, each round's numbers (step = "
+                                      "round), the summary, the run's files as artifacts (pip install "
+                                      "\"hetfl[mlflow]\")")
+    mlflow_uri: str = setting("", doc="MLflow tracking URI or store path ('' = MLflow's own choice: "
+                                      "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the current folder, "
+                                      "the store `mlflow ui` opens there)")
+    experiment: str = setting("hetfl", doc="MLflow experiment the run is logged under")
+    run_name: str = setting("", doc="name of the MLflow run and TensorBoard subfolder ('' = the run folder's name)")
+
+    def check(self, prefix: str = "tracking.") -> None:
+        """Names MLflow and TensorBoard can hold: a non-empty experiment, a run name of at most 250
+        characters (MLflow's limit), no surrounding blanks (they would make two names look alike)."""
+        if not self.experiment.strip():
+            raise ConfigError(prefix + "experiment", self.experiment, "must be a non-empty MLflow experiment name")
+        for key in ("experiment", "run_name", "mlflow_uri", "tensorboard_dir"):
+            value = getattr(self, key)
+            if value != value.strip():
+                raise ConfigError(prefix + key, value, "must not start or end with blanks")
+        if len(self.run_name) > 250 or "/" in self.run_name:
+            raise ConfigError(prefix + "run_name", self.run_name,
+                              "must be at most 250 characters without '/' ('' = the run folder's name)")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = "fedavg"
     params: dict = field(default_factory=dict)
@@ -141,9 +179,11 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig}
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig,
+            "tracking": TrackingConfig}
 
 
 def parse_value(text: str) -> Any:

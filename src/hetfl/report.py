@@ -2,7 +2,8 @@
 
 The page holds, for the given runs: the comparison table (one row per setting,
 i.e. runs whose resolved configurations differ only in the seed, with mean ± std
-over seeds, the setting id and a column per key that varies between rows), accuracy/spread/loss curves, each distinct
+over seeds, the setting id and a column per key that varies between rows), learning curves (one run: accuracy,
+client spread, loss and traffic; several: mean ± std bands over each setting's seeds), each distinct
 setting's configuration and partition heat map, and the analyses a run has
 (``hetfl analyze``), each figure with the note its analysis recorded (``written.<name>.note`` in
 ``analysis/index.json``, e.g. why CKA on logistic regression shows only the classifier layer).
@@ -20,15 +21,19 @@ import json
 import re
 import shutil
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetfl import config as config_mod
 from hetfl import tables
-from hetfl.analysis.plots import plot_curves
+from hetfl.analysis.plots import plot_curves, plot_seed_bands
 from hetfl.engine import identity
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
+
+if TYPE_CHECKING:
+    from hetfl.api import CompareResult
 
 STYLE = """
 body { font-family: system-ui, -apple-system, Segoe UI, Roboto, sans-serif; margin: 2rem auto; max-width: 1100px;
@@ -92,12 +97,75 @@ def read_runs(run_dirs: list[Path]) -> list[Run]:
 def labels_for(groups: dict[str, list[Run]]) -> dict[str, str]:
     """A label per setting: the method, plus the keys that vary between settings and its setting id."""
     varying = [k for k in identity.varying_keys([g[0].config for g in groups.values()]) if k != "algorithm.name"]
-    labels = {}
-    for key, runs in groups.items():
-        flat = identity.flatten(runs[0].config)
-        extra = ", ".join(f"{k}={flat[k]}" for k in varying if k in flat)
-        labels[key] = runs[0].config.get("algorithm", {}).get("name", "?") + (f" ({extra})" if extra else "")
-    return labels
+    return {key: _setting_label(runs[0].config.get("algorithm", {}).get("name", "?"), runs[0].config, varying)
+            for key, runs in groups.items()}
+
+
+def _setting_label(method: str, config: dict[str, Any], varying: list[str]) -> str:
+    """``method (key=value, ...)`` over the keys that vary between settings."""
+    flat = identity.flatten(config)
+    extra = ", ".join(f"{k}={flat[k]}" for k in varying if k in flat)
+    return method + (f" ({extra})" if extra else "")
+
+
+def record_groups(records: Sequence[tables.RunRecord]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """The runs of each row of :func:`hetfl.tables.table_rows` (a setting; a method where a run's config is
+    unknown), as ``label -> seed -> metrics`` for :func:`~hetfl.analysis.plots.plot_seed_bands`; the label
+    is the row's method and the keys that vary between rows (+ the setting id if two labels would match)."""
+    rows: dict[str, list[tables.RunRecord]] = {}
+    for r in records:
+        rows.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
+    varying = [k for k in identity.varying_keys([rs[0].config for rs in rows.values() if rs[0].config])
+               if k != "algorithm.name"]
+    out: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for rs in rows.values():
+        label = _setting_label(rs[0].method, rs[0].config, varying)
+        out[label if label not in out else f"{label} [{rs[0].setting_id}]"] = {r.seed: r.metrics for r in rs}
+    return out
+
+
+def comparison_curves(records: Sequence[tables.RunRecord], out: Path, target: float | None) -> str:
+    """``out/curves.png`` and ``curves.csv``: one mean ± std band over seeds per row of ``comparison.md``
+    (sample std, as the table); returns the Markdown that ``comparison.md`` adds under its table: a
+    relative link to the figure, or why it was not drawn (the table stands without it)."""
+    try:
+        written = plot_seed_bands(record_groups(records), out, name="curves", target=target,
+                                  context=f"{len(records)} run(s) in {out.name}")
+    except ValueError as err:
+        return f"\nCurves not drawn: {err}\n"
+    png = written["png"].name
+    return (f"\n![Learning curves over seeds, mean ± std]({urllib.parse.quote(png)})\n\n"
+            f"Curves: `{png}`, mean ± sample std over each row's seeds; numbers in `{written['data'].name}`.\n")
+
+
+def with_curves(result: CompareResult) -> CompareResult:
+    """``result`` (from ``hetfl compare`` / :func:`hetfl.compare`) with its curves drawn
+    (:func:`comparison_curves`) and linked under the table in ``comparison.md`` and ``.markdown``."""
+    import dataclasses
+
+    from hetfl.engine.checkpoint import atomic_write_text
+
+    methods = {row["setting_id"]: row["method"] for row in result.rows}  # each band named as its table row
+    records = [run.record(methods.get(run.setting_id)) for run in result.runs]
+    markdown = result.markdown + comparison_curves(records, result.out, result.target)
+    atomic_write_text(result.out / "comparison.md", markdown)
+    return dataclasses.replace(result, markdown=markdown)
+
+
+def _curve_figures(groups: dict[str, list[Run]], labels: dict[str, str], out: Path, target: float | None,
+                   per_seed: bool) -> list[tuple[str, Path]]:
+    """The report's curves, as ``(alt text, png)``: one run gets the four-panel :func:`plot_curves`;
+    several get mean ± std bands over seeds per setting (``seed_bands.png``; with ``per_seed``, each
+    seed as a thin line, followed by the four-panel figure with one line per run, as before bands)."""
+    per_run = {f"{labels[key]} seed {r.seed}": r.path / METRICS_NAME for key, rs in groups.items() for r in rs}
+    if len(per_run) == 1:
+        return [("curves", Path(plot_curves(per_run, out, target=target)["png"]))]
+    bands = plot_seed_bands({labels[key]: {r.seed: r.path / METRICS_NAME for r in rs} for key, rs in groups.items()},
+                            out, name="seed_bands", per_seed=per_seed, target=target)
+    figures = [("curves over seeds, mean ± std", Path(bands["png"]))]
+    if per_seed:
+        figures.append(("curves per run", Path(plot_curves(per_run, out, target=target)["png"])))
+    return figures
 
 
 def _img(path: Path) -> str:
@@ -153,8 +221,10 @@ def partition_plot(run: Run, out: Path) -> Path | None:
 
 
 def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float | None = None,
-                 title: str = "hetfl report") -> tuple[Path, Path]:
-    """Write ``out/report.html`` (self-contained) and ``out/report.md`` (+ PNGs); return both paths."""
+                 title: str = "hetfl report", per_seed: bool = False) -> tuple[Path, Path]:
+    """Write ``out/report.html`` (self-contained) and ``out/report.md`` (+ PNGs); return both paths.
+    Several runs' curves are mean ± std bands over seeds per setting; ``per_seed`` adds each seed
+    (:func:`_curve_figures`)."""
     runs = read_runs([Path(p) for p in run_dirs])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,14 +237,13 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     rows = tables.table_rows(records, target)
     table_md = tables.to_markdown(rows, target)
     differences = tables.differences_line(rows)
-    curves = plot_curves({f"{labels[key]} seed {r.seed}": r.path / METRICS_NAME for key, rs in groups.items()
-                          for r in rs}, out, target=target)
+    figures = _curve_figures(groups, labels, out, target, per_seed)
     html_parts = [f"<h1>{html.escape(title)}</h1>",
                   f'<p class="muted">{len(runs)} run(s), {len(groups)} setting(s).</p>',
                   "<h2>Comparison</h2>", _table_html(table_md), f'<p class="muted">{html.escape(differences)}</p>',
-                  "<h2>Curves</h2>", _img(Path(curves["png"]))]
+                  "<h2>Curves</h2>", *(_img(png) for _, png in figures)]
     md_parts = [f"# {title}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",
-                table_md, "## Curves", "", _md_img("curves", Path(curves["png"]), out), ""]
+                table_md, "## Curves", "", *(line for alt, png in figures for line in (_md_img(alt, png, out), ""))]
     for key, group in groups.items():
         first = group[0]
         name = f"{labels[key]} [{key}]"

@@ -5,8 +5,9 @@ A preset (``configs/<name>.toml``) holds:
 ``[preset]``
     ``title``, ``paper`` (where the numbers come from), ``metric`` (the paper's
     metric; see :func:`metric_value`), ``seeds``, cost estimates
-    (``gpu_minutes``, ``quick_cpu_minutes``) and ``notes`` (every known
-    deviation from the paper's setting).
+    (``gpu_minutes``: rough, not measured; ``quick_cpu_minutes``, with
+    ``quick_cpu_measured`` saying how it was measured, else it is shown as
+    rough) and ``notes`` (every known deviation from the paper's setting).
 ``[base]``
     a run configuration, as for ``hetfl run``.
 ``[[columns]]``
@@ -24,7 +25,8 @@ A preset (``configs/<name>.toml``) holds:
 ones and reusing finished ones of the same resolved configuration; a run folder
 holding another configuration is an error naming the keys) and writes
 ``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
-number and the difference.
+number and the difference, and per column ``curves_<column id>.png`` (+ ``.csv``):
+each row's curves as mean ± std bands over seeds, linked from ``reproduction.md``.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import mean, pstdev
+from statistics import mean
 from typing import Any
 
 from hetfl import config as config_mod
 from hetfl.params import ConfigError
+from hetfl.tables import mean_std
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -77,6 +80,8 @@ class Preset:
     quick_cpu_minutes: float = 0.0
     quick: dict[str, Any] = field(default_factory=dict)
     is_quick: bool = False
+    #: how quick_cpu_minutes was measured ("" = not measured: the estimate is rough)
+    quick_cpu_measured: str = ""
 
     def variant(self, quick: bool) -> Preset:
         """The preset itself, or its quick CPU variant."""
@@ -87,7 +92,8 @@ class Preset:
         columns = [Column(c.id, c.label, {**c.set, **q.get("set", {})}) for c in self.columns if c.id in keep]
         return Preset(self.name, self.title + " (quick CPU variant)", self.paper, self.metric,
                       list(q.get("seeds", self.seeds[:1])), self.base, columns, self.rows, self.notes,
-                      self.gpu_minutes, self.quick_cpu_minutes, {}, is_quick=True)
+                      self.gpu_minutes, self.quick_cpu_minutes, {}, is_quick=True,
+                      quick_cpu_measured=self.quick_cpu_measured)
 
 
 def preset_path(name: str, directory: Path = PRESET_DIR) -> Path:
@@ -122,6 +128,7 @@ def load_preset(name: str, directory: Path = PRESET_DIR) -> Preset:
             notes=meta.get("notes", ""),
             gpu_minutes=float(meta.get("gpu_minutes", 0)),
             quick_cpu_minutes=float(meta.get("quick_cpu_minutes", 0)),
+            quick_cpu_measured=str(meta.get("quick_cpu_measured", "")),
             quick=tree.get("quick", {}),
         )
     except (KeyError, TypeError) as err:
@@ -200,6 +207,8 @@ def reproduce(
     run: Callable[[config_mod.RunConfig, Path, bool], None],
     user_set: list[str] | None = None,
     resolve: Callable[[list[config_mod.RunConfig]], list[config_mod.RunConfig]] | None = None,
+    say: Callable[[str], None] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir, resume)``,
     then write ``reproduction.json`` / ``.md`` there.
@@ -207,7 +216,9 @@ def reproduce(
     Configs are all validated, and every run folder checked against the resolved config of the
     run planned there (``resolve``, default :func:`hetfl.engine.identity.resolve_configs`), before
     any run: a folder holding the same run is reused (finished) or resumed (``resume=True``); one
-    holding another configuration is a RunDirError naming the differing keys."""
+    holding another configuration is a RunDirError naming the differing keys. Before each run that
+    computes, ``say`` gets ``run k of n (column, method, seed s): about M min left``
+    (:class:`hetfl.sweeps.RunCounter`; before any run has finished, the preset's estimate, labelled rough)."""
     from hetfl.engine import identity
 
     specs = run_specs(preset)
@@ -216,9 +227,13 @@ def reproduce(
     resolved = (resolve or identity.resolve_configs)([configs[spec] for spec in order])
     states = {spec: identity.check_run_dir(out / spec.column / spec.dirname, config_mod.to_tree(full))
               for spec, full in zip(order, resolved, strict=True)}
-    for spec in order:
+    counter = run_counter(preset, [(spec, configs[spec], out / spec.column / spec.dirname, states[spec])
+                                   for spec in order], say, clock)
+    for i, spec in enumerate(order):
         if states[spec] != "finished":
+            counter.start(i)
             run(configs[spec], out / spec.column / spec.dirname, states[spec] == "unfinished")
+            counter.done(i)
     table: dict[str, Any] = {}
     for row in preset.rows:
         metric = row.metric or preset.metric
@@ -228,16 +243,40 @@ def reproduce(
             ours = 100 * mean(values)
             paper = row.paper.get(column.id)
             table.setdefault(row.label, {})[column.id] = {
-                "ours": ours, "std": 100 * pstdev(values), "seeds": preset.seeds, "values": values,
+                "ours": ours, "std": 100 * mean_std(values)[1], "seeds": preset.seeds, "values": values,
                 "paper": paper, "diff": None if paper is None else ours - paper, "metric": metric,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if not preset.is_quick else None,
               "columns": {c.id: c.label for c in preset.columns}, "table": table}
     out.mkdir(parents=True, exist_ok=True)
+    result["curves"] = draw_curves(preset, specs, out)  # one mean ± std figure per column, linked from the .md
     (out / "reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "reproduction.md").write_text(markdown(result))
     return result
+
+
+def estimate_minutes(preset: Preset) -> tuple[float, str]:
+    """The preset's estimate of its whole run time in minutes (the quick variant's on 2 idle CPU cores,
+    else the GPU one) and what it is (measured when the preset says how, ``quick_cpu_measured``)."""
+    if preset.is_quick:
+        basis = "measured on 2 idle CPU cores" if preset.quick_cpu_measured else "not measured"
+        return preset.quick_cpu_minutes, f"the preset's estimate, {basis}"
+    return preset.gpu_minutes, "the preset's GPU estimate, not measured"
+
+
+def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, Path, str]],
+                say: Callable[[str], None] | None, clock: Callable[[], float] | None) -> Any:
+    """The run counter of a preset's plan (:class:`hetfl.sweeps.RunCounter`) with the preset's estimate
+    as its prior."""
+    import time
+
+    from hetfl.sweeps import RunCounter, planned_run
+
+    minutes, basis = estimate_minutes(preset)
+    runs = [planned_run(f"{spec.column}, {spec.algorithm}, seed {spec.seed}", cfg, run_dir, state)
+            for spec, cfg, run_dir, state in plan]
+    return RunCounter(runs, say, clock or time.monotonic, prior_s=60 * minutes or None, prior_label=basis)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -260,4 +299,82 @@ def markdown(result: dict[str, Any]) -> str:
                   "numbers: the paper's are for the full setting, so no differences are given."]
     if result["notes"]:
         lines += ["", "Notes: " + result["notes"]]
+    lines += curve_lines(result)
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------- curves over seeds
+CURVE_KEYS = ("global_acc", "client_acc_mean")
+
+
+def curve_key(metric: str, runs: dict[int, list[dict[str, Any]]]) -> str:
+    """The per-round accuracy a row's curve shows: the one its metric is read from (``final_X``, ``best_X``,
+    ``best5:X`` with X ``global_acc`` or ``client_acc_mean``) when its runs log it, else the runs' default
+    (:func:`hetfl.analysis.curves.default_accuracy_key`; e.g. ``final_global_acc_before_ccvr``, logged
+    only in the last round, is drawn as the ``global_acc`` curve)."""
+    from hetfl.analysis.curves import default_accuracy_key
+
+    key = metric.removeprefix("best5:").removeprefix("final_").removeprefix("best_")
+    if key in CURVE_KEYS and all(any(m.get(key) is not None for m in rows) for rows in runs.values()):
+        return key
+    return default_accuracy_key([m for rows in runs.values() for m in rows])
+
+
+def column_groups(preset: Preset, specs: dict[tuple[str, str, int], RunSpec], out: Path,
+                  column: Column) -> tuple[dict[str, dict[int, list[dict[str, Any]]]], dict[str, str]]:
+    """A column's runs for :func:`~hetfl.analysis.plots.plot_seed_bands`: label -> seed -> metrics, and
+    label -> accuracy key (:func:`curve_key`). Rows that read the same runs and the same accuracy
+    (e.g. "FedAvg" and "FedAvg + CCVR", one run before and after calibration) are one label."""
+    from hetfl.analysis.curves import load_metrics
+
+    merged: dict[tuple[tuple[str, ...], str], list[str]] = {}
+    loaded: dict[tuple[str, ...], dict[int, list[dict[str, Any]]]] = {}
+    for row in preset.rows:
+        dirs = tuple(specs[(row.label, column.id, s)].dirname for s in preset.seeds)
+        if dirs not in loaded:
+            loaded[dirs] = {s: load_metrics(out / column.id / d) for s, d in zip(preset.seeds, dirs, strict=True)}
+        merged.setdefault((dirs, curve_key(row.metric or preset.metric, loaded[dirs])), []).append(row.label)
+    labels = {key: ", ".join(rows) + (": same runs" if len(rows) > 1 else "") for key, rows in merged.items()}
+    return {labels[key]: loaded[key[0]] for key in merged}, {labels[key]: key[1] for key in merged}
+
+
+def draw_curves(preset: Preset, specs: dict[tuple[str, str, int], RunSpec], out: Path) -> dict[str, dict[str, str]]:
+    """Per column, ``out/curves_<column id>.png`` (+ ``.csv``): each row's accuracy and train loss over
+    rounds, mean ± sample std over seeds (as the table's std), rows as labels (:func:`column_groups`).
+    Returns column id -> ``{"png", "csv"}`` file names (relative to ``out``), or ``{"error": why}`` for a
+    column whose runs could not be drawn (the table stands without its figure)."""
+    import re
+
+    from hetfl.analysis.plots import plot_seed_bands
+
+    figures: dict[str, dict[str, str]] = {}
+    for column in preset.columns:
+        try:
+            groups, keys = column_groups(preset, specs, out, column)
+            written = plot_seed_bands(groups, out, name="curves_" + re.sub(r"[^A-Za-z0-9._-]", "_", column.id),
+                                      metric=keys, ddof=1, context=f"{preset.title}: {column.label or column.id}")
+        except (ValueError, OSError) as err:
+            figures[column.id] = {"error": str(err)}
+            continue
+        figures[column.id] = {"png": written["png"].name, "csv": written["data"].name}
+    return figures
+
+
+def curve_lines(result: dict[str, Any]) -> list[str]:
+    """The Markdown section linking each column's curves (relative links, beside reproduction.md)."""
+    import urllib.parse
+
+    curves = result.get("curves") or {}
+    if not curves:
+        return []
+    lines = ["", "## Curves over seeds", "", "Each row's accuracy and train loss per round: mean ± std over seeds "
+             "(sample std, n - 1, as the table); rows that read the same runs share one band."]
+    for cid, label in result["columns"].items():
+        drawn = curves.get(cid, {})
+        name = label or cid
+        if "png" in drawn:
+            lines += ["", f"![{name}]({urllib.parse.quote(drawn['png'])})"]
+        elif "error" in drawn:
+            lines += ["", f"{name}: curves not drawn: {drawn['error']}"]
+    return lines
+

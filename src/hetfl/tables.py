@@ -63,7 +63,9 @@ def rounds_to_target(curve: list[tuple[int, float]], target: float) -> int | Non
     return next((r for r, acc in curve if acc >= target), None)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1) over seeds, the spread every hetfl table and band
+    reports; 0 for a single seed, NaN for none."""
     if not values:
         return math.nan, math.nan
     return mean(values), (stdev(values) if len(values) > 1 else 0.0)
@@ -87,8 +89,8 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
         flat = identity.flatten(runs[0].config)
         key = runs[0].metric_key
         best_key = key.replace("final_", "best_")
-        final_m, final_s = _mean_std([100 * r.summary[key] for r in runs])
-        best_m, best_s = _mean_std([100 * r.summary[best_key] for r in runs])
+        final_m, final_s = mean_std([100 * r.summary[key] for r in runs])
+        best_m, best_s = mean_std([100 * r.summary[best_key] for r in runs])
         row: dict[str, Any] = {"method": runs[0].method}
         row.update({k: _cell(flat[k]) if k in flat else UNSET for k in varying})
         row.update({

@@ -2,8 +2,11 @@
 
 Every line of ``metrics.jsonl`` is one round: always ``round``, ``train_loss``,
 ``bytes_up``, ``bytes_down``, ``round_time_s``; on evaluated rounds also
-``client_acc_mean``, ``client_acc_std`` and ``client_acc`` (each client's model
-on its own test split) and, for methods with one global model, ``global_acc``.
+``client_acc_mean``, ``client_acc_std``, the quartiles ``client_acc_min`` ...
+``client_acc_max`` and ``clients_evaluated`` (each client's model on its own test
+split; the per-client values themselves are in ``client_metrics.jsonl``, and runs
+written before that file carry them as a ``client_acc`` list) and, for methods
+with one global model, ``global_acc``.
 These helpers turn that log into plain lists for plots and tables: accuracy
 curves, the spread of per-client accuracy (CCVR and FedUV report personalised
 accuracy as a mean; the quartiles show who is left behind), train loss, rounds
@@ -14,7 +17,9 @@ McMahan et al., AISTATS 2017, Table 2) and cumulative traffic.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +71,25 @@ def accuracy_curves(metrics: Metrics) -> dict[str, list]:
 
 def client_spread(metrics: Metrics) -> dict[str, list]:
     """Distribution of per-client accuracy per evaluated round: ``{"round", "min", "q25",
-    "median", "q75", "max", "num_clients"}`` from the round's ``client_acc`` list (quartiles by
-    numpy's default linear interpolation between order statistics). Rounds without
-    ``client_acc`` are left out."""
+    "median", "q75", "max", "num_clients"}``. A line written since the per-client arrays left
+    the metrics line carries these as ``client_acc_min`` ... ``client_acc_max`` and
+    ``clients_evaluated``; an older line's ``client_acc`` list is summarised here the same way
+    (quartiles by numpy's default linear interpolation between order statistics). Rounds with
+    neither are left out."""
     keys = ("min", "q25", "median", "q75", "max")
     out: dict[str, list] = {"round": [], **{k: [] for k in keys}, "num_clients": []}
     for m in metrics:
-        accs = m.get("client_acc")
-        if not accs:
+        if all(f"client_acc_{k}" in m for k in keys):
+            values, count = [m[f"client_acc_{k}"] for k in keys], m.get("clients_evaluated")
+        elif m.get("client_acc"):  # a run directory written before client_metrics.jsonl
+            accs = m["client_acc"]
+            values, count = np.percentile(np.asarray(accs, dtype=np.float64), [0, 25, 50, 75, 100]), len(accs)
+        else:
             continue
-        values = np.percentile(np.asarray(accs, dtype=np.float64), [0, 25, 50, 75, 100])
         out["round"].append(m["round"])
         for k, v in zip(keys, values, strict=True):
             out[k].append(float(v))
-        out["num_clients"].append(len(accs))
+        out["num_clients"].append(count)
     return out
 
 
@@ -137,3 +147,72 @@ def run_curves(metrics_or_path: Metrics | str | Path) -> dict[str, Any]:
         "accuracy_key": default_accuracy_key(metrics),
         "wall_time_s": float(sum(m.get("round_time_s", 0.0) for m in metrics)),
     }
+
+
+@dataclass(frozen=True)
+class SeedBand:
+    """One metric of one setting over its seeds, on the rounds every seed logged (:func:`seed_band`).
+
+    ``values[i, j]`` is seed ``seeds[i]``'s value at ``rounds[j]``; ``mean`` and ``std`` are over seeds
+    (axis 0; ``std`` with ``ddof`` as given, 0 for a single seed); ``dropped`` lists the rounds that some
+    seeds logged and others did not (left out, never averaged over fewer seeds)."""
+
+    key: str
+    seeds: list[Any]
+    rounds: list[int]
+    values: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    ddof: int
+    dropped: list[int]
+
+    @property
+    def n(self) -> int:
+        """The number of seeds behind every point of the band."""
+        return len(self.seeds)
+
+
+def _series(metrics: Metrics, key: str) -> dict[int, float]:
+    """``round -> value`` over the rounds that logged ``key`` (non-finite values kept as NaN)."""
+    out = {}
+    for m in metrics:
+        value = m.get(key)
+        if value is not None:
+            out[int(m["round"])] = float(value) if math.isfinite(float(value)) else math.nan
+    return out
+
+
+def seed_band(runs: Mapping[Any, Metrics], key: str, *, ddof: int = 1, label: str = "") -> SeedBand:
+    """Mean and standard deviation over seeds of the per-round metric ``key``.
+
+    ``runs`` maps a seed to its metrics (rows of ``metrics.jsonl``). Seeds are aligned on the rounds
+    that *every* seed logged ``key`` for (with equal ``train.eval_every`` these are all evaluated
+    rounds); rounds only some seeds logged are left out and listed in ``dropped``, so that no point
+    is a mean over fewer seeds than the legend says. ``ddof=1`` is the sample std (n-1, as
+    ``comparison.md`` via :func:`statistics.stdev`), ``ddof=0`` the population std (n, as
+    ``reproduction.md`` via :func:`statistics.pstdev`); a single seed has std 0. A non-finite value
+    (a diverged seed) makes that round's mean and std NaN, i.e. not drawn.
+
+    Raises ValueError (naming ``label``, the seed and ``key``) when there are no runs, a seed never
+    logged ``key``, or the seeds share no round.
+    """
+    where = f"{label}: " if label else ""
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof {ddof!r}: must be 0 (population std) or 1 (sample std)")
+    if not runs:
+        raise ValueError(f"{where}no runs to average over")
+    series = {seed: _series(metrics, key) for seed, metrics in runs.items()}
+    for seed, values in series.items():
+        if not values:
+            raise ValueError(f"{where}seed {seed} logged no {key!r} in any round")
+    shared = set.intersection(*(set(v) for v in series.values()))
+    every = set.union(*(set(v) for v in series.values()))
+    if not shared:
+        listed = "; ".join(f"seed {s}: rounds {sorted(v)[:5]}" for s, v in series.items())
+        raise ValueError(f"{where}the seeds share no round that logged {key!r} ({listed}): give runs of one setting "
+                         "(the same train.eval_every)")
+    rounds = sorted(shared)
+    values = np.array([[series[seed][r] for r in rounds] for seed in series], dtype=np.float64)
+    std = values.std(axis=0, ddof=ddof) if len(series) > 1 else np.zeros(len(rounds))
+    return SeedBand(key, list(series), rounds, values, values.mean(axis=0), std, ddof, sorted(every - shared))
+

@@ -17,6 +17,8 @@ What every figure does so that a reader is not misled:
   constrained layout makes room) for more, and a colour bar instead of a legend when there are
   too many groups for distinct colours (:data:`CATEGORICAL_MAX`);
 - the singular-value spectrum's log axis stops at numerical precision (:func:`precision_floor`);
+- curves over seeds (:func:`plot_seed_bands`) say which std their bands are, how many seeds each
+  label has (no band for one), which rounds were left out and which labels' curves coincide;
 - heat maps have a labelled colour bar.
 """
 
@@ -36,7 +38,7 @@ from torch import Tensor
 
 from .cka import mean_off_diagonal
 from .classifier import pearson, spearman
-from .curves import Metrics, load_metrics, rounds_to_target, run_curves
+from .curves import Metrics, SeedBand, default_accuracy_key, load_metrics, rounds_to_target, run_curves, seed_band
 from .spectrum import effective_rank_of_spectrum
 
 DPI = 120
@@ -631,3 +633,248 @@ def plot_curves(
     curves = _load_curves(runs, target)
     png = _save(_curves_figure(curves, target, context), out_dir, name)
     return {"png": png, "data": _write_json(out_dir, name, curves)}
+
+
+# ---------------------------------------------------------------- curves over seeds
+#: label -> that setting's runs: seed -> metrics list, run directory or ``metrics.jsonl`` (a list: seeds 0, 1, ...)
+SeedGroups = Mapping[str, Mapping[Any, Metrics | str | Path] | Sequence[Metrics | str | Path]]
+ACCURACY_TEXT = {"global_acc": "global model, pooled test set", "client_acc_mean": "mean over clients, own test splits"}
+STD_TEXT = {0: "population std (÷n)", 1: "sample std (÷(n−1))"}
+LEGEND_FONT_PT = 7.0  # "x-small" at matplotlib's default 10 pt
+COINCIDE_TOL = 1e-3  # mean accuracies closer than this at every round are drawn on top of each other: said in the title
+
+
+def _seed_runs(groups: SeedGroups) -> dict[str, dict[Any, list[dict[str, Any]]]]:
+    """``groups`` with every run loaded: label -> seed -> metrics list."""
+    if not groups:
+        raise ValueError("no runs to plot")
+    loaded = {}
+    for label, runs in groups.items():
+        items = runs.items() if isinstance(runs, Mapping) else enumerate(runs)
+        loaded[label] = {seed: load_metrics(m) if isinstance(m, str | Path) else list(m) for seed, m in items}
+        if not loaded[label]:
+            raise ValueError(f"{label}: no runs to plot")
+    return loaded
+
+
+def _accuracy_key(label: str, runs: Mapping[Any, Metrics], metric: str | Mapping[str, str] | None) -> str:
+    """The accuracy a label's band shows: ``metric`` (one key, or one per label), else
+    :func:`~hetfl.analysis.curves.default_accuracy_key` over all its seeds."""
+    if isinstance(metric, str):
+        return metric
+    if isinstance(metric, Mapping) and label in metric:
+        return metric[label]
+    return default_accuracy_key([m for metrics in runs.values() for m in metrics])
+
+
+def seed_bands(groups: SeedGroups, *, metric: str | Mapping[str, str] | None = None,
+               ddof: int = 1) -> dict[str, dict[str, SeedBand | None]]:
+    """Per label, ``{"accuracy": SeedBand, "train_loss": SeedBand | None}`` over its seeds
+    (:func:`~hetfl.analysis.curves.seed_band`; ``train_loss`` is None when no seed logged it)."""
+    out: dict[str, dict[str, SeedBand | None]] = {}
+    for label, runs in _seed_runs(groups).items():
+        logged_loss = any("train_loss" in m for metrics in runs.values() for m in metrics)
+        out[label] = {"accuracy": seed_band(runs, _accuracy_key(label, runs, metric), ddof=ddof, label=label),
+                      "train_loss": seed_band(runs, "train_loss", ddof=ddof, label=label) if logged_loss else None}
+    return out
+
+
+def _band_x(band: SeedBand) -> np.ndarray:
+    """The band's x: its rounds; a single round is widened to ±0.25 so that its band is visible."""
+    if len(band.rounds) == 1:
+        return np.array([band.rounds[0] - 0.25, band.rounds[0] + 0.25])
+    return np.asarray(band.rounds, dtype=np.float64)
+
+
+def _draw_band(ax: Any, band: SeedBand, colour: Any, style: str, per_seed: bool) -> Any:
+    """The mean as a line, ± std as a shaded band (only with 2+ seeds) and, with ``per_seed``, each
+    seed as a thin line of the same colour; returns the legend handle (line over band patch)."""
+    from matplotlib.patches import Patch
+
+    marker = "o" if len(band.rounds) <= 12 else None
+    (line,) = ax.plot(band.rounds, band.mean, style, color=colour, linewidth=1.8, marker=marker, markersize=3)
+    if per_seed:
+        for row in band.values:
+            ax.plot(band.rounds, row, style, color=colour, linewidth=0.7, alpha=0.55)
+    if band.n < 2:
+        return line
+    x = _band_x(band)
+    lower, upper = band.mean - band.std, band.mean + band.std
+    if len(band.rounds) == 1:
+        lower, upper = np.repeat(lower, 2), np.repeat(upper, 2)
+    ax.fill_between(x, lower, upper, color=colour, alpha=0.22, linewidth=0)
+    return (Patch(color=colour, alpha=0.22), line)
+
+
+def _legend_text(label: str, band: SeedBand) -> str:
+    return f"{label} ({band.n} seeds)" if band.n > 1 else f"{label} (1 seed, no band)"
+
+
+def _legend_layout(texts: Sequence[str], fig_width: float) -> tuple[int, list[str], int]:
+    """Columns (at most 3, as many as the longest entry allows in ``fig_width`` inches), the entries
+    wrapped to a column's width (so that none runs off the figure) and the legend's number of text lines."""
+    width = fig_width * 72.0 / (0.6 * LEGEND_FONT_PT) * 0.95 - 6  # the key's line and padding: ~6 characters
+    longest = max(len(t) for t in texts)
+    ncols = max(1, min(3, len(texts), int(width // (longest + 6))))
+    wrapped = [textwrap.fill(t, max(20, int(width / ncols) - 6)) for t in texts]
+    lines = sum(max(t.count("\n") + 1 for t in wrapped[i:i + ncols]) for i in range(0, len(wrapped), ncols))
+    return ncols, wrapped, lines
+
+
+def _seed_note(bands: Mapping[str, Mapping[str, SeedBand | None]], ddof: int, per_seed: bool) -> str:
+    """What the lines and bands are, and what was left out."""
+    parts = [f"line: mean over seeds; band: ± 1 {STD_TEXT[ddof]}" + ("; thin lines: each seed" if per_seed else "")]
+    single = [label for label, b in bands.items() if b["accuracy"] is not None and b["accuracy"].n < 2]
+    if single:
+        parts.append(f"one seed, no band: {', '.join(single)}")
+    for label, b in bands.items():
+        for band in b.values():
+            if band is not None and band.dropped:
+                parts.append(f"{label}: {len(band.dropped)} round(s) of {band.key} not logged by every seed "
+                             "left out")
+    parts += [f"accuracy curves coincide (one hides the other): {' = '.join(group)}" for group in _coinciding(bands)]
+    return "; ".join(parts)
+
+
+def _coinciding(bands: Mapping[str, Mapping[str, SeedBand | None]], tol: float = COINCIDE_TOL) -> list[list[str]]:
+    """Groups of labels whose mean accuracy curves are the same within ``tol`` at every round (drawn on top
+    of each other, only the last drawn would be seen; the title names them instead)."""
+    groups: list[list[str]] = []
+    for label, b in bands.items():
+        acc = b["accuracy"]
+        for group in groups:
+            other = bands[group[0]]["accuracy"]
+            if (acc is not None and other is not None and acc.key == other.key and acc.rounds == other.rounds
+                    and np.allclose(acc.mean, other.mean, rtol=0.0, atol=tol, equal_nan=True)):
+                group.append(label)
+                break
+        else:
+            groups.append([label])
+    return [group for group in groups if len(group) > 1]
+
+
+def _accuracy_panel(ax: Any, bands: Mapping[str, Mapping[str, SeedBand | None]], target: float | None) -> None:
+    """Labels, title and [0, 1] range of the accuracy panel; a style key when labels show different accuracies."""
+    keys = sorted({b["accuracy"].key for b in bands.values() if b["accuracy"] is not None}, key=_key_order)
+    if len(keys) == 1:
+        ax.set_ylabel(f"test accuracy ({ACCURACY_TEXT.get(keys[0], keys[0])})", fontsize="small")
+    else:
+        ax.set_ylabel("test accuracy")
+    entries = [(ACCURACY_TEXT.get(k, k), {"linestyle": _accuracy_style(k, keys)}) for k in keys if len(keys) > 1]
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":")
+        entries.append((f"target {target:g}", {"linestyle": ":", "color": "gray"}))
+    _style_key(ax, entries)
+    ax.set(xlabel="round", title="Accuracy")
+    _accuracy_axis(ax, [v for b in bands.values() for v in np.nan_to_num(b["accuracy"].mean + b["accuracy"].std)])
+
+
+def _key_order(key: str) -> tuple[int, str]:
+    """Global accuracy first, then the client mean, then any other key by name."""
+    return ({"global_acc": 0, "client_acc_mean": 1}.get(key, 2), key)
+
+
+def _accuracy_style(key: str, keys: Sequence[str]) -> str:
+    """Solid for the global model, dashed for the client mean (as :func:`curves_figure`), when both are shown."""
+    return "--" if len(keys) > 1 and key == "client_acc_mean" else "-"
+
+
+def _loss_panel(ax: Any, bands: Mapping[str, Mapping[str, SeedBand | None]]) -> None:
+    """Labels and scale of the train-loss panel: log when the means span more than a decade."""
+    means = [v for b in bands.values() if b["train_loss"] is not None for v in b["train_loss"].mean.tolist()]
+    finite = [v for v in means if math.isfinite(v)]
+    if not means:
+        ax.text(0.5, 0.5, "no train loss logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set(xticks=[], yticks=[])
+    log_loss = bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 10
+    if log_loss:
+        ax.set_yscale("log")
+    ax.set(xlabel="round", ylabel="train loss" + (" (log scale)" if log_loss else ""), title="Train loss")
+
+
+def seed_bands_figure(
+    groups: SeedGroups,
+    *,
+    metric: str | Mapping[str, str] | None = None,
+    per_seed: bool = False,
+    ddof: int = 1,
+    target: float | None = None,
+    context: str | None = None,
+) -> Any:
+    """The figure of :func:`plot_seed_bands` (arguments as there)."""
+    return _seed_bands_figure(seed_bands(groups, metric=metric, ddof=ddof), per_seed, ddof, target, context)
+
+
+def _seed_bands_figure(bands: Mapping[str, Mapping[str, SeedBand | None]], per_seed: bool, ddof: int,
+                       target: float | None, context: str | None) -> Any:
+    """Two panels (accuracy, train loss); one colour per label, named once in a legend under the panels."""
+    texts = [_legend_text(label, b["accuracy"]) for label, b in bands.items()]  # type: ignore[arg-type]
+    ncols, wrapped, lines = _legend_layout(texts, 2 * 5.2)
+    fig, axes = _figure(1, 2, size=(5.2, 3.9 + lines * LEGEND_FONT_PT * 1.6 / 72.0))  # room for the legend
+    acc_ax, loss_ax = axes.flat
+    keys = sorted({b["accuracy"].key for b in bands.values() if b["accuracy"] is not None}, key=_key_order)
+    handles = []
+    for colour, b in zip(_colours(len(bands)), bands.values(), strict=True):
+        acc = b["accuracy"]
+        assert acc is not None
+        handles.append(_draw_band(acc_ax, acc, colour, _accuracy_style(acc.key, keys), per_seed))
+        if b["train_loss"] is not None:
+            _draw_band(loss_ax, b["train_loss"], colour, "-", per_seed)
+    _accuracy_panel(acc_ax, bands, target)
+    _loss_panel(loss_ax, bands)
+    for ax in (acc_ax, loss_ax):
+        _integer_ticks(ax)
+    fig.legend(handles, wrapped, loc="outside lower center", ncols=ncols, fontsize=LEGEND_FONT_PT)
+    _suptitle(fig, "Learning curves over seeds", context, _seed_note(bands, ddof, per_seed), fontsize=11.0)
+    return fig
+
+
+def _seed_rows(bands: Mapping[str, Mapping[str, SeedBand | None]], per_seed: bool) -> tuple[list[str], list[list]]:
+    """The CSV of :func:`plot_seed_bands`: header and rows ``round, label, metric, mean, std, n[, seed_<k> ...]``."""
+    seeds = list(dict.fromkeys(s for b in bands.values() for band in b.values() if band is not None
+                               for s in band.seeds)) if per_seed else []
+    header = ["round", "label", "metric", "mean", "std", "n", *(f"seed_{s}" for s in seeds)]
+    rows = []
+    for label, b in bands.items():
+        for band in b.values():
+            if band is None:
+                continue
+            column = {s: i for i, s in enumerate(band.seeds)}
+            for j, r in enumerate(band.rounds):
+                cells = [band.values[column[s], j] if s in column else "" for s in seeds]
+                rows.append([r, label, band.key, band.mean[j], band.std[j], band.n, *cells])
+    return header, rows
+
+
+def plot_seed_bands(
+    groups: SeedGroups,
+    out_dir: str | Path,
+    *,
+    name: str = "seed_bands",
+    metric: str | Mapping[str, str] | None = None,
+    per_seed: bool = False,
+    ddof: int = 1,
+    target: float | None = None,
+    context: str | None = None,
+) -> dict[str, Path]:
+    """Learning curves over seeds as mean ± std bands: per label (a setting or method), the mean over
+    its seeds as a line and ± one standard deviation as a shaded band of the same colour, in two panels,
+    test accuracy (on ``[0, 1]``) and train loss (log axis when it spans more than a decade).
+
+    ``groups`` maps a label to its runs, ``seed -> metrics`` (a metrics list, a run directory or a
+    ``metrics.jsonl``). Seeds are aligned on the rounds that every seed logged
+    (:func:`~hetfl.analysis.curves.seed_band`): rounds only some seeds logged are left out, and the
+    title says how many; seeds that share no round are a ValueError. The accuracy is ``metric`` (a
+    per-round key, one for all labels or one per label), by default ``global_acc`` where logged and
+    ``client_acc_mean`` for personalised methods (:func:`~hetfl.analysis.curves.default_accuracy_key`);
+    when labels show different ones, the client mean is dashed. ``ddof``: 1 for the sample std (as
+    ``comparison.md``), 0 for the population std (as ``reproduction.md``); the title says which.
+    ``per_seed`` adds each seed as a thin line; a label with one seed is a line without a band, and
+    its legend entry says so ("FedAvg (1 seed, no band)", else "FedAvg (3 seeds)"). ``target`` marks
+    an accuracy. Data: CSV ``round, label, metric, mean, std, n`` (+ ``seed_<k>`` per seed with
+    ``per_seed``)."""
+    bands = seed_bands(groups, metric=metric, ddof=ddof)
+    png = _save(_seed_bands_figure(bands, per_seed, ddof, target, context), out_dir, name)
+    header, rows = _seed_rows(bands, per_seed)
+    return {"png": png, "data": _write_csv(out_dir, name, header, rows)}
+

@@ -42,7 +42,7 @@ class FederatedData:
         self.num_clients = partition.num_clients
         self.augment = self._resolve_augment(augment)
         self.padding = max(1, self.info.input_shape[-1] // 8) if self.info.is_image else 0
-        train_x, train_y = dataset.train.x, dataset.train.y.clone()
+        train_x, train_y = dataset.train.x, dataset.train.y  # copied below only if labels are permuted
         test_x, test_y = dataset.test.x, dataset.test.y
         self.client_train = [torch.as_tensor(np.asarray(i), dtype=torch.long) for i in partition.train]
         if partition.rotation is not None:
@@ -51,6 +51,7 @@ class FederatedData:
                 if angle and len(idx):
                     train_x[idx] = rotate(train_x[idx], float(angle))
         if partition.label_perm is not None:
+            train_y = train_y.clone()
             for idx, perm in zip(self.client_train, partition.label_perm, strict=True):
                 train_y[idx] = torch.as_tensor(np.asarray(perm), dtype=torch.long)[train_y[idx]]
         self.train_x, self.train_y = train_x.to(device), train_y.to(device)
@@ -59,14 +60,16 @@ class FederatedData:
         self.client_train_cpu = self.client_train
         self.client_train = [idx.to(device) for idx in self.client_train]
         self.transformed = partition.rotation is not None or partition.label_perm is not None
-        self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
         if self.transformed:  # the global test set is the union of the transformed client tests
+            self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
             self.test_x = torch.cat([t.x for t in self.client_tests])
             self.test_y = torch.cat([t.y for t in self.client_tests])
         else:
             self.test_x, self.test_y = test_x.to(device), test_y.to(device)
+            self.client_tests = [self._client_view(np.asarray(i)) for i in partition.test]
         self.client_sizes = [len(idx) for idx in self.client_train]
         self.client_test_idx = [torch.as_tensor(np.asarray(i), dtype=torch.long) for i in partition.test]
+        self._test_segments: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
 
     def _resolve_augment(self, augment: str) -> str:
         if augment != "auto":
@@ -76,6 +79,39 @@ class FederatedData:
         shape = self.info.input_shape
         rgb = self.info.is_image and shape[0] == 3 and 32 <= shape[-1] <= 96
         return "crop_flip" if rgb else "none"
+
+    def _client_view(self, idx: np.ndarray) -> ClientTest:
+        """An untransformed client's test split from the global test set on the device: a view when its
+        indices are one ascending run (natural groups: a device's test samples are stored together),
+        else a gathered copy; the same values either way, without holding the test set twice."""
+        if len(idx) and idx[-1] - idx[0] + 1 == len(idx) and (idx[1:] - idx[:-1] == 1).all():
+            a, b = int(idx[0]), int(idx[-1]) + 1
+            return ClientTest(self.test_x[a:b], self.test_y[a:b])
+        index = torch.as_tensor(idx, dtype=torch.long).to(self.device)
+        return ClientTest(self.test_x[index], self.test_y[index])
+
+    def client_test_accuracies(self, correct: torch.Tensor) -> dict[int, float]:
+        """Each client's accuracy on its own test split (clients with one), from ``correct``, the global
+        model's per-sample correctness on the untransformed global test set: per-client counts by one
+        ``index_add_`` over all clients' indices instead of one indexing and ``.item()`` per client.
+
+        The same floats as ``correct[idx].float().mean().item()`` per client: ``torch.mean`` of a float32
+        tensor is its sum divided by the count on a CPU (``mean_out``: ``sum(...).div_(n)``) and the sum
+        times ``float32(1 / n)`` on CUDA (``MeanOps`` with ``factor = 1 / numel``); sums of 0/1 below
+        2^24 are exact, so each is reproduced by one float32 division or multiplication."""
+        if self._test_segments is None:
+            sizes = np.array([len(i) for i in self.client_test_idx], dtype=np.int64)
+            flat = torch.cat(self.client_test_idx) if self.client_test_idx else torch.zeros(0, dtype=torch.long)
+            owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.from_numpy(sizes))
+            self._test_segments = (flat.to(self.device), owner.to(self.device), sizes)
+        flat, owner, sizes = self._test_segments
+        counts = torch.zeros(len(sizes), dtype=torch.int64, device=correct.device)
+        counts.index_add_(0, owner, correct[flat].long())
+        held = np.flatnonzero(sizes)
+        n = torch.from_numpy(sizes[held].astype(np.float32)).to(correct.device)
+        hits = counts[torch.from_numpy(held).to(correct.device)].float()
+        acc = hits / n if correct.device.type == "cpu" else hits * (1 / n)
+        return dict(zip(held.tolist(), acc.tolist(), strict=True))
 
     def _client_test(self, test_x: torch.Tensor, test_y: torch.Tensor, client: int) -> ClientTest:
         idx = torch.as_tensor(np.asarray(self.partition.test[client]), dtype=torch.long)

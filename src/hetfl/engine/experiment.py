@@ -2,8 +2,9 @@
 the round loop (sample, train clients, aggregate, evaluate, log, checkpoint).
 
 The run directory contract (DESIGN.md): ``config.toml`` (resolved config),
-``metrics.jsonl`` (one line per round), ``summary.json``, and
-``checkpoint.safetensors`` for ``hetfl run --resume``.
+``metrics.jsonl`` (one line per round, of a size that does not grow with the
+clients), ``client_metrics.jsonl`` (each client's accuracy on evaluated rounds),
+``summary.json``, and ``checkpoint.safetensors`` for ``hetfl run --resume``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,11 @@ import numpy as np
 import torch
 
 from hetfl import config as config_mod
+from hetfl import tracking
 from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name, step_hyper
 from hetfl.algorithms.base import (
     SHARED,
+    Algorithm,
     Batch,
     ClientContext,
     ModelCaller,
@@ -49,7 +53,15 @@ from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
 from hetfl.engine.identity import differing_keys
 from hetfl.engine.local import LocalResult, run_stages, train_client
-from hetfl.engine.rundir import HISTORY_KEY, MetricsLog, RunDirError, check_no_run, lock_run_dir, restore_metrics
+from hetfl.engine.rundir import (
+    HISTORY_KEY,
+    History,
+    MetricsLog,
+    RunDirError,
+    check_no_run,
+    lock_run_dir,
+    restore_metrics,
+)
 from hetfl.engine.vectorized import train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
@@ -60,6 +72,15 @@ METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 CONFIG_NAME = "config.toml"
 CLIENT_MODELS_DIR = "client_models"
+#: the key under which ``evaluate`` returns each client's accuracy (taken out of the metrics line, written
+#: to ``client_metrics.jsonl``); the line keeps their summary, ``client_acc_<SPREAD_KEYS>``
+CLIENT_ACC_KEY = "_client_acc"
+SPREAD_KEYS = ("min", "q25", "median", "q75", "max")
+#: the Algorithm hooks that decide which model a client is evaluated with (``client_accuracy``); a method
+#: that overrides none of them is evaluated with the global model on every client. (``init_client_state``
+#: and ``payload`` are called there too, but only feed these; their draws, like every draw, come from
+#: hetfl.rng's keyed streams, so leaving the calls out changes no later number.)
+GLOBAL_EVAL_HOOKS = ("client_model", "personalize_stages", "predictor")
 
 
 def pick_device(name: str) -> torch.device:
@@ -209,6 +230,15 @@ def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
     return differing_keys(saved, config_mod.to_tree(cfg))
 
 
+def check_method_fits_model(cfg: RunConfig, info: Any) -> None:
+    """The set-up's method x model check (:func:`check_model_parts`) on the model built on the meta
+    device, for planning: ``hetfl compare``, sweeps and ``hetfl reproduce`` refuse a method the model
+    cannot serve (FedPAC on logistic regression) before their first run starts."""
+    model = resources.meta_model(cfg.model.name, info.input_shape, info.num_classes, cfg.model.options)
+    if model is not None:
+        check_model_parts(cfg.algorithm.name, cfg.model, param_groups(model), info.input_shape, info.num_classes)
+
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
@@ -220,6 +250,7 @@ class Experiment:
             torch.set_num_threads(cfg.runtime.threads)
         parse_name(cfg.algorithm.name)
         hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
+        tracking.check(cfg)  # tracking switched on without its package: named before any work
         vmap = vmap_clients(cfg.runtime, self.device)
         resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
@@ -264,6 +295,8 @@ class Experiment:
         # where the clients' side runs: None = in this process (sequential / vectorized executors);
         # a hetfl.flower federation sends it to Flower nodes (hetfl/flower/server.py)
         self.federation: Any = None
+        # where the numbers are also sent (hetfl.tracking: TensorBoard, MLflow); set for the run by run_locked
+        self.tracker: tracking.Tracking = tracking.NO_TRACKING
 
     # --------------------------------------------------------------- pieces
     def initial_server(self) -> ServerState:
@@ -289,16 +322,18 @@ class Experiment:
             by_client = self.federation.client_accuracies(server, round_, global_correct)
         else:
             by_client = self.client_accuracies(server, clients, round_, global_correct)
-        accs = [by_client[c] for c in sorted(by_client)]
-        out["client_acc_mean"] = float(np.mean(accs))
-        out["client_acc_std"] = float(np.std(accs))
-        out["client_acc"] = [round(a, 6) for a in accs]
+        out.update(client_acc_summary([by_client[c] for c in sorted(by_client)]))
+        out[CLIENT_ACC_KEY] = by_client  # the per-client file's row, taken out of the line by round_loop
         return out
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
                           global_correct: torch.Tensor | None) -> dict[int, float]:
-        """Each client's evaluated model on its own test split (clients without test samples left out)."""
+        """Each client's evaluated model on its own test split (clients without test samples left out).
+        A method evaluated with the global model everywhere (:func:`evaluates_with_global_model`) gets all
+        clients' accuracies at once from the global model's per-sample correctness: no per-client work."""
         data, bs = self.data, self.cfg.train.eval_batch_size
+        if global_correct is not None and not data.transformed and evaluates_with_global_model(self.algorithm):
+            return data.client_test_accuracies(global_correct)
         accs: dict[int, float] = {}
         own_models: dict[int, Tensors] = {}  # plain personalised models: evaluated together when vectorised
         for c in range(data.num_clients):
@@ -385,11 +420,13 @@ class Experiment:
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         start = ckpt.round if ckpt else 0
+        tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
             if not resume or not (run_dir / CONFIG_NAME).exists():
                 atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
-            return self.round_loop(run_dir, ckpt, metrics_log, reporter)
+            with tracker.session(cfg, run_dir, metrics_log.history) as self.tracker:
+                return self.round_loop(run_dir, ckpt, metrics_log, reporter)
 
     def finished(self, run_dir: Path, ckpt: Checkpoint | None, reporter: Reporter) -> dict[str, Any]:
         """A resumed run that has its summary: check its history, say so, and return the summary
@@ -434,15 +471,19 @@ class Experiment:
                 line["bytes_up"] += setup_up
                 line["bytes_down"] += setup_down
             server = self.run_posthoc(server, round_, line)
+            by_client = None
             if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
                 t_eval = time.perf_counter()
                 line.update(self.evaluate(server, clients, round_))
+                by_client = line.pop(CLIENT_ACC_KEY)
                 line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
             if self.federation is not None:
                 line.update(self.federation.round_info(round_))
             line["round_time_s"] = round(time.perf_counter() - t0, 4)
             wall += line["round_time_s"]
             metrics_log.append(line)
+            self.write_client_metrics(metrics_log, round_, by_client)
+            self.tracker.log_round(round_, line)
             if not math.isfinite(line["train_loss"]) and diverged_round(history) == round_:
                 self.note(f"training diverged: the train loss is {line['train_loss']} from round {round_} on "
                           "(summary.json: diverged_round); try a lower train.lr or train.max_grad_norm",
@@ -458,8 +499,17 @@ class Experiment:
             reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        self.tracker.finish(summary, run_dir)
         reporter.finish(summary)
         return summary
+
+    def write_client_metrics(self, metrics_log: MetricsLog, round_: int, by_client: dict[int, float] | None) -> None:
+        """An evaluated round's per-client accuracies as a line of ``client_metrics.jsonl``, on the rounds
+        ``runtime.client_metrics_every`` picks (its multiples, and the last round; 0: never)."""
+        every = self.cfg.runtime.client_metrics_every
+        if by_client is None or not every or (round_ % every and round_ != self.cfg.train.rounds):
+            return
+        metrics_log.clients.append(client_row(round_, by_client, self.data.num_clients))
 
     def client_context(
         self, client: int, round_: int, lr: float, payload: Tensors, state: Tensors, server: ServerState
@@ -634,12 +684,42 @@ class Experiment:
         }
 
 
-def diverged_round(history: list[dict[str, Any]]) -> int | None:
+def client_acc_summary(accs: list[float]) -> dict[str, Any]:
+    """The metrics line's constant-size summary of the evaluated clients' accuracies (in client order):
+    mean and standard deviation (as before), the number of clients, and the quartiles with min and max of
+    the accuracies rounded to 6 decimals (numpy's default linear interpolation): the numbers
+    ``analysis.curves.client_spread`` used to compute from the per-client list the line carried."""
+    out: dict[str, Any] = {"client_acc_mean": float(np.mean(accs)), "client_acc_std": float(np.std(accs)),
+                           "clients_evaluated": len(accs)}
+    if accs:
+        values = np.percentile(np.asarray([round(a, 6) for a in accs], dtype=np.float64), [0, 25, 50, 75, 100])
+        out.update({f"client_acc_{k}": float(v) for k, v in zip(SPREAD_KEYS, values, strict=True)})
+    return out
+
+
+def client_row(round_: int, by_client: dict[int, float], num_clients: int) -> dict[str, Any]:
+    """A line of ``client_metrics.jsonl``: each client's accuracy (6 decimals) by client id, None (null)
+    for a client not evaluated (no test split, or no reply from a Flower node)."""
+    return {"round": round_, "client_acc": [None if c not in by_client else round(by_client[c], 6)
+                                            for c in range(num_clients)]}
+
+
+def evaluates_with_global_model(algo: Algorithm) -> bool:
+    """Whether every client of ``algo`` is evaluated with the global model itself: a method with one
+    global model that keeps the base class's evaluation hooks (:data:`GLOBAL_EVAL_HOOKS`), whose
+    per-client accuracies then follow from the global model's correctness on the global test set."""
+    return not algo.personalized and all(getattr(type(algo), hook) is getattr(Algorithm, hook)
+                                         for hook in GLOBAL_EVAL_HOOKS)
+
+
+def diverged_round(history: Sequence[dict[str, Any]]) -> int | None:
     """The first round whose train loss is inf or NaN (``metrics.jsonl`` lines), or None."""
+    if isinstance(history, History):  # tracked as its lines were added: no parse of every line each round
+        return history.first_nonfinite
     return next((m["round"] for m in history if not math.isfinite(m["train_loss"])), None)
 
 
-def make_summary(cfg: RunConfig, history: list[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
+def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
     evaluated = [m for m in history if "client_acc_mean" in m]
     summary: dict[str, Any] = {
         "algorithm": cfg.algorithm.name,

@@ -8,7 +8,8 @@ configurations differ in nothing but the seed.
 ``setting_id`` is a short hash of the resolved configuration without the seed
 (the row a run belongs to); ``run_id`` includes the seed (the run itself).
 Keys that do not change the numbers (``runtime.progress``: what the terminal
-shows; ``data.cache_dir``: where decoded data is cached) are left out of both.
+shows; ``data.cache_dir``: where decoded data is cached; ``tracking.*``: where the
+numbers are also sent) are left out of both.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from pathlib import Path
 from typing import Any
 
 #: keys that do not change a run's numbers and are left out of its identity: what the terminal shows,
-#: where decoded data is cached (the cache is keyed by the source files, so any folder gives the same arrays)
-PRESENTATION_KEYS = frozenset({"runtime.progress", "data.cache_dir"})
+#: where decoded data is cached (the cache is keyed by the source files, so any folder gives the same arrays),
+#: where the numbers are also sent (hetfl.tracking: a run resumed or compared with tracking on is the same run),
+#: how often the per-client accuracies are also written (client_metrics.jsonl; the metrics line is the same)
+PRESENTATION_KEYS = frozenset({
+    "runtime.progress", "data.cache_dir", "runtime.client_metrics_every",
+    "tracking.tensorboard", "tracking.tensorboard_dir", "tracking.mlflow", "tracking.mlflow_uri",
+    "tracking.experiment", "tracking.run_name",
+})
 #: run-directory files (the same names as hetfl.engine.experiment's, which imports this module)
 CONFIG_NAME, SUMMARY_NAME = "config.toml", "summary.json"
 #: files that do not make a folder hold a run: a lock left by a process killed before it wrote config.toml
@@ -136,10 +143,11 @@ def run_dir_ids(run_dir: Path) -> tuple[str, str]:
 
 def resolve_configs(cfgs: list[Any]) -> list[Any]:
     """Each RunConfig resolved for its dataset (``auto`` model and partition, the method's default
-    hyperparameters), as the run itself will resolve it. Each distinct dataset setting is loaded
+    hyperparameters), as the run itself will resolve it, and checked for a model its method can use
+    (a ConfigError naming ``model.name`` otherwise). Each distinct dataset setting is loaded
     once and dropped before the next (loaders cache decoded files, so this is quick)."""
     from hetfl.data.datasets import load_dataset
-    from hetfl.engine.experiment import resolve
+    from hetfl.engine.experiment import check_method_fits_model, resolve
 
     def key(cfg: Any) -> str:
         d = cfg.data
@@ -155,6 +163,7 @@ def resolve_configs(cfgs: list[Any]) -> list[Any]:
                                **d.options)
         for i in indices:
             resolved[i] = resolve(cfgs[i], dataset)
+            check_method_fits_model(resolved[i], dataset.info)  # before any run of the plan starts
         del dataset
     return resolved
 

@@ -58,9 +58,9 @@ STEP_BYTES = 64
 #: Copies of the model's parameters a run holds at once (float32): the model, the server state,
 #: a client's working state, and its gradients (momentum and method states come on top).
 MODEL_COPIES = 4
-#: Bytes per synthetic device beyond its samples: its three arrays' headers in the lists joined at
-#: the end, its seed sequence, its group name, its share of the per-group split.
-DEVICE_BYTES = 1024
+#: Bytes per synthetic device beyond its samples: its group name, its client's index arrays in the
+#: partition and their tensors (train and test indices, the test split's two views).
+DEVICE_BYTES = 2048
 
 
 # ------------------------------------------------------------------ what is available
@@ -175,18 +175,22 @@ def expected_device_samples(max_samples: int) -> float:
 
 
 def synthetic_bytes(options: Mapping[str, Any]) -> int:
-    """Peak bytes of generating FedProx's Synthetic data with these (resolved) loader options.
+    """Peak bytes of generating FedProx's Synthetic data with these (resolved) loader options, and
+    splitting it over its devices.
 
-    The float32 features exist three times at the peak (the per-device list, their
-    concatenation, the train/test copies), next to int64 labels and device ids, the
-    per-device overhead, and the float64 temporaries of one device (its model ``W_k`` and
-    the shared one, ``classes x dim`` each; its samples before the float32 cast).
+    Each device's rows are written straight into the train and test arrays (allocated once), so
+    the float32 features exist once, next to int64 labels and device ids and the partition's
+    int64 index of every sample with its sort's transients (three int64 a sample); then the
+    per-device overhead and the float64 temporaries of one device (its model ``W_k`` and the
+    shared one, ``classes x dim`` each; its samples before the float32 cast). Measured at 10,000
+    devices (``benchmarks/device_scale.py``): peak RSS less the
+    interpreter's is 1.2x the arrays; this estimate is 1.09x them.
     """
     devices, dim, classes = int(options["num_devices"]), int(options["dim"]), int(options["num_classes"])
     max_samples = int(options["max_samples"])
     samples = devices * expected_device_samples(max_samples)
     largest = max_samples or 50_000
-    data = samples * (3 * 4 * dim + 2 * 8 * 2)
+    data = samples * (4 * dim + 2 * 8 + 3 * 8)  # features, label and device id; partition index and sort
     temporaries = 8 * (2 * classes * dim + 3 * dim + 2 * min(largest, samples) * dim)
     return int(data + temporaries + devices * DEVICE_BYTES)
 
@@ -317,16 +321,25 @@ def count_parameters(name: str, input_shape: tuple[int, ...], num_classes: int, 
     A ModelError for bad options propagates (the same the real build would raise); -1 where a
     model cannot be built on the meta device (then nothing is refused).
     """
+    model = meta_model(name, input_shape, num_classes, options)
+    if model is None:
+        return -1
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+
+
+def meta_model(name: str, input_shape: tuple[int, ...], num_classes: int, options: Mapping[str, Any]) -> Any:
+    """Model ``name`` built on the ``meta`` device (shapes only: nothing allocated, no random draws),
+    or None where it cannot be built there (a check that needs it then refuses nothing; the real build
+    reports the problem). A ModelError for bad options propagates, as the real build would raise it."""
     from hetfl.models import ModelError, build_model
 
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"), _NoRandomInit():
-            model = build_model(name, tuple(input_shape), num_classes, **dict(options))
+            return build_model(name, tuple(input_shape), num_classes, **dict(options))
     except ModelError:
         raise
-    except Exception:  # an estimate that cannot be made refuses nothing; the real build reports the problem
-        return -1
-    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    except Exception:
+        return None
 
 
 def model_needs(name: str, options: Mapping[str, Any], input_shape: tuple[int, ...], num_classes: int,

@@ -17,6 +17,11 @@ there once each, in order, whole and unchanged; lines after round ``r`` (a kill 
 round's line and its checkpoint, a half-written last line) are dropped and recomputed, which
 gives the same lines. Anything else is refused naming the file and the first bad round:
 metrics of past rounds cannot be recomputed from a later checkpoint.
+
+**Per-client file.** ``client_metrics.jsonl`` holds the per-client arrays the metrics line
+no longer carries (one line per written round, see :class:`ClientMetricsLog`); the same
+record holds its byte length and SHA-256 at the checkpoint, and resume cuts it back to
+exactly those bytes (refusing a file that is shorter or differs).
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, overload
 
 from hetfl.engine.checkpoint import atomic_write_bytes
 
@@ -46,6 +53,10 @@ except ImportError:  # not a POSIX system
 LOCK_NAME = ".lock"
 #: checkpoint ``info`` key holding the digest of the metrics lines up to the checkpoint's round
 HISTORY_KEY = "metrics_history"
+#: the per-client file beside ``metrics.jsonl``, and its key in the history record
+CLIENT_METRICS_NAME = "client_metrics.jsonl"
+CLIENT_RECORD_KEY = "client_metrics"
+HASH_CHUNK = 1 << 20
 LINE_DIGEST_CHARS = 16  # a 64-bit prefix of each line's SHA-256: enough to tell an edited line
 
 log = logging.getLogger("hetfl")
@@ -277,33 +288,126 @@ def line_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:LINE_DIGEST_CHARS]
 
 
-class MetricsLog:
-    """``metrics.jsonl`` open for appending whole lines, with the parsed lines kept (``history``) and
-    the digests a checkpoint records."""
+class ClientMetricsLog:
+    """``client_metrics.jsonl``, open for appending: one line per written round, ``{"round": r,
+    "client_acc": [...]}``, each client's accuracy on its own test split by client id (null for a
+    client without one). Nothing is kept in memory but the byte count and a running SHA-256, which a
+    checkpoint records; the file is created by its first line."""
 
-    def __init__(self, path: Path, history: list[dict[str, Any]], raws: list[bytes]) -> None:
-        self.path, self.history = path, history
-        self.digests = [line_digest(raw) for raw in raws]
-        self.whole = hashlib.sha256(b"".join(raws))
+    def __init__(self, path: Path, kept: hashlib._Hash | None = None, size: int = 0) -> None:
+        self.path, self.size = path, size
+        self.whole = kept if kept is not None else hashlib.sha256()
+        self.file: BinaryIO | None = None
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Write one round's row whole (compact JSON) and flush it."""
+        raw = (json.dumps(row, separators=(",", ":")) + "\n").encode()
+        if self.file is None:
+            self.file = open(self.path, "ab")  # noqa: SIM115 (closed by close())
+        self.file.write(raw)
+        self.file.flush()
+        self.size += len(raw)
+        self.whole.update(raw)
+
+    def record(self) -> dict[str, Any]:
+        """Byte count and SHA-256 of the file so far, synced to disk first."""
+        if self.file is not None:
+            os.fsync(self.file.fileno())
+        return {"bytes": self.size, "sha256": self.whole.hexdigest()}
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class History(Sequence[dict[str, Any]]):
+    """A run's metrics lines, read-only, read back from ``metrics.jsonl`` itself when asked for
+    (``make_summary`` reads them once at the end; resume's tracking the restored ones): in memory,
+    8 bytes a round (where each line ends). Not a dict per round: each round's dict and its floats,
+    kept for thousands of rounds among the round's short-lived objects, grew RSS by 1.5 kB a round
+    (``benchmarks/memory_long.py``). ``first_nonfinite`` is the first round whose train loss is inf or
+    NaN (None: none), tracked as lines are added."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ends = array("q")
+        self.first_nonfinite: int | None = None
+
+    def add(self, raw: bytes, line: dict[str, Any]) -> None:
+        self._ends.append((self._ends[-1] if self._ends else 0) + len(raw))
+        loss = line.get("train_loss")
+        if self.first_nonfinite is None and isinstance(loss, float) and not math.isfinite(loss):
+            self.first_nonfinite = line.get("round")
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def _lines(self, start: int, stop: int) -> list[dict[str, Any]]:
+        if start >= stop:
+            return []
+        first = self._ends[start - 1] if start else 0
+        with open(self.path, "rb") as f:
+            f.seek(first)
+            data = f.read(self._ends[stop - 1] - first)
+        return [json.loads(raw) for raw in split_lines(data)]
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            return self._lines(start, stop)[::step] if step > 0 else [self[j] for j in range(start, stop, step)]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"line {i} of {len(self)}")
+        j = i % len(self)
+        return self._lines(j, j + 1)[0]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._lines(0, len(self)))
+
+
+class MetricsLog:
+    """``metrics.jsonl`` open for appending whole lines, with the lines kept (``history``, a
+    :class:`History`) and the digests a checkpoint records (8 bytes a line, in one buffer);
+    ``clients`` is the per-client file beside it."""
+
+    def __init__(self, path: Path, history: list[dict[str, Any]], raws: list[bytes],
+                 clients: ClientMetricsLog | None = None) -> None:
+        self.path, self.history = path, History(path)
+        self.digests = bytearray()
+        self.whole = hashlib.sha256()
+        for raw, line in zip(raws, history, strict=True):
+            self._keep(raw, line)
+        self.clients = clients if clients is not None else ClientMetricsLog(path.with_name(CLIENT_METRICS_NAME))
         self.file: BinaryIO = open(path, "ab")  # noqa: SIM115 (closed by close())
+
+    def _keep(self, raw: bytes, line: dict[str, Any]) -> None:
+        self.history.add(raw, line)
+        self.digests += bytes.fromhex(line_digest(raw))
+        self.whole.update(raw)
 
     def append(self, line: dict[str, Any]) -> None:
         """Write one round's line whole and flush it (one ``write`` of the complete line)."""
         raw = (json.dumps(line) + "\n").encode()
         self.file.write(raw)
         self.file.flush()
-        self.history.append(line)
-        self.digests.append(line_digest(raw))
-        self.whole.update(raw)
+        self._keep(raw, line)
 
     def record(self) -> dict[str, Any]:
         """The checkpoint's record of the lines written so far; syncs them to disk first, so that a
         checkpoint never gets ahead of the history it describes."""
         os.fsync(self.file.fileno())
-        return {"rounds": len(self.digests), "sha256": self.whole.hexdigest(), "lines": list(self.digests)}
+        size = LINE_DIGEST_CHARS // 2
+        lines = [self.digests[i : i + size].hex() for i in range(0, len(self.digests), size)]
+        return {"rounds": len(lines), "sha256": self.whole.hexdigest(), "lines": lines,
+                CLIENT_RECORD_KEY: self.clients.record()}
 
     def close(self) -> None:
         self.file.close()
+        self.clients.close()
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -371,7 +475,61 @@ def restore_metrics(path: Path, last_round: int, record: dict[str, Any] | None) 
                     path, len(tail), last_round, [_parse_round(raw) for raw in tail])
     if tail or not path.exists():
         atomic_write_bytes(path, b"".join(raws))
-    return MetricsLog(path, history, raws)
+    clients = restore_client_metrics(path.with_name(CLIENT_METRICS_NAME), last_round,
+                                     record.get(CLIENT_RECORD_KEY) if record else None)
+    return MetricsLog(path, history, raws, clients)
+
+
+def restore_client_metrics(path: Path, last_round: int, record: dict[str, Any] | None) -> ClientMetricsLog:
+    """Cut ``client_metrics.jsonl`` back to a checkpoint of round ``last_round``: to the byte count its
+    ``record`` holds, after checking those bytes' SHA-256 (a shorter or different file is refused, as an
+    edited ``metrics.jsonl`` is). Without a record (a checkpoint written before the file was recorded):
+    whole lines of rounds up to ``last_round``, in increasing order, are kept. Returns the log, open for
+    appending after the kept bytes; read in chunks, never whole."""
+    size = path.stat().st_size if path.exists() else 0
+    if record is not None:
+        keep = int(record.get("bytes", -1))
+        whole = _hash_prefix(path, keep) if 0 <= keep <= size else None
+        if whole is None or whole.hexdigest() != record.get("sha256"):
+            raise RunDirError(f"{path}: the file is shorter than or differs from the {keep} bytes the checkpoint of "
+                              f"round {last_round} recorded; restore it, or start the run again in a new directory")
+    else:
+        whole, keep = _whole_lines_up_to(path, last_round)
+    if keep < size:
+        log.warning("%s: dropping %d byte(s) after the checkpoint's round %d, to be recomputed", path, size - keep,
+                    last_round)
+        os.truncate(path, keep)
+    return ClientMetricsLog(path, whole, keep)
+
+
+def _hash_prefix(path: Path, size: int) -> hashlib._Hash:
+    """SHA-256 of the first ``size`` bytes of ``path`` (which has at least that many)."""
+    whole = hashlib.sha256()
+    if size == 0:
+        return whole
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            chunk = f.read(min(HASH_CHUNK, left))
+            whole.update(chunk)
+            left -= len(chunk)
+    return whole
+
+
+def _whole_lines_up_to(path: Path, last_round: int) -> tuple[hashlib._Hash, int]:
+    """(SHA-256, byte count) of the leading whole lines of ``path`` whose rounds increase up to ``last_round``."""
+    whole, keep, previous = hashlib.sha256(), 0, 0
+    if not path.exists():
+        return whole, 0
+    with open(path, "rb") as f:
+        for raw in f:
+            got = _parse_round(raw) if raw.endswith(b"\n") else None
+            if not isinstance(got, int) or not previous < got <= last_round:
+                break
+            whole.update(raw)
+            keep += len(raw)
+            previous = got
+    return whole, keep
 
 
 def _parse_round(raw: bytes) -> Any:

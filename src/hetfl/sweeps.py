@@ -1,0 +1,504 @@
+"""Sweeps: methods x seeds x a grid over any configuration keys, one table row per cell, and the run
+counter with its time estimate that ``hetfl compare``, sweeps and ``hetfl reproduce`` print.
+
+A grid maps dotted configuration keys (``--set`` names) to lists of values; its cells are the cartesian
+product (the first key varies slowest). Methods and seeds stay their own axes, so a grid may not name
+``seed`` or ``algorithm.name``. Three ways in, one machinery:
+
+- ``hetfl compare --methods fedavg,fedprox --seeds 0,1 --grid train.lr=0.01,0.1 --grid data.alpha=0.1,0.5``:
+  each ``--grid KEY=V1,V2`` value is parsed as ``--set`` parses one (TOML, else a bare string;
+  commas inside quotes, ``[...]`` and ``{...}`` do not split);
+- ``hetfl compare --methods fedavg --sweep sweep.toml``: a TOML file whose ``[grid]`` table maps keys to
+  lists (``"train.lr" = [0.01, 0.1]``; unquoted dotted keys work too);
+- ``hetfl.sweep(grid={"train.lr": [0.01, 0.1]}, methods=[...], seeds=[...], out=...)`` (values as Python
+  values).
+
+Run folders: ``OUT/<method>/<cell>/seed<k>`` where ``<cell>`` is ``key=value`` pairs in key order joined
+by ``,`` (``train.lr=0.01,data.alpha=0.1`` becomes ``data.alpha=0.1,train.lr=0.01``), so a folder's
+name depends on its own values only: reordering the ``--grid`` options or adding a value to a grid
+keeps every existing folder, and re-running runs only the new cells. A value whose text is not safe in
+a file name (quotes, slashes, spaces, brackets) or a name over 120 characters is shortened and given
+a hash of the exact values (``-h1a2b3c4d``); ``cell.json`` beside the seed folders holds the values
+either way. An empty grid is ``hetfl compare`` as it always was: ``OUT/<method>-seed<k>``.
+
+Every cell x method x seed is configured and checked before any run starts (ConfigError naming the key,
+the value and what is allowed; a folder holding another configuration is a RunDirError naming the keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import time
+import tomllib
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hetfl import config as config_mod
+from hetfl.engine import identity
+from hetfl.params import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from hetfl.api import CompareResult, ConfigLike
+    from hetfl.config import RunConfig
+
+__all__ = ["Cell", "RunCounter", "cells", "check_grid", "grid_from_cli", "parse_grid_option", "read_sweep_file",
+           "run_cost", "sweep", "toml_literal"]
+
+#: axes of their own, never grid keys: what to use instead
+OWN_AXES = {"seed": "seeds are their own axis: use --seeds (seeds= in Python)",
+            "algorithm.name": "methods are their own axis: use --methods (methods= in Python)"}
+#: longest cell folder name before it is shortened and hashed
+MAX_NAME = 120
+_SAFE = re.compile(r"[^A-Za-z0-9._+\-]")
+
+
+# ----------------------------------------------------------------- values
+def toml_literal(value: Any) -> str:
+    """``value`` as the TOML text ``--set`` parses back to it (``0.01``, ``"sgd"``, ``[1, 2]``,
+    ``{alpha = 1.0}``); a value TOML cannot hold is a ConfigError."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_literal(v)}" for k, v in value.items()) + "}"
+    raise ConfigError("grid", repr(value), "values must be numbers, booleans, strings, lists or tables")
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def split_values(text: str) -> list[str]:
+    """``V1,V2,...`` split at the commas outside quotes, ``[...]`` and ``{...}``."""
+    parts, depth, quote, start, i = [], 0, "", 0, 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts]
+
+
+def parse_grid_option(text: str) -> tuple[str, list[Any]]:
+    """One ``--grid KEY=V1,V2`` option: the key and its values, each parsed as ``--set`` parses one."""
+    if "=" not in text:
+        raise ConfigError("--grid", text, "must look like KEY=VALUE1,VALUE2, e.g. train.lr=0.01,0.1")
+    key, _, values = text.partition("=")
+    items = split_values(values)
+    if any(not item for item in items):
+        raise ConfigError(key.strip() or "--grid", values, "needs comma-separated values, none empty, e.g. 0.01,0.1")
+    return key.strip(), [config_mod.parse_value(item) for item in items]
+
+
+def _flatten_grid(table: Mapping[str, Any], prefix: str, origin: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten_grid(value, name + ".", origin))
+        elif isinstance(value, list):
+            out[name] = value
+        else:
+            raise ConfigError(name, value, f"in {origin}: a grid key takes a list of values, e.g. [0.01, 0.1]")
+    return out
+
+
+def read_sweep_file(path: str | os.PathLike[str]) -> dict[str, list[Any]]:
+    """The grid of a sweep file: a TOML file with one ``[grid]`` table of keys -> lists of values."""
+    origin = f"--sweep {path}"
+    try:
+        tree = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("--sweep", str(path), "no such file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError("--sweep", str(path), f"not a readable UTF-8 TOML file ({err})") from None
+    extra = sorted(set(tree) - {"grid"})
+    if extra or not isinstance(tree.get("grid"), dict):
+        raise ConfigError("--sweep", str(path), f"must hold one [grid] table of KEY = [values] (found: "
+                                                f"{', '.join(extra) or 'no [grid]'})")
+    return _flatten_grid(tree["grid"], "", origin)
+
+
+# ----------------------------------------------------------------- keys
+def _dict_setting(cls: type, name: str) -> bool:
+    hint = typing.get_type_hints(cls).get(name)
+    return hint is dict or typing.get_origin(hint) is dict
+
+
+def check_key(key: Any, values: Any) -> None:
+    """A grid key must be a configuration key that is a sweep axis: a ConfigError naming it otherwise."""
+    if not isinstance(key, str) or not key or not all(key.split(".")):
+        raise ConfigError("grid", key, "keys are dotted configuration keys, e.g. train.lr")
+    if key in OWN_AXES:
+        raise ConfigError(key, values, OWN_AXES[key])
+    if key in identity.PRESENTATION_KEYS:
+        raise ConfigError(key, values, "does not change a run's numbers, so it is no sweep axis")
+    section, *rest = key.split(".")
+    if section == "algorithm" and rest:
+        return  # a method's setting: validated by each method when the cells are configured
+    if section not in config_mod.SECTIONS or not rest:
+        raise ConfigError(key, values, "not a configuration key (see hetfl list config); sections: algorithm.*, "
+                                       + ", ".join(f"{s}.*" for s in config_mod.SECTIONS))
+    cls = config_mod.SECTIONS[section]
+    names = [f.name for f in fields(cls)]
+    if rest[0] not in names:
+        raise ConfigError(key, values, f"not a configuration key; {section}. has: {', '.join(names)}")
+    if len(rest) > 1 and not _dict_setting(cls, rest[0]):
+        raise ConfigError(key, values, f"not a configuration key: {section}.{rest[0]} is a value, not a table")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def check_grid(grid: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> dict[str, list[Any]]:
+    """A validated copy of ``grid``: configuration keys (:func:`check_key`), each with a non-empty list of
+    distinct values; no key within another (``data.options`` and ``data.options.alpha``), none also set by
+    ``overrides`` (``--set``). ConfigErrors name the key and the value."""
+    if grid is None:
+        return {}
+    if not isinstance(grid, Mapping):
+        raise ConfigError("grid", grid, "must map configuration keys to lists of values, "
+                                        "e.g. {'train.lr': [0.01, 0.1]}")
+    checked: dict[str, list[Any]] = {}
+    for key, values in grid.items():
+        check_key(key, values)
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+            raise ConfigError(key, values, "takes a list of values, e.g. [0.01, 0.1]")
+        if not values:
+            raise ConfigError(key, list(values), "needs at least one value")
+        seen = set()
+        for value in values:
+            toml_literal(value)
+            if _canonical(value) in seen:
+                raise ConfigError(key, list(values), f"the value {value!r} is given twice")
+            seen.add(_canonical(value))
+        clash = next((k for k in checked if _overlaps(k, key)), None)
+        if clash is not None:
+            raise ConfigError(key, list(values), f"given twice in the grid (with {clash})")
+        set_keys = [a.partition("=")[0].strip() for a in overrides]
+        clash = next((k for k in set_keys if _overlaps(k, key)), None)
+        if clash is not None:
+            raise ConfigError(key, list(values), f"is also set with --set {clash}=...: a key is either fixed "
+                                                 "or swept; drop one")
+        checked[key] = list(values)
+    return checked
+
+
+def grid_from_cli(options: Sequence[str], sweep_file: str | None, overrides: Sequence[str]) -> dict[str, list[Any]]:
+    """The grid of ``--grid`` options and a ``--sweep`` file together, validated by :func:`check_grid`
+    (a key in both, or twice among the options, is an error)."""
+    pairs: list[tuple[str, list[Any]]] = [parse_grid_option(o) for o in options]
+    if sweep_file:
+        pairs += list(read_sweep_file(sweep_file).items())
+    grid: dict[str, list[Any]] = {}
+    for key, values in pairs:
+        if key in grid:
+            raise ConfigError(key, values, "given twice (--grid options and the --sweep file together)")
+        grid[key] = values
+    return check_grid(grid, overrides)
+
+
+# ----------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class Cell:
+    """One combination of grid values (keys in the grid's order)."""
+
+    values: tuple[tuple[str, Any], ...] = ()
+
+    def assignments(self) -> list[str]:
+        """The cell as ``--set`` assignments."""
+        return [f"{key}={toml_literal(value)}" for key, value in self.values]
+
+    @property
+    def label(self) -> str:
+        """``train.lr=0.1, data.alpha=0.5`` (for the counter)."""
+        return ", ".join(f"{key}={_shown(value)}" for key, value in self.values)
+
+    @property
+    def dirname(self) -> str:
+        """The folder name: ``key=value`` pairs in key order, a hash of the values added when a value had
+        to be shortened to be safe in a file name (a name depends on the cell's values only)."""
+        ordered = sorted(self.values)
+        parts = [f"{_SAFE.sub('_', k)}={_SAFE.sub('_', _shown(v))}" for k, v in ordered]
+        name = ",".join(parts)
+        exact = ",".join(f"{k}={_shown(v)}" for k, v in ordered)
+        if name != exact or len(name) > MAX_NAME:
+            digest = hashlib.sha256(_canonical(dict(ordered)).encode()).hexdigest()[:8]
+            name = name[:MAX_NAME - 10] + f"-h{digest}"
+        return name
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else toml_literal(value)
+
+
+def cells(grid: Mapping[str, list[Any]]) -> list[Cell]:
+    """The cartesian product of ``grid``'s values (the first key varies slowest); ``[Cell()]`` for no grid."""
+    keys = list(grid)
+    return [Cell(tuple(zip(keys, combo, strict=True))) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+# ----------------------------------------------------------------- counter and time left
+def run_cost(cfg: RunConfig, done_rounds: int = 0) -> float:
+    """Work of a run still to do, in client-rounds of local work: rounds left x clients per round x
+    local epochs (or local steps). A proxy: it compares the runs of one plan, on one machine."""
+    t = cfg.train
+    clients = t.clients_per_round or cfg.data.num_clients
+    return max(t.rounds - done_rounds, 0) * clients * (t.local_steps or t.local_epochs)
+
+
+def rounds_done(run_dir: Path) -> int:
+    """Rounds an interrupted run has written (lines of ``metrics.jsonl``)."""
+    path = run_dir / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def format_duration(seconds: float) -> str:
+    """``40 s``, ``12 min``, ``2.5 h``."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+@dataclass
+class PlannedRun:
+    """One run of a plan, for the counter: what it is, its work still to do, and how it stands."""
+
+    label: str
+    cost: float
+    state: str  # new | unfinished | finished
+    recorded_s: float | None = None  # a finished run's recorded wall time (summary.json)
+
+
+@dataclass
+class RunCounter:
+    """``run 7 of 24 (fedprox, seed 1, train.lr=0.1): about 12 min left`` before each run that computes.
+
+    The time left is the measured seconds per unit of :func:`run_cost` of the runs computed so far in
+    this invocation, times the cost of the runs still to do (this one included). Runs found finished
+    count as done and add nothing to the rate. Before any run here has finished, the estimate is rough
+    and says so: from the recorded times of runs found finished in the plan, else ``prior_s`` (a
+    preset's estimate of the whole plan, shared out by cost), else none."""
+
+    runs: list[PlannedRun]
+    say: Callable[[str], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    prior_s: float | None = None
+    prior_label: str = "the preset's estimate"
+    _spent: float = 0.0
+    _done_cost: float = 0.0
+    _started: float | None = field(default=None, repr=False)
+
+    def start(self, index: int) -> str:
+        """Say (and return) the counter line of run ``index`` (0-based), and start its clock."""
+        left = sum(r.cost for r in self.runs[index:] if r.state != "finished")
+        message = f"run {index + 1} of {len(self.runs)} ({self.runs[index].label}): {self.time_left(left)}"
+        if self.say is not None:
+            self.say(message)
+        self._started = self.clock()
+        return message
+
+    def done(self, index: int) -> None:
+        """Run ``index`` has finished: its seconds and cost go into the rate."""
+        if self._started is not None:
+            self._spent += self.clock() - self._started
+            self._done_cost += self.runs[index].cost
+            self._started = None
+
+    def time_left(self, cost_left: float) -> str:
+        if self._done_cost > 0:
+            return f"about {format_duration(cost_left * self._spent / self._done_cost)} left"
+        recorded = [r for r in self.runs if r.state == "finished" and r.recorded_s is not None and r.cost > 0]
+        if recorded:
+            rate = sum(r.recorded_s or 0.0 for r in recorded) / sum(r.cost for r in recorded)
+            return (f"about {format_duration(cost_left * rate)} left (rough: from the times of {len(recorded)} "
+                    "run(s) found finished)")
+        total = sum(r.cost for r in self.runs)
+        if self.prior_s and total > 0:
+            return f"about {format_duration(self.prior_s * cost_left / total)} left (rough: {self.prior_label})"
+        return "time left known once a run has finished"
+
+
+def recorded_seconds(run_dir: Path) -> float | None:
+    """A finished run's ``wall_time_s`` from its ``summary.json`` (None when absent)."""
+    try:
+        return float(json.loads((run_dir / identity.SUMMARY_NAME).read_text())["wall_time_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def planned_run(label: str, cfg: RunConfig, run_dir: Path, state: str) -> PlannedRun:
+    """A run of a plan with its cost still to do (an interrupted run's written rounds left out)."""
+    done = cfg.train.rounds if state == "finished" else rounds_done(run_dir) if state == "unfinished" else 0
+    recorded = recorded_seconds(run_dir) if state == "finished" else None
+    return PlannedRun(label, run_cost(cfg) if state == "finished" else run_cost(cfg, done), state, recorded)
+
+
+# ----------------------------------------------------------------- plan and run
+@dataclass(frozen=True)
+class PlanItem:
+    method: str
+    cell: Cell
+    seed: int
+    cfg: RunConfig
+    run_dir: Path
+
+    @property
+    def label(self) -> str:
+        return ", ".join(p for p in (self.method, f"seed {self.seed}", self.cell.label) if p)
+
+
+def run_dir_for(out: Path, method: str, cell: Cell, seed: int) -> Path:
+    """``out/<method>-seed<k>`` without a grid (``hetfl compare``'s layout), else ``out/<method>/<cell>/seed<k>``."""
+    name = method.replace("+", "-")
+    return out / f"{name}-seed{seed}" if not cell.values else out / name / cell.dirname / f"seed{seed}"
+
+
+def as_configured(cell: Cell, cfg: RunConfig) -> Cell:
+    """``cell`` with each value as the configuration holds it (``train.lr = 1`` is the float ``1.0``), so a
+    folder's name does not depend on how a value was typed (``--grid train.lr=1`` and ``{"train.lr": [1.0]}``)."""
+    flat = identity.flatten(config_mod.to_tree(cfg))
+    return Cell(tuple((key, flat.get(key, value)) for key, value in cell.values))
+
+
+def check_distinct(plans: list[PlanItem]) -> None:
+    """Two cells that give one configuration (``--grid train.lr=1,1.0``) would share a folder: a ConfigError."""
+    seen: dict[Path, PlanItem] = {}
+    for item in plans:
+        other = seen.setdefault(item.run_dir, item)
+        if other is not item:
+            key = next((k for k, _ in item.cell.values), "grid")
+            raise ConfigError(key, item.cell.label, f"two grid cells give the same configuration ({item.run_dir}); "
+                                                    "give each value once")
+
+
+def _write_cell_files(plans: list[PlanItem]) -> None:
+    from hetfl.engine.checkpoint import atomic_write_text
+
+    for item in plans:
+        if not item.cell.values:
+            continue
+        path = item.run_dir.parent / "cell.json"
+        text = json.dumps({"method": item.method, "grid": dict(item.cell.values)}, indent=2) + "\n"
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, text)
+
+
+def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
+             configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
+             progress: bool | None, console: Console | None, option: str = "--out",
+             clock: Callable[[], float] = time.monotonic) -> CompareResult:
+    """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
+    with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
+    ``hetfl compare``, :func:`hetfl.compare` and :func:`sweep` call. ``grid``: checked by :func:`check_grid`;
+    ``clock``: the counter's time source (tests give a fake one)."""
+    from hetfl import tables
+    from hetfl.algorithms import hyperparameters
+    from hetfl.api import CompareResult, RunResult, _with_progress, execute, plan_states
+    from hetfl.cli import check_output_dir
+    from hetfl.engine.checkpoint import atomic_write_text
+
+    check_output_dir(out, option)
+    plans = []
+    for method in methods:  # validate every combination before running anything
+        for cell in cells(grid):
+            for seed in seeds:
+                cfg = _with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
+                                     progress)
+                hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+                named = as_configured(cell, cfg)
+                plans.append(PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed)))
+    check_distinct(plans)
+    states = plan_states([p.cfg for p in plans], [p.run_dir for p in plans], option)
+    say = None if console is None else _printer(console)
+    counter = RunCounter([planned_run(p.label, p.cfg, p.run_dir, s) for p, s in zip(plans, states, strict=True)],
+                         say, clock)
+    _write_cell_files(plans)
+    runs = []
+    for i, (item, state) in enumerate(zip(plans, states, strict=True)):
+        if state != "finished":
+            counter.start(i)
+        status = execute(item.cfg, item.run_dir, state, console)
+        counter.done(i)
+        runs.append(RunResult.load(item.run_dir, status=status))
+    records = [result.record(item.method) for item, result in zip(plans, runs, strict=True)]
+    rows = tables.table_rows(records, target)
+    markdown = tables.to_markdown(rows, target)
+    atomic_write_text(out / "comparison.md", markdown)
+    atomic_write_text(out / "comparison.csv", tables.to_csv(rows))
+    return CompareResult(out, runs, rows, markdown, target)
+
+
+def _printer(console: Console) -> Callable[[str], None]:
+    """Print a line as text (never as rich markup: a value may hold square brackets)."""
+    from rich.text import Text
+
+    return lambda message: console.print(Text(message, style="bold"))
+
+
+def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fedavg",),
+          seeds: int | Sequence[int] = (0,), *, config: ConfigLike = None, overrides: Sequence[str] = (),
+          out: str | os.PathLike[str], target: float | None = None, progress: bool = False,
+          plugins: Sequence[str | os.PathLike[str]] = ()) -> CompareResult:
+    """Run methods x grid cells x seeds and table them: one row per method and cell (the grid's keys that
+    vary a column each), mean ± std over seeds; ``hetfl compare --grid`` from Python.
+
+    ``grid``: dotted configuration keys -> lists of values (``{"train.lr": [0.01, 0.1], "data.alpha":
+    [0.1, 0.5]}``), Python values as a TOML file would give them; ``methods``, ``seeds``, ``config``,
+    ``overrides``, ``out``, ``target``, ``progress`` and ``plugins`` as :func:`hetfl.compare`. Runs go to
+    ``out/<method>/<cell>/seed<k>`` (see :mod:`hetfl.sweeps`); finished runs of the same resolved
+    configuration are reused, interrupted ones resumed, another configuration in a folder is a
+    RunDirError naming the keys, all decided before any run starts. ``progress=True`` prints progress
+    bars and ``run k of n (...): about M min left`` before each run.
+
+    >>> import hetfl
+    >>> table = hetfl.sweep({"train.lr": [0.01, 0.1]}, methods=["fedavg"], seeds=[0, 1],
+    ...                     overrides=["train.rounds=2"], out="runs/sweep")  # doctest: +SKIP
+    >>> [(row["train.lr"], round(row["final_mean"], 1)) for row in table.rows]  # doctest: +SKIP
+    [('0.01', 55.2), ('0.1', 63.0)]
+    """
+    from hetfl.api import _load_plugins, _method_list, _override_list, _seed_list, make_config, run_comparison
+    from hetfl.cli import make_console
+
+    _load_plugins(plugins)
+    names, seed_list, assignments = _method_list(methods), _seed_list(seeds), _override_list(overrides)
+    checked = check_grid(grid, assignments)
+    if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
+        raise ConfigError("target", target, "must be an accuracy in (0, 1]")
+    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
+                          target, progress=progress, console=make_console() if progress else None, option="out",
+                          grid=checked)

@@ -1,0 +1,342 @@
+"""Sweeps (hetfl.sweeps): grids over any configuration keys on the command line (``--grid``, ``--sweep``) and
+in Python (``hetfl.sweep``), one table row per method and cell, resumable; the run counter and its time
+left in compare, sweeps and reproduce; the presets' time estimates labelled measured or rough.
+
+Tiny synthetic runs (4 clients, logistic regression, 1-2 rounds of 1-2 local steps): well under a second each.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import hetfl
+from hetfl import reproduce, sweeps
+from hetfl.api import make_config
+from hetfl.cli import main
+from hetfl.config import parse_value
+from hetfl.engine.experiment import Experiment
+from hetfl.params import ConfigError
+
+from .helpers import one_thread  # noqa: F401 (autouse: one torch thread)
+
+TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
+        "train.rounds=2", "train.local_steps=2", "runtime.threads=1"]
+GRID = {"train.lr": [0.05, 0.2]}
+
+
+def files(run_dir: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(run_dir.iterdir()) if p.is_file()}
+
+
+def set_args(assignments: list[str]) -> list[str]:
+    return [a for kv in assignments for a in ("--set", kv)]
+
+
+def no_runs(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(Experiment, "run", refuse)
+
+
+# ------------------------------------------------------------- grid values, as --set parses them
+def test_grid_options_parse_values_as_set_does_and_split_only_top_level_commas():
+    assert sweeps.parse_grid_option("train.lr=0.01,0.1") == ("train.lr", [0.01, 0.1])
+    assert sweeps.parse_grid_option("data.partition=iid, dirichlet") == ("data.partition", ["iid", "dirichlet"])
+    key, values = sweeps.parse_grid_option('model.options={hidden = [16, 8]},{hidden = []}')
+    assert key == "model.options" and values == [{"hidden": [16, 8]}, {"hidden": []}]
+    assert sweeps.parse_grid_option('model.name="a,b",mlp') == ("model.name", ["a,b", "mlp"])
+    assert sweeps.parse_grid_option("data.angles=[0, 90],[45]")[1] == [[0, 90], [45]]
+    for value in (0.01, 1e-05, 3, True, "sgd", [1, 2.5], {"alpha": 1.0, "hidden": [4]}, "quote\"d"):
+        assert parse_value(sweeps.toml_literal(value)) == value, value
+
+
+def test_a_sweep_file_holds_a_grid_table(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text('[grid]\n"train.lr" = [0.01, 0.1]\ndata.alpha = [0.1, 0.5]\n')
+    assert sweeps.read_sweep_file(path) == {"train.lr": [0.01, 0.1], "data.alpha": [0.1, 0.5]}
+    path.write_text('[grid]\n"train.lr" = 0.01\n')
+    with pytest.raises(ConfigError, match="takes a list of values") as err:
+        sweeps.read_sweep_file(path)
+    assert err.value.key == "train.lr"
+    path.write_text('[grids]\n"train.lr" = [0.01]\n')
+    with pytest.raises(ConfigError, match=r"one \[grid\] table.*grids") as err:
+        sweeps.read_sweep_file(path)
+    assert err.value.key == "--sweep"
+
+
+@pytest.mark.parametrize(("grid", "overrides", "key", "says"), [
+    ({"train.lrr": [0.1]}, [], "train.lrr", "not a configuration key; train. has: rounds"),
+    ({"optimizer.lr": [0.1]}, [], "optimizer.lr", "not a configuration key"),
+    ({"train.lr.x": [0.1]}, [], "train.lr.x", "is a value, not a table"),
+    ({"seed": [0, 1]}, [], "seed", "use --seeds"),
+    ({"algorithm.name": ["fedavg"]}, [], "algorithm.name", "use --methods"),
+    ({"runtime.progress": [True, False]}, [], "runtime.progress", "does not change a run's numbers"),
+    ({"train.lr": []}, [], "train.lr", "at least one value"),
+    ({"train.lr": 0.1}, [], "train.lr", "takes a list of values"),
+    ({"train.lr": [0.1, 0.1]}, [], "train.lr", "given twice"),
+    ({"model.options": [{}], "model.options.hidden": [[]]}, [], "model.options.hidden", "given twice in the grid"),
+    ({"data.options.alpha": [1.0]}, [], "data.options.alpha", "also set with --set data.options"),
+    ({"train.lr": [0.1, 0.2]}, ["train.lr=0.3"], "train.lr", "also set with --set train.lr"),
+    ({"train.lr": [0.1, -1.0]}, [], "train.lr", "must be > 0"),  # a value the configuration refuses
+    ({"algorithm.mu": [0.1]}, [], "algorithm.mu", "unknown key"),  # fedavg has no mu
+])
+def test_bad_grids_are_config_errors_naming_the_key_before_anything_is_written(tmp_path, monkeypatch, grid,
+                                                                              overrides, key, says):
+    no_runs(monkeypatch)
+    out = tmp_path / "sweep"
+    with pytest.raises(ConfigError, match=says) as err:
+        hetfl.sweep(grid, methods=["fedavg"], overrides=[*TINY, *overrides], out=out)
+    assert err.value.key == key
+    assert not out.exists()
+
+
+def test_bad_grid_options_on_the_command_line_exit_2_naming_the_key(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    base = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(out), *set_args(TINY)]
+    cases = [(["--grid", "train.lr=0.1", "--grid", "train.lr=0.2"], "train.lr", "given twice"),
+             (["--grid", "train.lr"], "--grid", "KEY=VALUE1,VALUE2"),
+             (["--grid", "train.lr=0.1,"], "train.lr", "none empty"),
+             (["--grid", "train.rounds=1,2", "--set", "train.rounds=3"], "train.rounds", "also set with --set")]
+    for extra, key, says in cases:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert key in err and says in err, err
+    sweep_file = tmp_path / "s.toml"
+    sweep_file.write_text('[grid]\n"train.lr" = [0.1]\n')
+    assert main([*base, "--grid", "train.lr=0.2", "--sweep", str(sweep_file)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------- cells, folders, rows
+def test_grid_product_folder_layout_and_one_row_per_cell(tmp_path):
+    out = tmp_path / "sweep"
+    grid = {"train.lr": [0.05, 0.2], "train.batch_size": [8, 16]}
+    table = hetfl.sweep(grid, methods="fedavg", seeds=[0, 1], overrides=TINY, out=out)
+    cells = [("0.05", "8"), ("0.05", "16"), ("0.2", "8"), ("0.2", "16")]  # the first key varies slowest
+    assert [(r.config.train.lr, r.config.train.batch_size, r.config.seed) for r in table.runs] == [
+        (float(lr), int(batch), seed) for lr, batch in cells for seed in (0, 1)]
+    for lr, batch in cells:  # the folder names keys in key order, whatever the grid's order
+        cell = out / "fedavg" / f"train.batch_size={batch},train.lr={lr}"
+        assert sorted(p.name for p in cell.iterdir()) == ["cell.json", "seed0", "seed1"]
+        assert json.loads((cell / "cell.json").read_text()) == {
+            "method": "fedavg", "grid": {"train.lr": float(lr), "train.batch_size": int(batch)}}
+    assert [r.run_dir.relative_to(out).parts[-1] for r in table.runs] == ["seed0", "seed1"] * 4
+    assert [(row["train.lr"], row["train.batch_size"], row["seeds"]) for row in table.rows] == [
+        (lr, batch, 2) for lr, batch in cells]
+    for i, row in enumerate(table.rows):
+        pair = table.runs[2 * i:2 * i + 2]
+        accs = [100 * run.final_accuracy for run in pair]
+        mean = sum(accs) / 2
+        assert row["final_mean"] == pytest.approx(mean)
+        # tables.py's std over seeds: the sample standard deviation (n - 1)
+        assert row["final_std"] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in accs) / (2 - 1)))
+    assert len({row["setting_id"] for row in table.rows}) == 4
+    assert "| method | train.batch_size | train.lr |" in table.markdown
+    assert table.markdown == (out / "comparison.md").read_text()
+
+
+def test_cell_names_are_safe_unique_and_depend_on_the_cells_own_values():
+    plain = sweeps.Cell((("train.lr", 0.1), ("data.partition", "iid")))
+    assert plain.dirname == "data.partition=iid,train.lr=0.1"
+    assert sweeps.Cell((("data.partition", "iid"), ("train.lr", 0.1))).dirname == plain.dirname
+    a = sweeps.Cell((("model.options", {"hidden": [16, 8]}),)).dirname
+    b = sweeps.Cell((("model.options", {"hidden": [16, 8], "x": 1}),)).dirname
+    assert a != b and a.startswith("model.options=_") and not set(a) & set('"/ {}[]')
+    assert len(sweeps.Cell((("model.name", "m" * 300),)).dirname) <= sweeps.MAX_NAME
+
+
+def test_cli_grid_and_api_sweep_give_the_same_rows(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--grid", "train.lr=0.05,0.2", "--out",
+            str(out), "--quiet", *set_args(TINY)]
+    assert main(argv) == 0
+    written = list(csv.DictReader(io.StringIO((out / "comparison.csv").read_text())))
+    assert [(r["method"], r["train.lr"]) for r in written] == [
+        ("fedavg", "0.05"), ("fedavg", "0.2"), ("fedprox", "0.05"), ("fedprox", "0.2")]
+    assert (out / "fedprox" / "train.lr=0.2" / "seed0" / "summary.json").is_file()
+    capsys.readouterr()
+    table = hetfl.sweep(GRID, methods=["fedavg", "fedprox"], seeds=[0], overrides=TINY, out=out)
+    assert [r.status for r in table.runs] == ["reused"] * 4
+    assert [{k: "" if v is None else str(v) for k, v in row.items()} for row in table.rows] == written
+    sweep_file = tmp_path / "sweep.toml"
+    sweep_file.write_text('[grid]\n"train.lr" = [0.05, 0.2]\n')
+    argv = ["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--sweep", str(sweep_file), "--out", str(out),
+            "--quiet", *set_args(TINY)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("finished earlier, reusing") == 4
+
+
+def test_folder_names_use_the_configured_value_however_it_was_typed(tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    assert main(["compare", "--methods", "fedavg", "--seeds", "0", "--grid", "train.lr=1", "--out", str(out),
+                 "--quiet", *set_args(TINY)]) == 0
+    assert (out / "fedavg" / "train.lr=1.0" / "seed0" / "summary.json").is_file()  # the float 1.0, as the API
+    assert hetfl.sweep({"train.lr": [1.0]}, overrides=TINY, out=out).runs[0].status == "reused"
+    no_runs(monkeypatch)
+    with pytest.raises(ConfigError, match="two grid cells give the same configuration") as err:
+        hetfl.sweep({"train.lr": [1, 1.0]}, overrides=TINY, out=tmp_path / "twice")
+    assert err.value.key == "train.lr" and not (tmp_path / "twice").exists()
+
+
+def test_without_a_grid_compare_keeps_its_layout(tmp_path):
+    table = hetfl.sweep({}, methods=["fedavg"], seeds=[0], overrides=TINY, out=tmp_path / "cmp")
+    assert [r.run_dir.name for r in table.runs] == ["fedavg-seed0"]
+
+
+# ------------------------------------------------------------- resume, reuse, refuse
+def test_rerun_reuses_finished_resumes_interrupted_and_adds_only_new_cells(tmp_path):
+    out = tmp_path / "sweep"
+    first = hetfl.sweep(GRID, seeds=[0, 1], overrides=TINY, out=out)
+    before = {r.run_dir: files(r.run_dir) for r in first.runs}
+    cut = first.runs[1].run_dir  # as if killed before its summary: an interrupted run of this configuration
+    (cut / "summary.json").unlink()
+    again = hetfl.sweep({"train.lr": [0.05, 0.2, 0.1]}, seeds=[0, 1], overrides=TINY, out=out)
+    assert [r.status for r in again.runs] == ["reused", "resumed", "reused", "reused", "ran", "ran"]
+    for run_dir, saved in before.items():
+        if run_dir != cut:
+            assert files(run_dir) == saved, f"{run_dir} was touched"
+    assert again.runs[1].summary["final_global_acc"] == first.runs[1].summary["final_global_acc"]
+    assert [row["train.lr"] for row in again.rows] == ["0.05", "0.2", "0.1"]
+
+
+def test_another_configuration_in_a_cell_folder_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    hetfl.run(overrides=[*TINY, "train.lr=0.3", "seed=1"], out=out / "fedavg" / "train.lr=0.2" / "seed1")
+    no_runs(monkeypatch)
+    with pytest.raises(hetfl.RunDirError, match=r"train\.lr=0\.2/seed1: holds a run of another configuration "
+                                                r"\(train\.lr: 0\.3 -> 0\.2"):
+        hetfl.sweep(GRID, seeds=[0, 1], overrides=TINY, out=out)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_dir()) == [
+        "fedavg", "fedavg/train.lr=0.2", "fedavg/train.lr=0.2/seed1"]
+
+
+# ------------------------------------------------------------- the counter and the time left
+def fake_clock(step: float):
+    ticks = itertools.count(0.0, step)
+    return lambda: next(ticks)
+
+
+def test_counter_rate_comes_from_runs_computed_here_weighted_by_cost():
+    runs = [sweeps.PlannedRun("a", 10, "new"), sweeps.PlannedRun("c", 20, "new"),
+            sweeps.PlannedRun("b", 10, "finished"), sweeps.PlannedRun("d", 10, "unfinished")]
+    said: list[str] = []
+    counter = sweeps.RunCounter(runs, said.append, fake_clock(20.0))  # every start -> done pair takes 20 s
+    # no recorded time of the finished run, no preset estimate: nothing to go on yet
+    assert counter.start(0) == "run 1 of 4 (a): time left known once a run has finished"
+    counter.done(0)  # 20 s for 10 units: 2 s per unit
+    assert counter.start(1) == "run 2 of 4 (c): about 60 s left"  # (20 + 10) units x 2 s; the reused b is done
+    counter.done(1)  # 40 s for 30 units in all
+    counter.done(2)  # the reused run (as run_plan calls it): adds neither time nor work
+    assert counter.start(3) == "run 4 of 4 (d): about 13 s left"  # 10 units x 4/3 s
+    assert said == ["run 1 of 4 (a): time left known once a run has finished", "run 2 of 4 (c): about 60 s left",
+                    "run 4 of 4 (d): about 13 s left"]
+
+
+def test_run_cost_is_rounds_left_x_clients_x_local_work():
+    cfg = make_config(None, ["train.rounds=3", "data.num_clients=4", "train.local_steps=2"])
+    assert sweeps.run_cost(cfg) == 3 * 4 * 2 and sweeps.run_cost(cfg, done_rounds=1) == 2 * 4 * 2
+    cfg = make_config(None, ["train.rounds=3", "data.num_clients=4", "train.clients_per_round=2",
+                             "train.local_epochs=5"])
+    assert sweeps.run_cost(cfg) == 3 * 2 * 5
+
+
+def test_counter_before_any_run_here_is_rough_and_says_from_what():
+    runs = [sweeps.PlannedRun("a", 10, "finished", recorded_s=60.0), sweeps.PlannedRun("b", 30, "new")]
+    assert sweeps.RunCounter(runs).start(1) == (
+        "run 2 of 2 (b): about 3 min left (rough: from the times of 1 run(s) found finished)")
+    runs = [sweeps.PlannedRun("a", 10, "new"), sweeps.PlannedRun("b", 30, "new")]
+    counter = sweeps.RunCounter(runs, prior_s=1200.0, prior_label="the preset's estimate, rough")
+    assert counter.start(0) == "run 1 of 2 (a): about 20 min left (rough: the preset's estimate, rough)"
+    assert sweeps.format_duration(5400) == "1.5 h"
+
+
+def test_sweep_prints_the_counter_with_a_measured_eta(tmp_path):
+    out = tmp_path / "sweep"
+    text = io.StringIO()
+    console = Console(file=text, width=200)
+    configure = lambda extra: make_config(None, [*TINY, "runtime.progress=false", *extra])
+    grid = sweeps.check_grid(GRID)
+    sweeps.run_plan(["fedavg"], [0, 1], grid, configure, out, None, progress=None, console=console,
+                    clock=fake_clock(60.0))
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("run ")]
+    assert lines == ["run 1 of 4 (fedavg, seed 0, train.lr=0.05): time left known once a run has finished",
+                     "run 2 of 4 (fedavg, seed 1, train.lr=0.05): about 3 min left",
+                     "run 3 of 4 (fedavg, seed 0, train.lr=0.2): about 2 min left",
+                     "run 4 of 4 (fedavg, seed 1, train.lr=0.2): about 60 s left"]
+    (out / "fedavg" / "train.lr=0.2" / "seed0" / "summary.json").unlink()
+    text.truncate(0)
+    sweeps.run_plan(["fedavg"], [0, 1], grid, configure, out, None, progress=None, console=console,
+                    clock=fake_clock(60.0))
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("run ")]
+    assert len(lines) == 1 and lines[0].startswith("run 3 of 4 (fedavg, seed 0, train.lr=0.2): about ")
+    assert lines[0].endswith("left (rough: from the times of 3 run(s) found finished)")
+
+
+def test_the_api_is_silent_unless_progress(tmp_path, capsys):
+    hetfl.sweep(GRID, overrides=TINY, out=tmp_path / "quiet")
+    assert capsys.readouterr().out == ""
+    hetfl.sweep(GRID, overrides=TINY, out=tmp_path / "loud", progress=True)
+    assert "run 2 of 2 (fedavg, seed 0, train.lr=0.2): about " in capsys.readouterr().out
+
+
+def test_counter_lines_are_text_not_rich_markup():
+    text = io.StringIO()
+    sweeps._printer(Console(file=text, markup=True, width=200))("run 1 of 1 (fedavg, seed 0, x=[bold]): soon")
+    assert text.getvalue().strip() == "run 1 of 1 (fedavg, seed 0, x=[bold]): soon"
+
+
+PRESET = """
+[preset]
+title = "toy"
+paper = "nobody"
+metric = "final_global_acc"
+seeds = [0, 1]
+quick_cpu_minutes = 2
+[base.train]
+rounds = 6
+[[columns]]
+id = "c"
+label = "C"
+[[rows]]
+label = "A"
+algorithm = "fedavg"
+[[rows]]
+label = "B"
+algorithm = "fedprox"
+"""
+
+
+def test_reproduce_counts_its_runs_with_the_presets_estimate_as_the_rough_start(tmp_path):
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET)
+    preset = reproduce.load_preset(str(path)).variant(True)  # quick: seed 0, two runs
+
+    def run(cfg, run_dir, resume):
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"round": 1, "global_acc": 0.5}) + "\n")
+        (run_dir / "summary.json").write_text(json.dumps({"final_global_acc": 0.5, "wall_time_s": 1.0}))
+
+    said: list[str] = []
+    reproduce.reproduce(preset, tmp_path / "out", run, say=said.append, clock=fake_clock(30.0))
+    assert said == ["run 1 of 2 (c, fedavg, seed 0): about 2 min left (rough: the preset's estimate, not measured)",
+                    "run 2 of 2 (c, fedprox, seed 0): about 30 s left"]
+
+
+def test_reproduce_list_labels_estimates_measured_or_rough(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per preset
+    assert main(["reproduce", "--list"]) == 0
+    shown = capsys.readouterr().out
+    assert "(rough, not measured)" in shown
+    presets = [reproduce.load_preset(name) for name in reproduce.available()]
+    assert any(p.quick_cpu_measured for p in presets), "at least one quick estimate is measured"
+    assert "(measured)" in shown and "(rough)" in shown
