@@ -147,19 +147,38 @@ def collect_target(target: Target, workdir: Path, seconds: float | None = None) 
             "seconds": None if seconds is None else round(seconds, 1)}
 
 
-def listed_equivalents(name: str) -> set[str]:
-    """Mutant names explained as equivalent in ``<name>.equivalent.md`` (each a backticked name on a list line)."""
+#: kinds of explained survivors, by the ``## `` heading they are listed under in ``<target>.equivalent.md``:
+#: a heading ending in "(rounding)" holds mutants equal in exact arithmetic that change only floating-point
+#: rounding (a test telling them apart would pin the last bits, which differ between CPUs); "(CUDA)" holds
+#: mutants observable only on a CUDA device, killed by tests skipped without one. Bullets above any such
+#: heading are equivalent: no input tells them apart.
+KINDS = {"(rounding)": "rounding_only", "(CUDA)": "cuda_only"}
+
+
+def listed_survivors(name: str) -> dict[str, set[str]]:
+    """Mutant names explained in ``<name>.equivalent.md`` (each a backticked name opening a ``-`` or ``*``
+    list line), by kind: ``equivalent``, ``rounding_only``, ``cuda_only`` (see :data:`KINDS`)."""
+    listed: dict[str, set[str]] = {"equivalent": set(), **{kind: set() for kind in KINDS.values()}}
     path = RESULTS / f"{name}.equivalent.md"
     if not path.exists():
-        return set()
-    return set(re.findall(r"^- `([^`]+__mutmut_\d+)`", path.read_text(), flags=re.MULTILINE))
+        return listed
+    kind = "equivalent"
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            kind = next((k for tag, k in KINDS.items() if line.rstrip().endswith(tag)), "equivalent")
+        found = re.match(r"^[-*] `([^`]+__mutmut_\d+)`", line)
+        if found:
+            listed[kind].add(found.group(1))
+    return listed
 
 
 def write_results(results: dict[str, dict]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for r in results.values():
-        listed = listed_equivalents(r["target"])
-        r["equivalent"] = sorted(listed & set(r["survivors"]))
+        kinds = listed_survivors(r["target"])
+        listed = set().union(*kinds.values())
+        for kind, names in kinds.items():
+            r[kind] = sorted(names & set(r["survivors"]))
         r["unexplained"] = sorted(set(r["survivors"]) - listed)
         r["listed_not_surviving"] = sorted(listed - set(r["survivors"]))
     for name, r in results.items():
@@ -172,10 +191,14 @@ def write_results(results: dict[str, dict]) -> None:
     lines = ["# Mutation testing (mutmut): kill rate per file", "",
              f"Command: `{meta['command']}` ({meta['date']}, {meta['machine']}). A mutant is killed when one "
              "of the target's tests fails on it. Survivors are listed, with their diffs, in "
-             "`<target>.survivors.txt`; those judged equivalent (no test can tell them apart) are explained "
-             "in `<target>.equivalent.md`; 'unexplained' survivors are neither killed nor explained.", "",
-             "| file | tests | mutants | killed | survived | equivalent | unexplained | other | kill rate | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "`<target>.survivors.txt` and explained in `<target>.equivalent.md`: 'equivalent' (no input tells them "
+             "apart), 'rounding only' (equal in exact arithmetic; they change only floating-point rounding, which a "
+             "test could pin only bit for bit, and the last bits differ between CPUs), 'CUDA only' (observable "
+             "only on a CUDA device, killed by tests that are skipped without one); 'unexplained' survivors are "
+             "neither killed nor explained.", "",
+             "| file | tests | mutants | killed | survived | equivalent | rounding only | CUDA only | unexplained "
+             "| other | kill rate | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary.values():
         c = r["counts"]
         other = r["mutants"] - c.get("killed", 0) - c.get("survived", 0)
@@ -183,6 +206,7 @@ def write_results(results: dict[str, dict]) -> None:
         secs = "-" if r["seconds"] is None else r["seconds"]
         lines.append(f"| `{r['source']}` | {', '.join(f'`{t}`' for t in r['tests'])} | {r['mutants']} | "
                      f"{c.get('killed', 0)} | {c.get('survived', 0)} | {len(r['equivalent'])} | "
+                     f"{len(r.get('rounding_only', []))} | {len(r.get('cuda_only', []))} | "
                      f"{len(r['unexplained'])} | {other} | {rate} | {secs} |")
     stale = {n: r["listed_not_surviving"] for n, r in summary.items() if r["listed_not_surviving"]}
     if stale:
@@ -198,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="mutants tested at once")
     parser.add_argument("--workdir", type=Path, default=REPO.parent / ".hetfl-mutation",
                         help="scratch folder for the copies (removed per target before use)")
+    parser.add_argument("--tabulate-only", action="store_true",
+                        help="run nothing: rewrite mutation.md and summary.json from the recorded results and "
+                             "the current <target>.equivalent.md files")
     parser.add_argument("--collect-only", action="store_true",
                         help="do not run mutmut: tabulate the runs already finished in --workdir")
     args = parser.parse_args(argv)
@@ -205,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or []) - names
     if unknown:
         parser.error(f"--only {sorted(unknown)}: unknown; targets are {', '.join(sorted(names))}")
-    chosen = [t for t in TARGETS if not args.only or t.name in args.only]
+    chosen = [] if args.tabulate_only else [t for t in TARGETS if not args.only or t.name in args.only]
     old = RESULTS / "summary.json"
     results: dict[str, dict] = {}
     if old.exists():  # keep other targets' earlier results when re-running some
