@@ -115,10 +115,12 @@ def test_table_means_diffs_and_best5(tmp_path):
     assert b["ours"] == pytest.approx(100 * ((0.9 + 0.8 + 0.7 + 0.6 + 0.2) / 5 + 0.005))  # 5 best, seed mean
     assert b["paper"] is None
     md = (tmp_path / "out" / "reproduction.md").read_text()
-    assert "+10.50" in md and "| U |" in md
+    assert "+10.50" in md and "| U |" in md and f"| 60.50 ± {a['std']:.2f} |" in md
     quick = reproduce.reproduce(preset.variant(True), tmp_path / "q", fake_run(accs))
     assert quick["table"]["A"]["c"]["seeds"] == [0]
-    assert "+10.50" not in (tmp_path / "q" / "reproduction.md").read_text()  # no diffs for a quick variant
+    quick_md = (tmp_path / "q" / "reproduction.md").read_text()
+    assert "+10.50" not in quick_md  # no diffs for a quick variant
+    assert "| 60.00 |" in quick_md and "±" not in quick_md.split("## Curves")[0].split("|---|")[1]  # one seed: no spread
 
 
 def test_reproduce_command_runs_a_preset_end_to_end(tmp_path, capsys):

@@ -43,7 +43,7 @@ from typing import Any
 
 from hetfl import config as config_mod
 from hetfl.params import ConfigError
-from hetfl.tables import mean_std
+from hetfl.tables import mean_std, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -281,8 +281,8 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
 
 def markdown(result: dict[str, Any]) -> str:
     cols = result["columns"]
-    lines = [f"# {result['title']}", "", f"Paper numbers: {result['paper']}. Ours: mean ± std over seeds, "
-             "in %; diff = ours - paper.", "",
+    lines = [f"# {result['title']}", "", f"Paper numbers: {result['paper']}. Ours: mean ± std over seeds "
+             "(the value alone for one seed), in %; diff = ours - paper.", "",
              "| method | " + " | ".join(f"{label} ours | paper | diff" for label in cols.values()) + " |",
              "|---|" + "---|---|---|" * len(cols)]
     for label, by_col in result["table"].items():
@@ -291,7 +291,7 @@ def markdown(result: dict[str, Any]) -> str:
             cell = by_col[cid]
             paper = "U" if cell["paper"] is None else f"{cell['paper']:.2f}"
             diff = "" if cell["diff"] is None or result["quick"] else f"{cell['diff']:+.2f}"
-            cells.append(f"{cell['ours']:.2f} ± {cell['std']:.2f} | {paper} | {diff}")
+            cells.append(f"{with_spread(cell['ours'], cell['std'], len(cell['values']))} | {paper} | {diff}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if result["quick"]:
         lines += ["", "Quick variant: fewer rounds, one seed, a subset of columns, possibly a smaller model or "

@@ -71,6 +71,12 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean(values), (stdev(values) if len(values) > 1 else 0.0)
 
 
+def with_spread(mean_value: float, std: float, seeds: int) -> str:
+    """``mean ± std`` for two or more seeds; the mean alone for one (a single seed has no spread to show:
+    ``± 0.00`` would claim one)."""
+    return f"{mean_value:.2f} ± {std:.2f}" if seeds > 1 else f"{mean_value:.2f}"
+
+
 def _cell(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
@@ -133,8 +139,8 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
-                 f"{row['final_mean']:.2f} ± {row['final_std']:.2f}",
-                 f"{row['best_mean']:.2f} ± {row['best_std']:.2f}"]
+                 with_spread(row["final_mean"], row["final_std"], row["seeds"]),
+                 with_spread(row["best_mean"], row["best_std"], row["seeds"])]
         if target is not None:
             rtt = row["rounds_to_target"]
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
