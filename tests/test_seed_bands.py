@@ -163,7 +163,9 @@ def test_a_single_seed_is_a_line_without_a_band_and_says_so():
     acc_ax, loss_ax = data_axes(fig)
     assert len(acc_ax.lines) == 1 and bands_of(acc_ax) == [] and bands_of(loss_ax) == []
     assert legend_texts(fig) == ["FedAvg (1 seed, no band)"]
-    assert "one seed, no band: FedAvg" in flat(fig._suptitle.get_text())
+    title = flat(fig._suptitle.get_text())
+    assert "line: one seed (no bands)" in title and "FedAvg" not in title  # said once, not listed again
+    assert "band: ±" not in title
 
 
 def test_a_single_evaluated_round_still_shows_its_band():

@@ -725,7 +725,9 @@ def _seed_note(bands: Mapping[str, Mapping[str, SeedBand | None]], ddof: int, pe
     """What the lines and bands are, and what was left out."""
     parts = [f"line: mean over seeds; band: ± 1 {STD_TEXT[ddof]}" + ("; thin lines: each seed" if per_seed else "")]
     single = [label for label, b in bands.items() if b["accuracy"] is not None and b["accuracy"].n < 2]
-    if single:
+    if single and len(single) == len(bands):  # every label: the legend says it for each, the title once
+        parts[0] = "line: one seed (no bands)" + ("; thin lines: each seed" if per_seed else "")
+    elif single:
         parts.append(f"one seed, no band: {', '.join(single)}")
     for label, b in bands.items():
         for band in b.values():
