@@ -120,7 +120,8 @@ def test_table_means_diffs_and_best5(tmp_path):
     assert quick["table"]["A"]["c"]["seeds"] == [0]
     quick_md = (tmp_path / "q" / "reproduction.md").read_text()
     assert "+10.50" not in quick_md  # no diffs for a quick variant
-    assert "| 60.00 |" in quick_md and "±" not in quick_md.split("## Curves")[0].split("|---|")[1]  # one seed: no spread
+    table = quick_md.split("## Curves")[0].split("|---|")[1]
+    assert "| 60.00 |" in table and "±" not in table  # one seed: the value alone, no spread
 
 
 def test_reproduce_command_runs_a_preset_end_to_end(tmp_path, capsys):
