@@ -173,6 +173,14 @@ def test_statistics_from_moments_of_empty_and_single_classes_whatever_the_sums()
     assert s.covs.tolist() == [[[0.0]], [[0.0]], [[(5.0 - 3.0 * 1.0) / 2.0]]]
 
 
+def test_statistics_from_moments_are_symmetric_whatever_the_outer_products():
+    """Summed outer products need not be exactly symmetric (noise added to every entry of the full d x d matrix
+    for differential privacy, a GPU product): the covariance is the symmetric part, ``eigh`` reads one triangle."""
+    outer = torch.tensor([[[4.0, 1.0], [3.0, 6.0]]], dtype=F64)
+    s = stats_from_moments(ClassMoments(torch.tensor([3.0], dtype=F64), torch.zeros(1, 2, dtype=F64), outer))
+    assert s.covs[0].tolist() == [[2.0, 1.0], [1.0, 3.0]]  # (Q + Q^T) / 2 / (3 - 1), mean zero
+
+
 def test_sum_of_moments_is_the_plain_sum_of_every_client():
     """Three clients with distinct powers of two as counts, sums and products: every client's share is visible
     in the sum (a client left out, or counted twice, changes it)."""
