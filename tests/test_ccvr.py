@@ -114,8 +114,9 @@ def _skewed_replies(step, server, classes_by_client):
 
 
 def test_apply_reports_the_mean_number_of_floats_a_client_uploads():
-    """Per class held: its index, count, mean (d = 8) and covariance (8 x 8): 74 floats. Clients with 3 and
-    1 classes upload 222 and 74 floats: 148 per client on average; one client alone: its own 222."""
+    """Per class held: its index, count, sum of features (d = 8) and sum of outer products (8 x 8): 74 floats.
+    Clients with 3 and 1 classes upload 222 and 74 floats: 148 per client on average; one client alone: its
+    own 222."""
     setup = tiny_setup()
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 5, "epochs": 1}}, setup)
     server = ServerState(initial_state(setup))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hetfl.algorithms import build_posthoc
 from hetfl.algorithms.base import ServerState
 from hetfl.algorithms.ccvr import FEATURE_BETA, relu_tukey, virtual_counts
-from hetfl.algorithms.gaussian_stats import ClassStats, class_statistics, pool_statistics
+from hetfl.algorithms.gaussian_stats import ClassStats, class_moments, class_statistics, pool_statistics
 from hetfl.algorithms.posthoc import ClassifierTraining, retrain_classifier, stream
 from tests.helpers import initial_state, tiny_setup
 
@@ -90,8 +90,9 @@ def test_virtual_features_follow_the_pooled_gaussians():
 
 
 def test_a_class_held_by_single_samples_is_uploaded_and_calibrated():
-    """A client uploads every class it holds, a single sample too (count 1, the sample as mean, zero
-    covariance): class 2, one sample at each of two clients, pools to N_2 = 2 and gets its virtual features."""
+    """A client uploads every class it holds, a single sample too (count 1, the sample as sum, its outer product;
+    alone: the sample as mean, zero covariance): class 2, one sample at each of two clients, pools to N_2 = 2 and
+    gets its virtual features."""
     setup = tiny_setup()
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 4, "epochs": 1}}, setup)
     server = ServerState(initial_state(setup))
@@ -100,10 +101,68 @@ def test_a_class_held_by_single_samples_is_uploaded_and_calibrated():
     labels = [torch.tensor([0, 0, 0, 2]), torch.tensor([1, 1, 1, 2])]
     replies = _replies(step, server, feats, labels)
     assert replies[0]["classes"].tolist() == [0, 2] and replies[0]["counts"].tolist() == [3.0, 1.0]
-    torch.testing.assert_close(replies[0]["means"][1], feats[0][3].double())
-    assert torch.count_nonzero(replies[0]["covs"][1]) == 0
+    z = feats[0][3].double()
+    torch.testing.assert_close(replies[0]["sums"][1], z, rtol=0, atol=0)
+    torch.testing.assert_close(replies[0]["outer"][1], torch.outer(z, z), rtol=0, atol=0)  # float32 products: exact
+    alone = step.pooled_statistics({0: replies[0]}, 8)
+    torch.testing.assert_close(alone.means[2], z, rtol=0, atol=0)
+    assert torch.count_nonzero(alone.covs[2]) == 0
     _, info = step.apply(server, replies, round_=1)
     assert info["ccvr_virtual_features"] == 12 and info["ccvr_classes_without_virtual"] == 0
+
+
+def test_replies_are_additive_and_pool_to_eq_3_4():
+    """Two clients' replies (client 0 lacks class 1, class 2 has one sample at each): the server's Gaussians equal
+    eq. 3-4 pooling of the clients' (count, mean, covariance) and the statistics of their features stacked; adding
+    the two replies' tensors class by class into one reply (what secure aggregation would hand the server) gives
+    the same Gaussians, bit for bit. Every reply value is a named tensor (Flower messages carry nothing else).
+
+    Tolerance: 8 eps max_l ||z_l||_inf^2 per class for covariances and 8 eps max_l ||z_l||_inf for means, the
+    float64 rounding measured in tests/test_gaussian_stats.py (up to 2.2 and 0.8 units)."""
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {}, setup)
+    server = ServerState(initial_state(setup))
+    gen = torch.Generator().manual_seed(8)
+    labels = [torch.tensor([0] * 9 + [2]), torch.tensor([0] * 4 + [1] * 7 + [2])]
+    feats = [torch.randn(len(y), 8, generator=gen) * 2 + 3 for y in labels]
+    replies = _replies(step, server, feats, labels)
+    for r in replies.values():
+        assert set(r) == {"classes", "counts", "sums", "outer"}
+        assert all(isinstance(t, torch.Tensor) for t in r.values())
+        assert r["counts"].dtype == r["sums"].dtype == r["outer"].dtype == F64
+    assert replies[0]["classes"].tolist() == [0, 2] and replies[1]["classes"].tolist() == [0, 1, 2]
+    got = step.pooled_statistics(replies, 8)
+    eq = pool_statistics([class_statistics(f, y, 3) for f, y in zip(feats, labels, strict=True)])
+    z, y = torch.cat(feats).double(), torch.cat(labels)
+    eps = torch.finfo(F64).eps
+    assert got.counts.tolist() == eq.counts.tolist() == [13.0, 7.0, 2.0]
+    for c in range(3):
+        scale = float(z[y == c].abs().max())
+        for means, covs in ((eq.means[c], eq.covs[c]), (z[y == c].mean(0), torch.cov(z[y == c].T))):
+            torch.testing.assert_close(got.means[c], means, rtol=0, atol=8 * eps * scale)
+            torch.testing.assert_close(got.covs[c], covs, rtol=0, atol=8 * eps * scale**2)
+    dense = [class_moments(f, lab, 3) for f, lab in zip(feats, labels, strict=True)]
+    summed = {"classes": torch.arange(3), "counts": dense[0].counts + dense[1].counts,
+              "sums": dense[0].sums + dense[1].sums, "outer": dense[0].outer + dense[1].outer}
+    one = step.pooled_statistics({0: summed}, 8)
+    for a, b in ((one.counts, got.counts), (one.means, got.means), (one.covs, got.covs)):
+        assert torch.equal(a, b)
+
+
+def test_replies_pass_through_flower_records_unchanged():
+    """A reply is what ``query.posthoc`` sends back: encoded as a Flower record and decoded, every tensor is the
+    same (dtype, shape, bits), so the server pools exactly what the client computed."""
+    pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+    from hetfl.flower.codec import from_record, to_record
+
+    setup = tiny_setup()
+    (step,) = build_posthoc("fedavg+ccvr", {}, setup)
+    gen = torch.Generator().manual_seed(9)
+    reply = step.client_query(initial_state(setup), torch.randn(12, 8, generator=gen), torch.tensor([0, 2] * 6))
+    back = from_record(to_record(reply))
+    assert set(back) == set(reply)
+    for name, t in reply.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
 def test_virtual_features_per_class_counts_fixed_proportional_and_one():

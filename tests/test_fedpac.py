@@ -16,17 +16,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from hetfl.algorithms import build_algorithm
 from hetfl.algorithms import fedpac as fedpac_module
 from hetfl.algorithms.base import Batch, ModelCaller, Setup, Upload
 from hetfl.algorithms.fedpac import (
+    CENTROID_SUMS,
     CENTROIDS,
+    COUNTS,
     HAS_CENTROID,
     class_means,
+    class_sums,
     combination_weights,
     feature_statistics,
+    global_centroids,
     qp_matrix,
     threshold_weights,
 )
@@ -242,7 +248,9 @@ def test_client_statistics_before_training_and_centroids_after():
         local["encoder.weight"] = local["encoder.weight"] + 1.0  # "trained"
         upload, _ = algo.finish(ctx, local, steps=1)
         counts, means = class_means(*features(c, shift=0.5), C)
-        assert torch.equal(upload["fedpac.counts"], counts) and torch.allclose(upload[CENTROIDS], means)
+        assert upload[COUNTS].dtype == upload[CENTROID_SUMS].dtype == torch.float64  # additive, exact counts
+        assert torch.equal(upload[COUNTS], counts.double()) and CENTROIDS not in upload
+        assert torch.allclose(upload[CENTROID_SUMS], counts.double().unsqueeze(1) * means.double(), atol=1e-5)
         assert torch.equal(upload["fedpac.h"], ctx.extras["h"])  # statistics of the received model
         assert torch.equal(upload["encoder.weight"], local["encoder.weight"])
 
@@ -301,10 +309,10 @@ def test_stages_train_head_then_encoder_with_alignment_off_until_centroids_exist
 def golden_uploads(setup: Setup, server) -> list[Upload]:
     uploads = []
     for c in range(4):
-        counts, cents = class_means(*features(c, shift=0.5), C)
+        counts, sums = class_sums(*features(c, shift=0.5), C)
         h, v = feature_statistics(*features(c), C)
         encoder = {n: server.model[n] + c for n in setup.model.state_names if n.startswith("encoder.")}
-        tensors = {**encoder, **heads(c), "fedpac.counts": counts, CENTROIDS: cents, "fedpac.h": h,
+        tensors = {**encoder, **heads(c), COUNTS: counts, CENTROID_SUMS: sums, "fedpac.h": h,
                    "fedpac.v": torch.tensor(v)}
         uploads.append(Upload(c, tensors, len(LABELS[c]), 1))
     return uploads
@@ -325,6 +333,40 @@ def test_aggregation_matches_the_authors_centroids_and_personalised_heads():
     assert torch.allclose(new.model["encoder.weight"], server.model["encoder.weight"] + shift, atol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), clients=st.integers(1, 5), d=st.integers(1, 6),
+       sizes=st.lists(st.sampled_from([0, 1, 2, 3, 17, 40]), min_size=4, max_size=4))
+def test_centroids_from_summed_sums_equal_the_count_weighted_mean_of_client_centroids(seed, clients, d, sizes):
+    """The additive upload (per-class counts and feature sums) gives the centroids of the authors'
+    ``protos_aggregation``: ``sum_i n_ik c_ik / sum_i n_ik`` over the clients holding class k, with ``c_ik`` the
+    client's class mean (float64 here); classes no client holds have none. Summing two clients' uploads first
+    gives the same centroids (what a secure aggregation hands the server).
+
+    Tolerance: 8 eps max_l ||z_l||_inf over the class's features (float64 rounding of the same sums in another
+    order, as tests/test_gaussian_stats.py measures for the means: up to 0.8 units); a client left out moves a
+    centroid by the difference of class means, 1e14 units and more."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes, dtype=torch.long))
+    z = (torch.randn(len(y), d, generator=gen) * 3 + 5 * torch.randn(len(sizes), d, generator=gen)[y])
+    owner = torch.randint(0, clients, (len(y),), generator=gen)
+    parts = [class_sums(z[owner == k], y[owner == k], len(sizes)) for k in range(clients)]
+    got, has = global_centroids([n for n, _ in parts], [s for _, s in parts])
+    assert has.tolist() == [n > 0 for n in sizes]
+    means = [class_means(z[owner == k].double(), y[owner == k], len(sizes)) for k in range(clients)]
+    counts = torch.stack([n for n, _ in means])
+    total = counts.sum(0)
+    want = (counts.unsqueeze(2) * torch.stack([m for _, m in means])).sum(0) / total.clamp(min=1).unsqueeze(1)
+    merged = [parts[0][0] + parts[-1][0]], [parts[0][1] + parts[-1][1]]
+    for k in range(len(sizes)):
+        if sizes[k] == 0:
+            assert torch.count_nonzero(got[k]) == 0
+            continue
+        unit = torch.finfo(torch.float64).eps * float(z[y == k].abs().max())
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=8 * unit)
+    if clients == 2:  # two clients' uploads summed into one: the same sums, the same centroids
+        assert torch.equal(global_centroids(*merged)[0], got)
+
+
 def test_round_trip_of_personalised_heads_and_centroids():
     setup = tiny_setup(num_clients=2)
     algo = build_algorithm("fedpac", {}, setup)
@@ -335,7 +377,8 @@ def test_round_trip_of_personalised_heads_and_centroids():
         local = perturbed(server.model, 0.3, c)
         counts = torch.tensor([4.0 + 8 * c, 0.0, 2.0])
         cents = torch.full((3, 8), shift)
-        tensors = {**{n: local[n] for n in setup.model.state_names}, "fedpac.counts": counts, CENTROIDS: cents,
+        tensors = {**{n: local[n] for n in setup.model.state_names}, COUNTS: counts,
+                   CENTROID_SUMS: counts.unsqueeze(1) * cents,
                    "fedpac.h": torch.rand(3, 8, dtype=torch.float64), "fedpac.v": torch.tensor(0.1)}
         uploads.append(Upload(c, tensors, 10 * (c + 1), 3))
     new = algo.aggregate(server, uploads, 1)
@@ -472,8 +515,9 @@ def test_a_class_seen_once_has_a_global_centroid():
     server = algo.init_server(initial_state(setup))
     uploads = []
     for c, counts in ((0, [1.0, 0.0, 2.0]), (1, [0.0, 0.0, 3.0])):
-        tensors = {**{n: server.model[n] for n in setup.model.state_names}, "fedpac.counts": torch.tensor(counts),
-                   CENTROIDS: torch.full((3, 8), 2.0 + c), "fedpac.h": torch.rand(3, 8, dtype=torch.float64),
+        tensors = {**{n: server.model[n] for n in setup.model.state_names}, COUNTS: torch.tensor(counts),
+                   CENTROID_SUMS: torch.tensor(counts).unsqueeze(1) * (2.0 + c) * torch.ones(3, 8),
+                   "fedpac.h": torch.rand(3, 8, dtype=torch.float64),
                    "fedpac.v": torch.tensor(0.1)}
         uploads.append(Upload(c, tensors, 10, 1))
     new = algo.aggregate(server, uploads, 1)

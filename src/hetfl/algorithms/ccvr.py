@@ -5,14 +5,28 @@ Calibration for Federated Learning with Non-IID Data." NeurIPS 2021, sec. 4,
 Algorithm 1. A post-hoc step (``X+ccvr``) after any federated training:
 
 1. each client, with the final global encoder (eval mode, no augmentation),
-   computes per class its count ``N_ck``, mean ``mu_ck`` and unbiased
-   covariance ``S_ck`` (eq. 2) and uploads them;
-2. the server pools them exactly (eq. 3-4) into ``N(mu_c, S_c)``;
+   computes per class it holds its count ``N_ck``, the sum of its features
+   ``s_ck`` and the sum of their outer products ``Q_ck`` and uploads them
+   (the paper's per-class mean ``mu_ck`` and unbiased covariance ``S_ck`` of
+   eq. 2 in additive form: ``s_ck = N_ck mu_ck``,
+   ``Q_ck = (N_ck - 1) S_ck + N_ck mu_ck mu_ck^T``);
+2. the server sums them over clients and derives ``N(mu_c, S_c)``: the exact
+   pooling of eq. 3-4 (``mu_c = s_c / N_c``,
+   ``S_c = (Q_c - N_c mu_c mu_c^T) / (N_c - 1)``), up to float64 rounding
+   (1e-14 to 6e-14 relative on realistic features, 2e-6 for features whose mean is 1e4
+   times their spread: ``gaussian_stats.stats_from_moments``);
 3. draws ``M_c`` virtual features per class (robustly for singular
    covariances; classes with ``N_c < 2`` get none and are reported);
 4. applies ReLU + Tukey's transform (beta 0.5, sec. 5.1) to them and re-trains
    the classifier, initialised from the global one, with cross-entropy and
    SGD (lr 0.001, momentum 0.9, weight decay 1e-5, batch 64; Table 8).
+
+Why sums: the server's pooling is then a plain sum over clients, the one
+operation secure aggregation (Flower's SecAgg+) gives a server that must not see
+any single client's statistics, and the quantity to which differential-privacy
+noise is added. (The uploads here still name the classes a client holds and go
+to the server in the clear; a secure-aggregation round would send every class,
+absent ones as zeros, so that all uploads have one shape.)
 
 The transform is part of the calibrated model: real features get the same
 ReLU + Tukey before the classifier at inference (``FEATURE_BETA`` in the
@@ -30,7 +44,14 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import HeadTransform, ServerState, Tensors, register_head_transform
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
-from hetfl.algorithms.gaussian_stats import ClassStats, class_statistics, pool_statistics, sample_gaussian
+from hetfl.algorithms.gaussian_stats import (
+    ClassMoments,
+    ClassStats,
+    class_moments,
+    sample_gaussian,
+    stats_from_moments,
+    sum_moments,
+)
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, retrain_classifier, stream
 from hetfl.params import setting
 
@@ -104,29 +125,36 @@ class CCVR(PostHoc):
     citation = "Luo et al., NeurIPS 2021"
 
     def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor) -> Tensors:
-        """Algorithm 1, lines 5-9 (eq. 2): the client's per-class statistics, classes it holds only
-        (the oracle uploads the features themselves)."""
+        """Algorithm 1, lines 5-9 (eq. 2 in additive form): the client's per-class count, sum of
+        features and sum of outer products (float64), classes it holds only (the oracle uploads the
+        features themselves). Per class held: its index, 1 + d + d^2 floats (the full symmetric
+        ``outer``; its upper triangle, ``ClassMoments.num_floats``, would be enough)."""
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
-        stats = class_statistics(features, labels, self.setup.num_classes)
-        present = stats.counts > 0
-        return {"classes": present.nonzero().flatten(), "counts": stats.counts[present],
-                "means": stats.means[present], "covs": stats.covs[present]}
+        moments = class_moments(features, labels, self.setup.num_classes)
+        present = moments.counts > 0
+        return {"classes": present.nonzero().flatten(), "counts": moments.counts[present],
+                "sums": moments.sums[present], "outer": moments.outer[present]}
 
-    def _expand(self, reply: Tensors, dim: int) -> ClassStats:
+    def _expand(self, reply: Tensors, dim: int) -> ClassMoments:
+        """A reply as moments of every class (zero for the classes the client does not hold)."""
         c = self.setup.num_classes
         counts = torch.zeros(c, dtype=torch.float64)
-        means = torch.zeros(c, dim, dtype=torch.float64)
-        covs = torch.zeros(c, dim, dim, dtype=torch.float64)
+        sums = torch.zeros(c, dim, dtype=torch.float64)
+        outer = torch.zeros(c, dim, dim, dtype=torch.float64)
         idx = reply["classes"].cpu()
-        counts[idx], means[idx], covs[idx] = reply["counts"].cpu(), reply["means"].cpu(), reply["covs"].cpu()
-        return ClassStats(counts, means, covs)
+        counts[idx], sums[idx], outer[idx] = reply["counts"].cpu(), reply["sums"].cpu(), reply["outer"].cpu()
+        return ClassMoments(counts, sums, outer)
+
+    def pooled_statistics(self, replies: dict[int, Tensors], dim: int) -> ClassStats:
+        """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments."""
+        return stats_from_moments(sum_moments([self._expand(r, dim) for r in replies.values()]))
 
     def virtual_features(
         self, replies: dict[int, Tensors], dim: int, gen: torch.Generator
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Algorithm 1, lines 12-16: pool (eq. 3-4) and draw M_c virtual features per class."""
-        pooled = pool_statistics([self._expand(r, dim) for r in replies.values()])
+        pooled = self.pooled_statistics(replies, dim)
         counts = virtual_counts(pooled, self.hp.num_virtual, self.hp.proportional)
         feats, labels = [], []
         for c in range(self.setup.num_classes):

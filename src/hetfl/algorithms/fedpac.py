@@ -17,13 +17,15 @@ each client keeps its own classifier. Per round, client i:
    ``CE + lam * mean ||f(x) - c_y||^2 / d`` (the feature-alignment regulariser
    R_i, towards the global centroid of class y, or the client's own class mean
    when the server has none; off until the server has centroids);
-4. uploads the encoder, its classifier, per-class centroids and counts after
-   training (eq. of ``c_hat_{i,k}``), and ``h_i``, ``v_i``.
+4. uploads the encoder, its classifier, per class its count and the sum of its
+   features after training (the centroid ``c_hat_{i,k}`` times the count, in
+   float64), and ``h_i``, ``v_i``.
 
-Server: encoder = data-size-weighted mean; centroid of class k = mean of the
+Server: encoder = data-size-weighted mean; centroid of class k = the clients'
+feature sums of class k summed, divided by their counts summed: the mean of the
 client centroids weighted by the clients' counts of class k (the code's
-``protos_aggregation``); for each participating client i, the weights
-``alpha_i = argmin a^T P_i a`` on the simplex, ``P_i = diag(v) + D_i`` with
+``protos_aggregation``) from additive uploads; for each participating client i,
+the weights ``alpha_i = argmin a^T P_i a`` on the simplex, ``P_i = diag(v) + D_i`` with
 ``D_i[j1, j2] = sum_k <h_i[k] - h_j1[k], h_i[k] - h_j2[k]>`` (eq. 11; the code's
 ``get_head_agg_weight``), combine the uploaded classifiers into client i's
 personalised classifier. As in the code:
@@ -36,6 +38,25 @@ personalised classifier. As in the code:
 
 Evaluation: each client's encoder + personalised classifier on its own test
 split.
+
+What the server needs additively and what per client (for secure aggregation,
+where a server learns only the sum over clients):
+
+- additive: the per-class counts and feature sums (``fedpac.counts``,
+  ``fedpac.centroid_sums``); the server needs only their sums over clients, the
+  global centroids. (The encoder's data-size-weighted mean is a sum too,
+  ``sum_i n_i theta_i / sum_i n_i``; it is sent as each client's parameters here,
+  as in every FedAvg-style method of hetfl.)
+- per client, and why: ``h_i``, ``v_i`` and the classifier. Client i's QP matrix
+  ``P_i = diag(v) + D_i`` holds every participant's own ``v_j`` on its diagonal
+  and, in ``D_i[j1, j2] = sum_k <h_i[k] - h_j1[k], h_i[k] - h_j2[k]>``, inner
+  products between pairs of clients' ``h``: no sum over clients gives them.
+  Client i's personalised classifier ``sum_j alpha_ij g_j`` weights the
+  participants' classifiers differently for every i, with weights computed from
+  those per-client statistics. So under secure aggregation FedPAC's classifier
+  collaboration still shows the server each participant's ``h_i`` (class
+  frequencies times class means), ``v_i`` and classifier; only the centroids (and
+  the encoder) can be hidden in a sum.
 
 Remaining departures from the paper and the authors' code:
 
@@ -81,6 +102,7 @@ from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
 from hetfl.params import setting
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
+COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
 HEAD, OWN_HEAD = "fedpac.head/", "fedpac.local_head/"
 
 
@@ -111,6 +133,23 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) 
     sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype, device=features.device)
     sums.index_add_(0, labels, features)
     return counts, sums / counts.clamp(min=1).unsqueeze(1)
+
+
+def class_sums(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [C], sums [C, d]) of features per class, float64: additive over clients (their sums over clients
+    give the global centroids ``sums / counts``)."""
+    z = features.detach().double()
+    counts = torch.bincount(labels, minlength=num_classes).double()
+    return counts, torch.zeros(num_classes, z.shape[1], dtype=torch.float64, device=z.device).index_add_(0, labels, z)
+
+
+def global_centroids(counts: list[torch.Tensor], sums: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global centroid of every class and whether it has one, from the clients' per-class counts and feature
+    sums: ``c_k = sum_i s_ik / sum_i n_ik`` (= the count-weighted mean of the client centroids; zero for a class
+    no client holds). Only the sums over clients enter, which secure aggregation can compute."""
+    total = torch.stack(counts).sum(0)
+    centroids = torch.stack(sums).sum(0) / total.clamp(min=1).unsqueeze(1)
+    return centroids, total > 0
 
 
 def feature_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, float]:
@@ -226,10 +265,9 @@ class FedPAC(Algorithm):
 
     def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
         feats, labels = ctx.features(local)  # type: ignore[misc]
-        counts, centroids = class_means(feats.float(), labels, self.setup.num_classes)
+        counts, sums = class_sums(feats, labels, self.setup.num_classes)
         upload = {n: local[n] for n in self.model.state_names}
-        upload.update({"fedpac.counts": counts, CENTROIDS: centroids, "fedpac.h": ctx.extras["h"],
-                       "fedpac.v": ctx.extras["v"]})
+        upload.update({COUNTS: counts, CENTROID_SUMS: sums, "fedpac.h": ctx.extras["h"], "fedpac.v": ctx.extras["v"]})
         return upload, {OWN_HEAD + n: local[n] for n in self.head_names}
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
@@ -237,11 +275,10 @@ class FedPAC(Algorithm):
         model.update(weighted_mean([{n: u.tensors[n] for n in self.model.state_names} for u in uploads],
                                    [float(u.num_samples) for u in uploads]))
         extra = dict(server.extra)
-        counts = torch.stack([u.tensors["fedpac.counts"] for u in uploads])  # [m, C]
-        cents = torch.stack([u.tensors[CENTROIDS] for u in uploads])  # [m, C, d]
-        total = counts.sum(0)
-        extra[CENTROIDS] = (counts.unsqueeze(2) * cents).sum(0) / total.clamp(min=1).unsqueeze(1)
-        extra[HAS_CENTROID] = (total > 0).float()
+        centroids, has = global_centroids([u.tensors[COUNTS] for u in uploads],
+                                          [u.tensors[CENTROID_SUMS] for u in uploads])
+        extra[CENTROIDS] = centroids.to(server.extra[CENTROIDS].dtype)
+        extra[HAS_CENTROID] = has.to(server.extra[HAS_CENTROID].dtype)
         h = [u.tensors["fedpac.h"] for u in uploads]
         v = [float(u.tensors["fedpac.v"]) for u in uploads]
         for i, u in enumerate(uploads):
