@@ -68,7 +68,8 @@ def child(devices: int, rounds: int, extra: list[str], profile: bool) -> dict[st
     import resource
 
     from hetfl import config
-    from hetfl.engine.experiment import Experiment, Reporter
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.summary import Reporter
 
     started = process_start_time()
 

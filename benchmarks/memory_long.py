@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from hetfl import config
-from hetfl.engine.experiment import Experiment, Reporter
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.summary import Reporter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -42,7 +42,8 @@ from statistics import mean, pstdev
 import torch
 
 from hetfl import config
-from hetfl.engine.experiment import Experiment, diverged_round
+from hetfl.engine.summary import diverged_round
+from hetfl.runtimes import run_experiment
 
 MNIST = ["data.dataset=mnist", "data.root={data}/mnist", "data.partition=dirichlet", "data.alpha=0.05",
          "data.num_clients=10", "model.name=cnn2", "train.rounds=8", "train.local_epochs=1",
@@ -102,8 +103,7 @@ def run_one(base: list[str], method: str, seed: int, runs: Path, data: str, coll
         summary = json.loads((run_dir / "summary.json").read_text())
     else:
         cfg = config.load(None, [*overrides, "runtime.progress=false"])
-        exp = Experiment(cfg)
-        summary = exp.run(run_dir, resume=(run_dir / "checkpoint.safetensors").exists())
+        summary = run_experiment(cfg, run_dir, resume=(run_dir / "checkpoint.safetensors").exists())
     out = {k: summary.get(k) for k in ("final_global_acc", "final_client_acc_mean", "wall_time_s", "rounds")}
     out["final_global_acc_before_ccvr"] = summary.get("final_global_acc_before_ccvr")
     out["seconds_per_round"] = summary["wall_time_s"] / summary["rounds"]

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from hetfl import config
-from hetfl.engine.experiment import Experiment, Reporter
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.summary import Reporter
 
 ROOTS = {"cifar10": "cifar10-jpeg.tar.gz", "mnist": "mnist"}
 

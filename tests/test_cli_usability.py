@@ -28,7 +28,8 @@ from hetfl.algorithms.base import MODEL_PARTS, Algorithm, model_provides
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.cli import RichReporter, build_parser, main, make_console
 from hetfl.data.base import Dataset, DatasetInfo, Split
-from hetfl.engine.experiment import Experiment, pick_device
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.setup import pick_device
 from hetfl.models import build_model, param_groups
 from hetfl.params import ConfigError
 from tests.helpers import one_thread  # noqa: F401

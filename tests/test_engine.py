@@ -198,7 +198,7 @@ def test_saved_client_models_average_to_the_global_model(tmp_path):
 def test_a_checkpoint_from_before_a_new_config_key_still_resumes_and_a_changed_key_is_named():
     """Keys added to hetfl later (with defaults that leave old runs unchanged) must not stop a
     run from resuming; a real change of configuration is refused, naming the key."""
-    from hetfl.engine.experiment import config_changes
+    from hetfl.engine.setup import config_changes
 
     cfg = config.load(None, ["train.lr=0.1"])
     saved = config.to_tree(cfg)

@@ -38,8 +38,9 @@ from hetfl.algorithms.fedbr import (
 from hetfl.algorithms.mixup import LAM, PERM
 from hetfl.algorithms.pseudo_data import draw_plan, plan_means
 from hetfl.config import TrainConfig
-from hetfl.engine.experiment import Experiment, lr_at
+from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
+from hetfl.engine.schedule import lr_at
 from hetfl.params import ConfigError
 from hetfl.rng import method_generator
 from tests.helpers import initial_state, one_thread, perturbed  # noqa: F401

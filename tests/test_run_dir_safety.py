@@ -29,7 +29,9 @@ import torch
 from hetfl import config
 from hetfl.cli import main
 from hetfl.engine.checkpoint import load_checkpoint, save_checkpoint
-from hetfl.engine.experiment import Experiment, RunDirError, run_experiment
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.rundir import RunDirError
+from hetfl.runtimes import run_experiment
 from tests.helpers import one_thread  # noqa: F401 (autouse: one torch thread)
 
 TIME_KEYS = {"round_time_s", "eval_time_s"}
@@ -319,7 +321,7 @@ def test_the_flower_simulation_holds_every_jobs_lock_and_checks_them_first(tmp_p
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("")
     with pytest.raises(RunDirError, match="already holds a run"):
-        exps[0].run(tmp_path / "b")  # Experiment.run dispatches to the simulation under the lock
+        run_experiment(exps[0], tmp_path / "b")  # the flower runtime: the simulation, under the lock
     assert len(seen) == 2 and not (tmp_path / "b" / LOCK).exists()
 
 

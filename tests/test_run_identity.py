@@ -21,7 +21,8 @@ import pytest
 from hetfl import config as config_mod
 from hetfl.cli import main
 from hetfl.engine import identity
-from hetfl.engine.experiment import Experiment, Reporter
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.summary import Reporter
 
 from .helpers import one_thread  # noqa: F401
 

@@ -17,8 +17,7 @@ from hetfl.cli import main
 from hetfl.data import partition
 from hetfl.data.datasets import synthetic
 from hetfl.data.datasets.common import Context
-from hetfl.engine import experiment as ex
-from hetfl.engine import identity
+from hetfl.engine import federation, identity, summary
 from hetfl.engine.checkpoint import load_checkpoint, save_checkpoint
 from hetfl.engine.data import FederatedData
 from hetfl.engine.experiment import Experiment
@@ -79,9 +78,9 @@ def test_the_per_client_file_holds_each_clients_accuracy_and_the_line_their_summ
 def test_accuracies_from_the_global_models_correctness_equal_the_per_client_evaluation(tmp_path, monkeypatch, method):
     """The vectorised path (all clients from one correctness vector) against the per-client loop."""
     cfg = synthetic_cfg(30, "train.rounds=2", f"algorithm.name={method}")
-    assert ex.evaluates_with_global_model(Experiment(cfg).algorithm)
+    assert federation.evaluates_with_global_model(Experiment(cfg).algorithm)
     Experiment(cfg).run(tmp_path / "vectorised")
-    monkeypatch.setattr(ex, "evaluates_with_global_model", lambda algo: False)
+    monkeypatch.setattr(federation, "evaluates_with_global_model", lambda algo: False)
     Experiment(cfg).run(tmp_path / "loop")
     for name in ("metrics.jsonl", CLIENT_METRICS_NAME):
         assert without_times(lines(tmp_path / "vectorised", name)) == without_times(lines(tmp_path / "loop", name))
@@ -171,7 +170,7 @@ def test_client_spread_reads_old_lines_with_client_acc_and_new_lines_alike():
     accs = [[0.5, 0.25, 1.0, 0.75], [0.1, 0.2, 0.3]]
     old = [{"round": r, "train_loss": 1.0, "client_acc_mean": float(np.mean(a)), "client_acc": a}
            for r, a in enumerate(accs, start=1)]
-    new = [{"round": r, "train_loss": 1.0, **ex.client_acc_summary(a)} for r, a in enumerate(accs, start=1)]
+    new = [{"round": r, "train_loss": 1.0, **summary.client_acc_summary(a)} for r, a in enumerate(accs, start=1)]
     assert client_spread(old) == client_spread(new)
     spread = client_spread(new)
     want = {"min": [0.25, 0.1], "q25": [0.4375, 0.15], "median": [0.625, 0.2], "q75": [0.8125, 0.25], "max": [1.0, 0.3]}
@@ -326,7 +325,7 @@ def test_the_history_is_read_back_from_the_file_and_tracks_divergence(tmp_path):
         assert isinstance(history, History) and len(history) == 4
         assert json.dumps(list(history)) == json.dumps(rows) and json.dumps(history[1:3]) == json.dumps(rows[1:3])
         assert history[-1]["round"] == 4 and history[0]["train_loss"] == 1.0 and history[::2][1]["round"] == 3
-        assert history.first_nonfinite == 3 == ex.diverged_round(history) == ex.diverged_round(list(history))
+        assert history.first_nonfinite == 3 == summary.diverged_round(history) == summary.diverged_round(list(history))
         with pytest.raises(IndexError):
             history[4]
     with restore_metrics(tmp_path / "metrics.jsonl", 4, None) as log:

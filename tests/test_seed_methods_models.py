@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from hetfl import config
-from hetfl.engine.experiment import Experiment, Reporter
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.summary import Reporter
 from hetfl.models import MODELS
 from tests.helpers import needs_shared_data
 

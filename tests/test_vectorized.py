@@ -20,8 +20,10 @@ import torch
 
 from hetfl import config
 from hetfl.algorithms import available
-from hetfl.engine.experiment import Experiment, Reporter, lr_at
+from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
+from hetfl.engine.schedule import lr_at
+from hetfl.engine.summary import Reporter
 from hetfl.engine.vectorized import train_clients_vectorized
 from tests.helpers import needs_shared_data
 

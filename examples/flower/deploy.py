@@ -51,6 +51,7 @@ def checked_config(args: argparse.Namespace, out: Path) -> RunConfig:
     from hetfl.cli import check_new_run_dir
     from hetfl.engine.experiment import Experiment
     from hetfl.engine.rundir import check_unlocked
+    from hetfl.runtimes import check_runtime
 
     check_unlocked(out)
     if args.resume:
@@ -58,6 +59,7 @@ def checked_config(args: argparse.Namespace, out: Path) -> RunConfig:
     else:
         cfg = config_mod.load(args.config, [*args.set, "runtime.executor=flower", "runtime.progress=false"])
         check_new_run_dir(out)
+    check_runtime(cfg)  # the Flower executor's own checks (settings it cannot honour)
     Experiment(cfg)  # the ServerApp sets the same experiment up; here its errors come before any process
     return cfg
 

@@ -239,19 +239,20 @@ def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None
     --resume``; the checkpoint's configuration is checked against it), a new one runs (``experiment``:
     already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``."""
     from hetfl.cli import RichReporter, make_console
-    from hetfl.engine.experiment import CONFIG_NAME, Experiment
+    from hetfl.engine.experiment import CONFIG_NAME
+    from hetfl.runtimes import run_experiment
 
     if state == "finished":
         if console is not None:
             console.print(f"{run_dir}: finished earlier, reusing (same configuration)")
         return "reused"
+    # what runs: a configuration (set up by run_experiment, after its runtime's checks) or the experiment
+    target: RunConfig | Experiment = cfg if experiment is None else experiment
     if state == "unfinished":
-        experiment = Experiment(config_mod.load(run_dir / CONFIG_NAME))
-    elif experiment is None:
-        experiment = Experiment(cfg)
+        target = config_mod.load(run_dir / CONFIG_NAME)
     reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress)
     try:
-        experiment.run(run_dir, resume=state == "unfinished", reporter=reporter)
+        run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter)
     finally:
         reporter.close()
     return "resumed" if state == "unfinished" else "ran"
@@ -343,6 +344,7 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
     from hetfl.cli import check_output_dir, default_run_dir, make_console
     from hetfl.engine.experiment import Experiment
     from hetfl.engine.rundir import check_unlocked
+    from hetfl.runtimes import check_runtime
 
     _load_plugins(plugins)
     if resume and overwrite:
@@ -354,7 +356,8 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
     check_unlocked(run_dir)
     console = make_console() if progress else None
     if overwrite:
-        experiment = Experiment(cfg)  # everything validated before a run is deleted
+        check_runtime(cfg)  # everything validated before a run is deleted: the executor's checks, the set-up
+        experiment = Experiment(cfg)
         clear_run_dir(run_dir)
         status = execute(cfg, run_dir, "new", console, experiment)
     else:

@@ -32,7 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hetfl.data.base import DatasetError
     from hetfl.data.partition import PartitionError
     from hetfl.engine.checkpoint import CheckpointError
-    from hetfl.engine.experiment import RunDirError
+    from hetfl.engine.rundir import RunDirError
     from hetfl.models import ModelError
     from hetfl.report import ReportError
 
@@ -130,7 +130,7 @@ def check_output_dir(path: Path, flag: str = "--out") -> None:
     """An output folder (which may exist: compare, reproduce and report add to theirs) must be a
     folder, below folders (not files), and writable: a RunDirError (exit 2) otherwise, before
     anything is written."""
-    from hetfl.engine.experiment import RunDirError
+    from hetfl.engine.rundir import RunDirError
 
     try:
         existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
@@ -145,7 +145,7 @@ def check_output_dir(path: Path, flag: str = "--out") -> None:
 def check_new_run_dir(path: Path) -> None:
     """``--out`` of a new run must be absent or an empty folder, below folders (not files), and writable:
     a RunDirError (exit 2) otherwise, before anything is written."""
-    from hetfl.engine.experiment import RunDirError
+    from hetfl.engine.rundir import RunDirError
 
     try:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -156,8 +156,9 @@ def check_new_run_dir(path: Path) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from hetfl.engine.experiment import CONFIG_NAME, Experiment, RunDirError
-    from hetfl.engine.rundir import check_unlocked
+    from hetfl.engine.experiment import CONFIG_NAME, Experiment
+    from hetfl.engine.rundir import RunDirError, check_unlocked
+    from hetfl.runtimes import check_runtime, run_experiment
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -175,10 +176,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         check_new_run_dir(run_dir)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
+    check_runtime(cfg)  # the executor's own checks (Flower installed), before the set-up's work
     exp = Experiment(cfg)
     reporter = RichReporter(console, exp.cfg.runtime.progress)
     try:
-        exp.run(run_dir, resume=bool(args.resume), reporter=reporter)
+        run_experiment(exp, run_dir, resume=bool(args.resume), reporter=reporter)
     finally:
         reporter.close()
     print(f"run directory: {run_dir}")
@@ -221,7 +223,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
 def cmd_partition(args: argparse.Namespace, console: Console) -> int:
     from hetfl.data.datasets import load_dataset
     from hetfl.data.partition_report import format_table, partition_table, plot_partition
-    from hetfl.engine.experiment import build_partition, resolve
+    from hetfl.engine.setup import build_partition, resolve
 
     cfg = config_mod.load(args.config, args.set)
     for flag, target in (("--plot", args.plot), ("--json", args.json)):
@@ -314,7 +316,8 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from hetfl import reproduce
-    from hetfl.engine.experiment import CONFIG_NAME, Experiment
+    from hetfl.engine.experiment import CONFIG_NAME
+    from hetfl.runtimes import run_experiment
 
     if args.list or not args.name:
         table = Table(title="reproduction presets (hetfl reproduce NAME [--quick])")
@@ -340,7 +343,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         if resume:  # an interrupted run of this configuration goes on from its own config.toml (hetfl run --resume)
             cfg = config_mod.load(run_dir / CONFIG_NAME)
         try:
-            Experiment(cfg).run(run_dir, resume=resume, reporter=reporter)
+            run_experiment(cfg, run_dir, resume=resume, reporter=reporter)
         finally:
             reporter.close()
 

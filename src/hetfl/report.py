@@ -205,7 +205,7 @@ def partition_plot(run: Run, out: Path) -> Path | None:
     """The run's partition heat map (rebuilt from its config), or None if its data is unavailable."""
     from hetfl.data.datasets import load_dataset
     from hetfl.data.partition_report import plot_partition
-    from hetfl.engine.experiment import build_partition, resolve
+    from hetfl.engine.setup import build_partition, resolve
 
     try:
         cfg = config_mod.load(run.path / CONFIG_NAME, [])

@@ -1,5 +1,8 @@
-"""One experiment: set-up (everything validated before any file is written) and
-the round loop (sample, train clients, aggregate, evaluate, log, checkpoint).
+"""One experiment: set-up (everything validated before any file is written; the pieces are in
+:mod:`hetfl.engine.setup`) and the round loop (sample, train clients, aggregate, evaluate, log,
+checkpoint). The clients' side of each phase goes through ``Experiment.federation``
+(:mod:`hetfl.engine.federation`: in this process by default); which runtime runs an experiment is
+picked above the engine (:mod:`hetfl.runtimes`).
 
 The run directory contract (DESIGN.md): ``config.toml`` (resolved config),
 ``metrics.jsonl`` (one line per round, of a size that does not grow with the
@@ -9,24 +12,20 @@ clients), ``client_metrics.jsonl`` (each client's accuracy on evaluated rounds),
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hetfl import config as config_mod
 from hetfl import tracking
-from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name
 from hetfl.algorithms.base import (
     SHARED,
-    Algorithm,
     Batch,
     ClientContext,
     ModelCaller,
@@ -38,9 +37,7 @@ from hetfl.algorithms.base import (
     without_feature_transforms,
 )
 from hetfl.config import RunConfig
-from hetfl.data.base import Dataset
 from hetfl.data.datasets import load_dataset
-from hetfl.data.partition import Partition, make_partition
 from hetfl.engine import resources
 from hetfl.engine.checkpoint import (
     Checkpoint,
@@ -50,22 +47,25 @@ from hetfl.engine.checkpoint import (
     save_tensors,
 )
 from hetfl.engine.data import FederatedData
-from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
-from hetfl.engine.identity import differing_keys
+from hetfl.engine.evaluate import accuracy_and_loss
+from hetfl.engine.federation import Federation, InProcessFederation
 from hetfl.engine.local import LocalResult, run_stages, train_client
+from hetfl.engine.messages import nbytes
 from hetfl.engine.rundir import (
     HISTORY_KEY,
-    History,
     MetricsLog,
     RunDirError,
     check_no_run,
     lock_run_dir,
     restore_metrics,
 )
+from hetfl.engine.schedule import lr_at
+from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
+from hetfl.engine.summary import Reporter, client_acc_summary, client_row, diverged_round, make_summary
 from hetfl.engine.vectorized import train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
-from hetfl.params import ConfigError, to_dict
+from hetfl.params import ConfigError
 from hetfl.rng import derive_seed, numpy_generator
 
 METRICS_NAME = "metrics.jsonl"
@@ -73,170 +73,8 @@ SUMMARY_NAME = "summary.json"
 CONFIG_NAME = "config.toml"
 CLIENT_MODELS_DIR = "client_models"
 #: the key under which ``evaluate`` returns each client's accuracy (taken out of the metrics line, written
-#: to ``client_metrics.jsonl``); the line keeps their summary, ``client_acc_<SPREAD_KEYS>``
+#: to ``client_metrics.jsonl``); the line keeps their summary (:func:`hetfl.engine.summary.client_acc_summary`)
 CLIENT_ACC_KEY = "_client_acc"
-SPREAD_KEYS = ("min", "q25", "median", "q75", "max")
-#: the Algorithm hooks that decide which model a client is evaluated with (``client_accuracy``); a method
-#: that overrides none of them is evaluated with the global model on every client. (``init_client_state``
-#: and ``payload`` are called there too, but only feed these; their draws, like every draw, come from
-#: hetfl.rng's keyed streams, so leaving the calls out changes no later number.)
-GLOBAL_EVAL_HOOKS = ("client_model", "personalize_stages", "predictor")
-
-
-def pick_device(name: str) -> torch.device:
-    """The device of ``runtime.device`` (auto, cpu, cuda, cuda:N), checked against this machine's GPUs.
-    A device index becomes the current CUDA device, so that what runs on the current device (the
-    vectorised executor's CUDA streams and graphs) runs on the chosen one."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ConfigError("runtime.device", name, "CUDA is not available on this machine; use auto or cpu")
-    count = torch.cuda.device_count()
-    if device.index is not None:
-        if device.index >= count:
-            present = ", ".join(f"cuda:{i}" for i in range(count))
-            raise ConfigError("runtime.device", name, f"this machine has {count} CUDA device{'s' * (count != 1)} "
-                                                      f"({present}); use one of them, cuda or auto")
-        torch.cuda.set_device(device)
-    return device
-
-
-def vmap_clients(runtime: config_mod.RuntimeConfig, device: torch.device) -> bool:
-    """Whether a round's clients are vmapped: the vectorised executor on an accelerator,
-    or on the CPU when asked. On the CPU a vmapped step does the same arithmetic as the
-    clients' steps one after another, through grouped convolutions and batched matrix
-    products that are 1.5-2.5x slower there than the per-client kernels
-    (``benchmarks/vmap_cpu_profile.py``), and a CPU has no idle parallel units for the
-    batching to fill; so the vectorised executor runs clients one at a time on the CPU.
-    """
-    return runtime.executor == "vectorized" and (device.type != "cpu" or runtime.vmap_on_cpu)
-
-
-def auto_model(dataset: Dataset) -> tuple[str, dict[str, Any]]:
-    """The default model for a dataset: logistic regression for Synthetic (as FedProx),
-    the 2-conv CNN for 28x28 images, MOON's simple CNN for 32x32, ResNet-18 beyond."""
-    info = dataset.info
-    if not info.is_image:
-        return "mlp", {"hidden": [] if info.name == "synthetic" else [200, 200]}
-    if info.input_shape[-1] <= 28:
-        return "cnn2", {}
-    if info.input_shape[-1] <= 32:
-        return "simple_cnn", {}
-    return "resnet18", {"norm": "gn"}
-
-
-def resolve(cfg: RunConfig, dataset: Dataset) -> RunConfig:
-    """Replace every ``auto`` by its value for this dataset, and fill the method's defaults."""
-    data, model = cfg.data, cfg.model
-    if data.partition == "auto":
-        data = dataclasses.replace(data, partition="natural" if dataset.info.groups else "dirichlet")
-    if model.name == "auto":
-        name, options = auto_model(dataset)
-        model = dataclasses.replace(model, name=name, options={**options, **model.options})
-    params = cfg.algorithm.params
-    _, steps = parse_name(cfg.algorithm.name)
-    hyper = to_dict(hyperparameters(cfg.algorithm.name, params))
-    full_params = {**hyper, **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
-    algorithm = dataclasses.replace(cfg.algorithm, params=full_params)
-    return dataclasses.replace(cfg, data=data, model=model, algorithm=algorithm)
-
-
-def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
-    d = cfg.data
-    group = dataset.train.group
-    test_group = dataset.test.group
-    return make_partition(
-        d.partition,
-        dataset.train.y.numpy(),
-        dataset.test.y.numpy(),
-        d.num_clients,
-        seed=derive_seed(cfg.seed, "partition"),
-        num_classes=dataset.info.num_classes,
-        train_groups=None if group is None else group.numpy(),
-        test_groups=None if test_group is None else test_group.numpy(),
-        alpha=d.alpha,
-        min_size=d.min_size,
-        classes_per_client=d.classes_per_client,
-        uniform_share=d.uniform_share,
-        samples_per_client=d.samples_per_client,
-        test_per_client=d.test_per_client or None,
-        dominant_groups=d.dominant_groups,
-        classes_per_group=d.classes_per_group,
-        quantity_sigma=d.quantity_sigma,
-        clients_per_domain=d.clients_per_domain,
-        angles=list(d.angles) or None,
-        base=d.base,
-        concept_groups=d.concept_groups,
-    )
-
-
-def lr_at(cfg: RunConfig, round_: int) -> float:
-    """Client learning rate of a 1-based round under the schedule.
-
-    ``cosine`` is PyTorch's ``CosineAnnealingLR`` with ``T_max = rounds`` stepped once per
-    round, as in FedUV's code: round r trains at ``lr_min + (lr - lr_min)(1 + cos(pi (r-1) / R)) / 2``,
-    so the last round still trains (above ``lr_min``) and ``lr_min`` is where it would go next.
-    """
-    t = cfg.train
-    if t.lr_schedule == "cosine":
-        return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1 + math.cos(math.pi * (round_ - 1) / t.rounds))
-    return t.lr
-
-
-def nbytes(tensors: Tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-@dataclasses.dataclass
-class ClientUpdate:
-    """What the server receives from one client after its local round (``Algorithm.finish``'s
-    upload and the numbers the round's metrics need)."""
-
-    client_id: int
-    upload: Tensors
-    num_samples: int
-    steps: int
-    loss_sum: float
-
-
-def check_flower(cfg: RunConfig) -> None:
-    """A missing Flower, and settings the Flower executor cannot honour, as ConfigErrors before any output."""
-    try:
-        import flwr  # noqa: F401
-    except ImportError:
-        raise ConfigError("runtime.executor", "flower",
-                          'needs Flower, which is not installed: pip install "hetfl[flower]"') from None
-    if cfg.runtime.save_client_models:
-        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
-                          "is not supported with runtime.executor = flower (local models stay on the nodes)")
-
-
-def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
-    """How ``cfg`` differs from the configuration a checkpoint was written with, as
-    ``"key: saved -> now"`` lines (empty: the same run). The saved configuration is read
-    through today's defaults first, so that a key added to hetfl after the checkpoint was
-    written (with a default that leaves old runs unchanged) does not stop them resuming.
-    Keys that change only what the terminal shows (``identity.PRESENTATION_KEYS``, e.g.
-    ``--quiet``'s ``runtime.progress``) are not changes."""
-    if saved is None:
-        return ["the checkpoint records no configuration"]
-    try:
-        saved = config_mod.to_tree(config_mod.from_dict(saved))
-    except ConfigError as err:
-        return [f"the checkpoint's configuration is no longer valid: {err}"]
-    return differing_keys(saved, config_mod.to_tree(cfg))
-
-
-def check_method_fits_model(cfg: RunConfig, info: Any) -> None:
-    """The set-up's method x model check (:func:`check_model_parts`) on the model built on the meta
-    device, for planning: ``hetfl compare``, sweeps and ``hetfl reproduce`` refuse a method the model
-    cannot serve (FedPAC on logistic regression) before their first run starts."""
-    model = resources.meta_model(cfg.model.name, info.input_shape, info.num_classes, cfg.model.options)
-    if model is not None:
-        check_model_parts(cfg.algorithm.name, cfg.model, param_groups(model), info.input_shape, info.num_classes)
 
 
 class Experiment:
@@ -261,8 +99,6 @@ class Experiment:
         if bad_rounds:
             raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
                               "must be a list of rounds >= 1")
-        if cfg.runtime.executor == "flower":
-            check_flower(cfg)
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
@@ -292,9 +128,9 @@ class Experiment:
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.chunk_sizes: dict = {}  # vectorized: clients at once per group structure, found in round 1
         self.run_dir: Path | None = None
-        # where the clients' side runs: None = in this process (sequential / vectorized executors);
-        # a hetfl.flower federation sends it to Flower nodes (hetfl/flower/server.py)
-        self.federation: Any = None
+        # where the clients' side runs: in this process (sequential / vectorized executors) by default;
+        # a runtime above the engine may attach another (hetfl.flower's FlowerFederation: Flower nodes)
+        self.federation: Federation = InProcessFederation(self)
         # where the numbers are also sent (hetfl.tracking: TensorBoard, MLflow); set for the run by run_locked
         self.tracker: tracking.Tracking = tracking.NO_TRACKING
 
@@ -318,41 +154,10 @@ class Experiment:
         if not algo.personalized:
             global_correct, acc, loss = accuracy_and_loss(self.caller, server.model, data.test_x, data.test_y, data, bs)
             out["global_acc"], out["global_loss"] = acc, loss
-        if self.federation is not None:
-            by_client = self.federation.client_accuracies(server, round_, global_correct)
-        else:
-            by_client = self.client_accuracies(server, clients, round_, global_correct)
+        by_client = self.federation.client_accuracies(server, clients, round_, global_correct)
         out.update(client_acc_summary([by_client[c] for c in sorted(by_client)]))
         out[CLIENT_ACC_KEY] = by_client  # the per-client file's row, taken out of the line by round_loop
         return out
-
-    def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
-                          global_correct: torch.Tensor | None) -> dict[int, float]:
-        """Each client's evaluated model on its own test split (clients without test samples left out).
-        A method evaluated with the global model everywhere (:func:`evaluates_with_global_model`) gets all
-        clients' accuracies at once from the global model's per-sample correctness: no per-client work."""
-        data, bs = self.data, self.cfg.train.eval_batch_size
-        if global_correct is not None and not data.transformed and evaluates_with_global_model(self.algorithm):
-            return data.client_test_accuracies(global_correct)
-        accs: dict[int, float] = {}
-        own_models: dict[int, Tensors] = {}  # plain personalised models: evaluated together when vectorised
-        for c in range(data.num_clients):
-            state_c = clients.get(c) or self.algorithm.init_client_state(c, server)
-            acc, deferred = self.client_accuracy(c, server, state_c, round_, global_correct, defer=self.vmap_clients)
-            if deferred is not None:
-                own_models[c] = deferred
-            elif acc is not None:
-                accs[c] = acc
-        if own_models:
-            order = list(own_models)
-            batched = accuracies_vectorized(self.caller, [own_models[c] for c in order],
-                                            [data.client_tests[c].x for c in order],
-                                            [data.client_tests[c].y for c in order], data, bs)
-            for i, c in enumerate(order):
-                test = data.client_tests[c]
-                accs[c] = batched[i] if batched is not None else accuracy_and_loss(
-                    self.caller, own_models[c], test.x, test.y, data, bs)[1]
-        return accs
 
     def client_accuracy(
         self,
@@ -396,15 +201,19 @@ class Experiment:
 
         The whole run holds the directory's lock (:mod:`hetfl.engine.rundir`): a second process
         is refused naming this one. A new run needs a directory holding no run, checked under the
-        lock; a resumed one checks ``metrics.jsonl`` against the checkpoint before continuing."""
+        lock; a resumed one checks ``metrics.jsonl`` against the checkpoint before continuing.
+
+        The clients run where ``self.federation`` puts them; ``runtime.executor = "flower"`` needs a
+        Flower federation attached (:func:`hetfl.runtimes.run_experiment` attaches one): a ConfigError
+        otherwise, before anything is written."""
+        if self.cfg.runtime.executor == "flower" and isinstance(self.federation, InProcessFederation):
+            raise ConfigError("runtime.executor", "flower",
+                              "Experiment.run runs the clients in this process only; run a Flower experiment "
+                              "with hetfl.runtimes.run_experiment (or `hetfl run`), which starts Flower")
         run_dir = Path(run_dir)
         with lock_run_dir(run_dir) as taken:
             if taken and not resume:
                 check_no_run(run_dir)
-            if self.cfg.runtime.executor == "flower" and self.federation is None:
-                from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
-
-                return run_simulation(self, run_dir, resume=resume, reporter=reporter)
             return self.run_locked(run_dir, resume, reporter or Reporter())
 
     def run_locked(self, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
@@ -453,8 +262,7 @@ class Experiment:
         """Rounds after the checkpoint's (all, without one) to the last; then the summary."""
         cfg = self.cfg
         server = ckpt.server if ckpt else self.initial_server()
-        if self.federation is not None:
-            self.federation.start(run_dir, ckpt.round if ckpt else 0, ckpt.info if ckpt else {})
+        self.federation.start(run_dir, ckpt.round if ckpt else 0, ckpt.info if ckpt else {})
         setup_up = setup_down = 0
         if ckpt is None:
             server, setup_up, setup_down = self.setup_round(server)
@@ -477,8 +285,7 @@ class Experiment:
                 line.update(self.evaluate(server, clients, round_))
                 by_client = line.pop(CLIENT_ACC_KEY)
                 line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
-            if self.federation is not None:
-                line.update(self.federation.round_info(round_))
+            line.update(self.federation.round_info(round_))
             line["round_time_s"] = round(time.perf_counter() - t0, 4)
             wall += line["round_time_s"]
             metrics_log.append(line)
@@ -491,11 +298,9 @@ class Experiment:
             every = cfg.runtime.checkpoint_every
             if every and (round_ % every == 0 or round_ == cfg.train.rounds):
                 info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall, HISTORY_KEY: metrics_log.record()}
-                if self.federation is not None:
-                    info.update(self.federation.checkpoint_info())
+                info.update(self.federation.checkpoint_info())
                 save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
-                if self.federation is not None:
-                    self.federation.committed(round_)
+                self.federation.committed(round_)
             reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
@@ -526,13 +331,7 @@ class Experiment:
         algo = self.algorithm
         if not algo.has_setup_round():
             return server, 0, 0
-        if self.federation is not None:
-            replies = self.federation.setup_replies(server)
-        else:
-            replies = {}
-            for c in range(self.data.num_clients):
-                ctx = self.client_context(c, 0, lr_at(self.cfg, 1), {}, {}, server)
-                replies[c] = algo.setup_query(ctx)
+        replies = self.federation.setup_replies(server)
         server = algo.setup_aggregate(server, replies)
         shared = {k: v for k, v in server.extra.items() if k.startswith(SHARED)}
         return server, sum(nbytes(r) for r in replies.values()), nbytes(shared) * self.data.num_clients
@@ -568,13 +367,7 @@ class Experiment:
                                         self.cfg.train.eval_batch_size)[1]
                 line[f"global_acc_before_{step.name}"] = acc
             raw = without_feature_transforms(server.model)
-            if self.federation is not None:
-                replies = self.federation.posthoc_replies(step, raw, round_)
-            else:
-                replies = {}
-                for c in range(self.data.num_clients):
-                    feats, labels = self.client_features(raw, c)
-                    replies[c] = step.client_query(raw, feats, labels)
+            replies = self.federation.posthoc_replies(step, raw, round_)
             line["bytes_up"] += sum(nbytes(r) for r in replies.values())
             line["bytes_down"] += nbytes(raw) * self.data.num_clients  # the encoder goes to every client
             server, info = step.apply(server, replies, round_)
@@ -624,43 +417,12 @@ class Experiment:
             reporter.client_done()
         return results
 
-    def train_sampled(
-        self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
-        reporter: Reporter,
-    ) -> tuple[list[ClientUpdate], int]:
-        """The client side of a round for the ``sampled`` clients (``begin``, stages, ``finish``;
-        ``clients`` updated in place): their updates in ``sampled`` order, and the bytes sent down."""
-        cfg, algo = self.cfg, self.algorithm
-        bytes_down = 0
-        ctxs = []
-        for c in sampled:
-            state_c = clients.get(c)
-            if state_c is None:
-                state_c = algo.init_client_state(c, server)
-            payload = algo.payload(server, c)
-            bytes_down += nbytes(payload)
-            ctxs.append(self.client_context(c, round_, lr, payload, state_c, server))
-        results = self.train_clients(ctxs, reporter)
-        if round_ in cfg.runtime.save_client_models and self.run_dir is not None:
-            self.save_client_models(round_, ctxs, results)
-        updates = []
-        for ctx, result in zip(ctxs, results, strict=True):
-            c = ctx.client_id
-            upload, new_state = algo.finish(ctx, result.state, result.steps)
-            if new_state:
-                clients[c] = new_state
-            updates.append(ClientUpdate(c, upload, self.data.client_sizes[c], result.steps, result.loss_sum))
-        return updates, bytes_down
-
     def round(self, server: ServerState, clients: dict[int, Tensors], round_: int, reporter: Reporter) -> dict:
         cfg, algo = self.cfg, self.algorithm
         sampled = self.sample_clients(round_)
         lr = lr_at(cfg, round_)
         reporter.round_start(round_, len(sampled))
-        if self.federation is not None:
-            updates, bytes_down = self.federation.train(server, sampled, round_, lr, reporter)
-        else:
-            updates, bytes_down = self.train_sampled(server, clients, sampled, round_, lr, reporter)
+        updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
         uploads: list[Upload] = []
         bytes_up = 0
         loss_sum = 0.0
@@ -684,86 +446,4 @@ class Experiment:
         }
 
 
-def client_acc_summary(accs: list[float]) -> dict[str, Any]:
-    """The metrics line's constant-size summary of the evaluated clients' accuracies (in client order):
-    mean and standard deviation (as before), the number of clients, and the quartiles with min and max of
-    the accuracies rounded to 6 decimals (numpy's default linear interpolation): the numbers
-    ``analysis.curves.client_spread`` used to compute from the per-client list the line carried."""
-    out: dict[str, Any] = {"client_acc_mean": float(np.mean(accs)), "client_acc_std": float(np.std(accs)),
-                           "clients_evaluated": len(accs)}
-    if accs:
-        values = np.percentile(np.asarray([round(a, 6) for a in accs], dtype=np.float64), [0, 25, 50, 75, 100])
-        out.update({f"client_acc_{k}": float(v) for k, v in zip(SPREAD_KEYS, values, strict=True)})
-    return out
-
-
-def client_row(round_: int, by_client: dict[int, float], num_clients: int) -> dict[str, Any]:
-    """A line of ``client_metrics.jsonl``: each client's accuracy (6 decimals) by client id, None (null)
-    for a client not evaluated (no test split, or no reply from a Flower node)."""
-    return {"round": round_, "client_acc": [None if c not in by_client else round(by_client[c], 6)
-                                            for c in range(num_clients)]}
-
-
-def evaluates_with_global_model(algo: Algorithm) -> bool:
-    """Whether every client of ``algo`` is evaluated with the global model itself: a method with one
-    global model that keeps the base class's evaluation hooks (:data:`GLOBAL_EVAL_HOOKS`), whose
-    per-client accuracies then follow from the global model's correctness on the global test set."""
-    return not algo.personalized and all(getattr(type(algo), hook) is getattr(Algorithm, hook)
-                                         for hook in GLOBAL_EVAL_HOOKS)
-
-
-def diverged_round(history: Sequence[dict[str, Any]]) -> int | None:
-    """The first round whose train loss is inf or NaN (``metrics.jsonl`` lines), or None."""
-    if isinstance(history, History):  # tracked as its lines were added: no parse of every line each round
-        return history.first_nonfinite
-    return next((m["round"] for m in history if not math.isfinite(m["train_loss"])), None)
-
-
-def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
-    evaluated = [m for m in history if "client_acc_mean" in m]
-    summary: dict[str, Any] = {
-        "algorithm": cfg.algorithm.name,
-        "rounds": len(history),
-        "wall_time_s": round(wall, 3),
-        "num_params": exp.num_params,
-        "bytes_up_total": sum(m["bytes_up"] for m in history),
-        "bytes_down_total": sum(m["bytes_down"] for m in history),
-    }
-    if evaluated and "global_acc" in evaluated[-1]:
-        summary["final_global_acc"] = evaluated[-1]["global_acc"]
-        summary["best_global_acc"] = max(m["global_acc"] for m in evaluated)
-    for key in (history[-1] if history else {}):
-        if key.startswith("global_acc_before_"):
-            summary["final_" + key] = history[-1][key]
-    if evaluated:
-        summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
-        summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)
-    summary["final_train_loss"] = history[-1]["train_loss"] if history else None
-    summary["diverged_round"] = diverged_round(history)
-    summary["config"] = config_mod.to_tree(cfg)
-    from hetfl.engine.identity import run_id, setting_id  # the run's identity (what compare/report decide by)
-
-    summary["setting_id"] = setting_id(summary["config"])
-    summary["run_id"] = run_id(summary["config"])
-    return summary
-
-
-class Reporter:
-    """Progress callbacks of a run; the base class is silent (see hetfl.cli for the rich one)."""
-
-    def start(self, cfg: RunConfig, start_round: int, exp: Experiment) -> None: ...
-    def round_start(self, round_: int, num_clients: int) -> None: ...
-    def client_done(self) -> None: ...
-    def round_end(self, line: dict[str, Any]) -> None: ...
-    def finish(self, summary: dict[str, Any]) -> None: ...
-
-    def note(self, message: str) -> None:
-        """A remark about how the run executes (an executor's fallback); shown once per run."""
-
-
-def run_experiment(cfg: RunConfig, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
-    """Prepare and run in one call (library use)."""
-    return Experiment(cfg).run(run_dir, **kwargs)
-
-
-__all__ = ["ClientUpdate", "Experiment", "Reporter", "RunDirError", "run_experiment"]
+__all__ = ["Experiment", "Reporter"]

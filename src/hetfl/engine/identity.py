@@ -29,7 +29,8 @@ PRESENTATION_KEYS = frozenset({
     "tracking.tensorboard", "tracking.tensorboard_dir", "tracking.mlflow", "tracking.mlflow_uri",
     "tracking.experiment", "tracking.run_name",
 })
-#: run-directory files (the same names as hetfl.engine.experiment's, which imports this module)
+#: run-directory files (the same names as hetfl.engine.experiment's, which imports this module through
+#: hetfl.engine.setup)
 CONFIG_NAME, SUMMARY_NAME = "config.toml", "summary.json"
 #: files that do not make a folder hold a run: a lock left by a process killed before it wrote config.toml
 #: (hetfl.engine.rundir.LOCK_NAME; the run itself then refuses a live holder)
@@ -93,7 +94,7 @@ def varying_keys(trees: list[dict[str, Any]]) -> list[str]:
 def canonical_tree(tree: dict[str, Any]) -> dict[str, Any]:
     """A saved config tree read through today's code: keys added to hetfl since the run was
     written get their defaults, values their types, and the method's (and post-hoc steps')
-    hyperparameters are filled in as :func:`hetfl.engine.experiment.resolve` does; so an old
+    hyperparameters are filled in as :func:`hetfl.engine.setup.resolve` does; so an old
     run and a new one of the same setting get the same ids. Raises ConfigError for a tree that
     is no longer a valid configuration."""
     import dataclasses
@@ -147,7 +148,7 @@ def resolve_configs(cfgs: list[Any]) -> list[Any]:
     (a ConfigError naming ``model.name`` otherwise). Each distinct dataset setting is loaded
     once and dropped before the next (loaders cache decoded files, so this is quick)."""
     from hetfl.data.datasets import load_dataset
-    from hetfl.engine.experiment import check_method_fits_model, resolve
+    from hetfl.engine.setup import check_method_fits_model, resolve
 
     def key(cfg: Any) -> str:
         d = cfg.data
@@ -174,7 +175,7 @@ def check_run_dir(run_dir: Path, planned: dict[str, Any], *, option: str = "--ou
     (it holds this run, interrupted: resume it). A folder holding a run of another configuration,
     or files that are no run, raises RunDirError naming the differing keys: its numbers would
     otherwise be tabled as the planned run's."""
-    from hetfl.engine.experiment import RunDirError
+    from hetfl.engine.rundir import RunDirError
 
     if not run_dir.exists() or (run_dir.is_dir() and not any(p.name not in IGNORED for p in run_dir.iterdir())):
         return "new"

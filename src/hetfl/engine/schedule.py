@@ -1,10 +1,12 @@
-"""Which samples each local step of a client sees."""
+"""Which samples each local step of a client sees, and at which learning rate each round trains."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from hetfl.config import RunConfig
 
 
 def batch_schedule(
@@ -28,3 +30,16 @@ def batch_schedule(
         perm = torch.randperm(n, generator=generator)
         batches.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_pass))
     return batches[:steps] if steps else batches
+
+
+def lr_at(cfg: RunConfig, round_: int) -> float:
+    """Client learning rate of a 1-based round under the schedule.
+
+    ``cosine`` is PyTorch's ``CosineAnnealingLR`` with ``T_max = rounds`` stepped once per
+    round, as in FedUV's code: round r trains at ``lr_min + (lr - lr_min)(1 + cos(pi (r-1) / R)) / 2``,
+    so the last round still trains (above ``lr_min``) and ``lr_min`` is where it would go next.
+    """
+    t = cfg.train
+    if t.lr_schedule == "cosine":
+        return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1 + math.cos(math.pi * (round_ - 1) / t.rounds))
+    return t.lr

@@ -12,12 +12,17 @@ runs on the node holding that client's partition (:mod:`hetfl.flower.node`, one 
 - deployment: ``flower-superlink`` + one ``flower-supernode`` per client + ``flwr run``
   (:mod:`hetfl.flower.deploy`, ``examples/flower/``).
 
-Core hetfl never imports this package unless the Flower executor is asked for.
+Core hetfl never imports this package unless the Flower executor is asked for (:mod:`hetfl.runtimes`
+picks it; the engine itself never imports it).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hetfl.config import RunConfig
 
 INSTALL_HINT = 'pip install "hetfl[flower]"'
 
@@ -34,3 +39,17 @@ def require_flwr() -> None:
         import flwr  # noqa: F401
     except ImportError as err:
         raise ImportError(f"hetfl's Flower executor needs Flower: {INSTALL_HINT}") from err
+
+
+def check_flower(cfg: RunConfig) -> None:
+    """A missing Flower, and settings the Flower executor cannot honour, as ConfigErrors before any output."""
+    from hetfl.params import ConfigError
+
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("runtime.executor", "flower",
+                          'needs Flower, which is not installed: pip install "hetfl[flower]"') from None
+    if cfg.runtime.save_client_models:
+        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
+                          "is not supported with runtime.executor = flower (local models stay on the nodes)")

@@ -206,7 +206,7 @@ def handle_setup(message: Message, context: Context) -> Message:
 
 
 def handle_train(message: Message, context: Context) -> Message:
-    from hetfl.engine.experiment import Reporter
+    from hetfl.engine.summary import Reporter
     from hetfl.flower.codec import from_record, to_record
 
     h = header(message)

@@ -1,6 +1,7 @@
 """The server side: an :class:`~hetfl.engine.experiment.Experiment` whose clients are Flower nodes.
 
-:class:`FlowerFederation` plugs into ``Experiment.federation``: the experiment's round loop
+:class:`FlowerFederation` plugs into ``Experiment.federation`` (it implements the engine's
+:class:`~hetfl.engine.federation.Federation` protocol): the experiment's round loop
 (sampling, ``payload``, ``aggregate``, post-hoc ``apply``, global evaluation, metrics,
 checkpoints, resume) runs unchanged in the ServerApp, and each of its client-side phases
 becomes one exchange of messages with the nodes (:mod:`hetfl.flower.protocol`):
@@ -30,16 +31,21 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from hetfl import config as config_mod
 from hetfl.algorithms.base import SHARED, Algorithm, ServerState, Tensors
-from hetfl.engine.experiment import ClientUpdate, Experiment, Reporter, lr_at, nbytes
+from hetfl.engine.messages import ClientUpdate, nbytes
+from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
 from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, record_nbytes
+
+if TYPE_CHECKING:
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.summary import Reporter
 
 log = logging.getLogger("hetfl")
 
@@ -361,8 +367,9 @@ class FlowerFederation:
         self.check_quorum(len(replies), self.num_clients, 1, "set-up round")
         return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
 
-    def train(self, server: ServerState, sampled: list[int], round_: int, lr: float,
+    def train(self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
               reporter: Reporter) -> tuple[list[ClientUpdate], int]:
+        """``clients`` (the engine's store of client states) is left as it is: the states stay on the nodes."""
         algo, encoder = self.exp.algorithm, _Encoder()
         contents, bytes_down = {}, 0
         for c in sampled:
@@ -397,8 +404,9 @@ class FlowerFederation:
         self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}")
         return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
 
-    def client_accuracies(self, server: ServerState, round_: int, global_correct: torch.Tensor | None
-                          ) -> dict[int, float]:
+    def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
+                          global_correct: torch.Tensor | None) -> dict[int, float]:
+        """``clients`` (the engine's store of client states) is not read: each client's state is on its node."""
         exp, algo = self.exp, self.exp.algorithm
         lr = lr_at(exp.cfg, round_)
         custom_predictor = type(algo).predictor is not Algorithm.predictor

@@ -21,7 +21,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from hetfl.flower import offline_defaults
+from hetfl.flower import check_flower, offline_defaults
 
 offline_defaults()
 app = ServerApp()
@@ -52,12 +52,14 @@ class LogReporter:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     from hetfl import config as config_mod
-    from hetfl.engine.experiment import Experiment, RunDirError
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.rundir import RunDirError
     from hetfl.flower.server import FlowerFederation
 
     run_config = context.run_config
     cfg = config_mod.from_dict(tomllib.loads(str(run_config["hetfl-config"])))
     cfg = replace(cfg, runtime=replace(cfg.runtime, executor="flower"))  # what config.toml will say
+    check_flower(cfg)  # settings the Flower executor cannot honour
     run_dir = Path(str(run_config["run-dir"]))
     resume = bool(run_config.get("resume", False))
     if not resume and run_dir.exists() and any(run_dir.iterdir()):

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetfl.engine.rundir import check_no_run, lock_run_dir
-from hetfl.flower import INSTALL_HINT, offline_defaults, require_flwr
+from hetfl.flower import INSTALL_HINT, check_flower, offline_defaults, require_flwr
 from hetfl.flower.protocol import NODES_DIR
 
 if TYPE_CHECKING:
-    from hetfl.engine.experiment import Experiment, Reporter
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.summary import Reporter
 
 
 def run_simulation(exp: Experiment, run_dir: str | Path, *, resume: bool = False,
@@ -41,6 +42,8 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
 
         raise ConfigError("runtime.executor", "flower",
                           f"the simulation needs Ray, which is not installed: {INSTALL_HINT}")
+    for exp, _, _ in jobs:
+        check_flower(exp.cfg)  # settings the Flower executor cannot honour, before any run directory is touched
     offline_defaults()
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
@@ -56,12 +59,13 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
     def main(grid: Grid, context: Context) -> None:
         for exp, run_dir, resume in jobs:
             state_root = str(Path(run_dir).resolve() / NODES_DIR)
+            in_process = exp.federation
             exp.federation = FlowerFederation(exp, grid, state_root=state_root, poll_s=0.01, simulation=True,
                                               stop=stop, startup_s=900.0)
             try:
                 summaries.append(exp.run(run_dir, resume=resume, reporter=reporter))
             finally:
-                exp.federation = None
+                exp.federation = in_process
 
     with contextlib.ExitStack() as locks:  # every job's run directory, for the whole simulation
         for _, run_dir, resume in jobs:

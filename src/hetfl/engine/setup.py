@@ -1,0 +1,137 @@
+"""An experiment's set-up and validation before anything runs: the device, whether a round's clients
+are vmapped, the model and partition ``auto`` stands for, the method's filled-in hyperparameters, the
+partition itself, and the checks a resume (configuration changes) and a plan (method x model) make."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hetfl import config as config_mod
+from hetfl.algorithms import hyperparameters, parse_name, step_hyper
+from hetfl.algorithms.base import check_model_parts
+from hetfl.config import RunConfig
+from hetfl.data.base import Dataset
+from hetfl.data.partition import Partition, make_partition
+from hetfl.engine import resources
+from hetfl.engine.identity import differing_keys
+from hetfl.models.base import param_groups
+from hetfl.params import ConfigError, to_dict
+from hetfl.rng import derive_seed
+
+
+def pick_device(name: str) -> torch.device:
+    """The device of ``runtime.device`` (auto, cpu, cuda, cuda:N), checked against this machine's GPUs.
+    A device index becomes the current CUDA device, so that what runs on the current device (the
+    vectorised executor's CUDA streams and graphs) runs on the chosen one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError("runtime.device", name, "CUDA is not available on this machine; use auto or cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None:
+        if device.index >= count:
+            present = ", ".join(f"cuda:{i}" for i in range(count))
+            raise ConfigError("runtime.device", name, f"this machine has {count} CUDA device{'s' * (count != 1)} "
+                                                      f"({present}); use one of them, cuda or auto")
+        torch.cuda.set_device(device)
+    return device
+
+
+def vmap_clients(runtime: config_mod.RuntimeConfig, device: torch.device) -> bool:
+    """Whether a round's clients are vmapped: the vectorised executor on an accelerator,
+    or on the CPU when asked. On the CPU a vmapped step does the same arithmetic as the
+    clients' steps one after another, through grouped convolutions and batched matrix
+    products that are 1.5-2.5x slower there than the per-client kernels
+    (``benchmarks/vmap_cpu_profile.py``), and a CPU has no idle parallel units for the
+    batching to fill; so the vectorised executor runs clients one at a time on the CPU.
+    """
+    return runtime.executor == "vectorized" and (device.type != "cpu" or runtime.vmap_on_cpu)
+
+
+def auto_model(dataset: Dataset) -> tuple[str, dict[str, Any]]:
+    """The default model for a dataset: logistic regression for Synthetic (as FedProx),
+    the 2-conv CNN for 28x28 images, MOON's simple CNN for 32x32, ResNet-18 beyond."""
+    info = dataset.info
+    if not info.is_image:
+        return "mlp", {"hidden": [] if info.name == "synthetic" else [200, 200]}
+    if info.input_shape[-1] <= 28:
+        return "cnn2", {}
+    if info.input_shape[-1] <= 32:
+        return "simple_cnn", {}
+    return "resnet18", {"norm": "gn"}
+
+
+def resolve(cfg: RunConfig, dataset: Dataset) -> RunConfig:
+    """Replace every ``auto`` by its value for this dataset, and fill the method's defaults."""
+    data, model = cfg.data, cfg.model
+    if data.partition == "auto":
+        data = dataclasses.replace(data, partition="natural" if dataset.info.groups else "dirichlet")
+    if model.name == "auto":
+        name, options = auto_model(dataset)
+        model = dataclasses.replace(model, name=name, options={**options, **model.options})
+    params = cfg.algorithm.params
+    _, steps = parse_name(cfg.algorithm.name)
+    hyper = to_dict(hyperparameters(cfg.algorithm.name, params))
+    full_params = {**hyper, **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
+    algorithm = dataclasses.replace(cfg.algorithm, params=full_params)
+    return dataclasses.replace(cfg, data=data, model=model, algorithm=algorithm)
+
+
+def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
+    d = cfg.data
+    group = dataset.train.group
+    test_group = dataset.test.group
+    return make_partition(
+        d.partition,
+        dataset.train.y.numpy(),
+        dataset.test.y.numpy(),
+        d.num_clients,
+        seed=derive_seed(cfg.seed, "partition"),
+        num_classes=dataset.info.num_classes,
+        train_groups=None if group is None else group.numpy(),
+        test_groups=None if test_group is None else test_group.numpy(),
+        alpha=d.alpha,
+        min_size=d.min_size,
+        classes_per_client=d.classes_per_client,
+        uniform_share=d.uniform_share,
+        samples_per_client=d.samples_per_client,
+        test_per_client=d.test_per_client or None,
+        dominant_groups=d.dominant_groups,
+        classes_per_group=d.classes_per_group,
+        quantity_sigma=d.quantity_sigma,
+        clients_per_domain=d.clients_per_domain,
+        angles=list(d.angles) or None,
+        base=d.base,
+        concept_groups=d.concept_groups,
+    )
+
+
+def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
+    """How ``cfg`` differs from the configuration a checkpoint was written with, as
+    ``"key: saved -> now"`` lines (empty: the same run). The saved configuration is read
+    through today's defaults first, so that a key added to hetfl after the checkpoint was
+    written (with a default that leaves old runs unchanged) does not stop them resuming.
+    Keys that change only what the terminal shows (``identity.PRESENTATION_KEYS``, e.g.
+    ``--quiet``'s ``runtime.progress``) are not changes."""
+    if saved is None:
+        return ["the checkpoint records no configuration"]
+    try:
+        saved = config_mod.to_tree(config_mod.from_dict(saved))
+    except ConfigError as err:
+        return [f"the checkpoint's configuration is no longer valid: {err}"]
+    return differing_keys(saved, config_mod.to_tree(cfg))
+
+
+def check_method_fits_model(cfg: RunConfig, info: Any) -> None:
+    """The set-up's method x model check (:func:`check_model_parts`) on the model built on the meta
+    device, for planning: ``hetfl compare``, sweeps and ``hetfl reproduce`` refuse a method the model
+    cannot serve (FedPAC on logistic regression) before their first run starts."""
+    model = resources.meta_model(cfg.model.name, info.input_shape, info.num_classes, cfg.model.options)
+    if model is not None:
+        check_model_parts(cfg.algorithm.name, cfg.model, param_groups(model), info.input_shape, info.num_classes)

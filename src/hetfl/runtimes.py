@@ -1,0 +1,99 @@
+"""Which runtime runs an experiment (``runtime.executor``): the layer above the engine that picks one.
+
+The engine (:class:`~hetfl.engine.experiment.Experiment`) runs the round loop and reaches the clients
+only through its :class:`~hetfl.engine.federation.Federation`; it imports no runtime. ``sequential``
+and ``vectorized`` run the clients in this process (the experiment's own federation, ``Experiment.run``);
+``flower`` runs them on Flower's simulation engine (:mod:`hetfl.flower.simulation`, which attaches a
+``FlowerFederation``). ``hetfl run``, the Python API, ``hetfl compare`` and sweeps, and ``hetfl reproduce``
+run experiments through :func:`run_experiment`.
+
+Importing this module is light: the engine and Flower are imported when a run starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hetfl.config import RunConfig
+from hetfl.params import ConfigError
+
+if TYPE_CHECKING:
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.summary import Reporter
+
+Runner = Callable[["Experiment", Path, bool, "Reporter | None"], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """An executor: ``check`` refuses what it cannot run (a missing package, a setting it cannot honour)
+    with a ConfigError before any work; ``run`` runs a set-up experiment into a run directory and
+    returns its summary."""
+
+    check: Callable[[RunConfig], None]
+    run: Runner
+
+
+def _no_check(cfg: RunConfig) -> None:
+    pass
+
+
+def _in_process(exp: Experiment, run_dir: Path, resume: bool, reporter: Reporter | None) -> dict[str, Any]:
+    return exp.run(run_dir, resume=resume, reporter=reporter)
+
+
+def _check_flower(cfg: RunConfig) -> None:
+    from hetfl.flower import check_flower
+
+    check_flower(cfg)
+
+
+def _flower_simulation(exp: Experiment, run_dir: Path, resume: bool, reporter: Reporter | None) -> dict[str, Any]:
+    from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
+
+    return run_simulation(exp, run_dir, resume=resume, reporter=reporter)
+
+
+#: ``runtime.executor`` -> its runtime
+RUNTIMES: dict[str, Runtime] = {
+    "sequential": Runtime(_no_check, _in_process),
+    "vectorized": Runtime(_no_check, _in_process),
+    "flower": Runtime(_check_flower, _flower_simulation),
+}
+
+
+def runtime_of(cfg: RunConfig) -> Runtime:
+    name = cfg.runtime.executor
+    if name not in RUNTIMES:
+        raise ConfigError("runtime.executor", name, f"must be one of {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+def check_runtime(cfg: RunConfig) -> None:
+    """The executor's own checks (Flower installed, settings it supports): a ConfigError before any output."""
+    runtime_of(cfg).check(cfg)
+
+
+def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Path, *, resume: bool = False,
+                   reporter: Reporter | None = None) -> dict[str, Any]:
+    """Run (or continue, ``resume``) an experiment in ``run_dir`` with the runtime its ``runtime.executor``
+    names; returns the summary. ``cfg_or_experiment``: a RunConfig (set up here, after the runtime's
+    checks) or an :class:`~hetfl.engine.experiment.Experiment` already set up. Raises what the set-up
+    and ``Experiment.run`` raise, the runtime's ConfigErrors first, all before anything is written."""
+    if isinstance(cfg_or_experiment, RunConfig):
+        runtime = runtime_of(cfg_or_experiment)
+        runtime.check(cfg_or_experiment)
+        from hetfl.engine.experiment import Experiment
+
+        exp = Experiment(cfg_or_experiment)
+    else:
+        exp = cfg_or_experiment
+        runtime = runtime_of(exp.cfg)
+        runtime.check(exp.cfg)
+    return runtime.run(exp, Path(run_dir), resume, reporter)
+
+
+__all__ = ["RUNTIMES", "Runtime", "check_runtime", "run_experiment"]
