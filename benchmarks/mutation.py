@@ -52,35 +52,42 @@ class Target:
 
 
 # CCVR's end-to-end MNIST runs take a minute per mutant; the hand-computed cases cover the same code
-E2E_CCVR = ("--deselect", "tests/test_ccvr.py::test_ccvr_composes_and_raises_accuracy_under_label_skew")
+E2E_CCVR = ("--deselect", "tests/algorithms/test_ccvr.py::test_ccvr_composes_and_raises_accuracy_under_label_skew")
 
 TARGETS = (
     # the four seed methods
-    Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/test_feduv.py",)),
-    Target("fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/test_fedbr.py", "tests/test_fedbr_mutants.py")),
-    Target("fedpac", "src/hetfl/algorithms/fedpac.py", ("tests/test_fedpac.py",)),
-    Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py", ("tests/test_simplex_qp.py", "tests/test_fedpac.py")),
-    Target("ccvr", "src/hetfl/algorithms/ccvr.py", ("tests/test_ccvr_math.py", "tests/test_ccvr.py"), E2E_CCVR),
+    Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/algorithms/test_feduv.py",)),
+    Target("fedbr", "src/hetfl/algorithms/fedbr.py",
+           ("tests/algorithms/test_fedbr.py", "tests/algorithms/test_fedbr_mutants.py")),
+    Target("fedpac", "src/hetfl/algorithms/fedpac.py", ("tests/algorithms/test_fedpac.py",)),
+    Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py",
+           ("tests/algorithms/test_simplex_qp.py", "tests/algorithms/test_fedpac.py")),
+    Target("ccvr", "src/hetfl/algorithms/ccvr.py",
+           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py"), E2E_CCVR),
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
-           ("tests/test_gaussian_stats.py", "tests/test_ccvr_math.py")),
+           ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # the baselines' update rules
-    Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/test_baselines.py",)),
-    Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/test_baselines.py",)),
+    Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/algorithms/test_baselines.py",)),
+    Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/algorithms/test_baselines.py",)),
     Target("scaffold", "src/hetfl/algorithms/scaffold.py",
-           ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
-    Target("feddyn", "src/hetfl/algorithms/feddyn.py", ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
+           ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
+    Target("feddyn", "src/hetfl/algorithms/feddyn.py",
+           ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
     Target("fednova", "src/hetfl/algorithms/fednova.py",
-           ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
-    Target("moon", "src/hetfl/algorithms/moon.py", ("tests/test_baselines.py", "tests/test_baselines_mutants.py")),
+           ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
+    Target("moon", "src/hetfl/algorithms/moon.py",
+           ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
 )
 
 
 def extra_tests(target: Target) -> tuple[str, ...]:
-    """Test files written for a target beyond its main one (``tests/test_<name>_*.py``, ``test_baseline_math.py``)."""
-    found = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob(f"test_{target.name}_*.py"))
+    """Test files written for a target beyond its main one (``tests/algorithms/test_<name>_*.py``,
+    ``test_baseline_math.py``)."""
+    tests = REPO / "tests" / "algorithms"
+    found = sorted(str(p.relative_to(REPO)) for p in tests.glob(f"test_{target.name}_*.py"))
     if target.source.split("/")[-1].removesuffix(".py") in {"fedprox", "fedavgm", "scaffold", "feddyn", "fednova",
                                                             "moon"}:
-        found += [str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_baseline_math.py")]
+        found += [str(p.relative_to(REPO)) for p in tests.glob("test_baseline_math.py")]
     return tuple(t for t in found if t not in target.tests)
 
 

@@ -23,11 +23,10 @@ from hetfl import config as config_mod
 from hetfl.cli import main
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
+from tests.helpers.runs import TINY
 
-from .helpers import one_thread  # noqa: F401 (autouse: one torch thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
-        "train.rounds=2", "train.local_steps=2", "runtime.threads=1"]
 #: the same configuration as TINY, as the dict a TOML file gives
 TINY_TREE = {"data": {"partition": "iid", "num_clients": 4, "options": {"num_devices": 8, "max_samples": 60}},
              "train": {"rounds": 2, "local_steps": 2}, "runtime": {"threads": 1}}

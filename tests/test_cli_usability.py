@@ -32,7 +32,8 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.setup import pick_device
 from hetfl.models import build_model, param_groups
 from hetfl.params import ConfigError
-from tests.helpers import one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "ccvr-table2.toml"

@@ -25,7 +25,8 @@ from hetfl.config import parse_value
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
 
-from .helpers import one_thread  # noqa: F401 (autouse: one torch thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
         "train.rounds=2", "train.local_steps=2", "runtime.threads=1"]

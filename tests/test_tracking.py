@@ -24,7 +24,8 @@ from hetfl.config import TrackingConfig  # noqa: E402
 from hetfl.engine import identity  # noqa: E402
 from hetfl.engine.experiment import Experiment  # noqa: E402
 from hetfl.params import ConfigError  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402, F401 (autouse: one torch thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
         "runtime.progress=false", "runtime.threads=1"]

@@ -62,7 +62,7 @@ Remaining departures from the paper and the authors' code:
 
 - The QP is solved exactly (active set, float64, :mod:`simplex_qp`); the code
   uses cvxpy (OSQP by default) on float32 statistics. On the pinned inputs of
-  tests/test_fedpac.py the weights agree with the code's within 1.1e-7 (OSQP)
+  tests/algorithms/test_fedpac.py the weights agree with the code's within 1.1e-7 (OSQP)
   and 2.3e-6 (CLARABEL, the solver of the pinned values). Measured on the 80 QPs of a FedPAC run (MNIST, dominant-class
   split, 8 clients x 200 samples, MLP [64], 10 rounds) and on 200 random
   ones (10 clients, v in [1e-4, 1]): the authors' whole pipeline (cvxpy,

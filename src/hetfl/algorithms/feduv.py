@@ -27,7 +27,7 @@ Defaults and departures:
 - bandwidth: ``"paper"`` (default, METHODS.md rule: paper first) divides by
   2σ as eq. 4; ``"code"`` divides by σ as ``UVReg`` does. With ``"code"``
   and the other defaults, both terms equal the authors' functions in value
-  and gradient (tests/test_feduv.py pins their numbers).
+  and gradient (tests/algorithms/test_feduv.py pins their numbers).
 - λ: ``-1`` = D/4, the paper's rule; the authors' ``train_fl.py`` default is
   ``std_coeff = 2.5`` (= D/4 for D = 10). μ = 0.5 in both.
 - The std in L_V: where a class's probability is exactly the same for the

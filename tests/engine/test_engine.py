@@ -1,0 +1,211 @@
+"""End-to-end behaviour of the engine: learning, determinism, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetfl import config
+from hetfl.cli import main
+from hetfl.engine.experiment import Experiment
+from hetfl.params import ConfigError
+
+TIME_KEYS = {"round_time_s", "eval_time_s"}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIME_KEYS} for line in lines]
+
+
+def quick(*overrides: str) -> config.RunConfig:
+    return config.load(None, ["train.rounds=3", "runtime.progress=false", *overrides])
+
+
+def test_default_run_writes_the_run_directory_contract(tmp_path):
+    code = main(["run", "--out", str(tmp_path / "r"), "--set", "train.rounds=2", "--quiet"])
+    assert code == 0
+    run = tmp_path / "r"
+    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {
+        p.name for p in run.iterdir()}
+    lines = metrics(run)
+    assert [m["round"] for m in lines] == [1, 2]
+    for m in lines:
+        assert {"train_loss", "global_acc", "client_acc_mean", "bytes_up", "bytes_down"} <= set(m)
+        assert 0 <= m["global_acc"] <= 1
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("final_global_acc", "best_global_acc", "final_client_acc_mean", "wall_time_s", "config"):
+        assert key in summary
+    assert config.load(run / "config.toml").data.partition == "natural"  # resolved, not "auto"
+    assert not [p for p in run.iterdir() if p.name.startswith(".")], "no temporary files left"
+
+
+def test_same_seed_same_metrics_and_other_seed_differs(tmp_path):
+    cfg = quick()
+    Experiment(cfg).run(tmp_path / "a")
+    Experiment(cfg).run(tmp_path / "b")
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    Experiment(quick("seed=1")).run(tmp_path / "c")
+    assert metrics(tmp_path / "a") != metrics(tmp_path / "c")
+
+
+def test_client_sampling_and_cosine_schedule(tmp_path):
+    cfg = quick("train.clients_per_round=5", "train.lr_schedule=cosine", "train.eval_every=2")
+    Experiment(cfg).run(tmp_path / "s")
+    lines = metrics(tmp_path / "s")
+    assert all(m["clients"] == 5 for m in lines)
+    # CosineAnnealingLR(T_max=rounds) stepped once per round: the last round still trains
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.train.rounds, eta_min=cfg.train.lr_min)
+    expected = []
+    for _ in lines:
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [m["lr"] for m in lines] == pytest.approx(expected, rel=1e-12)
+    assert lines[0]["lr"] == cfg.train.lr and lines[-1]["lr"] > cfg.train.lr_min
+    assert "global_acc" not in lines[0] and "global_acc" in lines[1] and "global_acc" in lines[2]
+
+
+def test_a_diverging_run_is_named_in_the_log_and_the_summary(tmp_path, caplog):
+    Experiment(quick("train.lr=1e39")).run(tmp_path / "bad")  # steps past float32: inf, then NaN
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    first = next(m["round"] for m in metrics(tmp_path / "bad") if not math.isfinite(m["train_loss"]))
+    assert summary["diverged_round"] == first
+    warnings = [r.message for r in caplog.records if "training diverged" in r.message]
+    assert len(warnings) == 1 and f"from round {first}" in warnings[0]
+    Experiment(quick()).run(tmp_path / "good")
+    assert json.loads((tmp_path / "good" / "summary.json").read_text())["diverged_round"] is None
+
+
+@pytest.mark.slow
+def test_kill_and_resume_gives_identical_metrics(tmp_path):
+    args = ["--set", "train.rounds=8", "--set", "train.local_epochs=3", "--set", "model.options={hidden = [256]}",
+            "--set", "runtime.progress=false"]
+    Experiment(config.load(None, [a for a in args if a != "--set"])).run(tmp_path / "full")
+    run = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "run", "--out", str(run), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        path = run / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len((run / "metrics.jsonl").read_text().splitlines())
+    assert killed_at < 8, "the run finished before it could be killed; make rounds slower"
+    assert main(["run", "--resume", str(run), "--quiet"]) == 0
+    assert metrics(run) == metrics(tmp_path / "full")
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["final_global_acc"] == full["final_global_acc"]
+
+
+README_PLUGIN = '''
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+from hetfl.params import setting
+
+
+@dataclass(frozen=True)
+class FeatureNormHyper:
+    """weight: strength of the feature-norm penalty."""
+    weight: float = setting(0.01, ge=0.0, doc="penalty weight")
+
+
+@register
+class FeatureNorm(Algorithm):
+    name = "featnorm"
+    Hyper = FeatureNormHyper
+    citation = "an example"
+
+    def loss(self, state, batch, ctx):
+        features, logits = self.model.features_and_logits(state, batch.x)
+        ce = F.cross_entropy(logits, batch.y)
+        penalty = features.pow(2).sum(1).mean()
+        return ce + self.hp.weight * penalty, {"ce": ce.detach(), "penalty": penalty.detach()}
+'''
+
+
+def test_readme_plugin_example_runs(tmp_path):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "class FeatureNorm(Algorithm)" in readme, "keep this test in sync with the README example"
+    plugin = tmp_path / "my_method.py"
+    plugin.write_text(README_PLUGIN)
+    out = tmp_path / "r"
+    code = main(["run", "--plugin", str(plugin), "--set", "algorithm.name=featnorm", "--set", "algorithm.weight=0.05",
+                 "--set", "train.rounds=2", "--out", str(out), "--quiet"])
+    assert code == 0
+    assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}
+
+
+@pytest.mark.parametrize("method", ["scaffold", "moon", "feddyn", "fedavgm", "local", "fedbr", "fedmix", "mixup"])
+def test_interrupted_stateful_methods_resume_exactly(method, tmp_path, monkeypatch):
+    """Client state (control variates, previous models) and server state survive a crash."""
+    cfg = quick("train.rounds=4", f"algorithm.name={method}", "train.clients_per_round=10")
+    Experiment(cfg).run(tmp_path / "full")
+    original = Experiment.round
+
+    def crash_in_round_3(self, server, clients, round_, reporter):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(tmp_path / "crashed")
+    monkeypatch.setattr(Experiment, "round", original)
+    assert len(metrics(tmp_path / "crashed")) == 2
+    Experiment(cfg).run(tmp_path / "crashed", resume=True)
+    assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
+
+
+def test_saved_client_models_average_to_the_global_model(tmp_path):
+    """FedAvg: the data-size-weighted mean of the saved local models is the next global model."""
+    from safetensors.torch import load_file
+
+    from hetfl.engine.checkpoint import load_checkpoint
+
+    cfg = quick("train.rounds=1", "runtime.save_client_models=[1]", "model.options={hidden = [8]}")
+    exp = Experiment(cfg)
+    exp.run(tmp_path / "r")
+    saved = load_file(tmp_path / "r" / "client_models" / "round_0001.safetensors")
+    server = load_checkpoint(tmp_path / "r", torch.device("cpu")).server
+    sizes = exp.data.client_sizes
+    for name, value in server.model.items():
+        mean = sum(sizes[c] * saved[f"{c}/{name}"] for c in range(len(sizes))) / sum(sizes)
+        assert torch.allclose(mean, value, atol=1e-6), name
+    with pytest.raises(ConfigError, match="runtime.save_client_models"):
+        Experiment(quick("runtime.save_client_models=[0]"))
+
+
+def test_a_checkpoint_from_before_a_new_config_key_still_resumes_and_a_changed_key_is_named():
+    """Keys added to hetfl later (with defaults that leave old runs unchanged) must not stop a
+    run from resuming; a real change of configuration is refused, naming the key."""
+    from hetfl.engine.setup import config_changes
+
+    cfg = config.load(None, ["train.lr=0.1"])
+    saved = config.to_tree(cfg)
+    assert config_changes(saved, cfg) == []
+    older = config.to_tree(cfg)
+    del older["runtime"]["flower_timeout_s"]  # a checkpoint written before this key existed
+    assert config_changes(older, cfg) == []
+    assert config_changes(saved, config.load(None, ["train.lr=0.05"])) == ["train.lr: 0.1 -> 0.05"]
+    gone = {**saved, "runtime": {**saved["runtime"], "retired_key": 1}}
+    assert "no longer valid" in config_changes(gone, cfg)[0] and "retired_key" in config_changes(gone, cfg)[0]

@@ -1,0 +1,231 @@
+"""The vectorised executor's static-buffer step (the computation a CUDA graph captures),
+its checks and fallbacks, and automatic chunking, on the CPU.
+
+The ``static`` step mode runs each stage's steady-state step over all clients of a
+group on static buffers with a client mask, exactly as the captured graph does, but
+without the capture; a CUDA graph differs from it only in replaying the recorded
+kernels. The capture itself needs a GPU (tests/engine/test_precision.py-style CUDA tests are
+skipped here); its check and fallback logic is exercised with stand-in graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetfl import config
+from hetfl.algorithms import available
+from hetfl.engine import vectorized
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.local import train_client
+from hetfl.engine.vectorized import StaticStep, VectorizedGroup, train_clients_vectorized
+from tests.helpers.executors import CHAOTIC_LOCAL_TRAINING, SYNTHETIC, compare_one_round, round_contexts
+
+# one epoch: still clients of very different sizes (short last batches,
+# clients that finish early while others take full batches: masked rows)
+SMALL = [*SYNTHETIC, "train.local_epochs=1", "train.momentum=0.5"]
+
+
+@pytest.fixture
+def steady_steps(monkeypatch):
+    """Counts the static steps taken and the rows they leave masked."""
+    counts = {"steps": 0, "masked_steps": 0}
+    original = StaticStep.run
+
+    def counting(self, batch, rows):
+        counts["steps"] += 1
+        counts["masked_steps"] += len(rows) < len(self.mask)
+        return original(self, batch, rows)
+
+    monkeypatch.setattr(StaticStep, "run", counting)
+    return counts
+
+
+@pytest.mark.parametrize("method", available())
+def test_every_method_static_step_equals_sequential(method, steady_steps):
+    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", *steps]))
+    compare_one_round(exp, step_mode="static")
+    assert steady_steps["steps"] > 0
+
+
+def test_static_step_masks_clients_without_a_full_batch(steady_steps):
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.9"]))
+    compare_one_round(exp, step_mode="static", chunk_size=7)
+    assert steady_steps["masked_steps"] > 0  # some steps ran with finished or short-batch clients masked
+
+
+class StandInGraph:
+    """A CUDA graph's role on the CPU: ``replay`` runs the captured body; ``corrupt`` makes
+    it lose a write, as a graph reading a stale buffer would."""
+
+    def __init__(self, static: StaticStep, corrupt: bool) -> None:
+        self.static, self.corrupt, self.replays = static, corrupt, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.static.body()
+        if self.corrupt:
+            for t in self.static.state.values():
+                if t.is_floating_point():
+                    t.add_(0.01)
+
+
+def graph_round(monkeypatch, capture):
+    """One round of the vectorised executor in graph mode with ``capture`` standing in for
+    the CUDA capture; returns (results, notes, sequential results)."""
+    monkeypatch.setattr(StaticStep, "capture", capture)
+    real_init = VectorizedGroup.__init__
+
+    def graph_mode_on_cpu(self, *args, **kwargs):
+        real_init(self, *args, **{**kwargs, "step_mode": "static"})
+        self.step_mode = "graph"
+
+    monkeypatch.setattr(VectorizedGroup, "__init__", graph_mode_on_cpu)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
+    server = exp.initial_server()
+    notes: list[str] = []
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                                   train_cfg=exp.cfg.train, step_mode="graph", log=notes.append)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)]
+    return vec, notes, seq
+
+
+def assert_same_clients(vec, seq) -> None:
+    for a, b in zip(seq, vec, strict=True):
+        assert a.steps == b.steps
+        for name in a.state:
+            assert torch.allclose(a.state[name], b.state[name], atol=1e-5), name
+
+
+def test_a_faithful_graph_is_replayed_for_every_steady_step(monkeypatch):
+    graphs: list[StandInGraph] = []
+
+    def capture(self):
+        graphs.append(StandInGraph(self, corrupt=False))
+        self.graph = graphs[-1]
+
+    vec, notes, seq = graph_round(monkeypatch, capture)
+    assert_same_clients(vec, seq)
+    assert not notes
+    assert len(graphs) == 1 and graphs[0].replays > 5
+
+
+def test_a_graph_that_disagrees_with_the_eager_step_is_dropped(monkeypatch):
+    graphs: list[StandInGraph] = []
+
+    def capture(self):
+        graphs.append(StandInGraph(self, corrupt=True))
+        self.graph = graphs[-1]
+
+    vec, notes, seq = graph_round(monkeypatch, capture)
+    assert_same_clients(vec, seq)  # the bad replay was undone, the stage went on eagerly
+    assert graphs[0].replays == 1
+    assert any("disagrees with the eager step" in n for n in notes), notes
+
+
+def test_a_capture_that_fails_falls_back_to_eager_steps_with_the_reason(monkeypatch):
+    def capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    vec, notes, seq = graph_round(monkeypatch, capture)
+    assert_same_clients(vec, seq)
+    assert any("capture failed" in n and "not permitted" in n for n in notes), notes
+
+
+def test_running_out_of_memory_halves_the_chunk_and_gives_the_same_clients(monkeypatch):
+    real_run = VectorizedGroup.run
+    sizes: list[int] = []
+
+    def run_fitting_four(self):
+        sizes.append(len(self.plans))
+        if len(self.plans) > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_run(self)
+
+    monkeypatch.setattr(VectorizedGroup, "run", run_fitting_four)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    server = exp.initial_server()
+    notes: list[str] = []
+    memo: dict = {}
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                                   train_cfg=exp.cfg.train, log=notes.append, memo=memo)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)]
+    assert_same_clients(vec, seq)
+    assert sizes[:4] == [30, 15, 7, 3] and list(memo.values()) == [3]
+    assert any("ran out of device memory" in n for n in notes)
+    sizes.clear()  # the next round starts at the size that fitted
+    train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 2), exp.data, seed=exp.cfg.seed,
+                             train_cfg=exp.cfg.train, memo=memo)
+    assert set(sizes) == {3}
+
+
+def test_one_client_that_does_not_fit_is_an_error(monkeypatch):
+    def never_fits(self):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(VectorizedGroup, "run", never_fits)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+
+
+def test_automatic_chunk_size_from_free_memory(monkeypatch):
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    ctxs = round_contexts(exp, exp.initial_server(), {}, 1)
+    plans = [vectorized.ClientPlan(c, exp.algorithm.stages(c), exp.algorithm.start_state(c)) for c in ctxs]
+    settings = {"batch_size": 16, "drop_last": False, "max_grad_norm": 0.0, "buffers": ()}
+    assert vectorized.auto_chunk_size(plans, exp.data, seed=0, **settings) == len(plans)  # CPU: all
+    monkeypatch.setattr(vectorized, "free_memory_bytes", lambda device: 10_000)
+    monkeypatch.setattr(vectorized, "probe_client_bytes", lambda plan, data, **kw: 1_000)
+    assert vectorized.auto_chunk_size(plans, exp.data, seed=0, **settings) == 7  # 0.7 * 10,000 / 1,000 bytes
+
+
+def test_cuda_graph_on_a_cpu_device_is_noted_and_changes_nothing(tmp_path):
+    import json
+
+    base = [*SMALL, "train.rounds=1", "algorithm.name=fedavg", "runtime.device=cpu", "runtime.executor=vectorized",
+            "runtime.vmap_on_cpu=true"]
+    Experiment(config.load(None, base)).run(tmp_path / "plain")
+    exp = Experiment(config.load(None, [*base, "runtime.cuda_graph=true"]))
+    exp.run(tmp_path / "graph")
+    assert any("CUDA device only" in n for n in exp.__dict__["_notes"])
+    drop = ("round_time_s", "eval_time_s")
+    lines = [{k: v for k, v in json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[0]).items()
+              if k not in drop} for d in ("plain", "graph")]
+    assert lines[0] == lines[1]
+
+
+def test_the_memory_probe_measures_one_clients_step_without_touching_the_round(monkeypatch):
+    """The probe's arithmetic on the CPU, with CUDA's memory counters standing in."""
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=scaffold"]))
+    ctx = round_contexts(exp, exp.initial_server(), {}, 1)[0]
+    ctx.extras = exp.algorithm.begin(ctx)
+    plan = vectorized.ClientPlan(ctx, exp.algorithm.stages(ctx), exp.algorithm.start_state(ctx))
+    start = {n: t.clone() for n, t in plan.start.items()}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5_000)
+    settings = {"batch_size": 16, "drop_last": False, "max_grad_norm": 0.0, "buffers": ()}
+    state_bytes = sum(t.nbytes for t in plan.start.values())
+    assert vectorized.probe_client_bytes(plan, exp.data, seed=0, **settings) == 4_000 + state_bytes
+    assert all(torch.equal(start[n], plan.start[n]) for n in start)
+
+
+CUDA_METHODS = ["fedavg", "fedprox", "scaffold", "moon", "fedbr", "fedpac", "feduv", "fedrep"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("method", CUDA_METHODS)
+def test_cuda_graph_steps_equal_sequential_on_cuda(method):
+    """On a GPU: the captured steps give the sequential executor's clients, and capture works
+    for the methods with extra models, adversaries and several stages."""
+    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "runtime.device=cuda", *steps]))
+    notes: list[str] = []
+    compare_one_round(exp, step_mode="graph", notes=notes)
+    assert not [n for n in notes if "capture failed" in n or "disagrees" in n], notes

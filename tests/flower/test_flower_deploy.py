@@ -1,0 +1,269 @@
+"""hetfl deployed on Flower: a SuperLink and 3 SuperNodes as separate processes on the loopback.
+
+TLS with a CA and certificate made here; then a run where one SuperNode is SIGKILLed mid-run.
+Every process is started in its own process group and the fixture kills the groups, so nothing
+is left behind. Skipped when Flower is not installed (``pip install "hetfl[flower]"``).
+
+``examples/flower/deploy.py``: a bad pairing is refused as ``hetfl run`` refuses it, before any
+process starts; a run prints its progress while it runs; a ServerApp that fails is reported with
+its exception (``flwr run --stream`` itself exits 0 then).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.flower.deploy import LocalFederation, LogFollower, RunWatch, generate_tls, serverapp_error, start, wait_for
+
+DEPLOY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "flower" / "deploy.py"
+
+SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.batch_size=16", "train.local_steps=10",
+         "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
+DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+def lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def federation(tmp_path):
+    started: list[LocalFederation] = []
+
+    def make(num_nodes: int, tls: bool) -> LocalFederation:
+        fed = LocalFederation(tmp_path / "federation", num_nodes,
+                              tls=generate_tls(tmp_path / "tls") if tls else None)
+        started.append(fed)
+        return fed.start()
+
+    yield make
+    for fed in started:
+        groups = [p.popen.pid for p in [*fed.nodes, fed.superlink] if p is not None]
+        fed.stop()
+        assert wait_for(lambda groups=groups: not any(group_alive(g) for g in groups), 20), "processes left behind"
+
+
+def log_tail(fed: LocalFederation) -> str:
+    return "\n".join(f"--- {p.name}\n" + p.log.read_text()[-2000:] for p in [fed.superlink, *fed.nodes]) + \
+        "\n--- flwr run\n" + (fed.workdir / "flwr-run.log").read_text()[-3000:]
+
+
+def test_deployed_run_over_tls_gives_the_sequential_numbers(federation, tmp_path):
+    """SCAFFOLD (client state kept by each SuperNode between its ClientApp processes) over TLS:
+    the same metrics as the in-process sequential executor."""
+    overrides = [*SMALL, "train.rounds=2", "algorithm.name=scaffold", "runtime.flower_timeout_s=120"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
+    fed = federation(3, tls=True)
+    cfg = config.load(None, [*overrides, "runtime.executor=flower"])
+    result = fed.submit(config.dumps(cfg), tmp_path / "deployed", timeout_s=240)
+    run = tmp_path / "deployed"
+    assert result.returncode == 0 and (run / "summary.json").exists(), log_tail(fed)
+    assert "--insecure" not in " ".join(fed.superlink.popen.args)
+    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {p.name for p in run.iterdir()}
+    got = lines(run)
+    assert [x["failed_clients"] for x in got] == [[], []]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in lines(tmp_path / "sequential")]
+
+
+def test_a_supernode_killed_mid_run_is_recorded_and_the_run_finishes(federation, tmp_path):
+    """SIGKILL one SuperNode (and its ClientApp processes) after round 1: round 2 waits for it up
+    to runtime.flower_timeout_s, goes on with the two clients that answered, and says so."""
+    fed = federation(3, tls=False)  # --insecure: loopback only
+    cfg = config.load(None, [*SMALL, "train.rounds=2", "algorithm.name=fedavg", "runtime.flower_timeout_s=25",
+                             "runtime.flower_min_replies=2"])
+    run = tmp_path / "deployed"
+    import threading
+
+    submitted: dict = {}
+    thread = threading.Thread(target=lambda: submitted.update(
+        result=fed.submit(config.dumps(cfg), run, timeout_s=240)))
+    thread.start()
+    try:
+        assert wait_for(lambda: len(lines(run)) >= 1 or not thread.is_alive(), 180, poll_s=0.2), log_tail(fed)
+        fed.nodes[2].kill(signal.SIGKILL)
+    finally:
+        thread.join(260)
+    assert submitted["result"].returncode == 0 and (run / "summary.json").exists(), log_tail(fed)
+    got = lines(run)
+    assert [x["round"] for x in got] == [1, 2]
+    assert got[0]["failed_clients"] == [] and got[0]["local_steps"] > 0
+    assert got[1]["failed_clients"] == [2], log_tail(fed)
+    assert got[1]["clients"] == 3 and 0 < got[1]["local_steps"] < got[0]["local_steps"]  # 2 of 3 trained
+
+
+def test_relative_folders_are_made_absolute_for_the_processes(tmp_path, monkeypatch):
+    """The SuperLink runs in the federation's folder: a relative certificate path would point nowhere."""
+    monkeypatch.chdir(tmp_path)
+    tls = generate_tls("tls")
+    assert all(p.is_absolute() and p.exists() for p in (tls.ca, tls.cert, tls.key))
+
+
+# ------------------------------------------------------------------ examples/flower/deploy.py
+@pytest.fixture
+def script():
+    """examples/flower/deploy.py as a module; the SIGTERM handler its main() installs is put back after."""
+    spec = importlib.util.spec_from_file_location("hetfl_flower_deploy_example", DEPLOY_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield module
+    signal.signal(signal.SIGTERM, handler)
+
+
+def test_a_bad_pairing_exits_2_with_hetfl_runs_message_and_starts_nothing(script, tmp_path, monkeypatch, capsys):
+    """FedPAC on the default model (logistic regression: no encoder): the one line ``hetfl run`` prints,
+    exit 2, no process started and no folder made (it used to fail inside the ServerApp, minutes later)."""
+    from hetfl.cli import main as hetfl_main
+
+    pairing = ["--set", "algorithm.name=fedpac", "--set", "data.num_clients=3", "--set", "data.partition=dirichlet",
+               "--set", "runtime.threads=1"]
+    assert hetfl_main(["run", *pairing, "--out", str(tmp_path / "cli-run")]) == 2
+    expected = capsys.readouterr().err
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    code = script.main([*pairing, "--out", str(tmp_path / "run"), "--workdir", str(tmp_path / "federation")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == expected and err.count("\n") == 1, err
+    assert err.startswith("hetfl: error: model.name = 'mlp': fedpac needs an encoder"), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "federation").exists()
+
+
+FLOWER_201_LOG = """\
+Using SuperLink: hetfl (127.0.0.1:46399)
+Successfully started run 17780116649122260120
+\x1b[92mINFO \x1b[0m:      Start `flwr-serverapp` process
+\x1b[91mERROR \x1b[0m:     ServerApp raised an exception
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/flwr/server/run_serverapp.py", line 60, in run
+    server_app(grid=grid, context=context)
+  File "/src/hetfl/engine/experiment.py", line 246, in __init__
+    check_model_parts(cfg.algorithm.name, cfg.model, param_groups(self.model), info.input_shape, info.num_classes)
+hetfl.params.ConfigError: model.name = 'mlp': fedpac needs an encoder
+\x1b[91mERROR \x1b[0m:     Exit Code: 201
+
+An unhandled exception occurred in the ServerApp.
+"""
+
+
+def test_the_serverapps_exception_is_found_in_flwr_runs_log():
+    """What Flower 1.41 streams when the ServerApp raised (and flwr run exits 0): the exception line,
+    Flower's exit code and the innermost frames are the cause; the watch sees the failure."""
+    cause = serverapp_error(FLOWER_201_LOG)
+    assert cause.splitlines()[0] == "hetfl.params.ConfigError: model.name = 'mlp': fedpac needs an encoder " \
+                                    "(Flower exit code 201)"
+    assert 'File "/src/hetfl/engine/experiment.py", line 246, in __init__' in cause
+    assert serverapp_error(FLOWER_201_LOG.replace("Traceback", "Trace")) == ""
+    said: list[str] = []
+    watch = RunWatch(said.append, rounds=2)
+    for line in FLOWER_201_LOG.splitlines():
+        watch.feed(line.replace("\x1b[92m", "").replace("\x1b[91m", "").replace("\x1b[0m", ""))
+    assert watch.raised and watch.phase.startswith("the ServerApp to start")
+    assert said[0] == "SuperLink: started run 17780116649122260120; starting the ServerApp"
+    watch.feed('hetfl: {"round": 1, "train_loss": 0.5, "client_acc_mean": 0.25, "failed_clients": [2], '
+               '"round_time_s": 3.0}')
+    assert said[-1] == "round 1/2: loss 0.5000, client acc 25.00%, failed clients [2], 3.0 s"
+    assert watch.phase.startswith("round 2 of 2")
+
+
+def test_a_dead_process_is_reported_with_its_signal_and_last_log_lines(tmp_path):
+    """What the script says of a SuperNode or SuperLink that died: how it ended and what it logged last."""
+    import sys
+
+    proc = start("supernode-1", [sys.executable, "-c", "print('\\x1b[92mINFO \\x1b[0m: node up', flush=True); "
+                                 "import time; time.sleep(60)"], tmp_path, dict(os.environ))
+    try:
+        assert wait_for(lambda: "node up" in proc.log.read_text(), 30, poll_s=0.1)
+        proc.kill(signal.SIGKILL)
+        proc.popen.wait(10)
+        report = proc.exit_report()
+    finally:
+        proc.stop()
+    assert report.splitlines()[0] == f"supernode-1 (pid {proc.popen.pid}) was killed by SIGKILL (exit code -9)"
+    assert report.splitlines()[-1] == "  INFO : node up"  # colour codes removed
+
+
+def test_the_log_is_followed_line_by_line_as_it_grows(tmp_path):
+    log = tmp_path / "flwr-run.log"
+    log.write_text("old run\n")
+    follower = LogFollower(log, log.stat().st_size)
+    with open(log, "a") as fh:
+        fh.write("hetfl: one\nhetfl: tw")
+        fh.flush()
+        assert follower.new_lines() == ["hetfl: one"]  # a partial line waits for its end
+        fh.write("o\n")
+    assert follower.new_lines() == ["hetfl: two"] and follower.new_lines() == []
+    assert follower.since_start() == "hetfl: one\nhetfl: two\n"
+
+
+@pytest.mark.slow
+def test_the_script_prints_progress_while_the_run_goes(script, tmp_path, monkeypatch, capsys):
+    """2 SuperNodes over TLS, 2 rounds: the SuperLink, the nodes connecting and each round are printed
+    as they happen (round 1's line before the run's summary.json exists), then the summary."""
+    said: list[tuple[float, str, bool]] = []
+    run = tmp_path / "run"
+
+    def say(message: str) -> None:
+        said.append((time.time(), message, (run / "summary.json").exists()))
+        print(message)
+
+    monkeypatch.setattr(script, "say", say)
+    code = script.main([*[f"--set={x}" for x in [*SMALL, "data.num_clients=2", "train.rounds=2"]],
+                        "--out", str(run), "--workdir", str(tmp_path / "federation"), "--timeout", "400"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    messages = [m for _, m, _ in said]
+    order = ["SuperLink up on 127.0.0.1:", "SuperNodes connected: 2/2", "run submitted", "SuperLink: started run",
+             "ServerApp: fedavg, 2 clients, 2 rounds", "round 1/2: loss", "round 2/2: loss", "ServerApp finished"]
+    found = [next((i for i, m in enumerate(messages) if m.startswith(p)), None) for p in order]
+    assert None not in found and found == sorted(found), messages
+    assert "(TLS)" in messages[found[0]]
+    got = lines(run)
+    for r, line in enumerate(got, 1):
+        shown = next(m for m in messages if m.startswith(f"round {r}/2: "))
+        assert f"loss {line['train_loss']:.4f}" in shown and f"global acc {100 * line['global_acc']:.2f}%" in shown
+    assert not said[found[5]][2], "round 1 was printed only after the run had ended"
+    assert '"rounds": 2' in out and f"run directory: {run}" in out
+
+
+@pytest.mark.slow
+def test_a_failure_inside_the_serverapp_is_reported_with_its_cause(script, tmp_path, capsys):
+    """A setting that passes every check but fails in the ServerApp (no node can answer its greeting
+    within runtime.flower_timeout_s = 0.01 s): flwr run exits 0, the script exits 1 naming the
+    exception, not just an exit code."""
+    code = script.main([*[f"--set={x}" for x in [*SMALL, "data.num_clients=2", "train.rounds=1",
+                                                   "runtime.flower_timeout_s=0.01"]],
+                        "--out", str(tmp_path / "run"), "--workdir", str(tmp_path / "federation"), "--insecure",
+                        "--timeout", "300"])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert "ServerApp raised an exception" in out
+    assert "deploy: the run failed: the ServerApp failed: hetfl.flower.server.FlowerRoundError: no Flower node " \
+           "holding one of the 2 clients answered within 0.01 s (Flower exit code 201)" in err, err
+    assert "exit code 0" not in err
+    assert not (tmp_path / "run" / "summary.json").exists()
