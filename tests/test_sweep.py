@@ -341,3 +341,28 @@ def test_reproduce_list_labels_estimates_measured_or_rough(capsys, monkeypatch):
     presets = [reproduce.load_preset(name) for name in reproduce.available()]
     assert any(p.quick_cpu_measured for p in presets), "at least one quick estimate is measured"
     assert "(measured)" in shown and "(rough)" in shown
+
+
+# ------------------------------------------------------------------ the runtime's checks in planning
+def test_a_sweep_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_path, capsys):
+    """A cell its executor refuses (Flower cannot save client models) is exit 2 naming the key before any
+    run of the plan starts; it used to run the cells before it first (the sequential cell here)."""
+    out = tmp_path / "sweep"
+    argv = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(out), "--quiet",
+            "--grid", "runtime.executor=sequential,flower", *set_args([*TINY, "runtime.save_client_models=[1]"])]
+    assert main(argv) == 2
+    assert "runtime.save_client_models" in capsys.readouterr().err
+    assert not list(out.rglob("metrics.jsonl"))
+
+
+def test_reproduce_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_path, capsys):
+    from tests.helpers.runs import PRESET
+
+    flower_row = 'metric = "best5:global_acc"\nset = { runtime = { executor = "flower", save_client_models = [1] } }'
+    preset = PRESET.replace('metric = "best5:global_acc"', flower_row)
+    assert flower_row in preset
+    path, out = tmp_path / "toy.toml", tmp_path / "rep"
+    path.write_text(preset)
+    assert main(["reproduce", str(path), "--quick", "--out", str(out), "--quiet", *set_args(TINY[:3])]) == 2
+    assert "runtime.save_client_models" in capsys.readouterr().err
+    assert not list(out.rglob("metrics.jsonl"))  # row A (fedavg, sequential) did not run first

@@ -220,9 +220,12 @@ def reproduce(
     computes, ``say`` gets ``run k of n (column, method, seed s): about M min left``
     (:class:`hetfl.sweeps.RunCounter`; before any run has finished, the preset's estimate, labelled rough)."""
     from hetfl.engine import identity
+    from hetfl.runtimes import check_runtime
 
     specs = run_specs(preset)
     configs = {spec: build_config(preset, spec, user_set or []) for spec in set(specs.values())}
+    for cfg in configs.values():  # the executor's own checks (Flower installed, ...) before the first run
+        check_runtime(cfg)
     order = sorted(configs, key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
     resolved = (resolve or identity.resolve_configs)([configs[spec] for spec in order])
     states = {spec: identity.check_run_dir(out / spec.column / spec.dirname, config_mod.to_tree(full))

@@ -431,6 +431,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     from hetfl.api import CompareResult, RunResult, _with_progress, execute, plan_states
     from hetfl.cli import check_output_dir
     from hetfl.engine.checkpoint import atomic_write_text
+    from hetfl.runtimes import check_runtime
 
     check_output_dir(out, option)
     plans = []
@@ -440,6 +441,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
                 cfg = _with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
                                      progress)
                 hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+                check_runtime(cfg)  # e.g. runtime.executor = flower without Flower: refused before run 1
                 named = as_configured(cell, cfg)
                 plans.append(PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed)))
     check_distinct(plans)
