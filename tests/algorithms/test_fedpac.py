@@ -320,6 +320,16 @@ def golden_uploads(setup: Setup, server) -> list[Upload]:
     return uploads
 
 
+def test_class_sums_stay_on_the_features_device_whatever_torchs_default_device():
+    """With another default device ("meta" standing in for a user's CUDA default) the uploads of CPU features
+    are made on the CPU, with the same values."""
+    z, y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 8.0]]), torch.tensor([0, 0, 2])
+    with torch.device("meta"):
+        counts, sums = class_sums(z, y, 3)
+    assert (counts.device.type, sums.device.type) == ("cpu", "cpu")
+    torch.testing.assert_close(sums, torch.tensor([[4.0, 6.0], [0.0, 0.0], [5.0, 8.0]], dtype=torch.float64))
+
+
 def test_aggregation_matches_the_authors_centroids_and_personalised_heads():
     setup = net5_setup()
     algo = build_algorithm("fedpac", {}, setup)
@@ -327,6 +337,7 @@ def test_aggregation_matches_the_authors_centroids_and_personalised_heads():
     new = algo.aggregate(server, golden_uploads(setup, server), 1)
     assert torch.allclose(new.extra[CENTROIDS], torch.tensor(CENTROIDS_GOLDEN), atol=1e-6)
     assert new.extra[HAS_CENTROID].tolist() == [1.0, 1.0, 1.0]
+    assert new.extra[HAS_CENTROID].dtype == server.extra[HAS_CENTROID].dtype  # float flags, as checkpointed
     for c in range(4):
         assert torch.allclose(new.extra[f"head.{c}/classifier.weight"], torch.tensor(HEAD_W[c]), atol=2e-6), c
         assert torch.allclose(new.extra[f"head.{c}/classifier.bias"], torch.tensor(HEAD_B[c]), atol=2e-6), c

@@ -91,6 +91,19 @@ def test_statistics_stay_on_the_features_device_whatever_torchs_default_device()
     assert {s.counts.device.type, s.means.device.type, s.covs.device.type} == {"cpu"}
     torch.testing.assert_close(s.means, torch.tensor([[2.0, 3.0], [5.0, 8.0], [0.0, 0.0]], dtype=torch.float64))
     torch.testing.assert_close(s.covs[0], torch.tensor([[2.0, 2.0], [2.0, 2.0]], dtype=torch.float64))
+    assert s.counts.dtype == torch.float64  # counts are uploaded and pooled as float64, never int64
+
+
+def test_moments_stay_on_the_features_device_whatever_torchs_default_device():
+    """As the statistics: with another default device ("meta" standing in for a user's CUDA default), the
+    moments of CPU features are computed on the CPU, with the same values."""
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 8.0]])
+    y = torch.tensor([0, 0, 1])
+    with torch.device("meta"):
+        m = class_moments(z, y, 3)
+    assert {m.counts.device.type, m.sums.device.type, m.outer.device.type} == {"cpu"}
+    torch.testing.assert_close(m.sums, torch.tensor([[4.0, 6.0], [5.0, 8.0], [0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(m.outer[0], torch.tensor([[10.0, 14.0], [14.0, 20.0]], dtype=torch.float64))
 
 
 def test_pooled_covariance_is_exactly_symmetric():
