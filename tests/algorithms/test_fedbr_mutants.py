@@ -68,7 +68,7 @@ def test_setting_errors_name_the_key_the_value_and_what_is_allowed():
 
 def test_a_proxy_of_the_wrong_shape_is_refused_with_its_shape(monkeypatch):
     proxy = torch.randn(30, 5, generator=torch.Generator().manual_seed(0))  # the tiny model takes 4 inputs
-    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed: (proxy, lambda raw: raw))
+    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed, cache_dir="": (proxy, lambda raw: raw))
     with pytest.raises(ConfigError) as err:
         make(pseudo_source="proxy", proxy_dataset="wide")
     assert (err.value.key, err.value.value) == ("algorithm.proxy_dataset", "wide")
@@ -164,7 +164,7 @@ class ShiftedNet(nn.Module):
 
 def test_the_proxy_fit_check_runs_on_the_models_device(monkeypatch):
     proxy = torch.randn(30, 4, generator=torch.Generator().manual_seed(3))  # on the CPU, as loaded
-    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed: (proxy, lambda raw: raw))
+    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed, cache_dir="": (proxy, lambda raw: raw))
     model = ShiftedNet().to(META)
     names = [n for n, _ in model.named_parameters()]
     setup = Setup(model=ModelCaller(model), groups={p: [n for n in names if n.startswith(p)] for p in
@@ -352,3 +352,22 @@ def test_per_step_draws_are_only_what_a_step_uses_from_the_steps_generator():
     assert torch.equal(first[MIX_INDEX], torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(6)))
     # a batch of one sample: every pseudo sample is mixed with it
     assert torch.equal(draw(torch.Generator().manual_seed(6), 1)[MIX_INDEX], torch.zeros(4, dtype=torch.long))
+
+
+def test_the_proxy_is_cached_where_the_run_caches_its_data(monkeypatch, tmp_path):
+    """data.cache_dir reaches the proxy's loader through the run's Setup (it used to load the proxy into the
+    default cache folder whatever the run's setting)."""
+    import hetfl.data.datasets as datasets
+    from hetfl import config
+    from hetfl.engine.experiment import Experiment
+
+    seen = []
+    fake = SimpleNamespace(info=SimpleNamespace(mean=(0.5,), std=(0.25,)),
+                           train=SimpleNamespace(x=np.zeros((2, 3), dtype=np.float32)))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: seen.append(kwargs) or fake)
+    load_proxy(FedBRHyper(pseudo_source="proxy", proxy_dataset="images"), 0, str(tmp_path / "cache"))
+    load_proxy(FedBRHyper(pseudo_source="proxy", proxy_dataset="images"), 0)
+    assert [kwargs["cache_dir"] for kwargs in seen] == [str(tmp_path / "cache"), None]
+    monkeypatch.undo()
+    exp = Experiment(config.load(None, ["train.rounds=1", f"data.cache_dir={tmp_path / 'c2'}"]))
+    assert exp.setup.cache_dir == str(tmp_path / "c2")

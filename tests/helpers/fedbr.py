@@ -60,5 +60,5 @@ def ready(params=None, client: int = 0, round_: int = 1):
 
 def fake_proxy(monkeypatch):
     proxy = torch.randn(30, 4, generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed: (proxy, lambda raw: 2 * raw))
+    monkeypatch.setattr(fedbr_module, "load_proxy", lambda hp, seed, cache_dir="": (proxy, lambda raw: 2 * raw))
     return proxy

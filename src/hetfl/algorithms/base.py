@@ -158,6 +158,7 @@ class Setup:
     client_sizes: list[int]  # training samples per client
     train: Any  # hetfl.config.TrainConfig
     seed: int
+    cache_dir: str = ""  # data.cache_dir: where a method's own datasets (FedBR's proxy) are cached ('' = default)
 
     def sgd(self, lr: float, *, momentum: float | None = None, weight_decay: float | None = None) -> SGDConfig:
         """The run's client SGD settings at learning rate ``lr`` (overridable per stage)."""

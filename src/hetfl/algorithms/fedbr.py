@@ -215,15 +215,17 @@ def project(state: Tensors, z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def load_proxy(hp: FedBRHyper, seed: int) -> tuple[torch.Tensor, Any]:
+def load_proxy(hp: FedBRHyper, seed: int, cache_dir: str = "") -> tuple[torch.Tensor, Any]:
     """The proxy dataset's training inputs (as stored) and a function making them model inputs
-    (normalised with the proxy's own statistics). A ConfigError names the setting on failure."""
+    (normalised with the proxy's own statistics), its decoded files cached in ``cache_dir`` (the run's
+    ``data.cache_dir``; '' = the default cache folder). A ConfigError names the setting on failure."""
     from hetfl.data.augment import to_float
     from hetfl.data.base import DatasetError
     from hetfl.data.datasets import load_dataset
 
     try:
-        dataset = load_dataset(hp.proxy_dataset, hp.proxy_root or None, download=False, seed=seed)
+        dataset = load_dataset(hp.proxy_dataset, hp.proxy_root or None, download=False, cache_dir=cache_dir or None,
+                               seed=seed)
     except DatasetError as err:
         raise ConfigError("algorithm.proxy_root", hp.proxy_root,
                           f"must hold the files of algorithm.proxy_dataset = {hp.proxy_dataset!r} ({err})") from None
@@ -245,7 +247,7 @@ class FedBR(Algorithm):
         super().__init__(hyper, setup)
         self.proxy: tuple[torch.Tensor, Any] | None = None
         if hyper.pseudo_source == "proxy":
-            self.proxy = load_proxy(hyper, setup.seed)
+            self.proxy = load_proxy(hyper, setup.seed, setup.cache_dir)
             self.check_proxy_fits()
 
     def check_proxy_fits(self) -> None:

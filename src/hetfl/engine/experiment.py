@@ -121,6 +121,7 @@ class Experiment:
             client_sizes=self.data.client_sizes,
             train=cfg.train,
             seed=cfg.seed,
+            cache_dir=cfg.data.cache_dir,
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
