@@ -24,6 +24,7 @@ from hetfl.config import TrackingConfig  # noqa: E402
 from hetfl.engine import identity  # noqa: E402
 from hetfl.engine.experiment import Experiment  # noqa: E402
 from hetfl.params import ConfigError  # noqa: E402
+from tests.helpers.runs import interrupted  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,21 +54,6 @@ def metrics(run_dir: Path) -> list[dict]:
 def numeric(line: dict) -> dict[str, float]:
     """What a tracker logs of a metrics line: its scalar numbers, the round being the step."""
     return {k: float(v) for k, v in line.items() if k != "round" and isinstance(v, int | float)}
-
-
-def interrupted(run_dir: Path, stop_after: int, monkeypatch, cfg: config.RunConfig) -> None:
-    """``cfg`` run into ``run_dir`` and interrupted (KeyboardInterrupt) at the start of round ``stop_after + 1``."""
-    original = Experiment.round
-
-    def crash(self, server, clients, round_, reporter):
-        if round_ == stop_after + 1:
-            raise KeyboardInterrupt
-        return original(self, server, clients, round_, reporter)
-
-    monkeypatch.setattr(Experiment, "round", crash)
-    with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg).run(run_dir)
-    monkeypatch.setattr(Experiment, "round", original)
 
 
 # ------------------------------------------------------------------ readers

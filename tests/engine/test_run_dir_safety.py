@@ -32,6 +32,7 @@ from hetfl.engine.checkpoint import load_checkpoint, save_checkpoint
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.rundir import RunDirError
 from hetfl.runtimes import run_experiment
+from tests.helpers.runs import interrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,17 +155,7 @@ def finished_run(run_dir: Path, rounds: int = 6, *overrides: str) -> None:
 
 def interrupted_run(run_dir: Path, stop_after: int, monkeypatch, *overrides: str) -> None:
     """A run of ``tiny(*overrides)`` interrupted (KeyboardInterrupt) in round ``stop_after + 1``."""
-    original = Experiment.round
-
-    def crash(self, server, clients, round_, reporter):
-        if round_ == stop_after + 1:
-            raise KeyboardInterrupt
-        return original(self, server, clients, round_, reporter)
-
-    monkeypatch.setattr(Experiment, "round", crash)
-    with pytest.raises(KeyboardInterrupt):
-        Experiment(tiny(*overrides)).run(run_dir)
-    monkeypatch.setattr(Experiment, "round", original)
+    interrupted(run_dir, stop_after, monkeypatch, tiny(*overrides))
 
 
 def resume(run_dir: Path, capsys) -> tuple[int, str]:

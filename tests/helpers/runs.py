@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
         "train.rounds=2", "train.local_steps=2", "runtime.threads=1"]
@@ -42,3 +46,21 @@ def fake_run(accs):
         (run_dir / "summary.json").write_text(json.dumps({"final_global_acc": curve[-1]}))
 
     return run
+
+
+def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any) -> None:
+    """``cfg`` (a RunConfig) run into ``run_dir`` and interrupted (KeyboardInterrupt) at the start of round
+    ``stop_after + 1``, as Ctrl-C would."""
+    from hetfl.engine.experiment import Experiment
+
+    original = Experiment.round
+
+    def crash(self, server, clients, round_, reporter):
+        if round_ == stop_after + 1:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(run_dir)
+    monkeypatch.setattr(Experiment, "round", original)
