@@ -83,7 +83,7 @@ def test_calibration_replaces_only_the_classifier_and_records_the_transform():
     for c in range(3):
         feats = torch.randn(30, 8, generator=gen) + c
         labels = torch.randint(0, 2, (30,), generator=gen)  # class 2 never occurs
-        replies[c] = step.client_query(server.model, feats, labels)
+        replies[c] = step.client_query(server.model, feats, labels, client=c, round_=1)
     assert replies[0]["classes"].tolist() == [0, 1]  # only the classes a client holds are uploaded
     new, info = step.apply(server, replies, round_=1)
     assert info["ccvr_virtual_features"] == 40 and info["ccvr_classes_without_virtual"] == 1
@@ -109,7 +109,7 @@ def _skewed_replies(step, server, classes_by_client):
     replies = {}
     for k, classes in enumerate(classes_by_client):
         labels = torch.tensor(classes).repeat_interleave(6)
-        replies[k] = step.client_query(server.model, torch.randn(len(labels), 8, generator=gen) + k, labels)
+        replies[k] = step.client_query(server.model, torch.randn(len(labels), 8, generator=gen) + k, labels, client=k, round_=1)
     return replies
 
 
@@ -161,7 +161,7 @@ def _oracle_replies(step, server):
     """Three clients, 40 real features per class in all (30 of class k at client k, 10 of class k + 1)."""
     gen = torch.Generator().manual_seed(1)
     return {k: step.client_query(server.model, torch.randn(40, 8, generator=gen) + k,
-                                 torch.tensor([k] * 30 + [(k + 1) % 3] * 10)) for k in range(3)}
+                                 torch.tensor([k] * 30 + [(k + 1) % 3] * 10), client=k, round_=1) for k in range(3)}
 
 
 def test_oracle_all_keeps_every_real_feature_whatever_oracle_per_class():

@@ -66,7 +66,7 @@ def test_virtual_counts_are_integer_sizes_from_two_samples_on():
 
 
 def _replies(step, server, feats_by_client, labels_by_client):
-    return {k: step.client_query(server.model, f, y) for k, (f, y) in
+    return {k: step.client_query(server.model, f, y, client=k, round_=1) for k, (f, y) in
             enumerate(zip(feats_by_client, labels_by_client, strict=True))}
 
 
@@ -80,7 +80,7 @@ def test_virtual_features_follow_the_pooled_gaussians():
     labels = [torch.randint(0, 3, (40,), generator=gen) for _ in range(3)]
     replies = _replies(step, server, feats, labels)
     z, y = torch.cat(feats).double(), torch.cat(labels)
-    virtual, virtual_labels = step.virtual_features(replies, 8, torch.Generator().manual_seed(0))
+    virtual, virtual_labels = step.virtual_features(replies, torch.Generator().manual_seed(0))
     for c, (v, lab) in enumerate(zip(virtual, virtual_labels, strict=True)):
         assert (lab == c).all() and len(v) == 20_000
         zc = z[y == c]
@@ -104,7 +104,7 @@ def test_a_class_held_by_single_samples_is_uploaded_and_calibrated():
     z = feats[0][3].double()
     torch.testing.assert_close(replies[0]["sums"][1], z, rtol=0, atol=0)
     torch.testing.assert_close(replies[0]["outer"][1], torch.outer(z, z), rtol=0, atol=0)  # float32 products: exact
-    alone = step.pooled_statistics({0: replies[0]}, 8)
+    alone = step.pooled_statistics({0: replies[0]})
     torch.testing.assert_close(alone.means[2], z, rtol=0, atol=0)
     assert torch.count_nonzero(alone.covs[2]) == 0
     _, info = step.apply(server, replies, round_=1)
@@ -131,7 +131,7 @@ def test_replies_are_additive_and_pool_to_eq_3_4():
         assert all(isinstance(t, torch.Tensor) for t in r.values())
         assert r["counts"].dtype == r["sums"].dtype == r["outer"].dtype == F64
     assert replies[0]["classes"].tolist() == [0, 2] and replies[1]["classes"].tolist() == [0, 1, 2]
-    got = step.pooled_statistics(replies, 8)
+    got = step.pooled_statistics(replies)
     eq = pool_statistics([class_statistics(f, y, 3) for f, y in zip(feats, labels, strict=True)])
     z, y = torch.cat(feats).double(), torch.cat(labels)
     eps = torch.finfo(F64).eps
@@ -144,7 +144,7 @@ def test_replies_are_additive_and_pool_to_eq_3_4():
     dense = [class_moments(f, lab, 3) for f, lab in zip(feats, labels, strict=True)]
     summed = {"classes": torch.arange(3), "counts": dense[0].counts + dense[1].counts,
               "sums": dense[0].sums + dense[1].sums, "outer": dense[0].outer + dense[1].outer}
-    one = step.pooled_statistics({0: summed}, 8)
+    one = step.pooled_statistics({0: summed})
     for a, b in ((one.counts, got.counts), (one.means, got.means), (one.covs, got.covs)):
         assert torch.equal(a, b)
 
@@ -158,7 +158,7 @@ def test_replies_pass_through_flower_records_unchanged():
     setup = tiny_setup()
     (step,) = build_posthoc("fedavg+ccvr", {}, setup)
     gen = torch.Generator().manual_seed(9)
-    reply = step.client_query(initial_state(setup), torch.randn(12, 8, generator=gen), torch.tensor([0, 2] * 6))
+    reply = step.client_query(initial_state(setup), torch.randn(12, 8, generator=gen), torch.tensor([0, 2] * 6), client=0, round_=1)
     back = from_record(to_record(reply))
     assert set(back) == set(reply)
     for name, t in reply.items():
@@ -174,7 +174,7 @@ def test_virtual_features_per_class_counts_fixed_proportional_and_one():
     labels = [torch.tensor([0] * 12 + [1] * 8), torch.tensor([1] * 2 + [2] * 8)]  # N_c = 12, 10, 8; N = 30
     for hp, want in (({"num_virtual": 10, "proportional": True}, [12, 10, 8]), ({"num_virtual": 1}, [1, 1, 1])):
         (step,) = build_posthoc("fedavg+ccvr", {"ccvr": hp}, setup)
-        virtual, virtual_labels = step.virtual_features(_replies(step, server, feats, labels), 8,
+        virtual, virtual_labels = step.virtual_features(_replies(step, server, feats, labels),
                                                         torch.Generator().manual_seed(0))
         assert [len(v) for v in virtual] == want
         assert [lab.tolist() for lab in virtual_labels] == [[c] * n for c, n in enumerate(want)]
@@ -195,7 +195,7 @@ def test_apply_is_algorithm_1_composed_of_its_parts():
     new, _ = step.apply(server, replies, round_=4)
 
     own = stream(setup, 4, "ccvr")
-    virtual, virtual_labels = step.virtual_features(replies, 8, own)
+    virtual, virtual_labels = step.virtual_features(replies, own)
     x = relu_tukey(torch.cat(virtual).float(), 0.3)
     training = ClassifierTraining(3, 0.05, 0.5, 0.01, 16)
     w, b = retrain_classifier(server.model["classifier.weight"], server.model["classifier.bias"], x,

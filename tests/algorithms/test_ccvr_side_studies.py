@@ -65,7 +65,7 @@ def oracle_replies(step, server):
     for c in range(3):
         feats = torch.randn(40, 8, generator=gen) + c
         labels = torch.tensor([c] * 30 + [(c + 1) % 3] * 10)
-        replies[c] = step.client_query(server.model, feats, labels)
+        replies[c] = step.client_query(server.model, feats, labels, client=c, round_=1)
     return replies
 
 

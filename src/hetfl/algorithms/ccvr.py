@@ -52,7 +52,7 @@ from hetfl.algorithms.gaussian_stats import (
     stats_from_moments,
     sum_moments,
 )
-from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, retrain_classifier, stream
+from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
 from hetfl.params import setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
@@ -107,6 +107,8 @@ class CCVRHyper:
     oracle: str = setting("none", choices=("none", "all", "per_class"),
                           doc="calibrate on real features (not private): all, or oracle_per_class per class")
     oracle_per_class: int = setting(100, ge=1, doc="real features per class for oracle = per_class")
+    clip_norm: float = setting(10.0, gt=0.0, doc="L2 bound on each feature vector under differential privacy or "
+                                                 "secure aggregation (plain CCVR never clips)")
 
 
 def virtual_counts(pooled: ClassStats, num_virtual: int, proportional: bool) -> torch.Tensor:
@@ -124,7 +126,13 @@ class CCVR(PostHoc):
     Hyper = CCVRHyper
     citation = "Luo et al., NeurIPS 2021"
 
-    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor) -> Tensors:
+    @property
+    def additive(self) -> bool:  # type: ignore[override]
+        """Moments pool by their sum (the oracle's raw features do not)."""
+        return self.hp.oracle == "none"
+
+    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor, *, client: int,
+                     round_: int) -> Tensors:
         """Algorithm 1, lines 5-9 (eq. 2 in additive form): the client's per-class count, sum of
         features and sum of outer products (float64), classes it holds only (the oracle uploads the
         features themselves). Per class held: its index, 1 + d + d^2 floats (the full symmetric
@@ -136,25 +144,40 @@ class CCVR(PostHoc):
         return {"classes": present.nonzero().flatten(), "counts": moments.counts[present],
                 "sums": moments.sums[present], "outer": moments.outer[present]}
 
-    def _expand(self, reply: Tensors, dim: int) -> ClassMoments:
-        """A reply as moments of every class (zero for the classes the client does not hold)."""
-        c = self.setup.num_classes
+    def dense_reply(self, reply: Tensors) -> Tensors:
+        """A reply as moments of every class, zero for the classes the client does not hold: the same
+        shapes at every client, so that replies can be summed without naming anyone's classes."""
+        if "classes" not in reply:
+            return reply
+        c, dim = self.setup.num_classes, reply["sums"].shape[1]
         counts = torch.zeros(c, dtype=torch.float64)
         sums = torch.zeros(c, dim, dtype=torch.float64)
         outer = torch.zeros(c, dim, dim, dtype=torch.float64)
         idx = reply["classes"].cpu()
         counts[idx], sums[idx], outer[idx] = reply["counts"].cpu(), reply["sums"].cpu(), reply["outer"].cpu()
-        return ClassMoments(counts, sums, outer)
+        return {"counts": counts, "sums": sums, "outer": outer}
 
-    def pooled_statistics(self, replies: dict[int, Tensors], dim: int) -> ClassStats:
+    def reply_bounds(self) -> dict[str, float]:
+        """Public bounds on a dense reply's entries: a client holds at most ``N_max`` (the largest
+        client's training set) samples of a class, each of norm at most ``clip_norm`` after clipping."""
+        n_max, clip = float(max(self.setup.client_sizes)), float(self.hp.clip_norm)
+        return {"counts": n_max, "sums": n_max * clip, "outer": n_max * clip * clip}
+
+    def summed_moments(self, replies: Replies) -> ClassMoments:
+        """The sum of the clients' moments: added here, or (secure aggregation) already summed."""
+        if isinstance(replies, SummedReplies):
+            return _moments(replies.total)
+        return sum_moments([_moments(self.dense_reply(r)) for r in replies.values()])
+
+    def pooled_statistics(self, replies: Replies) -> ClassStats:
         """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments."""
-        return stats_from_moments(sum_moments([self._expand(r, dim) for r in replies.values()]))
+        return stats_from_moments(self.summed_moments(replies))
 
     def virtual_features(
-        self, replies: dict[int, Tensors], dim: int, gen: torch.Generator
+        self, replies: Replies, gen: torch.Generator
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Algorithm 1, lines 12-16: pool (eq. 3-4) and draw M_c virtual features per class."""
-        pooled = self.pooled_statistics(replies, dim)
+        pooled = self.pooled_statistics(replies)
         counts = virtual_counts(pooled, self.hp.num_virtual, self.hp.proportional)
         feats, labels = [], []
         for c in range(self.setup.num_classes):
@@ -179,19 +202,18 @@ class CCVR(PostHoc):
                 labels.append(y[idx])
         return feats, labels
 
-    def apply(self, server: ServerState, replies: dict[int, Tensors], round_: int) -> tuple[ServerState, dict]:
+    def apply(self, server: ServerState, replies: Replies, round_: int) -> tuple[ServerState, dict]:
         """Algorithm 1, lines 12-16, then classifier re-training (sec. 4)."""
         weight = server.model["classifier.weight"]
         gen = stream(self.setup, round_, self.name)
         if self.hp.oracle != "none":
             feats, labels = self.real_features(replies, gen)
         else:
-            feats, labels = self.virtual_features(replies, weight.shape[1], gen)
+            feats, labels = self.virtual_features(replies, gen)
         info = {
             "ccvr_virtual_features": sum(len(f) for f in feats),
             "ccvr_classes_without_virtual": self.setup.num_classes - len(feats),
-            "ccvr_floats_per_client": sum(sum(t.numel() for t in r.values())
-                                          for r in replies.values()) / max(len(replies), 1),
+            "ccvr_floats_per_client": _floats_per_client(replies),
         }
         if not feats:
             return server, info
@@ -210,3 +232,14 @@ class CCVR(PostHoc):
         if b is not None:
             model["classifier.bias"] = b
         return ServerState(model=model, extra=server.extra), info
+
+
+def _moments(dense: Tensors) -> ClassMoments:
+    return ClassMoments(dense["counts"].cpu(), dense["sums"].cpu(), dense["outer"].cpu())
+
+
+def _floats_per_client(replies: Replies) -> float:
+    """Floats a client uploads, on average (under secure aggregation: the dense reply every client sends)."""
+    if isinstance(replies, SummedReplies):
+        return float(sum(t.numel() for t in replies.total.values()))
+    return sum(sum(t.numel() for t in r.values()) for r in replies.values()) / max(len(replies), 1)

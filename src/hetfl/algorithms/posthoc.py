@@ -4,16 +4,25 @@ with any trainer through ``+`` (``fedavg+ccvr``, ``moon+ccvr``).
 A step has one client hook and one server hook, so that it runs unchanged in
 one process or as a query round of a real federation:
 
-``client_query(model_state, features, labels)``
+``client_query(model_state, features, labels, client=, round_=)``
     what a client computes from its own training data, given the features the
     current global encoder gives them (eval mode, no augmentation); the
-    returned tensors are what it uploads.
+    returned tensors are what it uploads (``client`` and ``round_`` name the
+    client's own random stream, e.g. for differential-privacy noise).
 ``apply(server, replies, round)``
     the new server state from all clients' replies, plus numbers to log.
+
+Additive steps (``additive = True``, CCVR) need only the SUM of the clients'
+replies. Such a step can run under secure aggregation: each reply is made dense
+(``dense_reply``: the same tensors and shapes at every client), bounded by the
+public ``reply_bounds``, encoded in fixed point and summed so that the server
+learns the sum alone; ``apply`` then receives a :class:`SummedReplies` instead of
+the replies by client.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +31,18 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import NoHyper, ServerState, Setup, Tensors
 from hetfl.rng import torch_generator
+
+
+@dataclass(frozen=True)
+class SummedReplies:
+    """What a server learns from an additive step's round under secure aggregation: the sum of the
+    dense replies (``PostHoc.dense_reply``) of ``clients``, and nothing about any one of them."""
+
+    total: Tensors
+    clients: tuple[int, ...]
+
+
+Replies = Mapping[int, Tensors] | SummedReplies  # replies by client, or (secure aggregation) their sum
 
 
 class PostHoc:
@@ -40,6 +61,8 @@ class PostHoc:
     needs_global_model: ClassVar[bool] = True
     # model parts (keys of base.MODEL_PARTS) the step cannot work without; checked when a run is set up
     model_requires: ClassVar[tuple[str, ...]] = ()
+    # the server needs only the sum of the replies (``dense_reply``, ``reply_bounds``): secure aggregation applies
+    additive: ClassVar[bool] = False
 
     def __init__(self, hyper: Any, setup: Setup) -> None:
         self.hp = hyper
@@ -49,10 +72,22 @@ class PostHoc:
     def every_round(self) -> bool:
         return bool(getattr(self.hp, "every_round", False))
 
-    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor) -> Tensors:
+    def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor, *, client: int,
+                     round_: int) -> Tensors:
         raise NotImplementedError
 
-    def apply(self, server: ServerState, replies: dict[int, Tensors], round_: int) -> tuple[ServerState, dict]:
+    def dense_reply(self, reply: Tensors) -> Tensors:
+        """An additive step's reply with the same tensor names and shapes at every client (float64), so that
+        replies can be summed entry by entry (secure aggregation)."""
+        raise NotImplementedError(f"{self.name} is not additive")
+
+    def reply_bounds(self) -> dict[str, float]:
+        """A public bound on ``|entry|`` of each tensor of a dense reply (by name): the range of its
+        fixed-point encoding under secure aggregation. Known to every party before the round; values
+        beyond it are clipped."""
+        raise NotImplementedError(f"{self.name} is not additive")
+
+    def apply(self, server: ServerState, replies: Replies, round_: int) -> tuple[ServerState, dict]:
         raise NotImplementedError
 
 

@@ -142,7 +142,7 @@ class InProcessFederation:
         replies = {}
         for c in range(exp.data.num_clients):
             feats, labels = exp.client_features(raw, c)
-            replies[c] = step.client_query(raw, feats, labels)
+            replies[c] = step.client_query(raw, feats, labels, client=c, round_=round_)
         return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,

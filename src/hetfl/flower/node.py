@@ -238,7 +238,8 @@ def handle_posthoc(message: Message, context: Context) -> Message:
     step = exp.posthoc[int(h["step"])]
     model = from_record(message.content[P.MODEL], exp.device)
     features, labels = exp.client_features(model, c)
-    return reply(message, {P.REPLY: to_record(step.client_query(model, features, labels))})
+    query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
+    return reply(message, {P.REPLY: to_record(query)})
 
 
 def handle_evaluate(message: Message, context: Context) -> Message:
