@@ -109,7 +109,8 @@ def _skewed_replies(step, server, classes_by_client):
     replies = {}
     for k, classes in enumerate(classes_by_client):
         labels = torch.tensor(classes).repeat_interleave(6)
-        replies[k] = step.client_query(server.model, torch.randn(len(labels), 8, generator=gen) + k, labels, client=k, round_=1)
+        feats = torch.randn(len(labels), 8, generator=gen) + k
+        replies[k] = step.client_query(server.model, feats, labels, client=k, round_=1)
     return replies
 
 

@@ -158,7 +158,8 @@ def test_replies_pass_through_flower_records_unchanged():
     setup = tiny_setup()
     (step,) = build_posthoc("fedavg+ccvr", {}, setup)
     gen = torch.Generator().manual_seed(9)
-    reply = step.client_query(initial_state(setup), torch.randn(12, 8, generator=gen), torch.tensor([0, 2] * 6), client=0, round_=1)
+    reply = step.client_query(initial_state(setup), torch.randn(12, 8, generator=gen), torch.tensor([0, 2] * 6),
+                              client=0, round_=1)
     back = from_record(to_record(reply))
     assert set(back) == set(reply)
     for name, t in reply.items():
