@@ -159,6 +159,9 @@ class Setup:
     train: Any  # hetfl.config.TrainConfig
     seed: int
     cache_dir: str = ""  # data.cache_dir: where a method's own datasets (FedBR's proxy) are cached ('' = default)
+    # runtime.secure_aggregation: the server learns only the sum of an additive post-hoc step's replies, which
+    # must then be dense and bounded (CCVR clips its features to clip_norm)
+    secure_aggregation: bool = False
 
     def sgd(self, lr: float, *, momentum: float | None = None, weight_decay: float | None = None) -> SGDConfig:
         """The run's client SGD settings at learning rate ``lr`` (overridable per stage)."""

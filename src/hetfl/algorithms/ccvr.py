@@ -37,6 +37,7 @@ classifier features of another scale than it was trained on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import HeadTransform, ServerState, Tensors, register_head_transform
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
+from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, MomentsMechanism, nearest_psd, noise_generator
 from hetfl.algorithms.gaussian_stats import (
     ClassMoments,
     ClassStats,
@@ -53,9 +55,11 @@ from hetfl.algorithms.gaussian_stats import (
     sum_moments,
 )
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
-from hetfl.params import setting
+from hetfl.params import ConfigError, setting
+from hetfl.privacy import accountant_name, clip_rows
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
+DP_RELEASES = "ccvr/dp_multipliers"  # server extra: the noise multiplier of each release's sum so far
 
 
 def relu_tukey(features: torch.Tensor, beta: torch.Tensor | float) -> torch.Tensor:
@@ -88,6 +92,11 @@ class CCVRHyper:
         (Table 8: 10-50 epochs, lr 0.001 (1e-5 for CIFAR-100), batch 64).
     every_round: calibrate after every round (the paper's side study), not
         only after the last.
+    clip_norm, dp_*: private calibration (not in the paper): the statistics of
+        features clipped to ``clip_norm`` under the Gaussian mechanism of
+        ``dp_moments`` with an (dp_epsilon, dp_delta) budget for the run
+        (``dp_epsilon = inf``: no noise). ``clip_norm`` also bounds the
+        statistics under secure aggregation.
     oracle: the paper's upper bound (sec. 3.3, Table 2 "Oracle", Table 10
         "Partial Data"): calibrate on the clients' real features instead of
         virtual ones, all of them or ``oracle_per_class`` drawn per class.
@@ -109,6 +118,15 @@ class CCVRHyper:
     oracle_per_class: int = setting(100, ge=1, doc="real features per class for oracle = per_class")
     clip_norm: float = setting(10.0, gt=0.0, doc="L2 bound on each feature vector under differential privacy or "
                                                  "secure aggregation (plain CCVR never clips)")
+    dp_epsilon: float = setting(math.inf, gt=0.0, finite=False,
+                                doc="differential privacy of the statistics: the run's epsilon (inf = no DP)")
+    dp_delta: float = setting(1e-5, gt=0.0, lt=1.0, doc="differential privacy: delta")
+    dp_noise: str = setting("distributed", choices=NOISE_MODES,
+                            doc="distributed: the clients' noise adds up to the budget in the sum (use with secure "
+                                "aggregation); local: each upload carries the whole noise")
+    dp_noise_source: str = setting("seed", choices=NOISE_SOURCES,
+                                   doc="seed: noise from the run's seed (reproducible simulations); os: from the "
+                                       "operating system (deployments)")
 
 
 def virtual_counts(pooled: ClassStats, num_virtual: int, proportional: bool) -> torch.Tensor:
@@ -126,6 +144,21 @@ class CCVR(PostHoc):
     Hyper = CCVRHyper
     citation = "Luo et al., NeurIPS 2021"
 
+    def __init__(self, hyper: CCVRHyper, setup) -> None:
+        super().__init__(hyper, setup)
+        self.mechanism: MomentsMechanism | None = None
+        if math.isfinite(hyper.dp_epsilon):
+            if hyper.oracle != "none":
+                raise ConfigError("algorithm.ccvr.oracle", hyper.oracle, "the oracle uploads the clients' raw "
+                                  "features: it cannot be private (algorithm.ccvr.dp_epsilon must stay inf)")
+            releases = setup.train.rounds if hyper.every_round else 1
+            self.mechanism = MomentsMechanism(hyper.dp_epsilon, hyper.dp_delta, hyper.clip_norm, setup.num_clients,
+                                              releases, hyper.dp_noise)
+            try:  # calibrate now: a missing accountant fails the set-up, before anything is written
+                self.mechanism.multiplier  # noqa: B018
+            except ImportError as err:
+                raise ConfigError("algorithm.ccvr.dp_epsilon", hyper.dp_epsilon, str(err)) from None
+
     @property
     def additive(self) -> bool:  # type: ignore[override]
         """Moments pool by their sum (the oracle's raw features do not)."""
@@ -139,6 +172,12 @@ class CCVR(PostHoc):
         ``outer``; its upper triangle, ``ClassMoments.num_floats``, would be enough)."""
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
+        if self.mechanism is not None:  # dense: a private reply must not say which classes the client holds
+            gen = noise_generator(self.hp.dp_noise_source, self.setup.seed, self.name, round_, client)
+            moments = self.mechanism.privatize(features, labels, self.setup.num_classes, gen)
+            return {"counts": moments.counts, "sums": moments.sums, "outer": moments.outer}
+        if self.setup.secure_aggregation:  # bounded for the fixed-point encoding (reply_bounds)
+            features = clip_rows(features.detach().to(torch.float64), self.hp.clip_norm)
         moments = class_moments(features, labels, self.setup.num_classes)
         present = moments.counts > 0
         return {"classes": present.nonzero().flatten(), "counts": moments.counts[present],
@@ -159,9 +198,14 @@ class CCVR(PostHoc):
 
     def reply_bounds(self) -> dict[str, float]:
         """Public bounds on a dense reply's entries: a client holds at most ``N_max`` (the largest
-        client's training set) samples of a class, each of norm at most ``clip_norm`` after clipping."""
+        client's training set) samples of a class, each of norm at most ``clip_norm`` after clipping;
+        under differential privacy, plus 8 standard deviations of the client's noise."""
         n_max, clip = float(max(self.setup.client_sizes)), float(self.hp.clip_norm)
-        return {"counts": n_max, "sums": n_max * clip, "outer": n_max * clip * clip}
+        bounds = {"counts": n_max, "sums": n_max * clip, "outer": n_max * clip * clip}
+        if self.mechanism is not None:
+            std = self.mechanism.upload_std()
+            bounds = {k: v + 8.0 * std[k] for k, v in bounds.items()}
+        return bounds
 
     def summed_moments(self, replies: Replies) -> ClassMoments:
         """The sum of the clients' moments: added here, or (secure aggregation) already summed."""
@@ -170,8 +214,12 @@ class CCVR(PostHoc):
         return sum_moments([_moments(self.dense_reply(r)) for r in replies.values()])
 
     def pooled_statistics(self, replies: Replies) -> ClassStats:
-        """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments."""
-        return stats_from_moments(self.summed_moments(replies))
+        """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments
+        (under differential privacy, noisy: covariances repaired by :func:`nearest_psd`)."""
+        pooled = stats_from_moments(self.summed_moments(replies))
+        if self.mechanism is not None:
+            pooled.covs, self._psd_removed = nearest_psd(pooled.covs)
+        return pooled
 
     def virtual_features(
         self, replies: Replies, gen: torch.Generator
@@ -211,12 +259,16 @@ class CCVR(PostHoc):
         else:
             feats, labels = self.virtual_features(replies, gen)
         info = {
+            **self.privacy_info(server, replies),
             "ccvr_virtual_features": sum(len(f) for f in feats),
             "ccvr_classes_without_virtual": self.setup.num_classes - len(feats),
             "ccvr_floats_per_client": _floats_per_client(replies),
         }
+        extra = server.extra
+        if self.mechanism is not None:
+            extra = {**server.extra, DP_RELEASES: torch.tensor(info.pop("_dp_multipliers"), dtype=torch.float64)}
         if not feats:
-            return server, info
+            return ServerState(model=server.model, extra=extra), info
         virtual = torch.cat(feats).float()
         model = dict(server.model)
         model.pop(FEATURE_BETA, None)
@@ -231,7 +283,20 @@ class CCVR(PostHoc):
         model["classifier.weight"] = w
         if b is not None:
             model["classifier.bias"] = b
-        return ServerState(model=model, extra=server.extra), info
+        return ServerState(model=model, extra=extra), info
+
+    def privacy_info(self, server: ServerState, replies: Replies) -> dict:
+        """The budget spent with this release (``MomentsMechanism.guarantee``), the share of the noisy
+        covariances' spectrum the PSD repair removed, and the releases' multipliers (kept in the
+        server state, so that a resumed run accounts for the releases before it)."""
+        if self.mechanism is None:
+            return {}
+        summed = len(replies.clients) if isinstance(replies, SummedReplies) else len(replies)
+        before = server.extra.get(DP_RELEASES)
+        multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
+        return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
+                "dp_psd_removed": getattr(self, "_psd_removed", 0.0), "dp_summed_clients": summed,
+                "_dp_multipliers": multipliers}
 
 
 def _moments(dense: Tensors) -> ClassMoments:

@@ -66,6 +66,9 @@ def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float,
     if evaluated:
         summary["final_client_acc_mean"] = evaluated[-1]["client_acc_mean"]
         summary["best_client_acc_mean"] = max(m["client_acc_mean"] for m in evaluated)
+    private = next((m for m in reversed(history) if "dp_epsilon" in m), None)
+    if private is not None:  # the budget the run's differentially private releases spent (hetfl.privacy)
+        summary["privacy"] = {k[len("dp_"):]: v for k, v in private.items() if k.startswith("dp_")}
     summary["final_train_loss"] = history[-1]["train_loss"] if history else None
     summary["diverged_round"] = diverged_round(history)
     summary["config"] = config_mod.to_tree(cfg)

@@ -1,0 +1,208 @@
+"""CCVR under differential privacy (hetfl issue 19, item 3): clipped features, the Gaussian mechanism on
+the moments (hetfl.algorithms.dp_moments), the PSD repair, the budget accounted and recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hetfl.algorithms import build_posthoc
+from hetfl.algorithms.base import ServerState
+from hetfl.algorithms.ccvr import DP_RELEASES
+from hetfl.algorithms.dp_moments import MomentsMechanism, nearest_psd
+from hetfl.algorithms.gaussian_stats import class_moments
+from hetfl.cli import main
+from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
+from tests.helpers import initial_state, tiny_setup
+from tests.helpers.runs import interrupted
+
+F64 = torch.float64
+
+
+def _step(rounds: int = 20, **params):
+    setup = tiny_setup(num_clients=4, rounds=rounds)
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": params}, setup)
+    return step, ServerState(initial_state(setup), {})
+
+
+def _scaled(moments, c: int, clip: float) -> torch.Tensor:
+    """Class c's (count, sum / C, upper(Q) / C^2): the vector whose sensitivity the mechanism assumes."""
+    iu = torch.triu_indices(moments.sums.shape[1], moments.sums.shape[1])
+    return torch.cat([moments.counts[c:c + 1], moments.sums[c] / clip, moments.outer[c][iu[0], iu[1]] / clip**2])
+
+
+def test_one_sample_moves_the_scaled_moments_by_at_most_sqrt3():
+    """The sensitivity the noise is calibrated for: adding one (clipped) sample, however large, to a client's
+    data moves (count, sum / C, upper(Q) / C^2) of its class by at most sqrt(3), and no other class."""
+    gen = torch.Generator().manual_seed(0)
+    clip = 2.0
+    for trial in range(20):
+        x = torch.randn(30, 6, generator=gen, dtype=F64) * (1 + 10 * trial)
+        y = torch.randint(0, 3, (30,), generator=gen)
+        extra = torch.randn(1, 6, generator=gen, dtype=F64) * 100
+        before = class_moments(clip_rows(x, clip), y, 3)
+        after = class_moments(clip_rows(torch.cat([x, extra]), clip), torch.cat([y, torch.tensor([1])]), 3)
+        assert (_scaled(after, 1, clip) - _scaled(before, 1, clip)).norm() <= math.sqrt(3) + 1e-12
+        for c in (0, 2):
+            assert torch.equal(_scaled(after, c, clip), _scaled(before, c, clip))
+
+
+@pytest.mark.parametrize("noise", ["distributed", "local"])
+def test_noise_has_the_calibrated_spread_per_tensor(noise):
+    """Each upload's noise: std z sqrt(3) sqrt(share) times 1, C, C^2 on counts, sums and the outer products'
+    upper triangle, with share 1/m (distributed) or 1 (local); measured over the entries of many uploads."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=3.0, clients=10, noise=noise)
+    z = noise_multiplier(4.0, 1e-5)
+    share = 0.1 if noise == "distributed" else 1.0
+    features = torch.randn(40, 12, generator=torch.Generator().manual_seed(1), dtype=F64)
+    labels = torch.arange(40) % 2
+    clean = class_moments(clip_rows(features, 3.0), labels, 5)
+    draws = [mech.privatize(features, labels, 5, torch.Generator().manual_seed(s)) for s in range(40)]
+    base = z * math.sqrt(3) * math.sqrt(share)
+    iu = torch.triu_indices(12, 12)
+    for name, scale in (("counts", 1.0), ("sums", 3.0), ("outer", 9.0)):
+        noise_values = torch.stack([getattr(d, name) - getattr(clean, name) for d in draws])
+        if name == "outer":
+            assert torch.equal(noise_values, noise_values.transpose(-1, -2))
+            noise_values = noise_values[..., iu[0], iu[1]]
+        assert noise_values.std().item() == pytest.approx(base * scale, rel=0.12), name
+        assert abs(noise_values.mean().item()) < 0.1 * base * scale
+
+
+def test_private_reply_is_dense_and_names_no_class():
+    step, server = _step(dp_epsilon=4.0)
+    labels = torch.zeros(10, dtype=torch.long)  # the client holds class 0 only
+    reply = step.client_query(server.model, torch.randn(10, 8), labels, client=0, round_=1)
+    assert set(reply) == {"counts", "sums", "outer"}
+    assert reply["counts"].shape == (3,) and reply["sums"].shape == (3, 8) and reply["outer"].shape == (3, 8, 8)
+    assert torch.count_nonzero(reply["counts"][1:]) == 2  # noise on the classes it does not hold too
+
+
+def test_noise_streams_are_per_client_and_round_and_repeat_under_the_seed():
+    step, server = _step(dp_epsilon=4.0)
+    x, y = torch.randn(10, 8), torch.arange(10) % 3
+
+    def reply(client, round_):
+        return step.client_query(server.model, x, y, client=client, round_=round_)["sums"]
+
+    assert torch.equal(reply(0, 1), reply(0, 1))
+    assert not torch.equal(reply(0, 1), reply(1, 1)) and not torch.equal(reply(0, 1), reply(0, 2))
+    os_step, _ = _step(dp_epsilon=4.0, dp_noise_source="os")
+    a = os_step.client_query(server.model, x, y, client=0, round_=1)["sums"]
+    b = os_step.client_query(server.model, x, y, client=0, round_=1)["sums"]
+    assert not torch.equal(a, b)
+
+
+def test_nearest_psd_repairs_only_what_is_indefinite():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(5, 5, generator=gen, dtype=F64)
+    psd = a @ a.T
+    same, removed = nearest_psd(psd.unsqueeze(0))
+    torch.testing.assert_close(same[0], psd)
+    assert removed < 1e-14
+    indefinite = torch.diag(torch.tensor([3.0, 1.0, -2.0], dtype=F64))
+    fixed, removed = nearest_psd(indefinite.unsqueeze(0))
+    torch.testing.assert_close(fixed[0], torch.diag(torch.tensor([3.0, 1.0, 0.0], dtype=F64)))
+    assert removed == pytest.approx(2.0 / 6.0)
+
+
+def test_apply_records_the_budget_and_its_accountant():
+    step, server = _step(dp_epsilon=2.0, dp_delta=1e-6)
+    gen = torch.Generator().manual_seed(3)
+    replies = {k: step.client_query(server.model, torch.randn(30, 8, generator=gen), torch.arange(30) % 3,
+                                    client=k, round_=1) for k in range(4)}
+    new, info = step.apply(server, replies, round_=1)
+    assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) and info["dp_delta"] == 1e-6
+    assert info["dp_accountant"].startswith("dp-accounting") and info["dp_summed_clients"] == 4
+    # a server that saw each upload (no secure aggregation) gets 1/sqrt(m) of the noise per upload
+    z = info["dp_noise_multiplier"]
+    assert info["dp_epsilon_per_upload"] == pytest.approx(epsilon_spent([z / 2], 1e-6))
+    assert info["dp_epsilon_per_upload"] > 2 * info["dp_epsilon"]
+    assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"])]
+    assert "_dp_multipliers" not in info
+    # fewer uploads summed than the noise shares assume: less noise, a larger epsilon spent
+    _, fewer = step.apply(server, {k: replies[k] for k in range(2)}, round_=1)
+    assert fewer["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(2 / 4)], 1e-6))
+    assert fewer["dp_epsilon"] > 1.4 * info["dp_epsilon"]
+
+
+def test_local_noise_gives_each_upload_the_budget():
+    step, server = _step(dp_epsilon=2.0, dp_noise="local")
+    replies = {k: step.client_query(server.model, torch.randn(30, 8), torch.arange(30) % 3, client=k, round_=1)
+               for k in range(4)}
+    _, info = step.apply(server, replies, round_=1)
+    assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) == info["dp_epsilon_per_upload"]
+
+
+def test_every_round_calibration_splits_the_budget_over_the_rounds():
+    step, server = _step(rounds=3, dp_epsilon=2.0, every_round=True)
+    assert step.mechanism.releases == step.setup.train.rounds
+    replies = {k: step.client_query(server.model, torch.randn(30, 8), torch.arange(30) % 3, client=k, round_=1)
+               for k in range(4)}
+    for round_ in range(1, step.setup.train.rounds + 1):
+        server, info = step.apply(server, replies, round_)
+    assert info["dp_releases"] == step.setup.train.rounds
+    assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3)
+
+
+@pytest.mark.parametrize(("key", "value", "needle"), [
+    ("algorithm.ccvr.dp_epsilon", "0", "must be > 0"), ("algorithm.ccvr.dp_epsilon", "-1", "must be > 0"),
+    ("algorithm.ccvr.dp_epsilon", "nan", "must be > 0"), ("algorithm.ccvr.dp_delta", "0", "must be > 0"),
+    ("algorithm.ccvr.dp_delta", "1", "must be < 1"), ("algorithm.ccvr.clip_norm", "0", "must be > 0"),
+    ("algorithm.ccvr.oracle", "all", "cannot be private"),
+])
+def test_invalid_privacy_settings_exit_2_naming_the_key_and_write_nothing(key, value, needle, tmp_path, capsys):
+    out = tmp_path / "run"
+    extra = ["--set", "algorithm.ccvr.dp_epsilon=4"] if key == "algorithm.ccvr.oracle" else []
+    code = main(["run", "--set", "algorithm.name=fedavg+ccvr", "--set", f"{key}={value}", *extra,
+                 "--set", "train.rounds=1", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and key in err and needle in err, err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_run_reports_its_privacy_and_resumes_to_the_same_budget(tmp_path, monkeypatch, capsys):
+    """The issue's command (on the default Synthetic federation, shortened): the summary reports epsilon, delta
+    and the accountant; a run interrupted and resumed spends the same budget and ends on the same model."""
+    argv = ["--set", "algorithm.name=fedavg+ccvr", "--set", "algorithm.ccvr.dp_epsilon=4",
+            "--set", "algorithm.ccvr.every_round=true", "--set", "train.rounds=4", "--quiet"]
+    assert main(["run", *argv, "--out", str(tmp_path / "a")]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    privacy = summary["privacy"]
+    assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-3) and privacy["delta"] == 1e-5
+    assert privacy["releases"] == 4 and privacy["accountant"].startswith("dp-accounting")
+    assert summary["final_global_acc"] > 0.3  # Synthetic(1, 1), 10 classes: calibrated under noise, still learning
+
+    from hetfl import config as config_mod
+
+    cfg = config_mod.load(None, ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4",
+                                 "algorithm.ccvr.every_round=true", "train.rounds=4"])
+    interrupted(tmp_path / "b", 2, monkeypatch, cfg)
+    assert main(["run", "--resume", str(tmp_path / "b"), "--quiet"]) == 0
+    resumed = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert resumed["privacy"] == privacy
+    assert resumed["final_global_acc"] == summary["final_global_acc"]
+
+
+def test_noisy_pooled_statistics_are_psd_and_centred_on_the_clipped_statistics():
+    """Strong noise (epsilon 0.5): every pooled covariance is PSD after the repair; weak noise (epsilon 20): the
+    pooled Gaussians are those of the clipped features (noise unbiased, clipping at clip_norm applied)."""
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(200, 8, generator=gen) * 3 + 2, torch.arange(200) % 3) for _ in range(4)]
+    strong, server = _step(dp_epsilon=0.5)
+    pooled = strong.pooled_statistics({k: strong.client_query(server.model, x, y, client=k, round_=1)
+                                       for k, (x, y) in enumerate(data)})
+    assert torch.linalg.eigvalsh(pooled.covs).min() > -1e-9
+    weak, _ = _step(dp_epsilon=20.0, clip_norm=5.0)
+    noisy = weak.pooled_statistics({k: weak.client_query(server.model, x, y, client=k, round_=1)
+                                    for k, (x, y) in enumerate(data)})
+    x, y = torch.cat([d[0] for d in data]).to(F64), torch.cat([d[1] for d in data])
+    for c in range(3):
+        clipped = clip_rows(x[y == c], 5.0)
+        torch.testing.assert_close(noisy.means[c], clipped.mean(0), atol=0.05, rtol=0)
+        torch.testing.assert_close(noisy.covs[c], torch.cov(clipped.T), atol=0.2, rtol=0)
+        assert (noisy.means[c] - x[y == c].mean(0)).norm() > 0.2  # unclipped means are elsewhere
