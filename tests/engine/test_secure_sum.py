@@ -116,6 +116,20 @@ def test_flowers_own_quantiser_gives_back_the_integers_whatever_its_random_state
     assert torch.equal(got.values["m"], S.sum_encoded(clients).values["m"])
 
 
+@pytest.mark.parametrize("n", [2, 3, 10, 11, 1000])
+def test_every_integer_sum_comes_back_from_flowers_average_despite_its_rounding(n):
+    """Flower's server divides by the summed weights (times 1 / n, rounded): for n = 10 about half the
+    averages land a hair below their grid point, so the sum is rounded back (truncating would lose one)."""
+    quantization = pytest.importorskip("flwr.common.secure_aggregation.quantization")
+    levels = S.quantization_range(n)
+    sums = np.random.default_rng(n).integers(0, n * levels + 1, size=20_000, dtype=np.int64)
+    sums[:2] = [0, n * levels]
+    average = quantization.dequantize([sums.copy()], S.CLIPPING_RANGE, levels)[0]
+    average += -(n - 1) * S.CLIPPING_RANGE
+    average *= levels / np.int64(n * levels)
+    assert np.array_equal(S.from_grid_average([average], n, levels)[0], sums)
+
+
 def test_secure_aggregation_needs_an_additive_post_hoc_step_and_thresholds_in_range():
     cases = {
         ("algorithm.name=fedavg",): "has no post-hoc step",
