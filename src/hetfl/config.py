@@ -123,12 +123,27 @@ class RuntimeConfig:
                                                    "the run to go on (0 = all of them)")
     flower_client_cpus: float = setting(1.0, gt=0.0, doc="flower simulation: CPUs per client (Ray)")
     flower_client_gpus: float = setting(0.0, ge=0.0, doc="flower simulation: GPUs per client (Ray)")
+    secure_aggregation: bool = setting(
+        False, doc="sum an additive post-hoc step's replies (CCVR's statistics) under secure aggregation: the "
+                   "server learns their sum only (Flower's SecAgg+ on the flower executor, simulated exactly in "
+                   "process otherwise); entries in fixed point within a public bound (docs/secure_aggregation.md)")
+    secagg_num_shares: int = setting(
+        5, ge=3, doc="secure aggregation on flower: SecAgg+'s neighbours per client, itself included (the shares "
+                     "of its keys; all clients when >= data.num_clients). More: more dropouts survived, more work")
+    secagg_reconstruction_threshold: int = setting(
+        3, ge=2, doc="secure aggregation on flower: shares needed to rebuild a client's keys; < "
+                     "secagg_num_shares and <= data.num_clients. Every client must keep this many of its "
+                     "neighbours through the protocol; fewer than this many colluding with the server learn "
+                     "nothing of a client's reply. Defaults 5 / 3: one dropout among 10 clients is survived")
 
     def check(self, prefix: str = "runtime.") -> None:
         """The form of ``device`` (whether GPU N is present is checked when the run is set up)."""
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(prefix + "device", self.device, "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, ...: "
                                                                "the index of a GPU present)")
+        if self.secure_aggregation and self.secagg_reconstruction_threshold >= self.secagg_num_shares:
+            raise ConfigError(prefix + "secagg_reconstruction_threshold", self.secagg_reconstruction_threshold,
+                              f"must be < {prefix}secagg_num_shares = {self.secagg_num_shares} (and >= 2)")
 
 
 @dataclass(frozen=True)
@@ -245,6 +260,11 @@ def check_across(cfg: RunConfig) -> None:
                           f"must be <= data.num_clients = {d.num_clients} (0 = all)")
     if d.partition == "rotation" and d.dataset == "synthetic":
         raise ConfigError("data.partition", d.partition, "rotates images; synthetic has feature vectors")
+    rt = cfg.runtime
+    if rt.secure_aggregation and rt.secagg_reconstruction_threshold > d.num_clients:
+        raise ConfigError("runtime.secagg_reconstruction_threshold", rt.secagg_reconstruction_threshold,
+                          f"must be <= data.num_clients = {d.num_clients} under runtime.secure_aggregation "
+                          "(every client needs this many of its neighbours), and >= 2")
     late = [r for r in cfg.runtime.save_client_models if not 1 <= r <= t.rounds]
     if late:
         raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),

@@ -36,9 +36,10 @@ from hetfl.algorithms.base import (
     check_model_parts,
     without_feature_transforms,
 )
+from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
-from hetfl.engine import resources
+from hetfl.engine import resources, secure_sum
 from hetfl.engine.checkpoint import (
     Checkpoint,
     atomic_write_text,
@@ -88,6 +89,8 @@ class Experiment:
             torch.set_num_threads(cfg.runtime.threads)
         parse_name(cfg.algorithm.name)
         hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
+        # secure aggregation needs an additive post-hoc step (the steps' settings decide; no data needed yet)
+        secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
         tracking.check(cfg)  # tracking switched on without its package: named before any work
         vmap = vmap_clients(cfg.runtime, self.device)
         resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
@@ -369,7 +372,12 @@ class Experiment:
                 line[f"global_acc_before_{step.name}"] = acc
             raw = without_feature_transforms(server.model)
             replies = self.federation.posthoc_replies(step, raw, round_)
-            line["bytes_up"] += sum(nbytes(r) for r in replies.values())
+            if isinstance(replies, SummedReplies):  # secure aggregation: each client uploaded its masked vector
+                line["bytes_up"] += getattr(replies, "bytes_per_client", 0) * len(replies.clients)
+                line["secagg_clients"] = len(replies.clients)
+                line["secagg_clipped_entries"] = getattr(replies, "clipped", 0)
+            else:
+                line["bytes_up"] += sum(nbytes(r) for r in replies.values())
             line["bytes_down"] += nbytes(raw) * self.data.num_clients  # the encoder goes to every client
             server, info = step.apply(server, replies, round_)
             line.update(info)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hetfl.algorithms.base import Algorithm, ServerState, Tensors
+from hetfl.algorithms.posthoc import Replies
+from hetfl.engine import secure_sum
 from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
 from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
@@ -57,10 +59,14 @@ class Federation(Protocol):
         did not answer left out) and the bytes sent down. ``reporter.client_done()`` once per client."""
         ...
 
-    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> dict[int, Tensors]:
+    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
         """After a round's aggregation, for each post-hoc step due (CCVR): every client's
         ``step.client_query`` on the features of its data under ``raw`` (the global model without
-        feature transforms), by client."""
+        feature transforms), by client. Under ``runtime.secure_aggregation``, for an additive step
+        (``step.additive``): only the sum of the clients' dense replies, as a
+        :class:`~hetfl.engine.secure_sum.SecureSum` (the fixed-point code of
+        :mod:`hetfl.engine.secure_sum`: in-process, simulated; on Flower, SecAgg+), naming the
+        clients summed."""
         ...
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
@@ -137,12 +143,16 @@ class InProcessFederation:
             updates.append(ClientUpdate(c, upload, exp.data.client_sizes[c], result.steps, result.loss_sum))
         return updates, bytes_down
 
-    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> dict[int, Tensors]:
+    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
+        """Every client's reply, by client; under secure aggregation (additive steps) their exact
+        fixed-point sum (:func:`hetfl.engine.secure_sum.simulate`: the numbers Flower's SecAgg+ gives)."""
         exp = self.exp
         replies = {}
         for c in range(exp.data.num_clients):
             feats, labels = exp.client_features(raw, c)
             replies[c] = step.client_query(raw, feats, labels, client=c, round_=round_)
+        if exp.cfg.runtime.secure_aggregation and step.additive:
+            return secure_sum.simulate(step, replies, secure_sum.quantization_range(exp.data.num_clients))
         return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,

@@ -10,6 +10,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from hetfl.flower import node, offline_defaults
+from hetfl.flower.secagg import secure_aggregation_mod
 
 offline_defaults()
 app = ClientApp()
@@ -25,7 +26,7 @@ def setup(message: Message, context: Context) -> Message:
     return node.handle_setup(message, context)
 
 
-@app.train()
+@app.train(mods=[secure_aggregation_mod])  # SecAgg+'s messages to Flower's mod; hetfl's own straight through
 def train(message: Message, context: Context) -> Message:
     return node.handle_train(message, context)
 

@@ -206,9 +206,13 @@ def handle_setup(message: Message, context: Context) -> Message:
 
 
 def handle_train(message: Message, context: Context) -> Message:
+    """A local round; or, inside Flower's SecAgg+ (stage 2), a secure post-hoc query (:mod:`hetfl.flower.secagg`)."""
     from hetfl.engine.summary import Reporter
+    from hetfl.flower import secagg
     from hetfl.flower.codec import from_record, to_record
 
+    if secagg.is_query(message):
+        return secagg.handle_query(message, context)
     h = header(message)
     exp = runtime(h["config"], context)
     c, round_ = own_client(h, context), int(h["round"])

@@ -3,7 +3,9 @@
 Every message carries a ``ConfigRecord`` named :data:`HEADER` with the run's resolved hetfl
 config (TOML text, so a node needs nothing but the message and its own data), the client it
 is for, the round, and the bookkeeping of client state (see :mod:`hetfl.flower.node`).
-Tensors travel in ``ArrayRecord`` s (:mod:`hetfl.flower.codec`).
+Tensors travel in ``ArrayRecord`` s (:mod:`hetfl.flower.codec`). Under ``runtime.secure_aggregation``
+an additive post-hoc step runs as Flower's SecAgg+ (:mod:`hetfl.flower.secagg`), whose messages
+carry a legacy FitIns / FitRes and SecAgg+'s own config record instead.
 
 =================  =============================  =====================================
 message type       server -> node                 node -> server
@@ -11,6 +13,9 @@ message type       server -> node                 node -> server
 ``query.hello``    (header)                       partition-id, num-partitions
 ``query.setup``    shared                         ``reply``: ``setup_query``'s tensors
 ``train``          payload, init, shared          ``upload``; steps, loss, samples
+``train``          SecAgg+'s four stages; at      stage 2: the step's dense reply
+(SecAgg+)          stage 2 a FitIns: header,      in fixed point, masked; the server
+                   model (:mod:`.secagg`)         sees only the sum
 ``query.posthoc``  model (global, raw)            ``reply``: the step's ``client_query``
 ``evaluate``       server.model/extra, payload,   accuracy on the client's test split
                    init, shared

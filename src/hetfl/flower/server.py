@@ -11,6 +11,8 @@ becomes one exchange of messages with the nodes (:mod:`hetfl.flower.protocol`):
 3. each round: ``train`` to the sampled clients (payload, plus ``init_client_state`` for a
    client the first time and the shared tensors once), their uploads aggregated in client order;
 4. post-hoc steps when due (``query.posthoc``, every client: CCVR's statistics), then ``apply``;
+   under ``runtime.secure_aggregation`` an additive step's replies are summed by Flower's SecAgg+
+   instead (four stages of ``train`` messages, :mod:`hetfl.flower.secagg`): the server sees the sum;
 5. evaluation rounds: the global model on the server's test set; clients whose evaluated
    model is the global model itself are scored from the same predictions (as the in-process
    executors do); the others (personalised models, fine-tuning, kNN-Per's datastore) are
@@ -38,6 +40,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from hetfl import config as config_mod
 from hetfl.algorithms.base import SHARED, Algorithm, ServerState, Tensors
+from hetfl.algorithms.posthoc import Replies
 from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
@@ -395,7 +398,13 @@ class FlowerFederation:
         self.check_quorum(len(updates), len(sampled), round_, "training")
         return updates, bytes_down
 
-    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> dict[int, Tensors]:
+    def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
+        """Every client's reply, by client; for an additive step under ``runtime.secure_aggregation``, their
+        sum through Flower's SecAgg+ (:mod:`hetfl.flower.secagg`)."""
+        if self.exp.cfg.runtime.secure_aggregation and step.additive:
+            from hetfl.flower.secagg import secure_posthoc
+
+            return secure_posthoc(self, step, raw, round_)
         encoder, index = _Encoder(), self.exp.posthoc.index(step)
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})

@@ -1,0 +1,150 @@
+"""CCVR's statistics under Flower's SecAgg+ (hetfl.flower.secagg): the in-process secure run's numbers,
+a client dropping out during the protocol, too few clients left.
+
+The protocol tests run the server and the ClientApps in this process on a Grid that serialises each
+message (a deep copy, as the wire does: SecAgg+'s mod edits what it receives); one Ray simulation
+(slow) checks the real engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+
+import torch
+from flwr.app import Error, Message
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+from hetfl import config
+from hetfl.algorithms.base import without_feature_transforms
+from hetfl.engine import secure_sum
+from hetfl.engine.experiment import Experiment
+from hetfl.flower.client_app import app as client_app
+from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.server import FlowerFederation, FlowerRoundError
+from tests.flower.test_flower_logic import LoopbackGrid
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = ["algorithm.name=fedavg+ccvr", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
+        "train.local_steps=5", "algorithm.ccvr.epochs=1", "model.options={hidden = [16]}", "runtime.progress=false",
+        "runtime.threads=1", "runtime.secure_aggregation=true"]
+DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+class WireGrid(LoopbackGrid):
+    """LoopbackGrid whose nodes get a copy of each message (as after serialisation); a node in
+    ``fail_at`` answers SecAgg+'s message of that stage with an error (a node raising there)."""
+
+    def __init__(self, num_nodes: int) -> None:
+        super().__init__(num_nodes)
+        self.fail_at: dict[int, str] = {}
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            ids.append(message.metadata.message_id)
+            node = message.metadata.dst_node_id
+            secagg = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            if secagg is not None and secagg.get(Key.STAGE) == self.fail_at.get(node):
+                self.replies[message.metadata.message_id] = Message(Error(code=0, reason="node crashed"),
+                                                                    reply_to=message)
+                continue
+            self.replies[message.metadata.message_id] = client_app(copy.deepcopy(message), self.contexts[node])
+        return ids
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if k not in DROP}
+            for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def federation(grid: WireGrid, overrides: list[str], run_dir: Path) -> tuple[Experiment, FlowerFederation]:
+    exp = Experiment(config.load(None, [*overrides, "runtime.executor=flower"]))
+    exp.federation = fed = FlowerFederation(exp, grid, poll_s=0.01, state_root=str(run_dir / NODES_DIR))
+    return exp, fed
+
+
+def test_secagg_on_flower_gives_the_in_process_secure_run_bit_for_bit(tmp_path):
+    overrides = [*BASE, "data.num_clients=4"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "in_process")
+    exp, _ = federation(WireGrid(4), overrides, tmp_path / "flower")
+    exp.run(tmp_path / "flower")
+    got = lines(tmp_path / "flower")
+    assert got == lines(tmp_path / "in_process")
+    assert got[-1]["secagg_clients"] == 4 and "ccvr_virtual_features" in got[-1]
+    raw = json.loads((tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert raw["failed_clients"] == []
+
+
+def _survivors_sum(overrides: list[str], grid: WireGrid, tmp_path: Path, round_: int = 1):
+    """(the SecAgg+ sum over the federation, the in-process code's sum over the clients it names)."""
+    exp, fed = federation(grid, overrides, tmp_path)
+    fed.start(tmp_path, 0, {})
+    step = exp.posthoc[0]
+    raw = without_feature_transforms(exp.initial_server().model)
+    got = fed.posthoc_replies(step, raw, round_)
+    replies = {}
+    for c in got.clients:
+        feats, labels = exp.client_features(raw, c)
+        replies[c] = step.client_query(raw, feats, labels, client=c, round_=round_)
+    return fed, got, secure_sum.simulate(step, replies, secure_sum.quantization_range(exp.cfg.data.num_clients))
+
+
+def test_a_client_dropping_out_during_secagg_is_left_out_of_the_sum_and_the_round_completes(tmp_path):
+    """One node of ten fails at stage 2 (collect masked vectors), after sharing its keys: its neighbours'
+    shares remove its pairwise masks, the server gets the exact sum of the other nine."""
+    grid = WireGrid(10)
+    dropped = grid.ids[6]
+    grid.fail_at[dropped] = Stage.COLLECT_MASKED_VECTORS
+    fed, got, want = _survivors_sum([*BASE, "data.num_clients=10"], grid, tmp_path)
+    assert got.clients == (0, 1, 2, 3, 4, 5, 7, 8, 9)
+    assert all(torch.equal(got.total[k], want.total[k]) for k in want.total)
+    assert got.clipped == want.clipped and got.bytes_per_client == want.bytes_per_client
+    assert 6 in fed.failed and "collect_masked_vectors" in fed.failed[6]
+
+
+def test_a_whole_run_with_a_dropout_logs_nine_summed_clients(tmp_path):
+    grid = WireGrid(10)
+    grid.fail_at[grid.ids[2]] = Stage.COLLECT_MASKED_VECTORS
+    exp, _ = federation(grid, [*BASE, "data.num_clients=10", "train.rounds=1"], tmp_path / "r")
+    exp.run(tmp_path / "r")
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["secagg_clients"] == 9 and line["failed_clients"] == [2]
+
+
+def test_too_few_clients_left_stop_the_run_naming_the_phase_and_the_counts(tmp_path):
+    grid = WireGrid(4)  # threshold 3 of 4 neighbours: two dropouts leave 2
+    for node in grid.ids[:2]:
+        grid.fail_at[node] = Stage.COLLECT_MASKED_VECTORS
+    with pytest.raises(FlowerRoundError, match=r"round 1, post-hoc ccvr \(secure aggregation\): SecAgg\+ stopped "
+                                               r"\(.*stage collect_masked_vectors: 2 of 4 answered\).*"
+                                               r"secagg_reconstruction_threshold = 3"):
+        _survivors_sum([*BASE, "data.num_clients=4"], grid, tmp_path)
+
+
+def test_fewer_survivors_than_flower_min_replies_stop_the_run(tmp_path):
+    grid = WireGrid(4)
+    grid.fail_at[grid.ids[1]] = Stage.COLLECT_MASKED_VECTORS
+    with pytest.raises(FlowerRoundError, match=r"post-hoc ccvr \(secure aggregation\): 3 of 4 clients answered"):
+        _survivors_sum([*BASE, "data.num_clients=4", "runtime.flower_min_replies=0"], grid, tmp_path)
+
+
+@pytest.mark.slow
+def test_flower_simulation_with_secagg_gives_the_in_process_secure_numbers(tmp_path):
+    """Flower's simulation engine (Ray): three nodes, SecAgg+ over real message passing."""
+    pytest.importorskip("ray", reason="Flower's simulation engine (Ray) is not installed")
+    from hetfl.flower.simulation import run_simulations
+
+    overrides = [*BASE, "data.num_clients=3"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "in_process")
+    exp = Experiment(config.load(None, [*overrides, "runtime.executor=flower"]))
+    run_simulations([(exp, tmp_path / "flower", False)])
+    got = lines(tmp_path / "flower")
+    assert got == lines(tmp_path / "in_process") and got[-1]["secagg_clients"] == 3
