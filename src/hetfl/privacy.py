@@ -25,7 +25,8 @@ import torch
 EXTRA_HINT = "pip install 'hetfl[privacy]' (Google's dp-accounting)"
 
 
-def _dp_accounting():
+def require_accountant():
+    """Google's dp-accounting (and its PLD module); an ImportError that says how to install it."""
     try:
         import dp_accounting
         from dp_accounting import pld
@@ -49,7 +50,7 @@ def noise_multiplier(epsilon: float, delta: float, releases: int = 1) -> float:
         raise ValueError(f"delta = {delta!r}: must lie in (0, 1)")
     if releases < 1:
         raise ValueError(f"releases = {releases!r}: must be >= 1")
-    dp, pld = _dp_accounting()
+    dp, pld = require_accountant()
 
     def event(z: float):
         return dp.SelfComposedDpEvent(dp.GaussianDpEvent(z), releases)
@@ -64,7 +65,7 @@ def epsilon_spent(multipliers: Sequence[float], delta: float) -> float:
         return 0.0
     if min(multipliers) <= 0:
         return math.inf
-    dp, pld = _dp_accounting()
+    dp, pld = require_accountant()
     accountant = pld.PLDAccountant()
     for z in multipliers:
         accountant.compose(dp.GaussianDpEvent(float(z)))
@@ -87,4 +88,4 @@ def symmetric_noise(shape: tuple[int, ...], std: float, generator: torch.Generat
     return upper + torch.triu(g, diagonal=1).transpose(-1, -2)
 
 
-__all__ = ["accountant_name", "clip_rows", "epsilon_spent", "noise_multiplier", "symmetric_noise"]
+__all__ = ["accountant_name", "clip_rows", "epsilon_spent", "noise_multiplier", "require_accountant", "symmetric_noise"]

@@ -148,3 +148,32 @@ def test_flower_simulation_with_secagg_gives_the_in_process_secure_numbers(tmp_p
     run_simulations([(exp, tmp_path / "flower", False)])
     got = lines(tmp_path / "flower")
     assert got == lines(tmp_path / "in_process") and got[-1]["secagg_clients"] == 3
+
+
+def test_differential_privacy_under_secagg_on_flower_matches_in_process_and_reports_the_budget(tmp_path):
+    """The issue's command through Flower with SecAgg+ on: noisy moments summed by SecAgg+ give the in-process
+    secure run's numbers, and the summary reports the epsilon spent (all clients summed: the target)."""
+    overrides = [*BASE, "data.num_clients=4", "algorithm.ccvr.dp_epsilon=4"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "in_process")
+    exp, _ = federation(WireGrid(4), overrides, tmp_path / "flower")
+    summary = exp.run(tmp_path / "flower")
+    assert lines(tmp_path / "flower") == lines(tmp_path / "in_process")
+    privacy = summary["privacy"]
+    assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-3) and privacy["summed_clients"] == 4
+    assert privacy["accountant"].startswith("dp-accounting") and privacy["noise"] == "distributed"
+    assert lines(tmp_path / "flower")[-1]["secagg_clipped_entries"] == 0  # the noise stays within the bounds
+
+
+def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_path):
+    """Nine of ten noise shares summed: less noise than planned; the epsilon reported is the one spent."""
+    grid = WireGrid(10)
+    grid.fail_at[grid.ids[2]] = Stage.COLLECT_MASKED_VECTORS
+    overrides = [*BASE, "data.num_clients=10", "train.rounds=1", "algorithm.ccvr.dp_epsilon=4"]
+    exp, _ = federation(grid, overrides, tmp_path / "r")
+    privacy = exp.run(tmp_path / "r")["privacy"]
+    assert privacy["summed_clients"] == 9
+    z = privacy["noise_multiplier"]
+    from hetfl.privacy import epsilon_spent
+
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent([z * (9 / 10) ** 0.5], 1e-5))
+    assert privacy["epsilon"] > 4.0

@@ -37,13 +37,14 @@ classifier features of another scale than it was trained on.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import HeadTransform, ServerState, Tensors, register_head_transform
+from hetfl.algorithms.base import HeadTransform, ServerState, Setup, Tensors, register_head_transform
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, MomentsMechanism, nearest_psd, noise_generator
 from hetfl.algorithms.gaussian_stats import (
@@ -56,7 +57,7 @@ from hetfl.algorithms.gaussian_stats import (
 )
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
 from hetfl.params import ConfigError, setting
-from hetfl.privacy import accountant_name, clip_rows
+from hetfl.privacy import accountant_name, clip_rows, require_accountant
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 DP_RELEASES = "ccvr/dp_multipliers"  # server extra: the noise multiplier of each release's sum so far
@@ -144,20 +145,31 @@ class CCVR(PostHoc):
     Hyper = CCVRHyper
     citation = "Luo et al., NeurIPS 2021"
 
-    def __init__(self, hyper: CCVRHyper, setup) -> None:
+    def __init__(self, hyper: CCVRHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
-        self.mechanism: MomentsMechanism | None = None
-        if math.isfinite(hyper.dp_epsilon):
+        if self.private:  # refused at set-up, before anything is written
             if hyper.oracle != "none":
                 raise ConfigError("algorithm.ccvr.oracle", hyper.oracle, "the oracle uploads the clients' raw "
                                   "features: it cannot be private (algorithm.ccvr.dp_epsilon must stay inf)")
-            releases = setup.train.rounds if hyper.every_round else 1
-            self.mechanism = MomentsMechanism(hyper.dp_epsilon, hyper.dp_delta, hyper.clip_norm, setup.num_clients,
-                                              releases, hyper.dp_noise)
-            try:  # calibrate now: a missing accountant fails the set-up, before anything is written
-                self.mechanism.multiplier  # noqa: B018
+            try:
+                require_accountant()
             except ImportError as err:
                 raise ConfigError("algorithm.ccvr.dp_epsilon", hyper.dp_epsilon, str(err)) from None
+
+    @property
+    def private(self) -> bool:
+        """Differential privacy is on (a finite ``dp_epsilon``)."""
+        return math.isfinite(self.hp.dp_epsilon)
+
+    @functools.cached_property
+    def mechanism(self) -> MomentsMechanism | None:
+        """The Gaussian mechanism of the clients' moments (None without differential privacy): the budget
+        of the run's releases (one, or one per round with ``every_round``) over all clients."""
+        if not self.private:
+            return None
+        releases = self.setup.train.rounds if self.hp.every_round else 1
+        return MomentsMechanism(self.hp.dp_epsilon, self.hp.dp_delta, self.hp.clip_norm, self.setup.num_clients,
+                                releases, self.hp.dp_noise)
 
     @property
     def additive(self) -> bool:  # type: ignore[override]
@@ -295,6 +307,7 @@ class CCVR(PostHoc):
         before = server.extra.get(DP_RELEASES)
         multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
         return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
+                "dp_secure_aggregation": self.setup.secure_aggregation,
                 "dp_psd_removed": getattr(self, "_psd_removed", 0.0), "dp_summed_clients": summed,
                 "_dp_multipliers": multipliers}
 

@@ -125,6 +125,7 @@ class Experiment:
             train=cfg.train,
             seed=cfg.seed,
             cache_dir=cfg.data.cache_dir,
+            secure_aggregation=cfg.runtime.secure_aggregation,
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
