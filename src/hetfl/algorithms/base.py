@@ -376,6 +376,11 @@ class Algorithm:
         model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
         return ServerState(model=model, extra=server.extra)
 
+    def round_info(self, server: ServerState, uploads: list[Upload], round: int) -> dict[str, Any]:
+        """Numbers of the round for its metrics line, after ``aggregate`` made ``server`` (e.g. FedPAC's
+        privacy budget spent so far); none by default."""
+        return {}
+
     def setup_query(self, ctx: ClientContext) -> Tensors:
         """Client side of the set-up round, once before round 1: what the client
         shares (FedMix's averaged data). Default: nothing, and no set-up round."""

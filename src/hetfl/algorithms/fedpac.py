@@ -85,25 +85,52 @@ Remaining departures from the paper and the authors' code:
 - Alignment is on once the server has centroids (the code: from its second
   round, ``round > 0``); the same after any round with participants.
 
+Differential privacy (``dp_epsilon`` finite; not in the paper): the additive uploads, per-class counts
+and feature sums, go through the Gaussian mechanism of :mod:`hetfl.algorithms.dp_moments` (features
+clipped to ``clip_norm``; sensitivity sqrt(2) per sample: count and sum / C), every round, with the
+budget split over the run's rounds (a client may take part in each). By default each upload carries
+the whole noise (``dp_noise = "local"``): FedPAC's uploads are not securely aggregated, so the server
+sees each of them. A class's noisy total count must exceed three standard deviations of the summed
+count noise for the class to get a global centroid (an absent class would otherwise get a centroid of
+pure noise divided by a count near zero); clients align to their own means otherwise. The guarantee
+covers these statistics only: ``h_i``, ``v_i`` (computed from the same features), the classifiers and
+the encoder go up unprotected, so FedPAC under DP is not a private method, and the metrics line
+says so (``dp_covers``).
+
 Compositions: FedPAC is personalised, so post-hoc steps that calibrate one
 global classifier (``fedpac+ccvr``) are refused at configuration time.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    ServerState,
+    Setup,
+    Stage,
+    Tensors,
+    Upload,
+    weighted_mean,
+)
+from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, MomentsMechanism, noise_generator
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
-from hetfl.params import setting
+from hetfl.params import ConfigError, setting
+from hetfl.privacy import accountant_name, require_accountant
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
 COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
 HEAD, OWN_HEAD = "fedpac.head/", "fedpac.local_head/"
+DP_RELEASES = "fedpac/dp_multipliers"  # server extra: the noise multiplier of each round's summed statistics
+DP_COVERS = "per-class counts and feature sums (the centroids); not h_i, v_i, the classifiers or the encoder"
 
 
 @dataclass(frozen=True)
@@ -116,6 +143,8 @@ class FedPACHyper:
         eigen-components with eigenvalue >= this (authors' code: 0.01).
     min_weight: classifier-combination weights <= this are zeroed, the rest
         renormalised (authors' code: 1e-3; 0 keeps the exact solution).
+    clip_norm, dp_*: differential privacy of the centroid statistics (module
+        docstring; ``dp_epsilon = inf``: none).
     """
 
     lam: float = setting(1.0, ge=0.0, doc="feature alignment weight")
@@ -125,6 +154,15 @@ class FedPACHyper:
     head_weight_decay: float = setting(5e-4, ge=0.0, doc="classifier-stage weight decay")
     qp_eig_floor: float = setting(0.01, ge=0.0, doc="eigenvalues kept when repairing a non-PSD QP matrix")
     min_weight: float = setting(1e-3, ge=0.0, lt=1.0, doc="combination weights <= this are zeroed")
+    clip_norm: float = setting(10.0, gt=0.0, doc="L2 bound on each feature vector under differential privacy")
+    dp_epsilon: float = setting(math.inf, gt=0.0, finite=False,
+                                doc="differential privacy of the centroid statistics over the run (inf = none)")
+    dp_delta: float = setting(1e-5, gt=0.0, lt=1.0, doc="differential privacy: delta")
+    dp_noise: str = setting("local", choices=NOISE_MODES,
+                            doc="local: each upload carries the whole noise (the server sees each); distributed: "
+                                "the round's uploads share it (protects only the sums sent back to clients)")
+    dp_noise_source: str = setting("seed", choices=NOISE_SOURCES,
+                                   doc="seed: noise from the run's seed (simulations); os: from the operating system")
 
 
 def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +243,24 @@ class FedPAC(Algorithm):
     personalized = True
     model_requires = ("encoder",)  # feature alignment trains the encoder, apart from the classifier
 
+    def __init__(self, hyper: FedPACHyper, setup: Setup) -> None:
+        super().__init__(hyper, setup)
+        if math.isfinite(hyper.dp_epsilon):
+            try:  # refused at set-up, before anything is written
+                require_accountant()
+            except ImportError as err:
+                raise ConfigError("algorithm.dp_epsilon", hyper.dp_epsilon, str(err)) from None
+
+    @functools.cached_property
+    def mechanism(self) -> MomentsMechanism | None:
+        """The Gaussian mechanism of the counts and feature sums (None without differential privacy): the
+        budget over all rounds, the noise shared by a round's participants when distributed."""
+        if not math.isfinite(self.hp.dp_epsilon):
+            return None
+        participants = self.setup.train.clients_per_round or self.setup.num_clients
+        return MomentsMechanism(self.hp.dp_epsilon, self.hp.dp_delta, self.hp.clip_norm, participants,
+                                self.setup.train.rounds, self.hp.dp_noise, with_outer=False)
+
     @property
     def head_names(self) -> list[str]:
         return self.setup.groups["classifier"]
@@ -263,9 +319,18 @@ class FedPAC(Algorithm):
                             epochs=train.local_epochs, steps=train.local_steps))
         return stages
 
-    def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
+    def centroid_statistics(self, ctx: ClientContext, local: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 4's additive uploads: per class the count and the sum of the features after training
+        (under differential privacy: of the clipped features, with the mechanism's noise)."""
         feats, labels = ctx.features(local)  # type: ignore[misc]
-        counts, sums = class_sums(feats, labels, self.setup.num_classes)
+        if self.mechanism is None:
+            return class_sums(feats, labels, self.setup.num_classes)
+        gen = noise_generator(self.hp.dp_noise_source, self.setup.seed, self.name, ctx.round, ctx.client_id)
+        noisy = self.mechanism.privatize(feats, labels, self.setup.num_classes, gen)
+        return noisy.counts.to(feats.device), noisy.sums.to(feats.device)
+
+    def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:
+        counts, sums = self.centroid_statistics(ctx, local)
         upload = {n: local[n] for n in self.model.state_names}
         upload.update({COUNTS: counts, CENTROID_SUMS: sums, "fedpac.h": ctx.extras["h"], "fedpac.v": ctx.extras["v"]})
         return upload, {OWN_HEAD + n: local[n] for n in self.head_names}
@@ -277,6 +342,12 @@ class FedPAC(Algorithm):
         extra = dict(server.extra)
         centroids, has = global_centroids([u.tensors[COUNTS] for u in uploads],
                                           [u.tensors[CENTROID_SUMS] for u in uploads])
+        if self.mechanism is not None:  # a noisy total near zero is no class: its "centroid" would be noise / ~0
+            noise_std = self.mechanism.upload_std()["counts"] * math.sqrt(len(uploads))
+            has = has & (torch.stack([u.tensors[COUNTS] for u in uploads]).sum(0) > 3.0 * noise_std)
+            before = server.extra.get(DP_RELEASES)
+            multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(len(uploads))]
+            extra[DP_RELEASES] = torch.tensor(multipliers, dtype=torch.float64)
         extra[CENTROIDS] = centroids.to(server.extra[CENTROIDS].dtype)
         extra[HAS_CENTROID] = has.to(server.extra[HAS_CENTROID].dtype)
         h = [u.tensors["fedpac.h"] for u in uploads]
@@ -288,6 +359,13 @@ class FedPAC(Algorithm):
                 combined = (alpha.to(heads.device).view(-1, *[1] * (heads.dim() - 1)) * heads).sum(0)
                 extra[f"head.{u.client_id}/{n}"] = combined.to(u.tensors[n].dtype)
         return ServerState(model=model, extra=extra)
+
+    def round_info(self, server: ServerState, uploads: list[Upload], round: int) -> dict:
+        """The privacy budget the centroid statistics spent so far (none without differential privacy)."""
+        if self.mechanism is None or DP_RELEASES not in server.extra:
+            return {}
+        return {**self.mechanism.guarantee(server.extra[DP_RELEASES].tolist()), "dp_accountant": accountant_name(),
+                "dp_summed_clients": len(uploads), "dp_covers": DP_COVERS}
 
     # ----------------------------------------------------------- evaluation
     def client_model(self, server: ServerState, client_state: Tensors, client_id: int) -> Tensors:

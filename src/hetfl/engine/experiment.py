@@ -445,6 +445,7 @@ class Experiment:
             steps_total += u.steps
         new_server = algo.aggregate(server, uploads, round_)
         return {
+            **algo.round_info(new_server, uploads, round_),
             "round": round_,
             "train_loss": loss_sum / max(steps_total, 1),
             "lr": lr,
