@@ -308,6 +308,7 @@ class CCVR(PostHoc):
         multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
         return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
                 "dp_secure_aggregation": self.setup.secure_aggregation,
+                "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates",
                 "dp_psd_removed": getattr(self, "_psd_removed", 0.0), "dp_summed_clients": summed,
                 "_dp_multipliers": multipliers}
 
