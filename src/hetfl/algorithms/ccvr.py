@@ -147,6 +147,7 @@ class CCVR(PostHoc):
 
     def __init__(self, hyper: CCVRHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
+        self.psd_removed = 0.0  # share of the last noisy covariances' spectrum the PSD repair removed
         if self.private:  # refused at set-up, before anything is written
             if hyper.oracle != "none":
                 raise ConfigError("algorithm.ccvr.oracle", hyper.oracle, "the oracle uploads the clients' raw "
@@ -230,7 +231,7 @@ class CCVR(PostHoc):
         (under differential privacy, noisy: covariances repaired by :func:`nearest_psd`)."""
         pooled = stats_from_moments(self.summed_moments(replies))
         if self.mechanism is not None:
-            pooled.covs, self._psd_removed = nearest_psd(pooled.covs)
+            pooled.covs, self.psd_removed = nearest_psd(pooled.covs)
         return pooled
 
     def virtual_features(
@@ -309,7 +310,7 @@ class CCVR(PostHoc):
         return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
                 "dp_secure_aggregation": self.setup.secure_aggregation,
                 "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates",
-                "dp_psd_removed": getattr(self, "_psd_removed", 0.0), "dp_summed_clients": summed,
+                "dp_psd_removed": self.psd_removed, "dp_summed_clients": summed,
                 "_dp_multipliers": multipliers}
 
 
