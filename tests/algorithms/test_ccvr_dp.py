@@ -88,7 +88,11 @@ def test_noise_streams_are_per_client_and_round_and_repeat_under_the_seed():
     def reply(client, round_):
         return step.client_query(server.model, x, y, client=client, round_=round_)["sums"]
 
-    assert torch.equal(reply(0, 1), reply(0, 1))
+    def full(client, round_):
+        return step.client_query(server.model, x, y, client=client, round_=round_)
+
+    first, again = full(0, 1), full(0, 1)
+    assert all(torch.equal(first[k], again[k]) for k in ("counts", "sums", "outer"))  # every tensor's noise
     assert not torch.equal(reply(0, 1), reply(1, 1)) and not torch.equal(reply(0, 1), reply(0, 2))
     os_step, _ = _step(dp_epsilon=4.0, dp_noise_source="os")
     a = os_step.client_query(server.model, x, y, client=0, round_=1)["sums"]
@@ -107,6 +111,53 @@ def test_nearest_psd_repairs_only_what_is_indefinite():
     fixed, removed = nearest_psd(indefinite.unsqueeze(0))
     torch.testing.assert_close(fixed[0], torch.diag(torch.tensor([3.0, 1.0, 0.0], dtype=F64)))
     assert removed == pytest.approx(2.0 / 6.0)
+    # a batch of covariances: each repaired one is exactly symmetric, and the share removed is a share (scale-free)
+    b = torch.randn(4, 6, 6, generator=gen, dtype=F64)
+    batch = b + b.transpose(-1, -2)
+    fixed, removed = nearest_psd(batch)
+    assert torch.equal(fixed, fixed.transpose(-1, -2)) and torch.linalg.eigvalsh(fixed).min() > -1e-12
+    assert 0.2 < removed < 0.8
+    assert nearest_psd(1e-3 * batch)[1] == pytest.approx(removed, rel=1e-9)
+
+
+def test_each_class_gets_its_own_noise():
+    """Independent noise per class: with one draw shared by the classes, the noisy moments of a class the client
+    does not hold (pure noise) would give away the noise on the classes it holds, whose difference is noise-free."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=1.0, clients=1, noise="local")
+    features = torch.randn(10, 6, generator=torch.Generator().manual_seed(6), dtype=F64)
+    draws = [mech.privatize(features, torch.zeros(10, dtype=torch.long), 3, torch.Generator().manual_seed(s))
+             for s in range(40)]
+    clean = class_moments(clip_rows(features, 1.0), torch.zeros(10, dtype=torch.long), 3)
+    std = mech.upload_std()
+    for name in ("counts", "sums", "outer"):
+        values = torch.stack([getattr(d, name) for d in draws])
+        leak = values[:, 0] - values[:, 1] - getattr(clean, name)[0]  # held minus absent, less the true moments
+        assert leak.std().item() == pytest.approx(math.sqrt(2) * std[name], rel=0.3), name
+
+
+def test_counts_and_sums_only_have_sensitivity_sqrt2_and_the_outer_products_stay_clean():
+    """FedPAC's uploads (with_outer=False): sensitivity sqrt(2), noise on counts and sums only; the default noise is
+    distributed (share 1/m)."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=3.0, clients=10, with_outer=False)
+    assert mech.noise == "distributed" and mech.sensitivity == pytest.approx(math.sqrt(2))
+    z = noise_multiplier(4.0, 1e-5)
+    features = torch.randn(40, 12, generator=torch.Generator().manual_seed(5), dtype=F64)
+    labels = torch.arange(40) % 2
+    clean = class_moments(clip_rows(features, 3.0), labels, 5)
+    draws = [mech.privatize(features, labels, 5, torch.Generator().manual_seed(s)) for s in range(40)]
+    sums_noise = torch.stack([d.sums - clean.sums for d in draws])
+    assert sums_noise.std().item() == pytest.approx(z * math.sqrt(2) * math.sqrt(0.1) * 3.0, rel=0.06)
+    assert all(torch.equal(d.outer, clean.outer) for d in draws)
+
+
+def test_features_far_beyond_the_clip_norm_in_half_precision_are_clipped_not_zeroed():
+    """A half-precision encoder's features whose norm overflows float16 (6e4 * sqrt(2) > 65504) are still scaled
+    to norm C in their direction: the clipping is done in float64."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=1.0, clients=1, noise="local")
+    features = torch.full((100, 2), 6e4, dtype=torch.float16)
+    got = mech.privatize(features, torch.zeros(100, dtype=torch.long), 2, torch.Generator().manual_seed(0))
+    std = mech.upload_std()["sums"]
+    torch.testing.assert_close(got.sums[0], torch.full((2,), 100 / math.sqrt(2), dtype=F64), atol=5 * std, rtol=0)
 
 
 def test_apply_records_the_budget_and_its_accountant():
@@ -117,6 +168,8 @@ def test_apply_records_the_budget_and_its_accountant():
     new, info = step.apply(server, replies, round_=1)
     assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) and info["dp_delta"] == 1e-6
     assert info["dp_accountant"].startswith("dp-accounting") and info["dp_summed_clients"] == 4
+    assert info["dp_epsilon_target"] == 2.0 and info["dp_noise"] == "distributed"
+    assert info["dp_clip_norm"] == step.hp.clip_norm
     # a server that saw each upload (no secure aggregation) gets 1/sqrt(m) of the noise per upload
     z = info["dp_noise_multiplier"]
     assert info["dp_epsilon_per_upload"] == pytest.approx(epsilon_spent([z / 2], 1e-6))
