@@ -186,3 +186,27 @@ def test_sequential_and_vectorised_executors_give_the_same_secure_run_bit_for_bi
             for more in (["runtime.executor=sequential"], ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"])]
     assert sums[0].total.keys() == sums[1].total.keys()
     assert all(torch.equal(sums[0].total[k], sums[1].total[k]) for k in sums[0].total)
+
+
+class _Step:
+    """A post-hoc step's two hooks simulate() uses: replies already dense, public bound 1 on every entry."""
+
+    def reply_bounds(self) -> dict[str, float]:
+        return {"x": 1.0}
+
+    def dense_reply(self, reply: dict) -> dict:
+        return reply
+
+
+def test_the_simulated_server_learns_the_clipped_count_of_all_clients():
+    summed = S.simulate(_Step(), {0: {"x": torch.tensor([0.5, 3.0])}, 1: {"x": torch.tensor([-2.0, float("nan")])},
+                                  2: {"x": torch.tensor([0.25, 0.0])}}, S.quantization_range(3))
+    assert summed.clipped == 3 and summed.clients == (0, 1, 2)
+    torch.testing.assert_close(summed.total["x"], torch.tensor([-0.25, 1.0], dtype=torch.float64), atol=1e-8, rtol=0)
+
+
+def test_malformed_sums_are_refused_with_what_was_expected():
+    with pytest.raises(ValueError, match="no replies to sum"):
+        S.sum_encoded([])
+    with pytest.raises(ValueError, match=r"expected 3 summed arrays \(counts, sums, clipped\), got 2"):
+        S.from_grid_sums([np.zeros(2, np.int64), np.zeros(1, np.int64)], ["counts", "sums"])
