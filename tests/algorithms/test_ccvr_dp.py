@@ -3,6 +3,7 @@ the moments (hetfl.algorithms.dp_moments), the PSD repair, the budget accounted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,6 +15,7 @@ from hetfl.algorithms.base import ServerState
 from hetfl.algorithms.ccvr import DP_RELEASES
 from hetfl.algorithms.dp_moments import MomentsMechanism, nearest_psd
 from hetfl.algorithms.gaussian_stats import class_moments
+from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.cli import main
 from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
 from tests.helpers import initial_state, tiny_setup
@@ -25,6 +27,13 @@ F64 = torch.float64
 def _step(rounds: int = 20, **params):
     setup = tiny_setup(num_clients=4, rounds=rounds)
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": params}, setup)
+    return step, ServerState(initial_state(setup), {})
+
+
+def _secure_step(**params):
+    """CCVR under secure aggregation, clients of 10, 25, 7 and 3 samples."""
+    setup = dataclasses.replace(tiny_setup(num_clients=4), secure_aggregation=True, client_sizes=[10, 25, 7, 3])
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"epochs": 1, **params}}, setup)
     return step, ServerState(initial_state(setup), {})
 
 
@@ -259,3 +268,41 @@ def test_noisy_pooled_statistics_are_psd_and_centred_on_the_clipped_statistics()
         torch.testing.assert_close(noisy.means[c], clipped.mean(0), atol=0.05, rtol=0)
         torch.testing.assert_close(noisy.covs[c], torch.cov(clipped.T), atol=0.2, rtol=0)
         assert (noisy.means[c] - x[y == c].mean(0)).norm() > 0.2  # unclipped means are elsewhere
+
+
+def test_under_secure_aggregation_features_are_clipped_and_the_reply_bounds_are_reached_but_never_exceeded():
+    """The bounds of the fixed-point code: the largest client (25 samples) holding one class only, every feature far
+    beyond clip_norm along one axis, reaches them exactly (count 25, sum 25 C, outer 25 C^2); under differential
+    privacy they leave 8 standard deviations of the client's noise on top."""
+    step, server = _secure_step(clip_norm=2.0)
+    features = torch.zeros(25, 8)
+    features[:, 3] = 100.0
+    labels = torch.ones(25, dtype=torch.long)
+    bounds = step.reply_bounds()
+    assert bounds == {"counts": 25.0, "sums": 50.0, "outer": 100.0}
+    reply = step.dense_reply(step.client_query(server.model, features, labels, client=1, round_=1))
+    assert reply["counts"][1].item() == 25
+    assert reply["sums"][1, 3].item() == pytest.approx(50.0) and reply["outer"][1, 3, 3].item() == pytest.approx(100.0)
+    private, _ = _secure_step(clip_norm=2.0, dp_epsilon=4.0)
+    std = private.mechanism.upload_std()
+    assert private.reply_bounds() == pytest.approx({k: bounds[k] + 8 * std[k] for k in bounds})
+    noisy = private.client_query(server.model, features, labels, client=1, round_=1)
+    assert all(noisy[k].abs().max() <= private.reply_bounds()[k] for k in bounds)
+    assert noisy["sums"][1, 3].item() == pytest.approx(50.0, abs=5 * std["sums"])  # clipped before the noise
+
+
+def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_for_the_clients_in_it():
+    step, server = _secure_step(dp_epsilon=0.5)
+    gen = torch.Generator().manual_seed(7)
+    replies = {k: step.client_query(server.model, torch.randn(30, 8, generator=gen), torch.arange(30) % 3,
+                                    client=k, round_=1) for k in range(4)}
+    summed = SummedReplies({name: sum(replies[k][name] for k in range(3)) for name in ("counts", "sums", "outer")},
+                           (0, 1, 2))
+    moments = step.summed_moments(summed)
+    assert all(torch.equal(getattr(moments, name), summed.total[name]) for name in ("counts", "sums", "outer"))
+    _, info = step.apply(server, summed, round_=1)
+    assert info["dp_summed_clients"] == 3 and info["dp_secure_aggregation"] is True
+    z = info["dp_noise_multiplier"]
+    assert info["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(3 / 4)], 1e-5))
+    assert info["ccvr_floats_per_client"] == 3 + 3 * 8 + 3 * 64
+    assert info["dp_psd_removed"] > 0.01  # epsilon 0.5 on 90 samples: noisy covariances far from PSD, repaired
