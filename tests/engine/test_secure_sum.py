@@ -206,7 +206,24 @@ def test_the_simulated_server_learns_the_clipped_count_of_all_clients():
 
 
 def test_malformed_sums_are_refused_with_what_was_expected():
-    with pytest.raises(ValueError, match="no replies to sum"):
+    with pytest.raises(ValueError, match=r"^no replies to sum$"):
         S.sum_encoded([])
     with pytest.raises(ValueError, match=r"expected 3 summed arrays \(counts, sums, clipped\), got 2"):
         S.from_grid_sums([np.zeros(2, np.int64), np.zeros(1, np.int64)], ["counts", "sums"])
+
+
+@pytest.mark.parametrize("c", [0.5, 1.0, 4.0])
+def test_any_power_of_two_clipping_range_carries_the_same_integers(c):
+    """The float grid x = j 2c / T - c for Flower's clipping range c: its points are exact for any power of two, and
+    the integer sums come back from the survivors' average (what Flower's server returns) whatever c is."""
+    n, levels = 3, S.quantization_range(3)
+    gen = torch.Generator().manual_seed(11)
+    clients = [S.encode({"m": torch.randn(4, 5, generator=gen, dtype=torch.float64)}, {"m": 3.0}, levels)
+               for _ in range(n)]
+    grids = [S.to_grid(e, levels, c) for e in clients]
+    for e, grid in zip(clients, grids, strict=True):
+        assert grid[0].min() >= -c and grid[0].max() <= c
+        assert np.array_equal((grid[0] + c) / (2 * c / levels), e.values["m"].numpy())
+    average = [np.mean([g[k] for g in grids], axis=0) for k in range(2)]
+    got = S.from_grid_sums(S.from_grid_average(average, n, levels, c), ["m"])
+    assert torch.equal(got.values["m"], S.sum_encoded(clients).values["m"])
