@@ -183,7 +183,8 @@ def test_apply_records_the_budget_and_its_accountant():
     z = info["dp_noise_multiplier"]
     assert info["dp_epsilon_per_upload"] == pytest.approx(epsilon_spent([z / 2], 1e-6))
     assert info["dp_epsilon_per_upload"] > 2 * info["dp_epsilon"]
-    assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"])]
+    # the release's multiplier kept exactly (float64), so that a resumed run accounts the very same budget
+    assert new.extra[DP_RELEASES].tolist() == [info["dp_noise_multiplier"]]
     assert "_dp_multipliers" not in info
     # fewer uploads summed than the noise shares assume: less noise, a larger epsilon spent
     _, fewer = step.apply(server, {k: replies[k] for k in range(2)}, round_=1)
@@ -306,3 +307,21 @@ def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_fo
     assert info["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(3 / 4)], 1e-5))
     assert info["ccvr_floats_per_client"] == 3 + 3 * 8 + 3 * 64
     assert info["dp_psd_removed"] > 0.01  # epsilon 0.5 on 90 samples: noisy covariances far from PSD, repaired
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_release_without_virtual_features_keeps_the_model_and_still_records_its_budget(private):
+    """One sample per class in all: no class has the two samples a covariance needs, so no virtual feature is drawn
+    and the model is kept as it is; under differential privacy the release still spent budget, which the server
+    state records for a resumed run."""
+    step, server = _step(dp_epsilon=20.0) if private else _step()  # epsilon 20: counts noise std 0.43 in all
+    replies = {k: step.client_query(server.model, torch.randn(1, 8), torch.tensor([k]), client=k, round_=1)
+               for k in range(3)}
+    new, info = step.apply(server, replies, round_=1)
+    assert info["ccvr_virtual_features"] == 0 and info["ccvr_classes_without_virtual"] == 3
+    assert new.model.keys() == server.model.keys()
+    assert all(torch.equal(new.model[k], server.model[k]) for k in server.model)
+    if private:
+        assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"] * math.sqrt(3 / 4))]
+    else:
+        assert new.extra == server.extra
