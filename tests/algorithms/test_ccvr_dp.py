@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hetfl.algorithms.dp_moments import MomentsMechanism, nearest_psd
 from hetfl.algorithms.gaussian_stats import class_moments
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.cli import main
+from hetfl.params import ConfigError
 from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
 from tests.helpers import initial_state, tiny_setup
 from tests.helpers.runs import interrupted
@@ -325,3 +327,13 @@ def test_a_release_without_virtual_features_keeps_the_model_and_still_records_it
         assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"] * math.sqrt(3 / 4))]
     else:
         assert new.extra == server.extra
+
+
+def test_private_ccvr_without_the_accountant_is_a_config_error_saying_how_to_install_it(monkeypatch):
+    """Refused when the step is built (before anything is written), naming the key; plain CCVR needs no accountant."""
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting then raises ImportError
+    with pytest.raises(ConfigError, match=r"^algorithm\.ccvr\.dp_epsilon = 4\.0: differential privacy needs the "
+                                          r"accountant: .*hetfl\[privacy\]") as err:
+        _step(dp_epsilon=4.0)
+    assert err.value.key == "algorithm.ccvr.dp_epsilon"
+    _step()
