@@ -286,6 +286,11 @@ def test_under_secure_aggregation_features_are_clipped_and_the_reply_bounds_are_
     reply = step.dense_reply(step.client_query(server.model, features, labels, client=1, round_=1))
     assert reply["counts"][1].item() == 25
     assert reply["sums"][1, 3].item() == pytest.approx(50.0) and reply["outer"][1, 3, 3].item() == pytest.approx(100.0)
+    # a half-precision encoder's features whose norm overflows float16 (6e4 * sqrt(2) > 65504): clipped in float64
+    half = torch.zeros(25, 8, dtype=torch.float16)
+    half[:, :2] = 6e4
+    sums = step.dense_reply(step.client_query(server.model, half, labels, client=1, round_=1))["sums"]
+    torch.testing.assert_close(sums[1, :2], torch.full((2,), 50 / math.sqrt(2), dtype=F64))
     private, _ = _secure_step(clip_norm=2.0, dp_epsilon=4.0)
     std = private.mechanism.upload_std()
     assert private.reply_bounds() == pytest.approx({k: bounds[k] + 8 * std[k] for k in bounds})
