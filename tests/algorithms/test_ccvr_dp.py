@@ -342,3 +342,10 @@ def test_private_ccvr_without_the_accountant_is_a_config_error_saying_how_to_ins
         _step(dp_epsilon=4.0)
     assert err.value.key == "algorithm.ccvr.dp_epsilon"
     _step()
+
+
+def test_the_oracle_cannot_be_private():
+    message = (r"^algorithm\.ccvr\.oracle = 'all': the oracle uploads the clients' raw features: it cannot be "
+               r"private \(algorithm\.ccvr\.dp_epsilon must stay inf\)$")
+    with pytest.raises(ConfigError, match=message):
+        _step(dp_epsilon=4.0, oracle="all")
