@@ -53,6 +53,12 @@ class Target:
 
 # CCVR's end-to-end MNIST runs take a minute per mutant; the hand-computed cases cover the same code
 E2E_CCVR = ("--deselect", "tests/algorithms/test_ccvr.py::test_ccvr_composes_and_raises_accuracy_under_label_skew")
+# the private run's end-to-end check (a whole run, resumed); the unit tests of test_ccvr_dp.py cover its formulas
+E2E_CCVR_DP = ("--deselect",
+               "tests/algorithms/test_ccvr_dp.py::test_run_reports_its_privacy_and_resumes_to_the_same_budget")
+# the Ray simulation of SecAgg+ (slow); the in-process protocol tests of the same file cover the codec on Flower
+RAY_SECAGG = ("--deselect",
+              "tests/flower/test_flower_secagg.py::test_flower_simulation_with_secagg_gives_the_in_process_secure_numbers")
 
 TARGETS = (
     # the four seed methods
@@ -63,9 +69,17 @@ TARGETS = (
     Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py",
            ("tests/algorithms/test_simplex_qp.py", "tests/algorithms/test_fedpac.py")),
     Target("ccvr", "src/hetfl/algorithms/ccvr.py",
-           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py"), E2E_CCVR),
+           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py", "tests/algorithms/test_ccvr_dp.py"),
+           (*E2E_CCVR, *E2E_CCVR_DP)),
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
+    # differential privacy and secure aggregation of the post-hoc statistics
+    Target("privacy", "src/hetfl/privacy.py", ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py"),
+           E2E_CCVR_DP),
+    Target("dp_moments", "src/hetfl/algorithms/dp_moments.py",
+           ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py"), E2E_CCVR_DP),
+    Target("secure_sum", "src/hetfl/engine/secure_sum.py",
+           ("tests/engine/test_secure_sum.py", "tests/flower/test_flower_secagg.py"), RAY_SECAGG),
     # the baselines' update rules
     Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/algorithms/test_baselines.py",)),
     Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/algorithms/test_baselines.py",)),

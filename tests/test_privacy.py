@@ -5,12 +5,20 @@ accountant does not use."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 from scipy.stats import norm
 
-from hetfl.privacy import accountant_name, clip_rows, epsilon_spent, noise_multiplier, symmetric_noise
+from hetfl.privacy import (
+    accountant_name,
+    clip_rows,
+    epsilon_spent,
+    noise_multiplier,
+    require_accountant,
+    symmetric_noise,
+)
 
 
 def exact_delta(epsilon: float, sigma: float) -> float:
@@ -57,6 +65,22 @@ def test_clip_rows_bounds_norms_and_keeps_short_rows():
 
 def test_symmetric_noise_is_symmetric_with_the_stated_spread():
     e = symmetric_noise((4, 30, 30), 2.0, torch.Generator().manual_seed(0))
+    assert e.dtype == torch.float64  # as documented: the moments it is added to are float64
     assert torch.equal(e, e.transpose(-1, -2))
     upper = e[:, *torch.triu_indices(30, 30)]
     assert upper.std().item() == pytest.approx(2.0, rel=0.05) and abs(upper.mean().item()) < 0.1
+
+
+def test_symmetric_noise_comes_from_the_generator_it_is_given():
+    """The noise of a seeded run is the generator's (noise_source "seed" repeats), not torch's global stream."""
+    torch.manual_seed(0)
+    a = symmetric_noise((2, 5, 5), 1.0, torch.Generator().manual_seed(7))
+    b = symmetric_noise((2, 5, 5), 1.0, torch.Generator().manual_seed(7))
+    c = symmetric_noise((2, 5, 5), 1.0, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_missing_accountant_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting then raises ImportError
+    with pytest.raises(ImportError, match=r"differential privacy needs the accountant: .*hetfl\[privacy\]"):
+        require_accountant()

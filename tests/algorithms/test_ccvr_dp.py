@@ -3,8 +3,10 @@ the moments (hetfl.algorithms.dp_moments), the PSD repair, the budget accounted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from hetfl.algorithms.base import ServerState
 from hetfl.algorithms.ccvr import DP_RELEASES
 from hetfl.algorithms.dp_moments import MomentsMechanism, nearest_psd
 from hetfl.algorithms.gaussian_stats import class_moments
+from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.cli import main
+from hetfl.params import ConfigError
 from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
 from tests.helpers import initial_state, tiny_setup
 from tests.helpers.runs import interrupted
@@ -25,6 +29,13 @@ F64 = torch.float64
 def _step(rounds: int = 20, **params):
     setup = tiny_setup(num_clients=4, rounds=rounds)
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": params}, setup)
+    return step, ServerState(initial_state(setup), {})
+
+
+def _secure_step(**params):
+    """CCVR under secure aggregation, clients of 10, 25, 7 and 3 samples."""
+    setup = dataclasses.replace(tiny_setup(num_clients=4), secure_aggregation=True, client_sizes=[10, 25, 7, 3])
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"epochs": 1, **params}}, setup)
     return step, ServerState(initial_state(setup), {})
 
 
@@ -88,7 +99,11 @@ def test_noise_streams_are_per_client_and_round_and_repeat_under_the_seed():
     def reply(client, round_):
         return step.client_query(server.model, x, y, client=client, round_=round_)["sums"]
 
-    assert torch.equal(reply(0, 1), reply(0, 1))
+    def full(client, round_):
+        return step.client_query(server.model, x, y, client=client, round_=round_)
+
+    first, again = full(0, 1), full(0, 1)
+    assert all(torch.equal(first[k], again[k]) for k in ("counts", "sums", "outer"))  # every tensor's noise
     assert not torch.equal(reply(0, 1), reply(1, 1)) and not torch.equal(reply(0, 1), reply(0, 2))
     os_step, _ = _step(dp_epsilon=4.0, dp_noise_source="os")
     a = os_step.client_query(server.model, x, y, client=0, round_=1)["sums"]
@@ -107,6 +122,53 @@ def test_nearest_psd_repairs_only_what_is_indefinite():
     fixed, removed = nearest_psd(indefinite.unsqueeze(0))
     torch.testing.assert_close(fixed[0], torch.diag(torch.tensor([3.0, 1.0, 0.0], dtype=F64)))
     assert removed == pytest.approx(2.0 / 6.0)
+    # a batch of covariances: each repaired one is exactly symmetric, and the share removed is a share (scale-free)
+    b = torch.randn(4, 6, 6, generator=gen, dtype=F64)
+    batch = b + b.transpose(-1, -2)
+    fixed, removed = nearest_psd(batch)
+    assert torch.equal(fixed, fixed.transpose(-1, -2)) and torch.linalg.eigvalsh(fixed).min() > -1e-12
+    assert 0.2 < removed < 0.8
+    assert nearest_psd(1e-3 * batch)[1] == pytest.approx(removed, rel=1e-9)
+
+
+def test_each_class_gets_its_own_noise():
+    """Independent noise per class: with one draw shared by the classes, the noisy moments of a class the client
+    does not hold (pure noise) would give away the noise on the classes it holds, whose difference is noise-free."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=1.0, clients=1, noise="local")
+    features = torch.randn(10, 6, generator=torch.Generator().manual_seed(6), dtype=F64)
+    draws = [mech.privatize(features, torch.zeros(10, dtype=torch.long), 3, torch.Generator().manual_seed(s))
+             for s in range(40)]
+    clean = class_moments(clip_rows(features, 1.0), torch.zeros(10, dtype=torch.long), 3)
+    std = mech.upload_std()
+    for name in ("counts", "sums", "outer"):
+        values = torch.stack([getattr(d, name) for d in draws])
+        leak = values[:, 0] - values[:, 1] - getattr(clean, name)[0]  # held minus absent, less the true moments
+        assert leak.std().item() == pytest.approx(math.sqrt(2) * std[name], rel=0.3), name
+
+
+def test_counts_and_sums_only_have_sensitivity_sqrt2_and_the_outer_products_stay_clean():
+    """FedPAC's uploads (with_outer=False): sensitivity sqrt(2), noise on counts and sums only; the default noise is
+    distributed (share 1/m)."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=3.0, clients=10, with_outer=False)
+    assert mech.noise == "distributed" and mech.sensitivity == pytest.approx(math.sqrt(2))
+    z = noise_multiplier(4.0, 1e-5)
+    features = torch.randn(40, 12, generator=torch.Generator().manual_seed(5), dtype=F64)
+    labels = torch.arange(40) % 2
+    clean = class_moments(clip_rows(features, 3.0), labels, 5)
+    draws = [mech.privatize(features, labels, 5, torch.Generator().manual_seed(s)) for s in range(40)]
+    sums_noise = torch.stack([d.sums - clean.sums for d in draws])
+    assert sums_noise.std().item() == pytest.approx(z * math.sqrt(2) * math.sqrt(0.1) * 3.0, rel=0.06)
+    assert all(torch.equal(d.outer, clean.outer) for d in draws)
+
+
+def test_features_far_beyond_the_clip_norm_in_half_precision_are_clipped_not_zeroed():
+    """A half-precision encoder's features whose norm overflows float16 (6e4 * sqrt(2) > 65504) are still scaled
+    to norm C in their direction: the clipping is done in float64."""
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=1.0, clients=1, noise="local")
+    features = torch.full((100, 2), 6e4, dtype=torch.float16)
+    got = mech.privatize(features, torch.zeros(100, dtype=torch.long), 2, torch.Generator().manual_seed(0))
+    std = mech.upload_std()["sums"]
+    torch.testing.assert_close(got.sums[0], torch.full((2,), 100 / math.sqrt(2), dtype=F64), atol=5 * std, rtol=0)
 
 
 def test_apply_records_the_budget_and_its_accountant():
@@ -117,11 +179,14 @@ def test_apply_records_the_budget_and_its_accountant():
     new, info = step.apply(server, replies, round_=1)
     assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) and info["dp_delta"] == 1e-6
     assert info["dp_accountant"].startswith("dp-accounting") and info["dp_summed_clients"] == 4
+    assert info["dp_epsilon_target"] == 2.0 and info["dp_noise"] == "distributed"
+    assert info["dp_clip_norm"] == step.hp.clip_norm
     # a server that saw each upload (no secure aggregation) gets 1/sqrt(m) of the noise per upload
     z = info["dp_noise_multiplier"]
     assert info["dp_epsilon_per_upload"] == pytest.approx(epsilon_spent([z / 2], 1e-6))
     assert info["dp_epsilon_per_upload"] > 2 * info["dp_epsilon"]
-    assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"])]
+    # the release's multiplier kept exactly (float64), so that a resumed run accounts the very same budget
+    assert new.extra[DP_RELEASES].tolist() == [info["dp_noise_multiplier"]]
     assert "_dp_multipliers" not in info
     # fewer uploads summed than the noise shares assume: less noise, a larger epsilon spent
     _, fewer = step.apply(server, {k: replies[k] for k in range(2)}, round_=1)
@@ -206,3 +271,81 @@ def test_noisy_pooled_statistics_are_psd_and_centred_on_the_clipped_statistics()
         torch.testing.assert_close(noisy.means[c], clipped.mean(0), atol=0.05, rtol=0)
         torch.testing.assert_close(noisy.covs[c], torch.cov(clipped.T), atol=0.2, rtol=0)
         assert (noisy.means[c] - x[y == c].mean(0)).norm() > 0.2  # unclipped means are elsewhere
+
+
+def test_under_secure_aggregation_features_are_clipped_and_the_reply_bounds_are_reached_but_never_exceeded():
+    """The bounds of the fixed-point code: the largest client (25 samples) holding one class only, every feature far
+    beyond clip_norm along one axis, reaches them exactly (count 25, sum 25 C, outer 25 C^2); under differential
+    privacy they leave 8 standard deviations of the client's noise on top."""
+    step, server = _secure_step(clip_norm=2.0)
+    features = torch.zeros(25, 8)
+    features[:, 3] = 100.0
+    labels = torch.ones(25, dtype=torch.long)
+    bounds = step.reply_bounds()
+    assert bounds == {"counts": 25.0, "sums": 50.0, "outer": 100.0}
+    reply = step.dense_reply(step.client_query(server.model, features, labels, client=1, round_=1))
+    assert reply["counts"][1].item() == 25
+    assert reply["sums"][1, 3].item() == pytest.approx(50.0) and reply["outer"][1, 3, 3].item() == pytest.approx(100.0)
+    # a half-precision encoder's features whose norm overflows float16 (6e4 * sqrt(2) > 65504): clipped in float64
+    half = torch.zeros(25, 8, dtype=torch.float16)
+    half[:, :2] = 6e4
+    sums = step.dense_reply(step.client_query(server.model, half, labels, client=1, round_=1))["sums"]
+    torch.testing.assert_close(sums[1, :2], torch.full((2,), 50 / math.sqrt(2), dtype=F64))
+    private, _ = _secure_step(clip_norm=2.0, dp_epsilon=4.0)
+    std = private.mechanism.upload_std()
+    assert private.reply_bounds() == pytest.approx({k: bounds[k] + 8 * std[k] for k in bounds})
+    noisy = private.client_query(server.model, features, labels, client=1, round_=1)
+    assert all(noisy[k].abs().max() <= private.reply_bounds()[k] for k in bounds)
+    assert noisy["sums"][1, 3].item() == pytest.approx(50.0, abs=5 * std["sums"])  # clipped before the noise
+
+
+def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_for_the_clients_in_it():
+    step, server = _secure_step(dp_epsilon=0.5)
+    gen = torch.Generator().manual_seed(7)
+    replies = {k: step.client_query(server.model, torch.randn(30, 8, generator=gen), torch.arange(30) % 3,
+                                    client=k, round_=1) for k in range(4)}
+    summed = SummedReplies({name: sum(replies[k][name] for k in range(3)) for name in ("counts", "sums", "outer")},
+                           (0, 1, 2))
+    moments = step.summed_moments(summed)
+    assert all(torch.equal(getattr(moments, name), summed.total[name]) for name in ("counts", "sums", "outer"))
+    _, info = step.apply(server, summed, round_=1)
+    assert info["dp_summed_clients"] == 3 and info["dp_secure_aggregation"] is True
+    z = info["dp_noise_multiplier"]
+    assert info["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(3 / 4)], 1e-5))
+    assert info["ccvr_floats_per_client"] == 3 + 3 * 8 + 3 * 64
+    assert info["dp_psd_removed"] > 0.01  # epsilon 0.5 on 90 samples: noisy covariances far from PSD, repaired
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_release_without_virtual_features_keeps_the_model_and_still_records_its_budget(private):
+    """One sample per class in all: no class has the two samples a covariance needs, so no virtual feature is drawn
+    and the model is kept as it is; under differential privacy the release still spent budget, which the server
+    state records for a resumed run."""
+    step, server = _step(dp_epsilon=20.0) if private else _step()  # epsilon 20: counts noise std 0.43 in all
+    replies = {k: step.client_query(server.model, torch.randn(1, 8), torch.tensor([k]), client=k, round_=1)
+               for k in range(3)}
+    new, info = step.apply(server, replies, round_=1)
+    assert info["ccvr_virtual_features"] == 0 and info["ccvr_classes_without_virtual"] == 3
+    assert new.model.keys() == server.model.keys()
+    assert all(torch.equal(new.model[k], server.model[k]) for k in server.model)
+    if private:
+        assert new.extra[DP_RELEASES].tolist() == [pytest.approx(info["dp_noise_multiplier"] * math.sqrt(3 / 4))]
+    else:
+        assert new.extra == server.extra
+
+
+def test_private_ccvr_without_the_accountant_is_a_config_error_saying_how_to_install_it(monkeypatch):
+    """Refused when the step is built (before anything is written), naming the key; plain CCVR needs no accountant."""
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting then raises ImportError
+    with pytest.raises(ConfigError, match=r"^algorithm\.ccvr\.dp_epsilon = 4\.0: differential privacy needs the "
+                                          r"accountant: .*hetfl\[privacy\]") as err:
+        _step(dp_epsilon=4.0)
+    assert err.value.key == "algorithm.ccvr.dp_epsilon"
+    _step()
+
+
+def test_the_oracle_cannot_be_private():
+    message = (r"^algorithm\.ccvr\.oracle = 'all': the oracle uploads the clients' raw features: it cannot be "
+               r"private \(algorithm\.ccvr\.dp_epsilon must stay inf\)$")
+    with pytest.raises(ConfigError, match=message):
+        _step(dp_epsilon=4.0, oracle="all")

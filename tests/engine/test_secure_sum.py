@@ -47,6 +47,24 @@ def test_the_grid_is_the_largest_power_of_two_whose_sum_over_the_clients_fits_th
         assert 2 * t > S.MAX_QUANTIZATION_RANGE or n * 2 * t >= S.MODULUS_RANGE
 
 
+def test_too_few_or_too_many_clients_for_the_modulus_are_refused():
+    with pytest.raises(ValueError, match="at least one client, not 0"):
+        S.quantization_range(0)
+    assert S.quantization_range(2**30) == 2  # 2**30 * 2 < 2**32: the coarsest grid that still fits
+    with pytest.raises(ValueError, match=f"{2**31} clients do not fit a modulus of {2**32}"):
+        S.quantization_range(2**31)
+    assert S.quantization_range(3, modulus=2**10) == 2**8  # 3 * 2**8 < 2**10 <= 3 * 2**9
+
+
+def test_the_grid_is_the_largest_power_of_two_that_fits_any_modulus():
+    """The definition checked by brute force on small moduli, powers of two or not (n * T < M exactly at the edge:
+    M = 9, n = 2 gives T = 4, as 2 * 4 = 8 < 9)."""
+    for modulus in range(5, 300):
+        for n in range(1, modulus // 2):
+            want = max(t for t in (2**k for k in range(12)) if n * t < modulus)
+            assert S.quantization_range(n, modulus) == want, (n, modulus)
+
+
 @settings(max_examples=60, deadline=None)
 @given(replies_strategy())
 def test_the_decoded_sum_is_within_n_bound_over_t_of_the_sum_of_the_clipped_values(case):
@@ -78,6 +96,17 @@ def test_values_on_the_grid_round_trip_exactly_and_the_rounding_is_to_nearest():
     near = S.encode({"x": on_grid[1:-1] + 0.49 * step}, {"x": bound}, levels).values["x"]
     assert torch.equal(near, j[1:-1])  # less than half a step up: the same point (rounded, not floored)
     assert torch.equal(S.encode({"x": on_grid[1:-1] + 0.51 * step}, {"x": bound}, levels).values["x"], j[2:])
+
+
+def test_a_float32_reply_is_encoded_in_float64_within_half_a_step():
+    """The grid's resolution (2**28 steps for 10 clients) is finer than float32's: the code divides and scales in
+    float64 whatever the reply's dtype, so a float32 reply's integers are those of its exact float64 values."""
+    levels = S.quantization_range(10)
+    v = (2 * torch.rand(1000, generator=torch.Generator().manual_seed(3)) - 1) * 7.0  # float32
+    e = S.encode({"x": v}, {"x": 7.0}, levels)
+    assert torch.equal(e.values["x"], S.encode({"x": v.double()}, {"x": 7.0}, levels).values["x"])
+    one = S.decode_sum(e.values, {"x": 7.0}, 1, levels)["x"]
+    assert (one - v.double()).abs().max() <= 7.0 / levels * (1 + 1e-9)
 
 
 def test_entries_beyond_the_bound_and_nans_are_clipped_and_counted():
@@ -127,7 +156,29 @@ def test_every_integer_sum_comes_back_from_flowers_average_despite_its_rounding(
     average = quantization.dequantize([sums.copy()], S.CLIPPING_RANGE, levels)[0]
     average += -(n - 1) * S.CLIPPING_RANGE
     average *= levels / np.int64(n * levels)
-    assert np.array_equal(S.from_grid_average([average], n, levels)[0], sums)
+    back = S.from_grid_average([average], n, levels)[0]
+    assert back.dtype == np.int64 and np.array_equal(back, sums)
+
+
+def test_an_average_that_no_n_clients_on_the_grid_can_give_is_refused():
+    """Each client's grid value lies in [-c, c], so their average does too: one beyond it on either side (a wrong
+    client count, another grid) is refused rather than decoded into a sum outside [0, n T]."""
+    levels, c = S.quantization_range(3), S.CLIPPING_RANGE
+    step = 2 * c / levels
+    for beyond in (c + 4 * step, -c - 4 * step):
+        with pytest.raises(ValueError, match=rf"outside \[0, 3 \* {levels}\]: the average does not come from 3 "):
+            S.from_grid_average([np.array([0.0, beyond])], 3, levels)
+    assert S.from_grid_average([np.array([-c, c])], 3, levels)[0].tolist() == [0, 3 * levels]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_reply_on_the_gpu_is_encoded_into_cpu_integers_for_flower():
+    levels = S.quantization_range(2)
+    v = torch.linspace(-1, 1, 9, dtype=torch.float64)
+    e = S.encode({"x": v.cuda()}, {"x": 1.0}, levels)
+    assert e.values["x"].device.type == "cpu"
+    assert torch.equal(e.values["x"], S.encode({"x": v}, {"x": 1.0}, levels).values["x"])
+    assert len(S.to_grid(e, levels)) == 2  # NumPy arrays: CPU tensors only
 
 
 def test_secure_aggregation_needs_an_additive_post_hoc_step_and_thresholds_in_range():
@@ -186,3 +237,44 @@ def test_sequential_and_vectorised_executors_give_the_same_secure_run_bit_for_bi
             for more in (["runtime.executor=sequential"], ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"])]
     assert sums[0].total.keys() == sums[1].total.keys()
     assert all(torch.equal(sums[0].total[k], sums[1].total[k]) for k in sums[0].total)
+
+
+class _Step:
+    """A post-hoc step's two hooks simulate() uses: replies already dense, public bound 1 on every entry."""
+
+    def reply_bounds(self) -> dict[str, float]:
+        return {"x": 1.0}
+
+    def dense_reply(self, reply: dict) -> dict:
+        return reply
+
+
+def test_the_simulated_server_learns_the_clipped_count_of_all_clients():
+    summed = S.simulate(_Step(), {0: {"x": torch.tensor([0.5, 3.0])}, 1: {"x": torch.tensor([-2.0, float("nan")])},
+                                  2: {"x": torch.tensor([0.25, 0.0])}}, S.quantization_range(3))
+    assert summed.clipped == 3 and summed.clients == (0, 1, 2)
+    torch.testing.assert_close(summed.total["x"], torch.tensor([-0.25, 1.0], dtype=torch.float64), atol=1e-8, rtol=0)
+
+
+def test_malformed_sums_are_refused_with_what_was_expected():
+    with pytest.raises(ValueError, match=r"^no replies to sum$"):
+        S.sum_encoded([])
+    with pytest.raises(ValueError, match=r"expected 3 summed arrays \(counts, sums, clipped\), got 2"):
+        S.from_grid_sums([np.zeros(2, np.int64), np.zeros(1, np.int64)], ["counts", "sums"])
+
+
+@pytest.mark.parametrize("c", [0.5, 1.0, 4.0])
+def test_any_power_of_two_clipping_range_carries_the_same_integers(c):
+    """The float grid x = j 2c / T - c for Flower's clipping range c: its points are exact for any power of two, and
+    the integer sums come back from the survivors' average (what Flower's server returns) whatever c is."""
+    n, levels = 3, S.quantization_range(3)
+    gen = torch.Generator().manual_seed(11)
+    clients = [S.encode({"m": torch.randn(4, 5, generator=gen, dtype=torch.float64)}, {"m": 3.0}, levels)
+               for _ in range(n)]
+    grids = [S.to_grid(e, levels, c) for e in clients]
+    for e, grid in zip(clients, grids, strict=True):
+        assert grid[0].min() >= -c and grid[0].max() <= c
+        assert np.array_equal((grid[0] + c) / (2 * c / levels), e.values["m"].numpy())
+    average = [np.mean([g[k] for g in grids], axis=0) for k in range(2)]
+    got = S.from_grid_sums(S.from_grid_average(average, n, levels, c), ["m"])
+    assert torch.equal(got.values["m"], S.sum_encoded(clients).values["m"])
