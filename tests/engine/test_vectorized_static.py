@@ -18,7 +18,7 @@ from hetfl.algorithms import available
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
-from hetfl.engine.vectorized import StaticStep, VectorizedGroup, train_clients_vectorized
+from hetfl.engine.vectorized import CompiledCall, VectorizedCache, VectorizedGroup, train_clients_vectorized
 from tests.helpers.executors import CHAOTIC_LOCAL_TRAINING, SYNTHETIC, compare_one_round, round_contexts
 
 # one epoch: still clients of very different sizes (short last batches,
@@ -27,68 +27,75 @@ SMALL = [*SYNTHETIC, "train.local_epochs=1", "train.momentum=0.5"]
 
 
 @pytest.fixture
-def steady_steps(monkeypatch):
-    """Counts the static steps taken and the rows they leave masked."""
-    counts = {"steps": 0, "masked_steps": 0}
-    original = StaticStep.run
+def compiled_runs(monkeypatch):
+    """Counts the compiled calls run (static or graph mode) and the padded ones among them."""
+    counts = {"runs": 0, "padded": 0, "blocks": 0}
+    original = CompiledCall.run
 
-    def counting(self, batch, rows):
-        counts["steps"] += 1
-        counts["masked_steps"] += len(rows) < len(self.mask)
-        return original(self, batch, rows)
+    def counting(self, call):
+        counts["runs"] += 1
+        counts["blocks"] += call.steps > 1
+        counts["padded"] += call.rows is not None and bool((call.rows == self.group.buffers.k).any())
+        return original(self, call)
 
-    monkeypatch.setattr(StaticStep, "run", counting)
+    monkeypatch.setattr(CompiledCall, "run", counting)
     return counts
 
 
 @pytest.mark.parametrize("method", available())
-def test_every_method_static_step_equals_sequential(method, steady_steps):
+def test_every_method_static_step_equals_sequential(method, compiled_runs):
     steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", *steps]))
     compare_one_round(exp, step_mode="static")
-    assert steady_steps["steps"] > 0
+    assert compiled_runs["runs"] > 0
 
 
-def test_static_step_masks_clients_without_a_full_batch(steady_steps):
+def test_static_calls_pad_shrinking_blocks_with_the_scratch_row(compiled_runs):
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.9"]))
     compare_one_round(exp, step_mode="static", chunk_size=7)
-    assert steady_steps["masked_steps"] > 0  # some steps ran with finished or short-batch clients masked
+    assert compiled_runs["blocks"] > 0 and compiled_runs["padded"] > 0
 
 
 class StandInGraph:
-    """A CUDA graph's role on the CPU: ``replay`` runs the captured body; ``corrupt`` makes
-    it lose a write, as a graph reading a stale buffer would."""
+    """A CUDA graph's role on the CPU: ``replay`` runs the captured body on the static inputs;
+    ``corrupt`` makes it lose a write, as a graph reading a stale buffer would."""
 
-    def __init__(self, static: StaticStep, corrupt: bool) -> None:
-        self.static, self.corrupt, self.replays = static, corrupt, 0
+    def __init__(self, compiled: CompiledCall, corrupt: bool) -> None:
+        self.compiled, self.corrupt, self.replays = compiled, corrupt, 0
 
     def replay(self) -> None:
         self.replays += 1
-        self.static.body()
+        c = self.compiled
+        c.group.body(c.stage, c.index, c.inputs)
         if self.corrupt:
-            for t in self.static.state.values():
+            for t in c.group.buffers.state.values():
                 if t.is_floating_point():
                     t.add_(0.01)
 
 
-def graph_round(monkeypatch, capture):
-    """One round of the vectorised executor in graph mode with ``capture`` standing in for
-    the CUDA capture; returns (results, notes, sequential results)."""
-    monkeypatch.setattr(StaticStep, "capture", capture)
+def graph_mode_on_cpu(monkeypatch, capture) -> None:
+    """The vectorised executor in graph mode with ``capture`` standing in for the CUDA capture."""
+    monkeypatch.setattr(CompiledCall, "capture", capture)
     real_init = VectorizedGroup.__init__
 
-    def graph_mode_on_cpu(self, *args, **kwargs):
+    def init(self, *args, **kwargs):
         real_init(self, *args, **{**kwargs, "step_mode": "static"})
         self.step_mode = "graph"
 
-    monkeypatch.setattr(VectorizedGroup, "__init__", graph_mode_on_cpu)
-    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
+    monkeypatch.setattr(VectorizedGroup, "__init__", init)
+
+
+def graph_round(monkeypatch, capture, method="fedprox", round_=1, cache=None, exp=None):
+    """One round of the vectorised executor in graph mode on the CPU; returns (results, notes, sequential results)."""
+    graph_mode_on_cpu(monkeypatch, capture)
+    exp = exp or Experiment(config.load(None, [*SMALL, f"algorithm.name={method}"]))
     server = exp.initial_server()
     notes: list[str] = []
-    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
-                                   train_cfg=exp.cfg.train, step_mode="graph", log=notes.append)
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_), exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="graph", log=notes.append,
+                                   cache=cache)
     seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
-           for ctx in round_contexts(exp, server, {}, 1)]
+           for ctx in round_contexts(exp, server, {}, round_)]
     return vec, notes, seq
 
 
@@ -99,7 +106,7 @@ def assert_same_clients(vec, seq) -> None:
             assert torch.allclose(a.state[name], b.state[name], atol=1e-5), name
 
 
-def test_a_faithful_graph_is_replayed_for_every_steady_step(monkeypatch):
+def test_a_faithful_graph_is_replayed_for_every_later_call_of_its_shape(monkeypatch):
     graphs: list[StandInGraph] = []
 
     def capture(self):
@@ -109,10 +116,10 @@ def test_a_faithful_graph_is_replayed_for_every_steady_step(monkeypatch):
     vec, notes, seq = graph_round(monkeypatch, capture)
     assert_same_clients(vec, seq)
     assert not notes
-    assert len(graphs) == 1 and graphs[0].replays > 5
+    assert len(graphs) > 1 and sum(g.replays for g in graphs) > len(graphs)
 
 
-def test_a_graph_that_disagrees_with_the_eager_step_is_dropped(monkeypatch):
+def test_a_graph_that_disagrees_with_the_eager_call_is_dropped(monkeypatch):
     graphs: list[StandInGraph] = []
 
     def capture(self):
@@ -121,17 +128,43 @@ def test_a_graph_that_disagrees_with_the_eager_step_is_dropped(monkeypatch):
 
     vec, notes, seq = graph_round(monkeypatch, capture)
     assert_same_clients(vec, seq)  # the bad replay was undone, the stage went on eagerly
-    assert graphs[0].replays == 1
+    assert graphs[0].replays == 1 and len(graphs) == 1  # the stage is not captured again
     assert any("disagrees with the eager step" in n for n in notes), notes
 
 
 def test_a_capture_that_fails_falls_back_to_eager_steps_with_the_reason(monkeypatch):
+    captures = []
+
     def capture(self):
+        captures.append(self)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     vec, notes, seq = graph_round(monkeypatch, capture)
     assert_same_clients(vec, seq)
+    assert len(captures) == 1
     assert any("capture failed" in n and "not permitted" in n for n in notes), notes
+
+
+def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_round(monkeypatch):
+    """With a cache, round 2 replays round 1's graphs (FedProx: every shape again, nothing captured);
+    DANN's loss reads ``ctx.round`` (its gradient-reversal weight), a constant inside a graph, so
+    its graphs are captured again for round 2, and both rounds equal the sequential executor."""
+    for method, recaptured in (("fedprox", False), ("dann", True)):
+        graphs: list[StandInGraph] = []
+
+        def capture(self, graphs=graphs):
+            graphs.append(StandInGraph(self, corrupt=False))
+            self.graph = graphs[-1]
+
+        cache = VectorizedCache()
+        exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}"]))
+        vec, _, seq = graph_round(monkeypatch, capture, round_=1, cache=cache, exp=exp)
+        assert_same_clients(vec, seq)
+        first = len(graphs)
+        vec, _, seq = graph_round(monkeypatch, capture, round_=2, cache=cache, exp=exp)
+        assert_same_clients(vec, seq)
+        assert (len(graphs) > first) == recaptured, method
+        assert sum(g.replays for g in graphs[:first]) > first * (not recaptured)
 
 
 def test_running_out_of_memory_halves_the_chunk_and_gives_the_same_clients(monkeypatch):

@@ -126,8 +126,51 @@ class FederatedData:
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Raw inputs -> model inputs (uint8 images become normalised floats)."""
         if x.dtype == torch.uint8:
-            return to_float(x, self.info.mean, self.info.std)
+            return to_float(x, self._mean, self._std)
         return x
+
+    @property
+    def _mean(self) -> torch.Tensor | None:
+        return self._constant("mean")
+
+    @property
+    def _std(self) -> torch.Tensor | None:
+        return self._constant("std")
+
+    def _constant(self, name: str) -> torch.Tensor | None:
+        """The dataset's per-channel ``mean`` / ``std`` as a tensor on the device, made once: a
+        step that prepares inputs then copies nothing from the host (and can be captured)."""
+        cache = self.__dict__.setdefault("_constants", {})
+        if name not in cache:
+            value = getattr(self.info, name)
+            cache[name] = None if value is None else torch.as_tensor(value, dtype=torch.float32).to(self.device)
+        return cache[name]
+
+    def augment_draws(self, n: int, generator: torch.Generator) -> torch.Tensor | None:
+        """The augmentation parameters of a batch of ``n`` samples, drawn on the CPU from ``generator``:
+        ``[3, n]`` int64 rows (column offset, row offset, flip), or None without augmentation. The draws
+        (and their order) are those of :func:`augment_params`, so a batch is augmented alike whether its
+        parameters were drawn just before the step or with the whole round's schedule."""
+        if self.augment == "none":
+            return None
+        dx, dy, flips = augment_params(n, self.padding, True, generator)
+        if self.augment != "crop_flip":  # "flip": the offsets are drawn (same stream) but not used
+            dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
+        return torch.stack([dx, dy, flips.long()])
+
+    def batch_at(self, idx: torch.Tensor, augment: torch.Tensor | None) -> Batch:
+        """The model inputs and labels of the training samples ``idx`` (global indices, on the device),
+        augmented with ``augment`` (``[3, len(idx)]`` on the device, from :meth:`augment_draws`): device
+        operations only, no host synchronisation."""
+        x = self.train_x[idx]
+        if augment is not None:
+            padding = self.padding if self.augment == "crop_flip" else 0
+            x = apply_crop_flip(x, augment[0], augment[1], augment[2].bool(), padding)
+        return Batch(self.prepare(x), self.train_y[idx])
+
+    def global_indices(self, client: int, local_idx: torch.Tensor) -> torch.Tensor:
+        """Client ``client``'s samples ``local_idx`` (into its own list) as indices into the training set (CPU)."""
+        return self.client_train_cpu[client][local_idx.cpu()]
 
     def train_batches(
         self,
@@ -145,19 +188,15 @@ class FederatedData:
         """One batch of each of ``clients``, concatenated in order: client ``clients[i]``'s
         samples ``local_idx[i]``, augmented with draws from ``augment_gens[i]`` (each
         client's draws are exactly those of a batch gathered on its own)."""
-        idx = torch.cat([self.client_train_cpu[c][li.cpu()] for c, li in zip(clients, local_idx, strict=True)])
-        idx = idx.to(self.device, non_blocking=True)
-        x = self.train_x[idx]
-        if self.augment != "none":
-            pairs = zip(local_idx, augment_gens, strict=True)
-            draws = [augment_params(len(li), self.padding, True, g) for li, g in pairs]
-            dx, dy, flips = (torch.cat(parts) for parts in zip(*draws, strict=True))
-            padding = self.padding if self.augment == "crop_flip" else 0
-            if padding == 0:
-                dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
-            dx, dy, flips = torch.stack([dx, dy, flips.long()]).to(self.device, non_blocking=True)
-            x = apply_crop_flip(x, dx, dy, flips.bool(), padding)
-        return Batch(self.prepare(x), self.train_y[idx])
+        pairs = list(zip(clients, local_idx, strict=True))
+        idx = torch.cat([self.global_indices(c, li) for c, li in pairs])
+        draws = [self.augment_draws(len(li), g) for li, g in zip(local_idx, augment_gens, strict=True)]
+        augment = None if self.augment == "none" else torch.cat(draws, dim=1)  # type: ignore[arg-type]
+        on_device = idx if augment is None else torch.cat([idx.view(1, -1), augment])
+        on_device = on_device.to(self.device, non_blocking=True)  # one copy
+        if augment is None:
+            return self.batch_at(on_device, None)
+        return self.batch_at(on_device[0], on_device[1:])
 
     def client_train_split(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.client_train[client]

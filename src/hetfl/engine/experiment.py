@@ -63,7 +63,7 @@ from hetfl.engine.rundir import (
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
 from hetfl.engine.summary import Reporter, client_acc_summary, client_row, diverged_round, make_summary
-from hetfl.engine.vectorized import train_clients_vectorized
+from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError
@@ -132,6 +132,7 @@ class Experiment:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.chunk_sizes: dict = {}  # vectorized: clients at once per group structure, found in round 1
+        self.vectorized_cache = VectorizedCache()  # vectorized: CUDA graphs and their buffers, across rounds
         self.run_dir: Path | None = None
         # where the clients' side runs: in this process (sequential / vectorized executors) by default;
         # a runtime above the engine may attach another (hetfl.flower's FlowerFederation: Flower nodes)
@@ -417,7 +418,7 @@ class Experiment:
                                                chunk_size=cfg.runtime.chunk_size,
                                                step_mode="graph" if graph else "eager",
                                                log=lambda message: self.note(message, reporter),
-                                               memo=self.chunk_sizes)
+                                               memo=self.chunk_sizes, cache=self.vectorized_cache)
             for _ in results:
                 reporter.client_done()
             return results

@@ -21,17 +21,20 @@ run sequentially, and the reason is reported once through ``log``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.func import vmap
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
+from hetfl.engine import step_plan
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, functional_grad, run_stages, sgd_step
-from hetfl.engine.schedule import batch_schedule
+from hetfl.engine.step_plan import Call, StagePlan, plan_round
 from hetfl.optim import sgd_init
 from hetfl.rng import torch_generator
 
@@ -105,298 +108,438 @@ def select(tensors: Tensors, dims: dict[str, int | None] | None, index: torch.Te
     return {n: t if dims is not None and dims[n] is None else t[index] for n, t in tensors.items()}
 
 
+class TemplateContext(ClientContext):
+    """The context a vmapped step sees: one client's, with the per-client tensors swapped in
+    inside ``vmap``. It records which of the round's plain values (``round``, ``lr``...) the
+    step reads, so that a compiled step (a CUDA graph, in which such a value is a constant) is
+    reused in a later round only where those values are the same."""
+
+    SCALARS = ("round", "lr", "client_id", "num_samples")
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in TemplateContext.SCALARS:
+            object.__getattribute__(self, "reads").add(name)
+        return object.__getattribute__(self, name)
+
+    @classmethod
+    def of(cls, ctx: ClientContext) -> TemplateContext:
+        template = cls.__new__(cls)
+        template.__dict__.update(ctx.__dict__)
+        template.__dict__.update(client_id=-1, num_samples=0, features=None, inputs=None, reads=set())
+        return template
+
+    def scalars(self, names: set[str]) -> tuple[Any, ...]:
+        return tuple((n, object.__getattribute__(self, n)) for n in sorted(names))
+
+    def with_tensors(self, payload: Tensors, state: Tensors, extras: Tensors) -> TemplateContext:
+        ctx = copy.copy(self)
+        ctx.__dict__.update(payload=payload, state=state, extras=extras)
+        return ctx
+
+
+class GroupBuffers:
+    """The stacked tensors a group's steps read and write in place: the clients' states,
+    payloads, persistent states and extras (a row per client, plus the scratch row ``k`` that
+    padding entries of a call point at), each stage's optimiser states and the per-row sums of
+    loss and metrics. Kept across rounds (for the compiled steps that read them) and loaded
+    with a round's values by :meth:`load`."""
+
+    def __init__(self, plans: list[ClientPlan]) -> None:
+        self.k = len(plans)
+        ctxs = [p.ctx for p in plans]
+        self.state = self._rows([p.start for p in plans])
+        self.payload, self.payload_dims = self._shared_or_rows([c.payload for c in ctxs])
+        self.cstate, self.cstate_dims = self._shared_or_rows([c.state for c in ctxs])
+        self.extras, self.extras_dims = self._shared_or_rows([c.extras for c in ctxs])
+        stages = plans[0].stages
+        self.opt = [sgd_init({n: self.state[n] for n in s.trainable}, s.sgd) for s in stages]
+        self.adv_opt = [sgd_init({n: self.state[n] for n in s.adversary.trainable}, s.adversary.sgd)
+                        if s.adversary else {} for s in stages]
+        device = next(iter(self.state.values())).device
+        self.sums: dict[str, torch.Tensor] = {"": torch.zeros(self.k + 1, device=device)}  # "" = the loss
+
+    @staticmethod
+    def _rows(dicts: Sequence[Tensors]) -> Tensors:
+        """Per-client tensors stacked, with the first client's repeated as the scratch row."""
+        return {n: torch.stack([*(d[n].detach() for d in dicts), dicts[0][n].detach()]) for n in dicts[0]}
+
+    @classmethod
+    def _shared_or_rows(cls, dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
+        """As :func:`batch_dicts`, with the scratch row; a tensor every client shares stays one copy."""
+        shared, dims = batch_dicts(dicts)
+        rows = cls._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts]) if dicts else {}
+        return {n: shared[n].clone() if dims[n] is None else rows[n] for n in dims}, dims
+
+    def fits(self, plans: list[ClientPlan]) -> bool:
+        """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
+        return len(plans) == self.k and batch_dicts([p.ctx.payload for p in plans])[1] == self.payload_dims \
+            and batch_dicts([p.ctx.state for p in plans])[1] == self.cstate_dims \
+            and batch_dicts([p.ctx.extras for p in plans])[1] == self.extras_dims
+
+    def load(self, plans: list[ClientPlan]) -> None:
+        """This round's start states, payloads, client states and extras, in place; sums and
+        optimiser states zeroed."""
+        every_row = dict.fromkeys(self.state, 0)
+        for target, dims, dicts in ((self.state, every_row, [p.start for p in plans]),
+                                    (self.payload, self.payload_dims, [p.ctx.payload for p in plans]),
+                                    (self.cstate, self.cstate_dims, [p.ctx.state for p in plans]),
+                                    (self.extras, self.extras_dims, [p.ctx.extras for p in plans])):
+            for name, buffer in target.items():
+                if dims[name] is None:
+                    buffer.copy_(dicts[0][name])
+                else:
+                    buffer.copy_(torch.stack([*(d[name] for d in dicts), dicts[0][name]]))
+        for d in (*self.opt, *self.adv_opt):
+            for t in d.values():
+                t.zero_()
+        for t in self.sums.values():
+            t.zero_()
+
+    def tensors(self, stage_index: int) -> list[Tensors]:
+        """What a stage's steps write: the states, its optimiser states and the sums."""
+        return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums]
+
+
 class VectorizedGroup:
     """Clients with one stage structure and tensor shapes, trained together.
 
-    ``step_mode`` picks how the steady-state steps (every client of the group
-    with a full batch, after a stage's first step) run:
+    The round is planned first (:func:`hetfl.engine.step_plan.plan_round`: every
+    client's batches and random draws, moved to the device in one copy); each
+    :class:`~hetfl.engine.step_plan.Call` of the plan then runs as a :class:`CompiledCall`.
+    ``step_mode`` picks how:
 
-    - ``"eager"``: each step is a vmapped call over the clients that take it;
-    - ``"graph"`` (CUDA): the step over all the group's clients is captured once
-      per stage as a CUDA graph and replayed, with static input buffers and a
-      client mask (clients without a full batch in that step are computed and
-      discarded). One replay launches the whole step; see :class:`StaticStep`;
-    - ``"static"``: the same static-buffer, masked computation without a graph
-      (the graph path's logic on any device; used by the tests on the CPU).
+    - ``"eager"``: each step is a vmapped call, reading the plan's tensors directly;
+    - ``"graph"`` (CUDA): each call shape is captured once as a CUDA graph (a block of
+      up to 16 steps in one graph) over static input buffers, checked against an eager
+      run of the same call once, and replayed; with ``cache`` the graphs and the buffers
+      they read are kept for later rounds;
+    - ``"static"``: the graph path's logic (static input buffers, the same checks) without
+      the capture, on any device (what the tests run on the CPU).
 
-    Short batches and a stage's first step always run eagerly, so the result is
-    the eager one in every mode.
+    Each mode computes the same steps from the same inputs.
     """
 
     def __init__(
         self, plans: list[ClientPlan], data: FederatedData, *, seed: int, batch_size: int, drop_last: bool,
         max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32", step_mode: str = "eager",
-        log: Log | None = None,
+        log: Log | None = None, cache: VectorizedCache | None = None, block_steps: int | None = None,
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
         if step_mode == "graph" and data.device.type != "cuda":
             raise ValueError(f"step_mode = 'graph' needs a CUDA device, not {data.device}")
-        self.plans, self.data, self.buffers, self.precision = plans, data, buffers, precision
+        self.plans, self.data, self.model_buffers, self.precision = plans, data, buffers, precision
         self.batch_size, self.drop_last, self.max_grad_norm = batch_size, drop_last, max_grad_norm
         self.step_mode, self.log = step_mode, log
+        self.block_steps = step_plan.BLOCK_STEPS if block_steps is None else block_steps
         ctxs = [p.ctx for p in plans]
         self.clients = [c.client_id for c in ctxs]
         rnd = ctxs[0].round
         self.batch_gens = [torch_generator(seed, "batches", rnd, c, 0) for c in self.clients]
         self.augment_gens = [torch_generator(seed, "augment", rnd, c, 0) for c in self.clients]
         self.draw_gens = [torch_generator(seed, "draws", rnd, c, 0) for c in self.clients]
-        self.payload, self.payload_dims = batch_dicts([c.payload for c in ctxs])
-        self.cstate, self.cstate_dims = batch_dicts([c.state for c in ctxs])
-        self.extras, self.extras_dims = batch_dicts([c.extras for c in ctxs])
-        # a template context: the per-client tensors are swapped in inside vmap
-        self.template = replace(ctxs[0], client_id=-1, num_samples=0, features=None, inputs=None)
+        self.template = TemplateContext.of(ctxs[0])
+        self.cache = cache if step_mode != "eager" else None
+        self.uncapturable = self.cache.uncapturable if self.cache is not None else set()
+        self.key = (plans[0].key(), len(plans))
+        self.buffers = self._buffers()
 
-    def step(
-        self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, index: torch.Tensor | None, first: bool
+    def _buffers(self) -> GroupBuffers:
+        if self.cache is not None:
+            kept = self.cache.buffers.get(self.key)
+            if kept is not None and kept.fits(self.plans):
+                kept.load(self.plans)
+                return kept
+            self.cache.programs = {k: v for k, v in self.cache.programs.items() if k[0] != self.key}
+        made = GroupBuffers(self.plans)
+        if self.cache is not None:
+            self.cache.buffers[self.key] = made
+        return made
+
+    def plan(self, stages: list[Stage] | None = None) -> list[StagePlan]:
+        """The round's calls (all stages unless ``stages``), drawn from the clients' generators."""
+        return plan_round(
+            self.plans[0].stages if stages is None else stages, self.clients,
+            [self.data.client_sizes[c] for c in self.clients], batch_size=self.batch_size,
+            drop_last=self.drop_last, batch_gens=self.batch_gens, augment_gens=self.augment_gens,
+            draw_gens=self.draw_gens, augment_draws=self.data.augment_draws,
+            global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps)
+
+    # ---------------------------------------------------------------- one step
+    def vmapped_step(
+        self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, payload: Tensors, cstate: Tensors,
+        extras: Tensors, first: bool,
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
-        """One vmapped ``sgd_step`` of ``stage`` for the clients at rows ``index``."""
-        template, max_norm, buffers, precision = self.template, self.max_grad_norm, self.buffers, self.precision
+        """One ``sgd_step`` of ``stage`` for every row of ``state``, vmapped."""
+        template, max_norm, model_buffers, precision = self.template, self.max_grad_norm, self.model_buffers, \
+            self.precision
+        b = self.buffers
 
-        def one(state_c, opt_c, x, y, draws, payload, cstate, extras):  # type: ignore[no-untyped-def]
-            ctx = replace(template, payload=payload, state=cstate, extras=extras)
+        def one(state_c, opt_c, x, y, draws, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
+            ctx = template.with_tensors(payload_c, cstate_c, extras_c)
             return sgd_step(stage, state_c, opt_c, Batch(x, y, draws), ctx, first, max_norm, grad_fn=functional_grad,
-                            buffers=buffers, precision=precision)
+                            buffers=model_buffers, precision=precision)
 
-        in_dims = (0, 0, 0, 0, 0, self.payload_dims, self.cstate_dims, self.extras_dims)
+        in_dims = (0, 0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
         return vmap(one, in_dims=in_dims, randomness="error")(
-            state, opt, batch.x, batch.y, batch.draws,
-            select(self.payload, self.payload_dims, index),
-            select(self.cstate, self.cstate_dims, index),
-            select(self.extras, self.extras_dims, index),
-        )
+            state, opt, batch.x, batch.y, batch.draws, payload, cstate, extras)
 
-    def stage_step(self, stage: Stage, state: Tensors, opt: Tensors, adv_opt: Tensors, batch: Batch,
-                   index: torch.Tensor | None, first: bool) -> tuple[Tensors, Tensors, Tensors, torch.Tensor, Tensors]:
-        """The adversary's step (if any) then the stage's step, for the rows ``index`` of
-        ``state``: (new tensors, opt state, adversary opt state, loss, metrics)."""
-        sub, changed, metrics, new_adv_opt = select(state, None, index), {}, {}, adv_opt
+    def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
+             augment: torch.Tensor | None, draws: Tensors) -> None:
+        """One step of ``stage`` (the ``index``-th) for the rows ``rows`` (``[width]``; None: the first
+        ``width`` rows) on the samples ``idx`` (``[width, size]``): the adversary's step (if any), then
+        the stage's, written into the group's buffers in place."""
+        b = self.buffers
+        width, size = idx.shape
+        flat = self.data.batch_at(idx.reshape(-1), None if augment is None else augment.reshape(3, -1))
+        batch = Batch(flat.x.view(width, size, *flat.x.shape[1:]), flat.y.view(width, size), draws)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[:width] if rows is None else t.index_select(0, rows)
+
+        def shared_or_take(tensors: Tensors, dims: dict[str, int | None]) -> Tensors:
+            return {n: t if dims[n] is None else take(t) for n, t in tensors.items()}
+
+        payload, cstate = shared_or_take(b.payload, b.payload_dims), shared_or_take(b.cstate, b.cstate_dims)
+        extras = shared_or_take(b.extras, b.extras_dims)
+        state = {n: take(t) for n, t in b.state.items()}
+        metrics: Tensors = {}
         if stage.adversary is not None:
-            new, new_adv_opt, _, adv_metrics = self.step(stage.adversary, sub, adv_opt, batch, index, first)
-            sub, changed = {**sub, **new}, new
-            metrics = {f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()}
-        new, new_opt, loss, stage_metrics = self.step(stage, sub, opt, batch, index, first)
-        return {**changed, **new}, new_opt, new_adv_opt, loss, {**metrics, **stage_metrics}
+            adv_opt = {n: take(t) for n, t in b.adv_opt[index].items()}
+            new, new_adv, _, adv_metrics = self.vmapped_step(stage.adversary, state, adv_opt, batch, payload, cstate,
+                                                             extras, first)
+            state.update(new)
+            self.write(b.state, new, rows, width)
+            self.write(b.adv_opt[index], new_adv, rows, width)
+            metrics.update({f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()})
+        opt = {n: take(t) for n, t in b.opt[index].items()}
+        new, new_opt, loss, stage_metrics = self.vmapped_step(stage, state, opt, batch, payload, cstate, extras, first)
+        self.write(b.state, new, rows, width)
+        self.write(b.opt[index], new_opt, rows, width)
+        for key, value in {"": loss, **metrics, **stage_metrics}.items():
+            if key not in b.sums:
+                if is_capturing():
+                    raise RuntimeError(f"metric {key!r} first appears while a CUDA graph is captured")
+                b.sums[key] = torch.zeros(b.k + 1, device=value.device)
+            if rows is None:
+                b.sums[key][:width] += value.float()
+            else:
+                b.sums[key].index_add_(0, rows, value.float())
 
-    def gather(self, rows: list[int], t: int, schedules: list[list[torch.Tensor]], stage: Stage) -> Batch:
-        """Step ``t``'s batch of the clients at ``rows`` (equal batch sizes), shaped [rows, batch, ...]."""
-        size = len(schedules[rows[0]][t])
-        batch = self.data.clients_batch([self.clients[r] for r in rows], [schedules[r][t] for r in rows],
-                                        [self.augment_gens[r] for r in rows])
-        batch = Batch(batch.x.view(len(rows), size, *batch.x.shape[1:]), batch.y.view(len(rows), size))
-        if stage.draws is not None:
-            draws = [stage.draws(self.draw_gens[r], size) for r in rows]
-            batch.draws = {n: torch.stack([d[n] for d in draws]).to(self.data.device) for n in draws[0]}
-        return batch
+    @staticmethod
+    def write(full: Tensors, part: Tensors, rows: torch.Tensor | None, width: int) -> None:
+        """``part``'s rows into ``full``'s rows ``rows`` (None: the first ``width``), in place."""
+        for name, value in part.items():
+            target = full[name]
+            if rows is None:
+                target[:width].copy_(value)
+            else:
+                target.index_copy_(0, rows, value.to(target.dtype))
 
+    def body(self, stage: Stage, index: int, call: Call) -> None:
+        """All steps of ``call``."""
+        for s in range(call.steps):
+            rows = None if call.rows is None else call.rows[s]
+            augment = None if call.augment is None else call.augment[s]
+            self.step(stage, index, call.first, rows, call.idx[s], augment, {n: d[s] for n, d in call.draws.items()})
+
+    # ---------------------------------------------------------------- the round
     def run(self) -> list[LocalResult]:
-        k = len(self.plans)
-        device = self.data.device
-        state = stack_states([{n: t.detach() for n, t in p.start.items()} for p in self.plans])
-        state = {n: t.clone() for n, t in state.items()}
+        k = self.buffers.k
         steps = [0] * k
-        sums: dict[str, torch.Tensor] = {"": torch.zeros(k, device=device)}  # "" = the loss
-        for stage in self.plans[0].stages:
-            schedules = [
-                batch_schedule(self.data.client_sizes[c], self.batch_size, stage.epochs, stage.steps, self.drop_last,
-                               gen)
-                for c, gen in zip(self.clients, self.batch_gens, strict=True)
-            ]
-            opt = sgd_init({n: state[n] for n in stage.trainable}, stage.sgd)
-            adversary = stage.adversary
-            adv_opt = sgd_init({n: state[n] for n in adversary.trainable}, adversary.sgd) if adversary else {}
-            static: StaticStep | None = None
-            use_static = self.step_mode != "eager"  # until this stage's capture fails
-            for t in range(max((len(s) for s in schedules), default=0)):
-                by_size: dict[int, list[int]] = {}
-                for row, schedule in enumerate(schedules):
-                    if t < len(schedule):
-                        by_size.setdefault(len(schedule[t]), []).append(row)
-                for size, rows in by_size.items():
-                    for r in rows:
-                        steps[r] += 1
-                    batch = self.gather(rows, t, schedules, stage)
-                    if t > 0 and size == self.batch_size and use_static:
-                        if static is None:
-                            static = StaticStep.build(self, stage, state, opt, adv_opt, sums, batch, rows)
-                        if static is not None:
-                            static.run(batch, rows)
-                            continue
-                        use_static = False  # could not be captured (the reason is logged): eager steps
-                    index = None if len(rows) == k else torch.tensor(rows, device=device)
-                    new, sub_opt, sub_adv, loss, metrics = self.stage_step(
-                        stage, state, select(opt, None, index), select(adv_opt, None, index), batch, index, t == 0)
-                    # in place once a captured step reads these very tensors
-                    rebind = static is None or static.graph is None
-                    write_rows_(state, new, index, rebind)
-                    write_rows_(opt, sub_opt, index, rebind)
-                    write_rows_(adv_opt, sub_adv, index, rebind)
-                    for key, value in {"": loss, **metrics}.items():
-                        add_rows(sums, key, value, index, k)
-        loss_sum = sums.pop("")
+        stages = self.plans[0].stages
+        for index, (stage, stage_plan) in enumerate(zip(stages, self.plan(), strict=True)):
+            for call in stage_plan.calls:
+                self.compiled(stage, index, call).run(call)
+            steps = [a + b for a, b in zip(steps, stage_plan.steps, strict=True)]
+        return self.results(steps)
+
+    def compiled(self, stage: Stage, index: int, call: Call) -> CompiledCall:
+        """The compiled form of ``call``'s shape: made once (per round, or per run with a cache)."""
+        if self.step_mode == "eager":
+            return CompiledCall(self, stage, index, call)
+        programs = self.cache.programs if self.cache is not None else self.__dict__.setdefault("_programs", {})
+        key = (self.key, index, stage_key(stage), call.shape())
+        found = programs.get(key)
+        if found is not None and found.reusable(self.template):
+            found.group = self
+            return found
+        made = programs[key] = CompiledCall(self, stage, index, call)
+        return made
+
+    def results(self, steps: list[int]) -> list[LocalResult]:
+        b = self.buffers
+        sums = {key: v[: b.k].tolist() for key, v in b.sums.items()}  # one transfer per key
+        loss = sums.pop("")
         return [
             LocalResult(
-                state={n: t[row] for n, t in state.items()},
+                state={n: t[row].clone() for n, t in b.state.items()},
                 steps=steps[row],
-                loss_sum=float(loss_sum[row]),
+                loss_sum=float(loss[row]),
                 metric_sums={key: float(v[row]) for key, v in sums.items()},
             )
-            for row in range(k)
+            for row in range(b.k)
         ]
 
 
 STEP_MODES = ("eager", "static", "graph")
 
 
-class StaticStep:
-    """A stage's steady-state step over all clients of a group, on static buffers.
+@dataclass
+class VectorizedCache:
+    """What the vectorised executor keeps across rounds (the caller holds it): chunk sizes
+    found per group structure, and in graph mode each group's buffers and compiled calls."""
 
-    Everything the step reads or writes lives in tensors allocated once: the
-    stacked client state and optimiser state (updated in place), an input buffer
-    ``[clients, batch, ...]`` and a client mask. A step copies the batch of the
-    clients that take it into their rows, sets the mask, and calls ``body``: the
-    vmapped step of every row, whose results are written back only where the
-    mask is set (``torch.where``, so that whatever a masked row computes on stale
-    inputs is discarded), loss and metrics added likewise.
+    buffers: dict[Any, GroupBuffers] = field(default_factory=dict)
+    programs: dict[Any, CompiledCall] = field(default_factory=dict)
+    uncapturable: set[Any] = field(default_factory=set)  # stage keys whose capture failed: run eagerly
+    pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
 
-    On CUDA ``body`` is captured once as a CUDA graph (after warm-up calls on a
-    side stream with an empty mask, which change nothing) and each step is one
-    ``replay``. The first replay is checked against an eager step from the same
-    state; a capture that fails or disagrees is dropped with a logged reason and
-    the stage goes on eagerly (from the state before that step).
-    """
 
-    WARMUP_CALLS = 2
+def is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    def __init__(self, group: VectorizedGroup, stage: Stage, state: Tensors, opt: Tensors, adv_opt: Tensors,
-                 sums: dict[str, torch.Tensor], batch: Batch) -> None:
-        k = len(group.plans)
-        self.group, self.stage, self.state, self.opt, self.adv_opt, self.sums = group, stage, state, opt, adv_opt, sums
-        device = group.data.device
-        self.x = torch.zeros(k, *batch.x.shape[1:], dtype=batch.x.dtype, device=device)
-        self.y = torch.zeros(k, *batch.y.shape[1:], dtype=batch.y.dtype, device=device)
-        self.draws = None if batch.draws is None else {
-            n: torch.zeros(k, *d.shape[1:], dtype=d.dtype, device=device) for n, d in batch.draws.items()}
-        self.mask = torch.zeros(k, dtype=torch.bool, device=device)
+
+class CompiledCall:
+    """A call shape of a stage, ready to run: eagerly, or (graph/static modes) on static input
+    buffers that each run copies its call's tensors into (device to device), then one CUDA
+    graph replay (graph) or the body itself (static).
+
+    Capture (once per shape): the call's body runs eagerly from the current state (warming up
+    the kernels, and giving the reference), the state is put back, the body is captured, the
+    graph is replayed and its result compared with the reference. A capture that fails, or a
+    replay that disagrees, leaves the eager result in place and the stage runs eagerly from
+    then on, with the reason logged once. The stage (and through it, every callable the step
+    calls) is held by the compiled call, so that the identities in its key stay unique."""
+
+    WARMUP_CALLS = 1
+
+    def __init__(self, group: VectorizedGroup, stage: Stage, index: int, call: Call) -> None:
+        self.group, self.stage, self.index = group, stage, index
         self.graph: Any = None
-        self.checked = group.step_mode != "graph"
+        self.eager = group.step_mode == "eager"
+        self.built = False
+        self.reads: set[str] = set()
+        self.scalars: tuple[Any, ...] = ()
+        if not self.eager:
+            self.inputs = Call(call.first, call.steps, call.width, call.size,
+                               None if call.rows is None else call.rows.clone(), call.idx.clone(),
+                               None if call.augment is None else call.augment.clone(),
+                               {n: d.clone() for n, d in call.draws.items()})
 
-    @classmethod
-    def build(cls, group: VectorizedGroup, stage: Stage, state: Tensors, opt: Tensors, adv_opt: Tensors,
-              sums: dict[str, torch.Tensor], batch: Batch, rows: list[int]) -> StaticStep | None:
-        """The static step of ``stage`` (captured on CUDA), or None with a logged reason."""
-        static = cls(group, stage, state, opt, adv_opt, sums, batch)
-        if group.step_mode != "graph":
-            return static
+    def reusable(self, template: TemplateContext) -> bool:
+        """Whether the round's plain values that the step read are those it was compiled with."""
+        return not self.built or template.scalars(self.reads) == self.scalars
+
+    def load(self, call: Call) -> None:
+        target = self.inputs
+        for mine, theirs in ((target.rows, call.rows), (target.idx, call.idx), (target.augment, call.augment)):
+            if mine is not None:
+                mine.copy_(theirs)  # type: ignore[arg-type]
+        for name, value in call.draws.items():
+            target.draws[name].copy_(value)
+
+    def run(self, call: Call) -> None:
+        group = self.group
+        if self.eager:
+            group.body(self.stage, self.index, call)
+            return
+        self.load(call)
+        if not self.built:
+            self.build()
+            return
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            group.body(self.stage, self.index, self.inputs)
+
+    def build(self) -> None:
+        """Run this first call eagerly (the reference) and, in graph mode, capture and check its graph."""
+        group, template = self.group, self.group.template
+        template.reads.clear()
+        if group.step_mode != "graph" or stage_key(self.stage) in group.uncapturable:
+            group.body(self.stage, self.index, self.inputs)
+            self._built(template)
+            return
+        tensors = group.buffers.tensors(self.index)
+        before = [{n: t.clone() for n, t in d.items()} for d in tensors]
+        with side_stream(group.data.device):
+            group.body(self.stage, self.index, self.inputs)  # warm-up, and the reference
+        self._built(template)
+        tensors = group.buffers.tensors(self.index)  # the warm-up may have added a metric's sums
+        reference = [{n: t.clone() for n, t in d.items()} for d in tensors]
+        restore(tensors, before)
         try:
-            static.capture()
+            self.capture()
         except RuntimeError as err:  # an op that cannot be captured (a host sync, a CPU tensor...)
-            if group.log is not None:
-                group.log(f"vectorized: CUDA graph capture failed for stage {stage.name!r}, running it eagerly: "
-                          f"{err}")
-            return None
-        return static
+            restore(tensors, reference)
+            self.graph = None
+            group.uncapturable.add(stage_key(self.stage))
+            self.note(f"vectorized: CUDA graph capture failed for stage {self.stage.name!r}, running it eagerly: "
+                      f"{err}")
+            return
+        self.graph.replay()
+        worst = max(((got.double() - want[n].double()).abs().max().item()
+                     for d, want in zip(tensors[:3], reference[:3], strict=True) for n, got in d.items()
+                     if got.numel()), default=0.0)
+        if worst > GRAPH_CHECK_ATOL:
+            restore(tensors, reference)
+            self.graph = None
+            group.uncapturable.add(stage_key(self.stage))
+            self.note(f"vectorized: the CUDA graph of stage {self.stage.name!r} disagrees with the eager step by "
+                      f"{worst:.3g}; running eagerly")
 
-    def body(self) -> None:
-        """The step of every row, written back where ``mask`` is set."""
-        batch = Batch(self.x, self.y, self.draws)
-        new, new_opt, new_adv, loss, metrics = self.group.stage_step(self.stage, self.state, self.opt, self.adv_opt,
-                                                                     batch, None, False)
-        for target, values in ((self.state, new), (self.opt, new_opt), (self.adv_opt, new_adv)):
-            for name, value in values.items():
-                mask = self.mask.view(-1, *[1] * (value.dim() - 1))
-                target[name].copy_(torch.where(mask, value.to(target[name].dtype), target[name]))
-        for key, value in {"": loss, **metrics}.items():
-            if key not in self.sums:
-                raise RuntimeError(f"metric {key!r} first appears in a steady-state step; it cannot be captured")
-            self.sums[key].add_(torch.where(self.mask, value.float(), torch.zeros_like(self.sums[key])))
+    def _built(self, template: TemplateContext) -> None:
+        self.built = True
+        self.reads = set(template.reads)
+        self.scalars = template.scalars(self.reads)
 
     def capture(self) -> None:
-        """Warm up on a side stream (empty mask: no effect), then capture ``body`` as a CUDA graph."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.WARMUP_CALLS):
-                self.body()
-        torch.cuda.current_stream().wait_stream(side)
+        """Capture the body as a CUDA graph (kernels recorded, not run)."""
+        group = self.group
+        cache = group.cache
+        pool = None
+        if cache is not None:
+            if cache.pool is None:
+                cache.pool = torch.cuda.graph_pool_handle()
+            pool = cache.pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.body()
+        with torch.cuda.graph(graph, pool=pool):
+            group.body(self.stage, self.index, self.inputs)
         self.graph = graph
 
-    def run(self, batch: Batch, rows: list[int]) -> None:
-        """One step for the clients at ``rows`` (full batches in ``batch``)."""
-        k = len(self.mask)
-        if len(rows) == k:
-            self.x.copy_(batch.x)
-            self.y.copy_(batch.y)
-            if self.draws is not None:
-                for name, value in (batch.draws or {}).items():
-                    self.draws[name].copy_(value)
-            self.mask.fill_(True)
-        else:
-            index = torch.tensor(rows, device=self.mask.device)
-            self.x[index] = batch.x
-            self.y[index] = batch.y
-            if self.draws is not None:
-                for name, value in (batch.draws or {}).items():
-                    self.draws[name][index] = value
-            self.mask.fill_(False)
-            self.mask[index] = True
-        if self.checked:
-            self.graph.replay() if self.graph is not None else self.body()
-            return
-        self.check_first_replay()
-
-    def check_first_replay(self) -> None:
-        """Replay once and compare with an eager step from the same state; on disagreement
-        restore that state, drop the graph and take the eager result."""
-        buffers = (self.state, self.opt, self.adv_opt, self.sums)
-        before = [{n: t.clone() for n, t in d.items()} for d in buffers]
-        self.graph.replay()
-        replayed = [{n: t.clone() for n, t in d.items()} for d in buffers]
-        for d, saved in zip(buffers, before, strict=True):
-            for name, t in d.items():
-                t.copy_(saved[name])
-        self.body()  # eager, the reference
-        worst = max(((got[n].double() - t.double()).abs().max().item()
-                     for d, got in zip(buffers[:3], replayed, strict=False) for n, t in d.items()), default=0.0)
-        self.checked = True
-        if worst <= GRAPH_CHECK_ATOL:
-            return
-        self.graph = None
-        self.group.step_mode = "static"
+    def note(self, message: str) -> None:
         if self.group.log is not None:
-            self.group.log(f"vectorized: the CUDA graph of stage {self.stage.name!r} disagrees with the eager step "
-                           f"by {worst:.3g}; running eagerly")
+            self.group.log(message)
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Work on a side stream, joined to the current one after (on CUDA: the warm-up before a
+    capture runs there, as PyTorch's CUDA-graph notes ask); elsewhere nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def restore(tensors: list[Tensors], saved: list[Tensors]) -> None:
+    """``saved``'s values back into ``tensors`` in place (a sum that did not exist yet: zero)."""
+    for d, values in zip(tensors, saved, strict=True):
+        for name, t in d.items():
+            if name in values:
+                t.copy_(values[name])
+            else:
+                t.zero_()
 
 
 # A replay runs the kernels of the eager step on the same inputs; anything but rounding
 # (a stale buffer, a lost write) shows as a difference of the size of a step's update.
 GRAPH_CHECK_ATOL = 1e-5
-
-
-def write_rows_(full: Tensors, part: Tensors, index: torch.Tensor | None, rebind: bool = False) -> None:
-    """Write ``part`` into the rows ``index`` of ``full``'s tensors, in place. All rows (index
-    None) with ``rebind``: ``full``'s entries become ``part``'s tensors (no copy), for tensors
-    no captured graph reads."""
-    if index is None and rebind:
-        full.update(part)
-        return
-    for name, value in part.items():
-        if index is None:
-            full[name].copy_(value)
-        else:
-            full[name][index] = value.to(full[name].dtype)
-
-
-def add_rows(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor, index: torch.Tensor | None, k: int) -> None:
-    if key not in sums:
-        sums[key] = torch.zeros(k, device=value.device)
-    if index is None:
-        sums[key] += value.float()
-    else:
-        sums[key].index_add_(0, index, value.float())
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -408,24 +551,19 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def probe_client_bytes(plan: ClientPlan, data: FederatedData, *, seed: int, **settings: Any) -> int:
-    """Peak device memory of one client's eager step of its first stage (state, optimiser,
+    """Peak device memory of one client's eager first step of its first stage (state, optimiser,
     activations, gradients): what each further client of a vmapped group adds. The probe
-    has its own generators and changes nothing of the real round (CUDA only)."""
+    has its own generators and buffers and changes nothing of the real round (CUDA only)."""
     group = VectorizedGroup([plan], data, seed=seed, **{**settings, "step_mode": "eager"})
     stage = plan.stages[0]
-    state = {n: t.detach().clone().unsqueeze(0) for n, t in plan.start.items()}
-    opt = sgd_init({n: state[n] for n in stage.trainable}, stage.sgd)
-    adv_opt = sgd_init({n: state[n] for n in stage.adversary.trainable}, stage.adversary.sgd) if stage.adversary else {}
-    schedule = batch_schedule(data.client_sizes[plan.ctx.client_id], group.batch_size, 1, 1, False,
-                              group.batch_gens[0])
+    first = group.plan([replace(stage, epochs=1, steps=1)])[0].calls[0]
     device = data.device
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    batch = group.gather([0], 0, [schedule], stage)
-    group.stage_step(stage, state, opt, adv_opt, batch, None, True)
+    group.body(stage, 0, first)
     torch.cuda.synchronize(device)
-    return max(1, torch.cuda.max_memory_allocated(device) - base + sum(t.nbytes for t in state.values()))
+    return max(1, torch.cuda.max_memory_allocated(device) - base + sum(t.nbytes for t in plan.start.values()))
 
 
 # share of the free memory a vmapped group may take (the rest: the allocator's slack, evaluation)
@@ -453,6 +591,7 @@ def train_clients_vectorized(
     step_mode: str = "eager",
     log: Log | None = None,
     memo: dict[Any, int] | None = None,
+    cache: VectorizedCache | None = None,
 ) -> list[LocalResult]:
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
@@ -460,7 +599,8 @@ def train_clients_vectorized(
     free device memory (:func:`auto_chunk_size`), and a chunk that runs out of memory
     is retried in halves. Any chunking gives the same results. ``memo`` (kept by the
     caller across rounds) remembers the chunk size found for each group structure.
-    ``step_mode``: see :class:`VectorizedGroup`.
+    ``step_mode``: see :class:`VectorizedGroup`; ``cache`` (kept by the caller) keeps the
+    compiled calls (CUDA graphs) and their buffers for the next rounds.
     """
     plans = []
     for ctx in ctxs:
@@ -490,7 +630,7 @@ def train_clients_vectorized(
             chunk = members[start : start + size]
             try:
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
-                                      **settings).run()
+                                      cache=cache, **settings).run()
             except torch.cuda.OutOfMemoryError:
                 if len(chunk) == 1:
                     raise

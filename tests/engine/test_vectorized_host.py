@@ -1,0 +1,120 @@
+"""No host in the loop: the vectorised executor's steps only read device tensors.
+
+A round's schedule (every client's batch indices, augmentation and per-step draws)
+is drawn before the first step and moved to the device at once
+(:mod:`hetfl.engine.step_plan`); a step then does no host synchronisation and no
+copy from the host. Counted on the CPU with a dispatch mode that sees every ATen
+op the steps run, and on CUDA with ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.step_plan import bucket_width, split_steps
+from hetfl.engine.vectorized import CompiledCall, train_clients_vectorized
+from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
+
+# ops that wait for the device (a value read back to the host) or copy a host value to it
+HOST_OPS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
+            "aten.lift_fresh", "aten.lift_fresh_copy"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted_round(monkeypatch, steps: int, method: str, step_mode: str) -> tuple[Counter[str], int, float]:
+    """The ops that one round's steps ran (plan and results excluded), the steps taken, and the
+    most ops a call ran per step."""
+    counter = OpCounter()
+    original = CompiledCall.run
+    per_step: list[float] = []
+
+    def run_counted(self, call):
+        before = sum(counter.ops.values())
+        with counter:
+            out = original(self, call)
+        per_step.append((sum(counter.ops.values()) - before) / call.steps)
+        return out
+
+    monkeypatch.setattr(CompiledCall, "run", run_counted)
+    exp = Experiment(config.load(None, [*SYNTHETIC, f"algorithm.name={method}", f"train.local_steps={steps}",
+                                        "runtime.device=cpu"]))
+    ctxs = round_contexts(exp, exp.initial_server(), {}, 1)
+    results = train_clients_vectorized(exp.algorithm, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train,
+                                       step_mode=step_mode)
+    monkeypatch.setattr(CompiledCall, "run", original)
+    return counter.ops, sum(r.steps for r in results), max(per_step)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "scaffold", "mixup"])
+@pytest.mark.parametrize("step_mode", ["eager", "static"])
+def test_steps_never_wait_for_or_copy_from_the_host(monkeypatch, method, step_mode):
+    short, short_steps, per_step_short = counted_round(monkeypatch, 12, method, step_mode)
+    long, long_steps, per_step_long = counted_round(monkeypatch, 48, method, step_mode)
+    assert long_steps == 4 * short_steps
+    assert not {op: n for op, n in (short + long).items() if op in HOST_OPS}
+    # the work of a step does not grow with the steps: no call's steps cost more in the longer round
+    assert per_step_long <= per_step_short
+
+
+def test_the_old_per_step_host_path_is_what_the_counter_sees(monkeypatch):
+    """The counter catches a host copy: a row index made from a Python list in a step, as the
+    executor did before the round was planned."""
+    counter = OpCounter()
+    with counter:
+        torch.tensor([0, 2, 3], device="cpu")
+        torch.zeros(3).sum().item()
+    assert {"aten.lift_fresh", "aten._local_scalar_dense"} <= set(counter.ops)
+
+
+def test_block_widths_and_lengths_come_from_few_shapes():
+    assert [bucket_width(w, 20) for w in (1, 4, 5, 6, 19, 20)] == [1, 4, 6, 6, 20, 20]
+    assert all(bucket_width(w, 20) >= w and bucket_width(w, 20) - w < 3 for w in range(1, 21))
+    assert split_steps(13) == [8, 4, 1] and split_steps(40) == [16, 16, 8] and split_steps(0) == []
+    assert {len(split_steps(n)) for n in range(1, 17)} <= {1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("block_steps", [1, 3, 16])
+def test_any_block_length_gives_the_sequential_clients(monkeypatch, block_steps):
+    """Clients wait at a short batch until their block ends: any block length keeps each client's order."""
+    from hetfl.engine import step_plan
+
+    monkeypatch.setattr(step_plan, "BLOCK_STEPS", block_steps)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedprox", "train.momentum=0.9",
+                                        "runtime.device=cpu"]))
+    compare_one_round(exp, step_mode="static")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("step_mode", ["eager", "graph"])
+def test_cuda_steps_do_not_synchronise(monkeypatch, step_mode):
+    """On a GPU: every step after a call shape's first (capture and its check may read back) runs
+    under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising op."""
+    original = CompiledCall.run
+
+    def run_strict(self, call):
+        if not self.eager and not self.built:
+            return original(self, call)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, call)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(CompiledCall, "run", run_strict)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedavg", "runtime.device=cuda"]))
+    compare_one_round(exp, step_mode=step_mode)
