@@ -52,7 +52,7 @@ def test_every_method_static_step_equals_sequential(method, compiled_runs):
 
 def test_static_calls_pad_shrinking_blocks_with_the_scratch_row(compiled_runs):
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.9"]))
-    compare_one_round(exp, step_mode="static", chunk_size=7)
+    compare_one_round(exp, step_mode="static")  # 30 clients: widths above 4 rounded to multiples of 4
     assert compiled_runs["blocks"] > 0 and compiled_runs["padded"] > 0
 
 
@@ -262,3 +262,13 @@ def test_cuda_graph_steps_equal_sequential_on_cuda(method):
     notes: list[str] = []
     compare_one_round(exp, step_mode="graph", notes=notes)
     assert not [n for n in notes if "capture failed" in n or "disagrees" in n], notes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", available())
+def test_every_method_vectorises_on_cuda_as_on_the_cpu(method):
+    """No method falls back to sequential clients on a GPU (compare_one_round fails on a
+    "falling back" note), and its vmapped clients equal its sequential ones there."""
+    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "runtime.device=cuda", *steps]))
+    compare_one_round(exp, step_mode="eager")

@@ -300,7 +300,9 @@ class FedPAC(Algorithm):
         has = ctx.payload[HAS_CENTROID].unsqueeze(1) > 0
         target = torch.where(has, ctx.payload[CENTROIDS], own_means)
         align = float(ctx.payload[HAS_CENTROID].sum() > 0)
-        return {"h": h, "v": torch.tensor(v), "target": target, "align": torch.tensor(align)}
+        device = feats.device  # on the training device, like every tensor a step reads
+        return {"h": h.to(device), "v": torch.tensor(v, device=device), "target": target.to(device),
+                "align": torch.tensor(align, device=device)}
 
     def alignment_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, logits = self.model.features_and_logits(state, batch.x)

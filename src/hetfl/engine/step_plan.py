@@ -101,6 +101,31 @@ class _HostBatch:
     draws: Tensors
 
 
+@dataclass
+class _Row:
+    """One client's batches of a stage, in order: ``order[j]`` is ``("full", i)`` (row ``i`` of the
+    stacked full batches) or ``("short", batch)``."""
+
+    order: list[tuple[str, object]]
+    full_idx: torch.Tensor  # [full batches, batch_size]
+    full_augment: torch.Tensor | None  # [full batches, 3, batch_size]
+    full_draws: Tensors  # each [full batches, ...]
+
+    def batch(self, j: int) -> _HostBatch:
+        kind, what = self.order[j]
+        if kind == "short":
+            return what  # type: ignore[return-value]
+        i = int(what)  # type: ignore[call-overload]
+        return _HostBatch(self.full_idx[i], None if self.full_augment is None else self.full_augment[i],
+                          {n: d[i] for n, d in self.full_draws.items()})
+
+    def is_full(self, j: int) -> bool:
+        return j < len(self.order) and self.order[j][0] == "full"
+
+    def full_index(self, j: int) -> int:
+        return int(self.order[j][1])  # type: ignore[call-overload]
+
+
 class _Packer:
     """Collects host tensors and moves them to the device in one copy per dtype."""
 
@@ -151,69 +176,98 @@ def plan_round(
     packer = _Packer()
     layouts = []
     for stage in stages:
-        batches: list[list[_HostBatch]] = []
+        rows = []
         for r in range(k):
             schedule = batch_schedule(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, batch_gens[r])
-            row = []
-            for local in schedule:
-                augment = augment_draws(len(local), augment_gens[r])
-                draws = {} if stage.draws is None else stage.draws(draw_gens[r], len(local))
-                row.append(_HostBatch(global_indices(clients[r], local), augment, draws))
-            batches.append(row)
-        layouts.append(_layout(batches, k, batch_size, block_steps, packer))
+            rows.append(_row(schedule, global_indices(clients[r], torch.cat(schedule)) if schedule else None,
+                             batch_size, stage, augment_gens[r], draw_gens[r], augment_draws))
+        layouts.append(_layout(rows, k, batch_size, block_steps, packer))
     view = packer.to(device)
     return [StagePlan([_device_call(c, view) for c in calls], steps) for calls, steps in layouts]
+
+
+def _row(schedule: list[torch.Tensor], flat_global: torch.Tensor | None, batch_size: int, stage: Stage,
+         augment_gen: torch.Generator, draw_gen: torch.Generator,
+         augment_draws: Callable[[int, torch.Generator], torch.Tensor | None]) -> _Row:
+    """A client's batches with their draws, each drawn batch by batch in the sequential executor's order."""
+    order: list[tuple[str, object]] = []
+    full_idx, full_aug, full_draws = [], [], []
+    start = 0
+    for local in schedule:
+        n = len(local)
+        idx = flat_global[start : start + n]  # type: ignore[index]
+        start += n
+        augment = augment_draws(n, augment_gen)
+        draws = {} if stage.draws is None else stage.draws(draw_gen, n)
+        if n == batch_size:
+            order.append(("full", len(full_idx)))
+            full_idx.append(idx)
+            full_aug.append(augment)
+            full_draws.append(draws)
+        else:
+            order.append(("short", _HostBatch(idx, augment, draws)))
+    return _Row(
+        order,
+        torch.stack(full_idx) if full_idx else torch.zeros(0, batch_size, dtype=torch.long),
+        torch.stack(full_aug) if full_aug and full_aug[0] is not None else None,  # type: ignore[arg-type]
+        {n: torch.stack([d[n] for d in full_draws]) for n in full_draws[0]} if full_draws else {},
+    )
 
 
 @dataclass
 class _HostCall:
     first: bool
     size: int
-    slots: list[list[tuple[int, _HostBatch]]]  # per step: (row, batch) of the active rows
+    steps: int
     width: int
+    # (row, first batch, batches taken): the row's column is its place in this list
+    members: list[tuple[int, _Row, int, int]]
     all_rows: bool = False
     packed: dict[str, int] = field(default_factory=dict)
 
 
-def _layout(batches: list[list[_HostBatch]], k: int, batch_size: int, block_steps: int, packer: _Packer):
+def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer: _Packer):
     """The calls of one stage (see the module docstring), packed into ``packer``."""
     pos = [0] * k
     calls: list[_HostCall] = []
 
-    def head(r: int) -> _HostBatch | None:
-        return batches[r][pos[r]] if pos[r] < len(batches[r]) else None
-
-    def by_size(rows: list[int], first: bool) -> None:
+    def singles(members: list[int], first: bool) -> None:
+        """One step of each of ``members`` (its next batch), one call per batch size."""
         groups: dict[int, list[int]] = {}
-        for r in rows:
-            groups.setdefault(len(head(r).idx), []).append(r)  # type: ignore[union-attr]
-        for size, members in groups.items():
-            slot = [(r, head(r)) for r in members]
-            calls.append(_HostCall(first, size, [slot], len(members), members == list(range(k))))  # type: ignore[arg-type]
-            for r in members:
+        for r in members:
+            groups.setdefault(len(rows[r].batch(pos[r]).idx), []).append(r)
+        for size, group in groups.items():
+            calls.append(_HostCall(first, size, 1, len(group), [(r, rows[r], pos[r], 1) for r in group],
+                                   group == list(range(k))))
+            for r in group:
                 pos[r] += 1
 
-    by_size([r for r in range(k) if head(r) is not None], first=True)
+    singles([r for r in range(k) if pos[r] < len(rows[r].order)], first=True)
     while True:
-        slots = []
-        while len(slots) < block_steps:
-            active = [r for r in range(k) if (b := head(r)) is not None and len(b.idx) == batch_size]
-            if not active:
-                break
-            slots.append([(r, head(r)) for r in active])
-            for r in active:
-                pos[r] += 1
-        start = 0
-        for part in split_steps(len(slots), block_steps):
-            block = slots[start : start + part]
-            start += part
-            width = bucket_width(max(len(s) for s in block), k)
-            all_rows = width == k and all(len(s) == k for s in block)
-            calls.append(_HostCall(False, batch_size, block, width, all_rows))  # type: ignore[arg-type]
-        waiting = [r for r in range(k) if (b := head(r)) is not None and len(b.idx) < batch_size]
-        if not slots and not waiting:
+        active = [r for r in range(k) if rows[r].is_full(pos[r])]
+        if active:  # a block: while the active rows stay in one width bucket
+            bucket = bucket_width(len(active), k)
+            start = {r: pos[r] for r in active}
+            taken = dict.fromkeys(active, 0)
+            steps, going = 0, active
+            while steps < block_steps and going and bucket_width(len(going), k) == bucket:
+                for r in going:
+                    taken[r] += 1
+                    pos[r] += 1
+                steps += 1
+                going = [r for r in going if rows[r].is_full(pos[r])]
+            first_step = 0
+            for part in split_steps(steps, block_steps):
+                members = [(r, rows[r], start[r] + first_step, min(part, taken[r] - first_step))
+                           for r in active if taken[r] > first_step]
+                width = bucket_width(len(members), k)
+                all_rows = width == k and all(n == part for *_, n in members)
+                calls.append(_HostCall(False, batch_size, part, width, members, all_rows))
+                first_step += part
+        waiting = [r for r in range(k) if pos[r] < len(rows[r].order) and not rows[r].is_full(pos[r])]
+        if not active and not waiting:
             break
-        by_size(waiting, first=False)
+        singles(waiting, first=False)
     for call in calls:
         _pack(call, k, packer)
     return calls, pos
@@ -221,21 +275,30 @@ def _layout(batches: list[list[_HostBatch]], k: int, batch_size: int, block_step
 
 def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
     """The call's rows, indices, augmentation and draws as step-major tensors, padded to its width
-    with the scratch row ``k`` (sample 0, zero offsets, zero draws)."""
-    steps, width, size = len(call.slots), call.width, call.size
+    with the scratch row ``k`` (sample 0, zero offsets, zero draws). A block's member takes its
+    full batches ``first .. first + taken - 1`` in its column, one slice each."""
+    steps, width, size = call.steps, call.width, call.size
     rows = torch.full((steps, width), k, dtype=torch.long)
     idx = torch.zeros(steps, width, size, dtype=torch.long)
-    some = call.slots[0][0][1]
-    augment = None if some.augment is None else torch.zeros(steps, 3, width, size, dtype=torch.long)
-    draws = {n: torch.zeros(steps, width, *d.shape, dtype=d.dtype) for n, d in some.draws.items()}
-    for s, slot in enumerate(call.slots):
-        for w, (r, b) in enumerate(slot):
-            rows[s, w] = r
-            idx[s, w] = b.idx
+    sample = call.members[0][1].batch(call.members[0][2])
+    augment = None if sample.augment is None else torch.zeros(steps, 3, width, size, dtype=torch.long)
+    draws = {n: torch.zeros(steps, width, *d.shape, dtype=d.dtype) for n, d in sample.draws.items()}
+    for col, (r, row, first, taken) in enumerate(call.members):
+        rows[:taken, col] = r
+        if call.steps == 1 and taken == 1:  # a single step (first, or a short batch)
+            b = row.batch(first)
+            idx[0, col] = b.idx
             if augment is not None:
-                augment[s, :, w] = b.augment
+                augment[0, :, col] = b.augment
             for n, d in b.draws.items():
-                draws[n][s, w] = d
+                draws[n][0, col] = d
+            continue
+        a, z = row.full_index(first), row.full_index(first) + taken
+        idx[:taken, col] = row.full_idx[a:z]
+        if augment is not None:
+            augment[:taken, :, col] = row.full_augment[a:z]  # type: ignore[index]
+        for n, d in row.full_draws.items():
+            draws[n][:taken, col] = d[a:z]
     if not call.all_rows:
         call.packed["rows"] = packer.add(rows)
     call.packed["idx"] = packer.add(idx)
@@ -248,7 +311,7 @@ def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
 def _device_call(call: _HostCall, view: Callable[[int], torch.Tensor]) -> Call:
     p = call.packed
     return Call(
-        first=call.first, steps=len(call.slots), width=call.width, size=call.size,
+        first=call.first, steps=call.steps, width=call.width, size=call.size,
         rows=view(p["rows"]) if "rows" in p else None,
         idx=view(p["idx"]),
         augment=view(p["augment"]) if "augment" in p else None,

@@ -144,8 +144,8 @@ class GroupBuffers:
     loss and metrics. Kept across rounds (for the compiled steps that read them) and loaded
     with a round's values by :meth:`load`."""
 
-    def __init__(self, plans: list[ClientPlan]) -> None:
-        self.k = len(plans)
+    def __init__(self, plans: list[ClientPlan], device: torch.device) -> None:
+        self.k, self.device = len(plans), device
         ctxs = [p.ctx for p in plans]
         self.state = self._rows([p.start for p in plans])
         self.payload, self.payload_dims = self._shared_or_rows([c.payload for c in ctxs])
@@ -155,20 +155,19 @@ class GroupBuffers:
         self.opt = [sgd_init({n: self.state[n] for n in s.trainable}, s.sgd) for s in stages]
         self.adv_opt = [sgd_init({n: self.state[n] for n in s.adversary.trainable}, s.adversary.sgd)
                         if s.adversary else {} for s in stages]
-        device = next(iter(self.state.values())).device
         self.sums: dict[str, torch.Tensor] = {"": torch.zeros(self.k + 1, device=device)}  # "" = the loss
 
-    @staticmethod
-    def _rows(dicts: Sequence[Tensors]) -> Tensors:
-        """Per-client tensors stacked, with the first client's repeated as the scratch row."""
-        return {n: torch.stack([*(d[n].detach() for d in dicts), dicts[0][n].detach()]) for n in dicts[0]}
+    def _rows(self, dicts: Sequence[Tensors]) -> Tensors:
+        """Per-client tensors stacked on the training device (a method's scalar made on the CPU too:
+        a step indexes these with device rows), the first client's repeated as the scratch row."""
+        return {n: torch.stack([*(d[n].detach() for d in dicts), dicts[0][n].detach()]).to(self.device)
+                for n in dicts[0]}
 
-    @classmethod
-    def _shared_or_rows(cls, dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
+    def _shared_or_rows(self, dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
         """As :func:`batch_dicts`, with the scratch row; a tensor every client shares stays one copy."""
-        shared, dims = batch_dicts(dicts)
-        rows = cls._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts]) if dicts else {}
-        return {n: shared[n].clone() if dims[n] is None else rows[n] for n in dims}, dims
+        _, dims = batch_dicts(dicts)
+        rows = self._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts])
+        return {n: dicts[0][n].detach().clone() if dims[n] is None else rows[n] for n in dims}, dims
 
     def fits(self, plans: list[ClientPlan]) -> bool:
         """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
@@ -251,7 +250,7 @@ class VectorizedGroup:
                 kept.load(self.plans)
                 return kept
             self.cache.programs = {k: v for k, v in self.cache.programs.items() if k[0] != self.key}
-        made = GroupBuffers(self.plans)
+        made = GroupBuffers(self.plans, self.data.device)
         if self.cache is not None:
             self.cache.buffers[self.key] = made
         return made
