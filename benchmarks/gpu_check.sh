@@ -19,7 +19,7 @@ if [[ $WHAT == quick || $WHAT == all ]]; then
   timeout 240 python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 --clients 20 \
     --batch-sizes 10 64 --out "$OUT/results" 2>&1 | tail -8
   timeout 60 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
-  timeout 150 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 --budget-s 130 \
+  timeout 150 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 --budget-s ${CCVR_BUDGET_S:-130} \
     --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
 fi
 if [[ $WHAT == suite || $WHAT == all ]]; then
