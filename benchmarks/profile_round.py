@@ -76,7 +76,7 @@ def main() -> None:
         f"{args.local_epochs} epoch(s) on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
         f"`python benchmarks/profile_round.py --model {args.model} --clients {args.clients} --batch-size "
         f"{args.batch_size} --local-epochs {args.local_epochs} --variant {args.variant}`", "",
-        "| round wall (ms) | samples/s | graph replays | host syncs (ms) | HtoD copies | kernel launches outside graphs "
+        "| round wall (ms) | samples/s | graph replays | host syncs (ms) | HtoD copies | launches outside graphs "
         "| GPU busy |",
         "|---|---|---|---|---|---|---|",
         f"| {wall * 1e3:.0f} | {samples / wall:,.0f} | {replays} | {syncs} ({sync_ms:.0f}) | {h2d} | {launches} | "

@@ -6,9 +6,10 @@
 (b) hetfl's sequential executor; (c) hetfl's vectorised executor (on a CPU it
     trains clients one at a time: see ``vmap_cpu_profile.py``), and (c') the same
     with the clients vmapped anyway (``runtime.vmap_on_cpu``; only on a CPU);
-    On CUDA, (c) also runs with each stage's steady-state step captured as a CUDA
-    graph (``runtime.cuda_graph``: "graph") and with that in bfloat16 autocast
-    ("graph_bf16"); c/a, c/b and c/d use the fastest of the vectorised variants.
+    On CUDA, (c) also runs with its steps captured as CUDA graphs (``runtime.cuda_graph``:
+    "graph"), with that in bfloat16 autocast ("graph_bf16"), and that with NCHW image
+    batches instead of channels-last (``runtime.channels_last = false``: "graph_bf16_nchw");
+    c/a, c/b and c/d use the fastest of the vectorised variants.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation).
 
@@ -156,6 +157,7 @@ def main() -> None:
                 elif not args.no_graph:
                     variants["graph"] = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
                     variants["graph_bf16"] = [*variants["graph"], "train.precision=bf16"]
+                    variants["graph_bf16_nchw"] = [*variants["graph_bf16"], "runtime.channels_last=false"]
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
                     res[name] = hetfl_round(exp)
@@ -210,7 +212,7 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "vmap": "(c') vmap on CPU", "graph": "(c) + CUDA graph", "graph_bf16": "(c) + graph, bf16",
            "ceiling": "(d) ceiling"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
-VECTORIZED = ("vectorized", "graph", "graph_bf16")
+VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_nchw")
 
 
 if __name__ == "__main__":

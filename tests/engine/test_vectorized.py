@@ -138,3 +138,35 @@ def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_say
     seq, vec = ((tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("seq", "vec"))
     assert [{k: v for k, v in json.loads(x).items() if k not in drop} for x in seq] == \
         [{k: v for k, v in json.loads(x).items() if k not in drop} for x in vec]
+
+
+@needs_shared_data
+@pytest.mark.parametrize(("model", "options"), [("cnn2", "{}"), ("resnet18", "{norm = \"gn\"}")])
+def test_channels_last_batches_give_the_nchw_clients(model, options):
+    """Image batches laid out channels-last for cuDNN (runtime.channels_last) hold the same values:
+    the clients equal those trained on NCHW batches to float rounding. (ResNet-18 with BatchNorm on
+    batches of 16 amplifies a convolution's other summation order to 1e-3 within two steps, as the
+    executor comparisons above note; one BatchNorm step agrees to 1e-7 in either layout.)"""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=32", "data.num_clients=3", f"model.name={model}", f"model.options={options}",
+        "train.batch_size=16", "train.local_steps=2", "train.lr=0.01", "train.momentum=0.9",
+        "runtime.progress=false", "algorithm.name=fedavg", "runtime.device=cpu",
+    ]))
+    server = exp.initial_server()
+    runs = [train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=0,
+                                     train_cfg=exp.cfg.train, channels_last=layout) for layout in (False, True)]
+    for a, b in zip(*runs, strict=True):
+        for name in a.state:
+            diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
+            assert diff <= 1e-4, f"{name} differs by {diff}"  # the tolerance of the executor tests (rounding)
+
+
+def test_the_channels_last_copy_is_the_grouped_convolutions_nhwc_layout():
+    from hetfl.engine.vectorized import channels_last_for_vmap
+
+    x = torch.randn(4, 5, 3, 8, 8)  # clients, batch, C, H, W
+    y = channels_last_for_vmap(x)
+    assert torch.equal(x, y)
+    folded = y.movedim(0, 1).reshape(5, 4 * 3, 8, 8)  # what vmap's grouped convolution sees: no copy
+    assert folded.data_ptr() == y.data_ptr() and folded.is_contiguous(memory_format=torch.channels_last)

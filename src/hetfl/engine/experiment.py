@@ -411,14 +411,16 @@ class Experiment:
             self.note("vectorized: clients are trained one at a time on the CPU, which is faster there than vmap "
                       "(set runtime.vmap_on_cpu = true to vmap them anyway)", reporter)
         if self.vmap_clients:
-            graph = cfg.runtime.cuda_graph and self.data.device.type == "cuda"
+            on_cuda = self.data.device.type == "cuda"
+            graph = cfg.runtime.cuda_graph and on_cuda
             if cfg.runtime.cuda_graph and not graph:
                 self.note("vectorized: runtime.cuda_graph applies on a CUDA device only; steps run eagerly", reporter)
             results = train_clients_vectorized(self.algorithm, ctxs, self.data, seed=cfg.seed, train_cfg=cfg.train,
                                                chunk_size=cfg.runtime.chunk_size,
                                                step_mode="graph" if graph else "eager",
                                                log=lambda message: self.note(message, reporter),
-                                               memo=self.chunk_sizes, cache=self.vectorized_cache)
+                                               memo=self.chunk_sizes, cache=self.vectorized_cache,
+                                               channels_last=cfg.runtime.channels_last and on_cuda)
             for _ in results:
                 reporter.client_done()
             return results

@@ -199,6 +199,18 @@ class GroupBuffers:
         return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums]
 
 
+def channels_last_for_vmap(x: torch.Tensor) -> torch.Tensor:
+    """Images ``[clients, batch, C, H, W]`` stored so that a vmapped convolution sees them in the
+    channels-last layout cuDNN prefers (its tensor-core kernels work in NHWC; an NCHW input is
+    converted there and back at every convolution).
+
+    ``vmap`` runs a convolution of per-client weights as one grouped convolution, with the
+    clients folded into the channels: ``[batch, clients * C, H, W]``. That view is channels-last
+    when memory holds ``[batch, H, W, clients, C]``: this function copies ``x`` into that order
+    and returns the same logical tensor (equal values; only the strides differ)."""
+    return x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
+
+
 class VectorizedGroup:
     """Clients with one stage structure and tensor shapes, trained together.
 
@@ -222,6 +234,7 @@ class VectorizedGroup:
         self, plans: list[ClientPlan], data: FederatedData, *, seed: int, batch_size: int, drop_last: bool,
         max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32", step_mode: str = "eager",
         log: Log | None = None, cache: VectorizedCache | None = None, block_steps: int | None = None,
+        channels_last: bool = False,
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
@@ -230,6 +243,7 @@ class VectorizedGroup:
         self.plans, self.data, self.model_buffers, self.precision = plans, data, buffers, precision
         self.batch_size, self.drop_last, self.max_grad_norm = batch_size, drop_last, max_grad_norm
         self.step_mode, self.log = step_mode, log
+        self.channels_last = channels_last and len(data.info.input_shape) == 3
         self.block_steps = step_plan.BLOCK_STEPS if block_steps is None else block_steps
         ctxs = [p.ctx for p in plans]
         self.clients = [c.client_id for c in ctxs]
@@ -291,7 +305,8 @@ class VectorizedGroup:
         b = self.buffers
         width, size = idx.shape
         flat = self.data.batch_at(idx.reshape(-1), None if augment is None else augment.reshape(3, -1))
-        batch = Batch(flat.x.view(width, size, *flat.x.shape[1:]), flat.y.view(width, size), draws)
+        x = flat.x.view(width, size, *flat.x.shape[1:])
+        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, flat.y.view(width, size), draws)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[:width] if rows is None else t.index_select(0, rows)
@@ -591,6 +606,7 @@ def train_clients_vectorized(
     log: Log | None = None,
     memo: dict[Any, int] | None = None,
     cache: VectorizedCache | None = None,
+    channels_last: bool = False,
 ) -> list[LocalResult]:
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
@@ -629,7 +645,7 @@ def train_clients_vectorized(
             chunk = members[start : start + size]
             try:
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
-                                      cache=cache, **settings).run()
+                                      cache=cache, channels_last=channels_last, **settings).run()
             except torch.cuda.OutOfMemoryError:
                 if len(chunk) == 1:
                     raise
