@@ -105,8 +105,8 @@ class RuntimeConfig:
                                           "graph (one launch per step), checked against an eager step once; "
                                           "falls back to eager steps with a logged reason")
     channels_last: bool = setting(
-        True, doc="vectorized on CUDA: image batches in the channels-last layout cuDNN prefers (the same values; "
-                  "see benchmarks/results/throughput_cuda.md)")
+        False, doc="vectorized on CUDA: image batches laid out channels-last for cuDNN (the same values; off: "
+                   "measured 7-15% slower on an H100 with cnn2, benchmarks/results/throughput_cuda.md)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
