@@ -53,7 +53,7 @@ def test_invalid_budgets_are_refused(epsilon, delta, releases):
 
 
 def test_accountant_is_named_with_its_version():
-    assert accountant_name().startswith("dp-accounting ") and "PLD" in accountant_name()
+    assert accountant_name().startswith("dp-accounting ") and "analytic Gaussian" in accountant_name()
 
 
 def test_clip_rows_bounds_norms_and_keeps_short_rows():

@@ -40,6 +40,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             ReportError)
 
 
+def _calibration_errors() -> tuple[type[Exception], ...]:
+    """Exception types of a calibration on non-finite statistics (exit code 1, with the message)."""
+    from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
+
+    return (NonFiniteStatistics,)
+
+
 # ----------------------------------------------------------------- progress
 class RichReporter:
     """Progress bars for rounds and clients, and a summary table at the end."""
@@ -495,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"hetfl: error: {err}", file=sys.stderr)
         return 2
+    except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
+        print(f"hetfl: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("hetfl: interrupted; continue with `hetfl run --resume DIR`", file=sys.stderr)
         return 130

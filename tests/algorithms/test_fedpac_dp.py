@@ -91,11 +91,10 @@ def test_the_budget_composes_over_the_rounds_and_is_reported():
     assert "not h_i" in info["dp_covers"] and info["dp_accountant"].startswith("dp-accounting")
     z = algo.mechanism.multiplier
     assert server.extra[DP_RELEASES].tolist() == [pytest.approx(2 * z)] * 3  # the sum of 4 local noises: 2z
-    # three uploads of four in a round with distributed noise: less noise in that round's sum
-    shared = build_algorithm("fedpac", {"dp_epsilon": 2.0, "dp_noise": "distributed"}, setup)
-    s = shared.aggregate(shared.init_server(initial_state(setup)), _uploads(shared, server, _data())[:3], 1)
-    assert s.extra[DP_RELEASES].tolist() == [pytest.approx(shared.mechanism.multiplier * math.sqrt(3 / 4))]
-    assert epsilon_spent(s.extra[DP_RELEASES].tolist(), 1e-5) < 2.0  # one of three planned releases
+    # three uploads of four in a round: their sum carries three local noises; each upload still the whole noise
+    s = algo.aggregate(algo.init_server(initial_state(setup)), _uploads(algo, server, _data())[:3], 1)
+    assert s.extra[DP_RELEASES].tolist() == [pytest.approx(z * math.sqrt(3))]
+    assert epsilon_spent([z], 1e-5) < 2.0  # one of three planned releases
 
 
 def test_without_privacy_nothing_changes():

@@ -36,6 +36,7 @@ from torch.func import functional_call
 
 from hetfl.optim import SGDConfig
 from hetfl.params import ConfigError
+from hetfl.privacy import Release
 
 Tensors = dict[str, torch.Tensor]
 
@@ -342,7 +343,43 @@ def check_model_parts(method: str, model: Any, groups: Mapping[str, Sequence[str
                                                     f"models that fit this data (with their default options): {fits}")
 
 
-class Algorithm:
+class PrivateReleases:
+    """Hooks of a method (trainer or post-hoc step) that makes differentially private releases, for the
+    run's privacy ledger (``hetfl.engine.ledger``): the engine records each release durably before the
+    server uses it, then hands the method the multipliers of the releases made before it, so that what
+    the method reports spent counts every release the server ever received (a resumed run's too).
+
+    A method that releases sets ``dp_releases_key`` (the server-state extra that lists its releases'
+    multipliers) and implements :meth:`dp_release`; the rest is generic."""
+
+    dp_releases_key: ClassVar[str | None] = None
+
+    def dp_release(self, received: Any) -> Release | None:
+        """The release in what the server just received (a step's replies, a round's uploads); None: none."""
+        return None
+
+    def dp_recorded(self, server: ServerState) -> list[float]:
+        """The multipliers of the releases ``server`` (e.g. a checkpoint's state) accounts for."""
+        key = self.dp_releases_key
+        return [] if key is None or key not in server.extra else [float(z) for z in server.extra[key].tolist()]
+
+    def dp_with_past(self, server: ServerState, multipliers: list[float]) -> ServerState:
+        """``server`` accounting for exactly ``multipliers``: the releases made before the one at hand."""
+        key = self.dp_releases_key
+        if key is None:
+            return server
+        extra = {k: v for k, v in server.extra.items() if k != key}
+        if multipliers:
+            extra[key] = torch.tensor(multipliers, dtype=torch.float64)
+        return ServerState(model=server.model, extra=extra)
+
+    def privacy_notice(self) -> str | None:
+        """What the server sees of the method's private uploads, when the headline epsilon does not say it
+        (shown as the run's first line); None: nothing to add."""
+        return None
+
+
+class Algorithm(PrivateReleases):
     """Base class: FedAvg behaviour at every hook; methods override a few.
 
     Subclasses set ``name``, ``Hyper`` (a frozen dataclass of settings built

@@ -46,10 +46,19 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import HeadTransform, ServerState, Setup, Tensors, register_head_transform
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
-from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, MomentsMechanism, nearest_psd, noise_generator
+from hetfl.algorithms.dp_moments import (
+    NOISE_MODES,
+    NOISE_SOURCES,
+    MomentsMechanism,
+    check_settings,
+    nearest_psd,
+    noise_generator,
+    nonfinite_bounds,
+)
 from hetfl.algorithms.gaussian_stats import (
     ClassMoments,
     ClassStats,
+    NonFiniteStatistics,
     class_moments,
     sample_gaussian,
     stats_from_moments,
@@ -57,7 +66,7 @@ from hetfl.algorithms.gaussian_stats import (
 )
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
 from hetfl.params import ConfigError, setting
-from hetfl.privacy import accountant_name, clip_rows, require_accountant
+from hetfl.privacy import Release, accountant_name, clip_rows, release_digest, require_accountant
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 DP_RELEASES = "ccvr/dp_multipliers"  # server extra: the noise multiplier of each release's sum so far
@@ -129,6 +138,11 @@ class CCVRHyper:
                                    doc="seed: noise from the run's seed (reproducible simulations); os: from the "
                                        "operating system (deployments)")
 
+    def check(self, prefix: str) -> None:
+        """The budget within the accountant's accepted range and a clip norm whose square is a finite float
+        (:func:`hetfl.algorithms.dp_moments.check_settings`): refused while the settings are read."""
+        check_settings(prefix, self.dp_epsilon, self.dp_delta, self.clip_norm, with_outer=True)
+
 
 def virtual_counts(pooled: ClassStats, num_virtual: int, proportional: bool) -> torch.Tensor:
     """M_c per class: fixed, or proportional to N_c; zero for classes with N_c < 2."""
@@ -144,6 +158,7 @@ class CCVR(PostHoc):
     name = "ccvr"
     Hyper = CCVRHyper
     citation = "Luo et al., NeurIPS 2021"
+    dp_releases_key = DP_RELEASES
 
     def __init__(self, hyper: CCVRHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
@@ -156,6 +171,23 @@ class CCVR(PostHoc):
                 require_accountant()
             except ImportError as err:
                 raise ConfigError("algorithm.ccvr.dp_epsilon", hyper.dp_epsilon, str(err)) from None
+        if setup is not None:  # built without a federation only to read the step's settings (secure_sum.check_config)
+            self.check_derived_bounds()
+
+    def check_derived_bounds(self) -> None:
+        """The bounds that follow from ``clip_norm`` (the noise's standard deviations, the public reply bounds
+        of secure aggregation) must be finite: a ConfigError naming ``algorithm.ccvr.clip_norm`` otherwise,
+        at set-up (``clip_norm = 1e300`` once overflowed ``C^2`` into NaN covariances and a run that exited 0)."""
+        bounds: dict[str, float] = {}
+        if self.mechanism is not None:
+            bounds.update({f"noise std of {k}": v for k, v in self.mechanism.upload_std().items()})
+        if self.mechanism is not None or self.setup.secure_aggregation:
+            bounds.update({f"reply bound of {k}": v for k, v in self.reply_bounds().items()})
+        bad = nonfinite_bounds(bounds)
+        if bad:
+            raise ConfigError("algorithm.ccvr.clip_norm", self.hp.clip_norm,
+                              f"the derived {', '.join(bad)} are not finite; choose a clip norm near the features' "
+                              "norms (e.g. 10 for MNIST's MLP)")
 
     @property
     def private(self) -> bool:
@@ -220,6 +252,42 @@ class CCVR(PostHoc):
             bounds = {k: v + 8.0 * std[k] for k, v in bounds.items()}
         return bounds
 
+    def dp_release(self, received: Replies) -> Release | None:
+        """The release the server got in a statistics round under differential privacy: the multiplier of the
+        noise in the sum of the uploads it got, and the digest of what it got (for the run's ledger)."""
+        if self.mechanism is None:
+            return None
+        if isinstance(received, SummedReplies):
+            named = [(f"sum/{k}", received.total[k]) for k in sorted(received.total)]
+            named.append(("clients", torch.tensor(received.clients, dtype=torch.int64)))
+        else:
+            named = [(f"{c}/{k}", received[c][k]) for c in sorted(received) for k in sorted(received[c])]
+        return Release(self.mechanism.sum_multiplier(_summed_clients(received)), release_digest(named),
+                       self.hp.dp_noise_source)
+
+    def server_sees(self) -> str:
+        """What the server receives of the private statistics, in words (``privacy.server_sees``)."""
+        if self.setup.secure_aggregation:
+            return "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces"
+        if self.hp.dp_noise == "local":
+            return "each upload, each carrying the whole noise: epsilon is the guarantee of every upload"
+        return ("each upload (no secure aggregation), with 1/sqrt(clients) of the noise: the guarantee it faces "
+                "is epsilon_per_upload; epsilon holds for the sum alone")
+
+    def privacy_notice(self) -> str | None:
+        """Without secure aggregation, the guarantee a server that sees every upload faces (the run's first
+        line): with distributed noise, far weaker than the headline epsilon, which holds for the sum."""
+        if self.mechanism is None or self.setup.secure_aggregation:
+            return None
+        per_upload = self.mechanism.guarantee([self.mechanism.sum_multiplier(self.setup.num_clients)]
+                                              * self.mechanism.releases)["dp_epsilon_per_upload"]
+        if self.hp.dp_noise == "local":
+            return (f"privacy: without secure aggregation the server sees each client's upload; each is "
+                    f"({per_upload:.3g}, {self.hp.dp_delta:g})-DP on its own (algorithm.ccvr.dp_noise = 'local')")
+        return (f"privacy: algorithm.ccvr.dp_epsilon = {self.hp.dp_epsilon:g} holds for the SUM of the uploads only; "
+                f"without secure aggregation the server sees each upload, at epsilon {per_upload:.3g} per upload "
+                "(set runtime.secure_aggregation = true, or algorithm.ccvr.dp_noise = 'local')")
+
     def summed_moments(self, replies: Replies) -> ClassMoments:
         """The sum of the clients' moments: added here, or (secure aggregation) already summed."""
         if isinstance(replies, SummedReplies):
@@ -230,8 +298,11 @@ class CCVR(PostHoc):
         """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments
         (under differential privacy, noisy: covariances repaired by :func:`nearest_psd`)."""
         pooled = stats_from_moments(self.summed_moments(replies))
+        check_finite("the pooled per-class counts, means and covariances",
+                     pooled.counts, pooled.means, pooled.covs)
         if self.mechanism is not None:
             pooled.covs, self.psd_removed = nearest_psd(pooled.covs)
+            check_finite("the covariances after the PSD repair", pooled.covs)
         return pooled
 
     def virtual_features(
@@ -292,7 +363,9 @@ class CCVR(PostHoc):
             model[FEATURE_BETA] = torch.tensor(self.hp.tukey_beta, device=weight.device)
         training = ClassifierTraining(self.hp.epochs, self.hp.lr, self.hp.momentum, self.hp.weight_decay,
                                       self.hp.batch_size)
+        check_finite("the virtual features", virtual)
         w, b = retrain_classifier(weight, model.get("classifier.bias"), virtual, torch.cat(labels), training, gen)
+        check_finite("the re-trained classifier", w, *([] if b is None else [b]))
         model["classifier.weight"] = w
         if b is not None:
             model["classifier.bias"] = b
@@ -304,14 +377,30 @@ class CCVR(PostHoc):
         server state, so that a resumed run accounts for the releases before it)."""
         if self.mechanism is None:
             return {}
-        summed = len(replies.clients) if isinstance(replies, SummedReplies) else len(replies)
+        summed = _summed_clients(replies)
         before = server.extra.get(DP_RELEASES)
         multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
         return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
                 "dp_secure_aggregation": self.setup.secure_aggregation,
                 "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates",
                 "dp_psd_removed": self.psd_removed, "dp_summed_clients": summed,
+                "dp_server_sees": self.server_sees(),
                 "_dp_multipliers": multipliers}
+
+
+def check_finite(what: str, *tensors: torch.Tensor) -> None:
+    """A calibration whose statistics are not finite fails loudly (:class:`NonFiniteStatistics`), instead of
+    re-training the classifier on NaN and reporting a ruined model with exit 0."""
+    if all(bool(torch.isfinite(t).all()) for t in tensors):
+        return
+    raise NonFiniteStatistics(f"CCVR's calibration: {what} are not finite (inf or NaN); the features overflowed "
+                              "(check algorithm.ccvr.clip_norm and the training's train_loss in metrics.jsonl); "
+                              "nothing was calibrated")
+
+
+def _summed_clients(replies: Replies) -> int:
+    """How many clients' uploads the server's sum holds."""
+    return len(replies.clients) if isinstance(replies, SummedReplies) else len(replies)
 
 
 def _moments(dense: Tensors) -> ClassMoments:

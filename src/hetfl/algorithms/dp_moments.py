@@ -39,11 +39,34 @@ from dataclasses import dataclass
 import torch
 
 from hetfl.algorithms.gaussian_stats import ClassMoments, class_moments
-from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier, symmetric_noise
+from hetfl.params import ConfigError
+from hetfl.privacy import budget_problem, clip_rows, epsilon_spent, noise_multiplier, symmetric_noise
 from hetfl.rng import method_generator
 
 NOISE_MODES = ("distributed", "local")
 NOISE_SOURCES = ("seed", "os")
+
+
+def check_settings(prefix: str, epsilon: float, delta: float, clip_norm: float, *, with_outer: bool) -> None:
+    """Refuse, naming the key (``prefix`` + its name), a budget outside the accountant's accepted range
+    (:func:`hetfl.privacy.budget_problem`; ``epsilon = inf`` is no privacy and passes) and a clip norm whose
+    powers in the statistics (``C``, and ``C^2`` for outer products) are not finite floats: a ConfigError
+    raised while the settings are read, before any work."""
+    if math.isfinite(epsilon):
+        problem = budget_problem(epsilon, delta)
+        if problem:
+            name, value, allowed = problem
+            raise ConfigError(f"{prefix}dp_{name}", value, allowed)
+    scale = clip_norm * clip_norm if with_outer else clip_norm
+    if not math.isfinite(scale):
+        power = "clip_norm^2 (the outer products' bound)" if with_outer else "clip_norm"
+        raise ConfigError(f"{prefix}clip_norm", clip_norm, f"{power} is not a finite float64; "
+                          f"must be at most {math.sqrt(torch.finfo(torch.float64).max) if with_outer else 1e300:.3g}")
+
+
+def nonfinite_bounds(bounds: dict[str, float]) -> list[str]:
+    """The names of the bounds (upload noise or reply bounds, by tensor) that are not finite."""
+    return [name for name, value in bounds.items() if not math.isfinite(value)]
 
 
 @dataclass(frozen=True)

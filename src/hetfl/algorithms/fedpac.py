@@ -88,11 +88,12 @@ Remaining departures from the paper and the authors' code:
 Differential privacy (``dp_epsilon`` finite; not in the paper): the additive uploads, per-class counts
 and feature sums, go through the Gaussian mechanism of :mod:`hetfl.algorithms.dp_moments` (features
 clipped to ``clip_norm``; sensitivity sqrt(2) per sample: count and sum / C), every round, with the
-budget split over the run's rounds (a client may take part in each). By default each upload carries
-the whole noise (``dp_noise = "local"``): FedPAC's uploads are not securely aggregated, so the server
-sees each of them. A class's noisy total count must exceed three standard deviations of the summed
-count noise for the class to get a global centroid (an absent class would otherwise get a centroid of
-pure noise divided by a count near zero); clients align to their own means otherwise. The guarantee
+budget split over the run's rounds (a client may take part in each). Each upload carries the whole
+noise (``dp_noise = "local"``; "distributed" is refused): FedPAC's uploads are never securely
+aggregated, so the server sees each of them. A class's noisy total count must exceed three standard
+deviations of the summed count noise for the class to get a global centroid (an absent class would
+otherwise get a centroid of pure noise divided by a count near zero); clients align to their own means
+otherwise. The guarantee
 covers these statistics only: ``h_i``, ``v_i`` (computed from the same features), the classifiers and
 the encoder go up unprotected, so FedPAC under DP is not a private method, and the metrics line
 says so (``dp_covers``).
@@ -121,10 +122,18 @@ from hetfl.algorithms.base import (
     Upload,
     weighted_mean,
 )
-from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, MomentsMechanism, noise_generator
+from hetfl.algorithms.dp_moments import (
+    NOISE_MODES,
+    NOISE_SOURCES,
+    MomentsMechanism,
+    check_settings,
+    noise_generator,
+    nonfinite_bounds,
+)
+from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
 from hetfl.params import ConfigError, setting
-from hetfl.privacy import accountant_name, require_accountant
+from hetfl.privacy import Release, accountant_name, release_digest, require_accountant
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
 COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
@@ -159,10 +168,21 @@ class FedPACHyper:
                                 doc="differential privacy of the centroid statistics over the run (inf = none)")
     dp_delta: float = setting(1e-5, gt=0.0, lt=1.0, doc="differential privacy: delta")
     dp_noise: str = setting("local", choices=NOISE_MODES,
-                            doc="local: each upload carries the whole noise (the server sees each); distributed: "
-                                "the round's uploads share it (protects only the sums sent back to clients)")
+                            doc="local: each upload carries the whole noise (the server sees each); distributed "
+                                "is refused: FedPAC's uploads are never securely aggregated")
     dp_noise_source: str = setting("seed", choices=NOISE_SOURCES,
                                    doc="seed: noise from the run's seed (simulations); os: from the operating system")
+
+    def check(self, prefix: str) -> None:
+        """The budget within the accountant's accepted range, a finite clip norm, and no distributed noise:
+        FedPAC's uploads are never securely aggregated, so the server sees each one, with ``1/sqrt(m)`` of
+        the noise a distributed budget puts in their sum (epsilon 33.7 per upload for a headline 4)."""
+        check_settings(prefix, self.dp_epsilon, self.dp_delta, self.clip_norm, with_outer=False)
+        if math.isfinite(self.dp_epsilon) and self.dp_noise == "distributed":
+            raise ConfigError(f"{prefix}dp_noise", self.dp_noise,
+                              "FedPAC's uploads are never securely aggregated: the server sees each one, and "
+                              "distributed noise would protect only their sum; use 'local' (each upload carries "
+                              "the whole noise and is (dp_epsilon, dp_delta)-DP on its own)")
 
 
 def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +262,7 @@ class FedPAC(Algorithm):
     citation = "Xu et al., ICLR 2023"
     personalized = True
     model_requires = ("encoder",)  # feature alignment trains the encoder, apart from the classifier
+    dp_releases_key = DP_RELEASES
 
     def __init__(self, hyper: FedPACHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
@@ -250,6 +271,10 @@ class FedPAC(Algorithm):
                 require_accountant()
             except ImportError as err:
                 raise ConfigError("algorithm.dp_epsilon", hyper.dp_epsilon, str(err)) from None
+            bad = nonfinite_bounds({f"noise std of {k}": v for k, v in self.mechanism.upload_std().items()})
+            if bad:  # refused at set-up, as the keys' own ranges are
+                raise ConfigError("algorithm.clip_norm", hyper.clip_norm, f"the derived {', '.join(bad)} are not "
+                                  "finite; choose a clip norm near the features' norms")
 
     @functools.cached_property
     def mechanism(self) -> MomentsMechanism | None:
@@ -337,6 +362,14 @@ class FedPAC(Algorithm):
         upload.update({COUNTS: counts, CENTROID_SUMS: sums, "fedpac.h": ctx.extras["h"], "fedpac.v": ctx.extras["v"]})
         return upload, {OWN_HEAD + n: local[n] for n in self.head_names}
 
+    def dp_release(self, received: list[Upload]) -> Release | None:
+        """The round's release (under differential privacy): the multiplier of the noise in the sum of the
+        counts and feature sums the server got, and the digest of what it got (for the run's ledger)."""
+        if self.mechanism is None:
+            return None
+        named = [(f"{u.client_id}/{k}", u.tensors[k]) for u in received for k in (COUNTS, CENTROID_SUMS)]
+        return Release(self.mechanism.sum_multiplier(len(received)), release_digest(named), self.hp.dp_noise_source)
+
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
         model = dict(server.model)  # the shared model: FedAvg's size-weighted mean (integer buffers: max)
         model.update(weighted_mean([{n: u.tensors[n] for n in self.model.state_names} for u in uploads],
@@ -345,6 +378,9 @@ class FedPAC(Algorithm):
         centroids, has = global_centroids([u.tensors[COUNTS] for u in uploads],
                                           [u.tensors[CENTROID_SUMS] for u in uploads])
         if self.mechanism is not None:  # a noisy total near zero is no class: its "centroid" would be noise / ~0
+            if not bool(torch.isfinite(centroids).all()):
+                raise NonFiniteStatistics(f"FedPAC round {round}: the private centroids are not finite (inf or NaN): "
+                                          "the features overflowed (check algorithm.clip_norm and train_loss)")
             noise_std = self.mechanism.upload_std()["counts"] * math.sqrt(len(uploads))
             has = has & (torch.stack([u.tensors[COUNTS] for u in uploads]).sum(0) > 3.0 * noise_std)
             before = server.extra.get(DP_RELEASES)

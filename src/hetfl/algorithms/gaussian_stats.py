@@ -24,6 +24,11 @@ from dataclasses import dataclass
 import torch
 
 
+class NonFiniteStatistics(ArithmeticError):
+    """Statistics a calibration would use are not finite (overflowed or NaN features): the run stops with
+    this error (exit 1) rather than calibrating a model on them and reporting it as a result."""
+
+
 @dataclass
 class ClassStats:
     """Per-class statistics: ``counts [C]``, ``means [C, d]``, ``covs [C, d, d]`` (float64).

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import NoHyper, ServerState, Setup, Tensors
+from hetfl.algorithms.base import NoHyper, PrivateReleases, ServerState, Setup, Tensors
 from hetfl.rng import torch_generator
 
 
@@ -45,7 +45,7 @@ class SummedReplies:
 Replies = Mapping[int, Tensors] | SummedReplies  # replies by client, or (secure aggregation) their sum
 
 
-class PostHoc:
+class PostHoc(PrivateReleases):
     """Base class of post-hoc steps. ``every_round`` steps also run after each round.
 
     ``needs_global_model``: the step works on the server's single global model (its

@@ -7,7 +7,8 @@ picked above the engine (:mod:`hetfl.runtimes`).
 The run directory contract (DESIGN.md): ``config.toml`` (resolved config),
 ``metrics.jsonl`` (one line per round, of a size that does not grow with the
 clients), ``client_metrics.jsonl`` (each client's accuracy on evaluated rounds),
-``summary.json``, and ``checkpoint.safetensors`` for ``hetfl run --resume``.
+``summary.json``, and ``checkpoint.safetensors`` for ``hetfl run --resume``; a run with differential
+privacy also ``privacy_ledger.json`` (:mod:`hetfl.engine.ledger`: each release, recorded before it is used).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hetfl.algorithms.base import (
     Batch,
     ClientContext,
     ModelCaller,
+    PrivateReleases,
     ServerState,
     Setup,
     Tensors,
@@ -50,6 +52,7 @@ from hetfl.engine.checkpoint import (
 from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracy_and_loss
 from hetfl.engine.federation import Federation, InProcessFederation
+from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.local import LocalResult, run_stages, train_client
 from hetfl.engine.messages import nbytes
 from hetfl.engine.rundir import (
@@ -139,6 +142,7 @@ class Experiment:
         self.federation: Federation = InProcessFederation(self)
         # where the numbers are also sent (hetfl.tracking: TensorBoard, MLflow); set for the run by run_locked
         self.tracker: tracking.Tracking = tracking.NO_TRACKING
+        self.ledger: PrivacyLedger | None = None  # the run directory's privacy ledger, opened by run_locked
 
     # --------------------------------------------------------------- pieces
     def initial_server(self) -> ServerState:
@@ -234,6 +238,7 @@ class Experiment:
                                   f"({'; '.join(changed[:5])})")
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
+        self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
         start = ckpt.round if ckpt else 0
         tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
@@ -242,6 +247,45 @@ class Experiment:
                 atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
             with tracker.session(cfg, run_dir, metrics_log.history) as self.tracker:
                 return self.round_loop(run_dir, ckpt, metrics_log, reporter)
+
+    def releasing_methods(self) -> list[PrivateReleases]:
+        """The trainer and the post-hoc steps: those whose releases the privacy ledger records."""
+        return [self.algorithm, *self.posthoc]
+
+    def open_ledger(self, run_dir: Path, ckpt: Checkpoint | None, reporter: Reporter) -> PrivacyLedger:
+        """The run directory's privacy ledger, checked against the checkpoint (a RunDirError if it lost releases
+        the checkpoint accounts for); releases made after the checkpoint are named: seeded ones will be
+        replayed, those with operating-system noise cannot be and count again."""
+        ledger = PrivacyLedger(run_dir)
+        for method in self.releasing_methods():
+            recorded = method.dp_recorded(ckpt.server) if ckpt else []
+            ledger.check_covers(method.name, recorded)
+            lost = ledger.after(method.name, len(recorded))
+            fresh = [e for e in lost if e.noise_source != "seed"]
+            if fresh:
+                rounds = ", ".join(str(e.round) for e in fresh)
+                self.note(f"privacy: {len(fresh)} release(s) of {method.name} (round(s) {rounds}) reached the server "
+                          "after the last checkpoint; their noise came from the operating system, so the rounds "
+                          "run again release fresh noise and every release counts: the epsilon reported "
+                          "(summary.json privacy.epsilon) will exceed the target", reporter)
+        return ledger
+
+    def account_release(self, method: PrivateReleases, received: Any, round_: int, server: ServerState) -> ServerState:
+        """Record the differentially private release in what the server just ``received`` (if any) in the
+        ledger, durably, before the server uses it; ``server`` then accounts for every earlier release."""
+        release = method.dp_release(received)
+        if release is None:
+            return server
+        if self.ledger is None:  # the pieces driven without run(): a ledger kept in memory only
+            self.ledger = PrivacyLedger()
+        released_before = self.ledger.released(method.name, round_)
+        count = len(self.ledger.entries)
+        before = self.ledger.record(method.name, round_, release)
+        if released_before and len(self.ledger.entries) > count:
+            logging.getLogger("hetfl").warning(
+                f"privacy: {method.name} released round {round_} again and it differs from the release the ledger "
+                f"holds (noise source {release.noise_source!r}): both count in the epsilon reported")
+        return method.dp_with_past(server, before)
 
     def finished(self, run_dir: Path, ckpt: Checkpoint | None, reporter: Reporter) -> dict[str, Any]:
         """A resumed run that has its summary: check its history, say so, and return the summary
@@ -276,6 +320,10 @@ class Experiment:
         start = ckpt.round if ckpt else 0
         wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
         history = metrics_log.history
+        for method in self.releasing_methods():  # what the server sees of private uploads: the run's first line
+            notice = method.privacy_notice()
+            if notice:
+                self.note(notice, reporter)
         reporter.start(cfg, start, self)
         for round_ in range(start + 1, cfg.train.rounds + 1):
             t0 = time.perf_counter()
@@ -374,6 +422,7 @@ class Experiment:
                 line[f"global_acc_before_{step.name}"] = acc
             raw = without_feature_transforms(server.model)
             replies = self.federation.posthoc_replies(step, raw, round_)
+            server = self.account_release(step, replies, round_, server)
             if isinstance(replies, SummedReplies):  # secure aggregation: each client uploaded its masked vector
                 line["bytes_up"] += getattr(replies, "bytes_per_client", 0) * len(replies.clients)
                 line["secagg_clients"] = len(replies.clients)
@@ -446,7 +495,7 @@ class Experiment:
                                   {"loss": u.loss_sum / max(u.steps, 1)}))
             loss_sum += u.loss_sum
             steps_total += u.steps
-        new_server = algo.aggregate(server, uploads, round_)
+        new_server = algo.aggregate(self.account_release(algo, uploads, round_, server), uploads, round_)
         return {
             **algo.round_info(new_server, uploads, round_),
             "round": round_,

@@ -1,0 +1,133 @@
+"""The privacy ledger: ``privacy_ledger.json`` in a run directory, every differentially private release
+the server received, recorded durably BEFORE the server uses it.
+
+Why. A checkpoint is taken every ``runtime.checkpoint_every`` rounds; a run killed between a release
+and the next checkpoint is resumed from the checkpoint and makes the lost rounds' releases again. The
+server saw the first ones: with noise from the operating system (``dp_noise_source = "os"``) the new
+releases carry fresh noise and spend budget again (10 releases where 8 were planned: epsilon 4.55 for a
+target of 4), which a budget kept only in the checkpoint would not count.
+
+What. One entry per release, in the order the server received them: the method's name, the round,
+the noise multiplier the method accounts it with, the noise source and a SHA-256 digest of what the
+server received (:class:`hetfl.privacy.Release`). The file is rewritten whole for each release
+(temporary file, fsync, rename, fsync of the folder), so a kill at any moment leaves the previous or
+the new ledger, and a release is on disk before its result is used.
+
+How a resumed run accounts. A release identical (same method, round and digest) to one in the ledger
+is a *replay*: seeded noise on the same data gives the same numbers, which reveal nothing new; it is
+not recorded again, and the run's numbers stay those of an uninterrupted run. Any other release is
+appended, and every entry counts: a method reports, with each release, the budget of all the ledger's
+releases of that method up to it, so the reported epsilon is never below what the server received.
+The checkpoint's own list is checked against the ledger when a run resumes: a ledger missing or
+shorter than the checkpoint's releases cannot say what was spent, and the resume is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hetfl.engine.checkpoint import atomic_write_text
+from hetfl.engine.rundir import RunDirError
+from hetfl.privacy import Release
+
+LEDGER_NAME = "privacy_ledger.json"
+LEDGER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One release in the ledger."""
+
+    method: str
+    round: int
+    multiplier: float
+    noise_source: str
+    digest: str
+
+
+class PrivacyLedger:
+    """``privacy_ledger.json`` of one run directory (created by the first release; none for a run without
+    differential privacy); ``run_dir = None``: a ledger kept in memory (pieces of a run driven by hand)."""
+
+    def __init__(self, run_dir: Path | None = None) -> None:
+        self.path = None if run_dir is None else Path(run_dir) / LEDGER_NAME
+        self.entries: list[Entry] = read_entries(self.path) if self.path and self.path.exists() else []
+
+    def multipliers(self, method: str) -> list[float]:
+        """The multipliers of every release of ``method`` in the ledger, in order."""
+        return [e.multiplier for e in self.entries if e.method == method]
+
+    def released(self, method: str, round_: int) -> bool:
+        """Whether the ledger holds a release of ``method`` in round ``round_`` (a resumed run's lost round)."""
+        return any(e.method == method and e.round == round_ for e in self.entries)
+
+    def record(self, method: str, round_: int, release: Release) -> list[float]:
+        """Record ``release`` (durably, before the caller uses it) unless it replays one already in the ledger;
+        returns the multipliers of the releases of ``method`` before it in the ledger (what it adds to)."""
+        entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest)
+        if entry in self.entries:  # a replay: the very numbers the server already received
+            position = self.entries.index(entry)
+        else:
+            position = len(self.entries)
+            self.entries.append(entry)
+            self.write()
+        return [e.multiplier for e in self.entries[:position] if e.method == method]
+
+    def after(self, method: str, recorded: int) -> list[Entry]:
+        """The releases of ``method`` after the first ``recorded`` (those a checkpoint accounting for
+        ``recorded`` releases does not know of: made after it, before the run stopped)."""
+        return [e for e in self.entries if e.method == method][recorded:]
+
+    def check_covers(self, method: str, recorded: list[float]) -> None:
+        """A RunDirError unless the ledger starts with the releases a checkpoint accounts for (``recorded``,
+        the multipliers in its server state): a ledger that lost them cannot say what was spent."""
+        mine = self.multipliers(method)
+        if len(mine) < len(recorded) or any(not math.isclose(a, b, rel_tol=1e-12)
+                                            for a, b in zip(mine, recorded, strict=False)):
+            raise RunDirError(f"{self.path}: the checkpoint accounts for {len(recorded)} differentially private "
+                              f"release(s) of {method} but the privacy ledger holds {len(mine)} matching ones; "
+                              "without it the budget spent cannot be known, so the run is not resumed "
+                              "(start a new run)")
+
+    def write(self) -> None:
+        """The whole ledger, atomically and durably (temporary file, fsync, rename, fsync of the folder)."""
+        if self.path is None:
+            return
+        doc = {"version": LEDGER_VERSION, "releases": [asdict(e) for e in self.entries]}
+        atomic_write_text(self.path, json.dumps(doc, indent=1) + "\n")
+        fsync_folder(self.path.parent)
+
+
+def read_entries(path: Path) -> list[Entry]:
+    """The entries of a ledger file; a RunDirError naming the file if it cannot be read as one."""
+    try:
+        doc: Any = json.loads(path.read_text())
+        if doc.get("version") != LEDGER_VERSION:
+            raise ValueError(f"version {doc.get('version')!r}, expected {LEDGER_VERSION}")
+        return [Entry(str(e["method"]), int(e["round"]), float(e["multiplier"]), str(e["noise_source"]),
+                      str(e["digest"])) for e in doc["releases"]]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise RunDirError(f"{path}: not a readable privacy ledger ({err}); the budget spent cannot be "
+                          "known, so the run is not resumed") from None
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["LEDGER_NAME", "Entry", "PrivacyLedger"]
