@@ -34,7 +34,7 @@ import torch
 
 VARIANTS = {
     "sequential": ["runtime.executor=sequential"],
-    "vectorized": ["runtime.executor=vectorized"],
+    "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
 }

@@ -25,7 +25,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.summary import Reporter
 
 VARIANTS = {
-    "vectorized": ["runtime.executor=vectorized"],
+    "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
 }

@@ -151,7 +151,7 @@ def main() -> None:
                         f"data.augment={args.augment}"]
                 res = {}
                 variants = {"sequential": ["runtime.executor=sequential"],
-                            "vectorized": ["runtime.executor=vectorized"]}
+                            "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"]}
                 if device == "cpu":
                     variants["vmap"] = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
                 elif not args.no_graph:

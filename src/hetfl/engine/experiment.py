@@ -462,8 +462,6 @@ class Experiment:
         if self.vmap_clients:
             on_cuda = self.data.device.type == "cuda"
             graph = cfg.runtime.cuda_graph and on_cuda
-            if cfg.runtime.cuda_graph and not graph:
-                self.note("vectorized: runtime.cuda_graph applies on a CUDA device only; steps run eagerly", reporter)
             results = train_clients_vectorized(self.algorithm, ctxs, self.data, seed=cfg.seed, train_cfg=cfg.train,
                                                chunk_size=cfg.runtime.chunk_size,
                                                step_mode="graph" if graph else "eager",

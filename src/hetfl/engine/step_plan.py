@@ -24,7 +24,10 @@ A client's own steps stay in its order, so each client's result equals the
 sequential executor's; clients that have finished drop out of the blocks (their
 width shrinks), so no computation is spent on them beyond the width's rounding
 (:func:`bucket_width`), which keeps the number of distinct call shapes (and of
-CUDA graphs) small.
+CUDA graphs) small. The executor orders a group's clients by size, largest first:
+then in one-epoch rounds the clients still training are always the first rows, a
+block's rows are a prefix that its steps slice (no gather, no scatter, no
+padding), and its width is exact.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Call:
     """``steps`` consecutive steps of ``width`` rows with batches of ``size`` samples.
 
     Device tensors, step-major: ``rows`` ``[steps, width]`` (row indices into the
-    stacked states; None: rows ``0..width-1`` in order at every step), ``idx``
+    stacked states; None: rows ``0..width-1`` at every step, which a step reads and
+    writes as views, without gathering), ``idx``
     ``[steps, width, size]`` (indices into the training set), ``augment``
     ``[steps, 3, width, size]`` (crop offsets and flip, or None) and ``draws``
     (each ``[steps, width, ...]``: the stage's per-step random numbers).
@@ -222,7 +226,7 @@ class _HostCall:
     width: int
     # (row, first batch, batches taken): the row's column is its place in this list
     members: list[tuple[int, _Row, int, int]]
-    all_rows: bool = False
+    prefix: bool = False  # the members are rows 0..width-1, each at every step: no row index needed
     packed: dict[str, int] = field(default_factory=dict)
 
 
@@ -238,7 +242,7 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
             groups.setdefault(len(rows[r].batch(pos[r]).idx), []).append(r)
         for size, group in groups.items():
             calls.append(_HostCall(first, size, 1, len(group), [(r, rows[r], pos[r], 1) for r in group],
-                                   group == list(range(k))))
+                                   group == list(range(len(group)))))
             for r in group:
                 pos[r] += 1
 
@@ -260,9 +264,10 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
             for part in split_steps(steps, block_steps):
                 members = [(r, rows[r], start[r] + first_step, min(part, taken[r] - first_step))
                            for r in active if taken[r] > first_step]
-                width = bucket_width(len(members), k)
-                all_rows = width == k and all(n == part for *_, n in members)
-                calls.append(_HostCall(False, batch_size, part, width, members, all_rows))
+                prefix = [m[0] for m in members] == list(range(len(members))) and all(
+                    n == part for *_, n in members)
+                width = len(members) if prefix else bucket_width(len(members), k)
+                calls.append(_HostCall(False, batch_size, part, width, members, prefix))
                 first_step += part
         waiting = [r for r in range(k) if pos[r] < len(rows[r].order) and not rows[r].is_full(pos[r])]
         if not active and not waiting:
@@ -299,7 +304,7 @@ def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
             augment[:taken, :, col] = row.full_augment[a:z]  # type: ignore[index]
         for n, d in row.full_draws.items():
             draws[n][:taken, col] = d[a:z]
-    if not call.all_rows:
+    if not call.prefix:
         call.packed["rows"] = packer.add(rows)
     call.packed["idx"] = packer.add(idx)
     if augment is not None:

@@ -632,6 +632,8 @@ def train_clients_vectorized(
                 "precision": getattr(train_cfg, "precision", "fp32")}
     memo = {} if memo is None else memo
     for key, members in groups.items():
+        # largest clients first: the rows still training are then a prefix (hetfl.engine.step_plan)
+        members.sort(key=lambda i: -data.client_sizes[plans[i].ctx.client_id])
         if chunk_size:
             size = chunk_size
         elif key in memo:
