@@ -57,6 +57,15 @@ HISTORY_KEY = "metrics_history"
 CLIENT_METRICS_NAME = "client_metrics.jsonl"
 CLIENT_RECORD_KEY = "client_metrics"
 HASH_CHUNK = 1 << 20
+#: every name hetfl itself writes at the top of a run directory: the run's files (config.toml, the logs, the
+#: summary, the checkpoint, its lock), tracking's record and TensorBoard folder (hetfl.tracking), the saved
+#: client models, the Flower simulation's node state (hetfl.flower.protocol.NODES_DIR), and what ``hetfl
+#: analyze`` and ``hetfl report`` add (``analysis/``, ``report/``). Named here, below the modules that own them
+#: (tests check the names match): ``overwrite=True`` deletes these and nothing else.
+RUN_ENTRIES = frozenset({
+    "config.toml", "metrics.jsonl", CLIENT_METRICS_NAME, "summary.json", "checkpoint.safetensors", LOCK_NAME,
+    "tracking.json", "tensorboard", "client_models", "flower_nodes", "analysis", "report",
+})
 LINE_DIGEST_CHARS = 16  # a 64-bit prefix of each line's SHA-256: enough to tell an edited line
 
 log = logging.getLogger("hetfl")
@@ -273,6 +282,17 @@ def check_no_run(run_dir: Path) -> None:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise RunDirError(f"{run_dir} already holds a run or other files ({shown}); continue it with "
                           f"`hetfl run --resume {run_dir}` (library: resume=True) or use another directory")
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether hetfl wrote a run directory entry of this name (:data:`RUN_ENTRIES`, or the temporary file
+    of an atomic write, ``.NAME.XXXX.tmp``)."""
+    return name in RUN_ENTRIES or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names at the top of ``run_dir`` that hetfl did not write (the user's files), sorted."""
+    return sorted(p.name for p in run_dir.iterdir() if not is_run_entry(p.name))
 
 
 def remove_temp_files(run_dir: Path) -> None:
