@@ -340,7 +340,8 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
       ``resume=True`` (``status == "resumed"``), else a RunDirError saying so;
     - a run of another configuration, or files that are no run: a RunDirError naming the differing keys;
     - ``overwrite=True``: a folder holding a hetfl run (or nothing) is cleared of hetfl's files first and the
-      run computed again; any other folder, or one holding files hetfl did not write, is refused, never deleted. Cannot be combined with ``resume=True``.
+      run computed again; any other folder, or one holding files hetfl did not write, is refused, never
+      deleted. Cannot be combined with ``resume=True``.
 
     To continue an interrupted run from its own configuration:
     ``hetfl.run("DIR/config.toml", out="DIR", resume=True)``.

@@ -17,12 +17,19 @@ from flwr.app import Context, Error, Message, RecordDict
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.client_app import app as client_app
-from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
 
 SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
          "train.local_steps=10", "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
 DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+@pytest.fixture(autouse=True)
+def trusted_state_roots(tmp_path, monkeypatch):
+    """The in-process nodes keep client state where the server says, under ``tmp_path``, as the simulation's
+    nodes do under the run folders (their environment trusts them: hetfl.flower.node.state_root)."""
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
 
 
 class LoopbackGrid:

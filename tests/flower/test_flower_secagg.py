@@ -25,7 +25,7 @@ from hetfl.algorithms.base import without_feature_transforms
 from hetfl.engine import secure_sum
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.client_app import app as client_app
-from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
 from tests.flower.test_flower_logic import LoopbackGrid
 
@@ -35,6 +35,13 @@ BASE = ["algorithm.name=fedavg+ccvr", "data.partition=dirichlet", "train.rounds=
         "train.local_steps=5", "algorithm.ccvr.epochs=1", "model.options={hidden = [16]}", "runtime.progress=false",
         "runtime.threads=1", "runtime.secure_aggregation=true"]
 DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+@pytest.fixture(autouse=True)
+def trusted_state_roots(tmp_path, monkeypatch):
+    """The in-process nodes keep client state where the server says, under ``tmp_path``, as the simulation's
+    nodes do under the run folders (their environment trusts them: hetfl.flower.node.state_root)."""
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
 
 
 class WireGrid(LoopbackGrid):
