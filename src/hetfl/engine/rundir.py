@@ -4,7 +4,9 @@
 ``fcntl.flock`` on that file, which holds ``{"pid", "host", "started"}`` of the holder so that a
 refused process can name it. The kernel drops a flock when its process dies however it dies
 (SIGKILL included), so a lock file left by a crash is recognised as stale (its flock is free),
-taken over and logged; the file is removed on every normal exit, exceptions and Ctrl-C included.
+taken over and logged; the file is removed on every normal exit, exceptions, Ctrl-C and SIGTERM included
+(while a run holds its lock in the main thread, SIGTERM raises :class:`Terminated`, a KeyboardInterrupt, unless
+the program has a SIGTERM handler of its own).
 A lock file written on another host whose flock is free is refused, not taken over: a flock
 may not reach across hosts on a network file system, and hetfl cannot see whether that process
 still runs. The lock is re-entrant within one process (the Flower simulation's ServerApp thread
@@ -34,6 +36,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -74,6 +77,11 @@ log = logging.getLogger("hetfl")
 class RunDirError(ValueError):
     """The output directory cannot be used (in use by another process, holds another run,
     nothing to resume, a damaged history); the CLI exits with code 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """The process was sent SIGTERM while it held a run directory: raised in the main thread so that the run
+    ends as on Ctrl-C (its lock file removed, trackers closed, exit 130 from the CLI, resumable)."""
 
 
 # ------------------------------------------------------------------ lock
@@ -249,12 +257,31 @@ def lock_run_dir(run_dir: Path) -> Iterator[bool]:
     with _held_guard:
         _held[key] = _Held(fd, 1)
     try:
-        remove_temp_files(run_dir)
-        yield True
+        with _sigterm_as_interrupt():
+            remove_temp_files(run_dir)
+            yield True
     finally:
         with _held_guard:
             del _held[key]
         _release(run_dir, fd, created)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` for the ``with`` block, when this is the main thread and the program
+    left SIGTERM to its default (which would end the process with no ``finally`` run, leaving the lock file)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_unlocked(run_dir: Path) -> None:
