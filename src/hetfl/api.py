@@ -46,6 +46,7 @@ from hetfl import tables
 from hetfl.config import RunConfig
 from hetfl.engine import identity
 from hetfl.params import ConfigError
+from hetfl.sweeps import MAX_RUNS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -385,7 +386,8 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
 # ----------------------------------------------------------------- compare
 def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[list[str]], RunConfig], out: Path,
                    target: float | None, *, progress: bool | None, console: Console | None,
-                   option: str = "--out", grid: Mapping[str, list[Any]] | None = None) -> CompareResult:
+                   option: str = "--out", grid: Mapping[str, list[Any]] | None = None,
+                   max_runs: int | None = MAX_RUNS) -> CompareResult:
     """Every method x seed into ``out/<method>-seed<k>`` (with a ``grid``: every method x grid cell x seed
     into ``out/<method>/<cell>/seed<k>``, see :mod:`hetfl.sweeps`), then ``comparison.md`` and
     ``comparison.csv``, one row per method (and cell) (``hetfl compare``, :func:`compare`, :func:`hetfl.sweep`).
@@ -396,12 +398,13 @@ def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[li
     ``run k of n (...): about M min left`` before each run (None: silent). Every configuration and
     every folder is checked before any run starts: a folder holding a finished run of the same resolved
     configuration is reused, an interrupted one resumed, another configuration is a RunDirError naming
-    the keys (``option`` names the argument to change)."""
+    the keys (``option`` names the argument to change). ``max_runs``: a plan of more runs is refused before
+    any is configured (None: no limit; ``hetfl compare --yes``)."""
     from hetfl.report import with_curves
     from hetfl.sweeps import check_grid, run_plan
 
     return with_curves(run_plan(methods, seeds, check_grid(grid), configure, out, target, progress=progress,
-                                console=console, option=option))  # + curves.png, linked from comparison.md
+                                console=console, option=option, max_runs=max_runs))  # + curves.png, in comparison.md
 
 
 def _method_list(methods: str | Sequence[str]) -> list[str]:
