@@ -85,8 +85,9 @@ def test_a_nodes_privacy_floor_wins_over_the_servers_settings():
     step = node.runtime(weak, ctx).posthoc[0]
     assert (step.hp.dp_epsilon, step.hp.dp_delta, step.hp.dp_noise_source) == (2.0, 1e-6, "os")
 
-    off = server_config("algorithm.name=fedavg+ccvr")  # the server switched privacy off: the node's floor holds
-    assert node.runtime(off, ctx).posthoc[0].hp.dp_epsilon == 2.0
+    off = server_config("algorithm.name=fedavg+ccvr")  # the server switched privacy off: the node refuses
+    with pytest.raises(NodeError, match=r"algorithm\.ccvr\.dp_epsilon = inf"):
+        node.runtime(off, ctx)
 
     strict = server_config("algorithm.name=fedpac", "model.options={hidden = [8]}", "algorithm.dp_epsilon=0.5")
     assert node.runtime(strict, ctx).algorithm.hp.dp_epsilon == 0.5  # a stricter server setting is kept
@@ -101,4 +102,5 @@ def test_a_node_that_requires_privacy_refuses_a_method_without_it():
                                             ("dp-noise-source", "dice")])
 def test_a_bad_node_privacy_setting_is_named(key, value):
     with pytest.raises(NodeError, match=key):
-        node.runtime(server_config("algorithm.name=fedavg+ccvr"), context(**{key: value}))
+        node.runtime(server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8"),
+                     context(**{key: value}))

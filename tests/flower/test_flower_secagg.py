@@ -184,3 +184,17 @@ def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_pa
 
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([z * (9 / 10) ** 0.5], 1e-5))
     assert privacy["epsilon"] > 4.0
+
+
+def test_a_nodes_privacy_floor_encodes_its_reply_on_the_servers_grid(tmp_path, monkeypatch):
+    """Issue 26, item 12: a node whose dp-epsilon floor is stricter than the server's adds more noise, but
+    encodes its reply with the public bounds of the server's settings, which the server decodes the sum with."""
+    seen = []
+    encode = secure_sum.encode
+    monkeypatch.setattr(secure_sum, "encode",
+                        lambda dense, bounds, levels: seen.append(dict(bounds)) or encode(dense, bounds, levels))
+    grid = WireGrid(4)
+    grid.contexts[grid.ids[1]].node_config["dp-epsilon"] = 2.0
+    exp, _ = federation(grid, [*BASE, "data.num_clients=4", "algorithm.ccvr.dp_epsilon=8"], tmp_path / "r")
+    exp.run(tmp_path / "r")
+    assert len(seen) == 4 and all(bounds == exp.posthoc[0].reply_bounds() for bounds in seen), seen

@@ -15,8 +15,8 @@ client's persistent state, needed to resume a deployed run of a stateful method)
 this node's differentially private releases may spend: the smaller of the node's and the
 server's setting is used), ``dp-noise-source`` (``os`` or ``seed``: the node's choice wins; a
 node that does not want the server to know its noise sets ``os``). A node with a floor refuses
-a method that releases nothing under differential privacy. The server's accounting then bounds
-what such a node spends from above.
+a method that releases nothing under differential privacy, or a run with it switched off. The
+server's accounting then bounds what such a node spends from above.
 
 What the node does not take from the server: paths. Client state is written only inside the
 node's own ``state-dir``; the run and session names in a message must be plain hexadecimal
@@ -127,7 +127,9 @@ def privacy_floor(node_config: Any) -> dict[str, Any]:
 def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
     """``cfg`` with the node's floor applied to each part of the method that releases under differential
     privacy (the trainer's and each post-hoc step's settings with a ``dp_epsilon``): the smaller epsilon and
-    delta of the node's and the server's, the node's noise source. A NodeError when no part can honour it."""
+    delta of the node's and the server's, the node's noise source. A NodeError when no part can honour it, or
+    when the run has differential privacy off for such a part (the server would not expect noisy replies:
+    their form and its calibration differ), so the node's floor is never silently unmet."""
     if not floor:
         return cfg
     from hetfl.algorithms import algorithm_class, parse_name, posthoc_class
@@ -143,6 +145,9 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
                         f"{cfg.algorithm.name} releases nothing under it, so this node does not take part")
     for hyper, table, prefix in private:
         defaults = {f.name: f.default for f in fields(hyper)}
+        if not math.isfinite(float(table.get("dp_epsilon", defaults["dp_epsilon"]))):
+            raise NodeError(f"this node requires differential privacy ({_floor_text(floor)}); the run has none for "
+                            f"{prefix.rstrip('.')} ({prefix}dp_epsilon = inf), so this node does not take part")
         for setting, mine in floor.items():
             theirs = table.get(setting, defaults[setting])
             table[setting] = mine if setting == "dp_noise_source" else min(float(theirs), mine)
@@ -150,6 +155,17 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
                 log.warning("hetfl node: %s%s = %r (the server's %r): the node's privacy floor", prefix, setting,
                             table[setting], theirs)
     return replace(cfg, algorithm=replace(cfg.algorithm, params=params))
+
+
+def server_step(cfg_text: str, exp: Experiment, index: int) -> Any:
+    """Post-hoc step ``index`` with the server's settings (without this node's floor): under secure aggregation a
+    reply is encoded with its public bounds, which the server decodes the sum with."""
+    from hetfl import config as config_mod
+    from hetfl.algorithms import parse_name, posthoc_class, step_hyper
+
+    cfg = config_mod.from_dict(tomllib.loads(cfg_text))
+    name = parse_name(cfg.algorithm.name)[1][index]
+    return posthoc_class(name)(step_hyper(name, cfg.algorithm.params.get(name, {})), exp.setup)
 
 
 def _floor_text(floor: dict[str, Any]) -> str:
