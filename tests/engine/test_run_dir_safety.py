@@ -243,6 +243,7 @@ def test_a_live_holder_is_named_and_a_killed_holders_lock_is_taken_over(tmp_path
     assert not (run / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_sigterm_removes_the_lock_and_the_run_resumes(tmp_path, capsys):
     """Issue 26, item 6: a run stopped with SIGTERM (a service manager, ``kill``, a batch system's time limit)
     ends as Ctrl-C does: exit 130, its lock file removed (the README's promise), resumable."""

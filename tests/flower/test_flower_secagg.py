@@ -186,6 +186,7 @@ def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_pa
     assert privacy["epsilon"] > 4.0
 
 
+@pytest.mark.slow
 def test_a_nodes_privacy_floor_encodes_its_reply_on_the_servers_grid(tmp_path, monkeypatch):
     """Issue 26, item 12: a node whose dp-epsilon floor is stricter than the server's adds more noise, but
     encodes its reply with the public bounds of the server's settings, which the server decodes the sum with."""
