@@ -208,6 +208,44 @@ def test_overwrite_replaces_a_run_but_never_deletes_another_folder(tmp_path):
     assert hetfl.run(overrides=TINY, out=empty, overwrite=True).status == "ran"
 
 
+def test_overwrite_never_deletes_the_users_files_in_a_run_folder(tmp_path):
+    """Issue 26, item 11: a finished run folder holding the user's NOTES.md and my_notes/ beside hetfl's files:
+    overwrite=True refuses, naming them, and deletes nothing (not even hetfl's own files)."""
+    out = tmp_path / "run"
+    hetfl.run(overrides=TINY, out=out)
+    (out / "NOTES.md").write_text("my notes")
+    (out / "my_notes").mkdir()
+    (out / "my_notes" / "day1.txt").write_text("keep me")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    with pytest.raises(hetfl.RunDirError, match=r"NOTES\.md, my_notes") as err:
+        hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True)
+    assert "not written by hetfl" in str(err.value)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert (out / "my_notes" / "day1.txt").read_text() == "keep me"
+
+
+def test_overwrite_removes_every_file_hetfl_writes_in_a_run_folder(tmp_path):
+    """What hetfl itself writes in a run folder (tracking state, TensorBoard events, client models, the Flower
+    nodes' state, hetfl analyze's and hetfl report's folders) goes with the run; the names are the modules' own."""
+    from hetfl import tracking
+    from hetfl.analysis.run import OUT_DIR
+    from hetfl.engine.experiment import CLIENT_MODELS_DIR
+    from hetfl.engine.rundir import RUN_ENTRIES
+    from hetfl.flower.protocol import NODES_DIR
+
+    assert {tracking.STATE_NAME, tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report"} \
+        <= RUN_ENTRIES
+    out = tmp_path / "run"
+    hetfl.run(overrides=TINY, out=out)
+    for folder in (tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report"):
+        (out / folder).mkdir()
+        (out / folder / "x.bin").write_bytes(b"x")
+    (out / tracking.STATE_NAME).write_text("{}")
+    assert hetfl.run(overrides=[*TINY, "train.lr=0.2"], out=out, overwrite=True).status == "ran"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "client_metrics.jsonl", "config.toml",
+                                                     "metrics.jsonl", "summary.json"]
+
+
 def test_overwrite_checks_the_new_config_before_deleting_the_old_run(tmp_path):
     out = tmp_path / "run"
     hetfl.run(overrides=TINY, out=out)

@@ -71,7 +71,7 @@ def test_report_on_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path, capsys)
 
 # A note with characters HTML and Markdown must escape, given to a fake analysis that reuses a real figure.
 FAKE_NOTE = "logistic regression has no hidden layer: only the classifier <fc> & its inputs_x are compared"
-FAKE_NOTE_MD = r"logistic regression has no hidden layer: only the classifier \<fc\> & its inputs\_x are compared"
+FAKE_NOTE_MD = "logistic regression has no hidden layer: only the classifier &lt;fc&gt; &amp; its inputs_x are compared"
 IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 
@@ -120,3 +120,55 @@ def test_each_analysis_note_is_shown_under_its_figure(moved):
         link = next(i for i, line in enumerate(lines) if line.startswith(f"![{name}]("))
         assert lines[link + 1:link + 3] == ["", f"*Note:* {note_md}"]
     assert re.fullmatch(r"<img [^>]+>", _section(page, "curves"))  # no note recorded, none shown
+
+
+EVIL = "<img src=x onerror=alert(1)>|**b**"
+
+
+def _unescaped_pipes(line: str) -> int:
+    return len(re.findall(r"(?<!\\)\|", line))
+
+
+def _outside_code(markdown: str) -> str:
+    """The Markdown text outside fenced code blocks (a block shows its text literally: config.toml's values)."""
+    return re.sub(r"^(`{3,})[^\n]*\n.*?^\1\s*$", "", markdown, flags=re.M | re.S)
+
+
+@pytest.fixture(scope="module")
+def evil_sweep(tmp_path_factory):
+    """Issue 26, item 9: a swept value holding HTML and Markdown table syntax (two tiny runs)."""
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    out = tmp_path_factory.mktemp("evil")
+    hetfl.sweep({"data.root": [EVIL, "plain"]}, overrides=TINY, out=out / "sweep")
+    runs = sorted((out / "sweep" / "fedavg").glob("*/seed0"))
+    build_report(runs, out / "report", title=f"report of {EVIL}")
+    return out
+
+
+@pytest.mark.parametrize("name", ["sweep/comparison.md", "report/report.md"])
+def test_user_strings_in_markdown_are_escaped_and_add_no_column(evil_sweep, name):
+    text = _outside_code((evil_sweep / name).read_text())
+    assert "<img" not in text and "**b**" not in text
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 4  # header, rule, two rows
+    assert {_unescaped_pipes(line) for line in table} == {_unescaped_pipes(table[0])}
+
+
+def test_the_setting_heading_and_title_of_report_md_are_escaped(evil_sweep):
+    md = (evil_sweep / "report" / "report.md").read_text()
+    headings = [line for line in md.splitlines() if line.startswith("#")]
+    assert len([h for h in headings if h.startswith("## Setting: ")]) == 2
+    for heading in headings:
+        assert "<img" not in heading and "**b**" not in heading
+
+
+def test_the_html_table_is_built_from_the_rows_not_from_the_markdown(evil_sweep):
+    page = (evil_sweep / "report" / "report.html").read_text()
+    assert "<img src=x" not in page
+    table = page[page.index("<table>"):page.index("</table>")]
+    rows = re.findall(r"<tr>(.*?)</tr>", table)
+    widths = {len(re.findall(r"<t[hd]>", row)) for row in rows}
+    assert len(rows) == 3 and len(widths) == 1, widths
+    assert f"<td>{html.escape(EVIL)}</td>" in table  # the value whole, in one cell

@@ -366,3 +366,65 @@ def test_reproduce_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_
     assert main(["reproduce", str(path), "--quick", "--out", str(out), "--quiet", *set_args(TINY[:3])]) == 2
     assert "runtime.save_client_models" in capsys.readouterr().err
     assert not list(out.rglob("metrics.jsonl"))  # row A (fedavg, sequential) did not run first
+
+
+# ------------------------------------------------------------- huge sweeps (issue 26, item 10)
+HUGE = {"train.lr": [round(0.001 * (i + 1), 3) for i in range(100)],
+        "train.momentum": [round(0.009 * i, 3) for i in range(100)]}
+
+
+def planning_stops_after(monkeypatch, calls: int) -> None:
+    """Make configuring more than ``calls`` runs an error: a plan that configures every run up front fails."""
+    from hetfl import api
+
+    original, seen = api.make_config, []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        if len(seen) > calls:
+            raise AssertionError(f"configured more than {calls} runs before asking")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "make_config", counted)
+
+
+def test_a_huge_sweep_is_counted_and_refused_above_max_runs_before_any_planning(tmp_path, monkeypatch):
+    planning_stops_after(monkeypatch, 0)
+    out = tmp_path / "huge"
+    with pytest.raises(ConfigError, match=r"10000 runs.*max_runs") as err:
+        hetfl.sweep(HUGE, overrides=TINY, out=out)
+    assert err.value.key == "max_runs"
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="max_runs"):
+        hetfl.sweep(HUGE, overrides=TINY, out=out, max_runs=0)
+
+
+def test_the_cli_prints_the_count_first_and_asks_for_yes(tmp_path, monkeypatch, capsys):
+    from hetfl import config as config_mod
+
+    seen = []
+    load = config_mod.load
+    monkeypatch.setattr(config_mod, "load", lambda *a, **k: seen.append(1) or load(*a, **k))
+    values = ",".join(str(v) for v in HUGE["train.lr"][:40])
+    argv = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(tmp_path / "c"), "--grid",
+            f"train.lr={values}", "--grid", f"train.momentum={','.join(str(v) for v in HUGE['train.momentum'][:40])}",
+            *set_args(TINY)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == "plan: 1600 runs (1 method x 1600 grid cells x 1 seed)"
+    assert "--yes" in captured.err and "1600 runs" in captured.err
+    assert seen == [] and not (tmp_path / "c").exists()
+
+
+def test_runs_are_planned_lazily_and_cell_folders_made_only_when_their_run_starts(tmp_path, monkeypatch):
+    """A sweep stopped in its first run has made no other cell's folder (before: every cell.json first)."""
+    from hetfl import api
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "execute", stop)
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        hetfl.sweep({"train.lr": [0.05, 0.2, 0.3]}, overrides=TINY, out=out)
+    assert sorted(p.name for p in (out / "fedavg").iterdir()) == ["train.lr=0.05"]

@@ -278,3 +278,71 @@ def test_store_uris_are_made_absolute(tmp_path, monkeypatch):
     assert tracking.absolute_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
     assert tracking.absolute_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert tracking.absolute_uri("databricks") == "databricks"
+
+
+# ------------------------------------------------------------------ stores checked before anything is written
+def _text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "notes.db"
+    path.write_text("not a database\n")
+    return path
+
+
+@pytest.mark.parametrize(("overrides", "key", "says"), [
+    (["tracking.mlflow=true", "tracking.mlflow_uri='bogus://x'"], "tracking.mlflow_uri", "scheme 'bogus'"),
+    (["tracking.mlflow=true", "tracking.mlflow_uri='http://127.0.0.1:1'"], "tracking.mlflow_uri",
+     "cannot connect to 127.0.0.1:1"),
+    (["tracking.mlflow=true", "tracking.mlflow_uri='sqlite:////proc/x.db'"], "tracking.mlflow_uri", "/proc"),
+    (["tracking.mlflow=true", "tracking.mlflow_uri='sqlite:///{db}'"], "tracking.mlflow_uri",
+     "not an SQLite database"),
+    (["tracking.mlflow=true", "tracking.mlflow_uri='{file}/mlruns'"], "tracking.mlflow_uri", "not a folder"),
+    (["tracking.tensorboard=true", "tracking.tensorboard_dir='/proc/tb'"], "tracking.tensorboard_dir", "/proc"),
+    (["tracking.tensorboard=true", "tracking.tensorboard_dir='{file}/tb'"], "tracking.tensorboard_dir",
+     "not a folder"),
+])
+def test_an_unusable_store_is_a_config_error_before_the_run_folder_exists(tmp_path, capsys, overrides, key, says):
+    """Issue 26, items 5-8: a store that cannot be used (an unknown scheme, a server that does not answer, a
+    database or folder that cannot be made, a file that is no database) is exit 2 naming the key, from the set-up
+    (a bounded connection attempt, never a hang), with no run folder made."""
+    db = _text_file(tmp_path)
+    filled = [o.format(db=db, file=db) for o in overrides]
+    with pytest.raises(ConfigError) as err:
+        Experiment(tiny("train.rounds=1", *filled))
+    assert err.value.key == key and says in str(err.value), str(err.value)
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--quiet", *[a for o in [*TINY, *filled] for a in ("--set", o)]]) == 2
+    assert key in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_usable_stores_pass_the_check_and_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tracking.check(tiny("tracking.mlflow=true", f"tracking.mlflow_uri='sqlite:///{tmp_path / 'new' / 'm.db'}'"))
+    tracking.check(tiny("tracking.mlflow=true", f"tracking.mlflow_uri='{tmp_path / 'a' / 'mlruns'}'"))
+    tracking.check(tiny("tracking.tensorboard=true", f"tracking.tensorboard_dir='{tmp_path / 'a' / 'tb'}'"))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == []
+
+
+def test_a_store_failing_mid_run_loses_no_data_and_is_said_once(tmp_path, monkeypatch, caplog):
+    """MLflow's store goes away after round 1: the run finishes, metrics.jsonl and summary.json hold every
+    round, and one warning says the tracking stopped (not one per round, not a traceback)."""
+    import logging
+
+    from mlflow.exceptions import MlflowException
+
+    original = MlflowClient.log_batch
+    calls = []
+
+    def flaky(self, run_id, metrics=(), params=(), tags=(), **kwargs):
+        if metrics:
+            calls.append(1)
+            if len(calls) > 1:
+                raise MlflowException("API request failed: connection refused")
+        return original(self, run_id, metrics=metrics, params=params, tags=tags, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", flaky)
+    with caplog.at_level(logging.WARNING, logger="hetfl"):
+        summary = Experiment(tiny("train.rounds=4", "tracking.mlflow=true", store(tmp_path))).run(tmp_path / "run")
+    assert [m["round"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert summary["rounds"] == 4 and (tmp_path / "run" / "summary.json").is_file()
+    said = [r.getMessage() for r in caplog.records if "mlflow" in r.getMessage().lower()]
+    assert len(said) == 1 and "connection refused" in said[0] and "metrics.jsonl" in said[0], said

@@ -23,7 +23,8 @@ folder that cannot be used; dataset, partition, model and checkpoint errors have
 the run asked for by resolved configuration (:mod:`hetfl.engine.identity`); a finished run of the
 same configuration is returned as it is, an interrupted one is continued only with ``resume=True``,
 a run of another configuration is an error naming the differing keys, and ``overwrite=True``
-deletes a folder's run first (only a folder holding a hetfl run, or an empty one).
+deletes a folder's run first (only a folder holding a hetfl run, or an empty one; only the files hetfl
+wrote, and nothing while the folder holds files of the user's).
 
 Result types: :class:`RunResult` (one run directory) and :class:`CompareResult` (a table over runs,
 one row per setting, as ``comparison.md``); a sweep returns a :class:`CompareResult` too.
@@ -35,7 +36,7 @@ import copy
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -45,6 +46,7 @@ from hetfl import tables
 from hetfl.config import RunConfig
 from hetfl.engine import identity
 from hetfl.params import ConfigError
+from hetfl.sweeps import MAX_RUNS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -270,10 +272,11 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def clear_run_dir(run_dir: Path, option: str = "out") -> None:
-    """``overwrite=True``: empty ``run_dir`` under its lock, when it holds a hetfl run (:func:`holds_run`)
-    or nothing. Any other folder is refused with a RunDirError and left as it is: the API deletes
-    runs, never a folder of other files given by mistake."""
-    from hetfl.engine.rundir import RunDirError, lock_run_dir
+    """``overwrite=True``: remove the run in ``run_dir`` under its lock, when it holds a hetfl run
+    (:func:`holds_run`) or nothing. Only what hetfl writes there is removed (:data:`~hetfl.engine.rundir.RUN_ENTRIES`);
+    a folder holding anything else (the user's notes beside a run, files that are no run) is refused with a
+    RunDirError naming those files and left as it is, hetfl's own files included."""
+    from hetfl.engine.rundir import RunDirError, foreign_entries, lock_run_dir
 
     if not run_dir.exists() and not run_dir.is_symlink():
         return
@@ -285,14 +288,25 @@ def clear_run_dir(run_dir: Path, option: str = "out") -> None:
         if not entries:
             return
         if not holds_run(run_dir):
-            shown = ", ".join(sorted(p.name for p in entries)[:5]) + (", ..." if len(entries) > 5 else "")
-            raise RunDirError(f"{option} {run_dir}: holds files ({shown}) but no hetfl run; overwrite=True removes "
-                              f"only a hetfl run directory or an empty folder. Pick another {option}")
+            raise RunDirError(f"{option} {run_dir}: holds files ({_shown(p.name for p in entries)}) but no hetfl "
+                              f"run; overwrite=True removes only a hetfl run directory or an empty folder. Pick "
+                              f"another {option}")
+        foreign = foreign_entries(run_dir)
+        if foreign:
+            raise RunDirError(f"{option} {run_dir}: holds files not written by hetfl ({_shown(foreign)}) beside its "
+                              f"run; overwrite=True removes only hetfl's files and deletes nothing while others are "
+                              f"there. Move them out, or pick another {option}")
         for p in entries:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
                 p.unlink()
+
+
+def _shown(names: Iterable[str], limit: int = 5) -> str:
+    """Up to ``limit`` names, sorted, joined by commas (``...`` when there are more)."""
+    ordered = sorted(names)
+    return ", ".join(ordered[:limit]) + (", ..." if len(ordered) > limit else "")
 
 
 def _unfinished_error(run_dir: Path) -> Exception:
@@ -326,8 +340,9 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
     - an interrupted run of the identical configuration: continued from its checkpoint with
       ``resume=True`` (``status == "resumed"``), else a RunDirError saying so;
     - a run of another configuration, or files that are no run: a RunDirError naming the differing keys;
-    - ``overwrite=True``: a folder holding a hetfl run (or nothing) is emptied first and the run computed
-      again; any other folder is refused, never deleted. Cannot be combined with ``resume=True``.
+    - ``overwrite=True``: a folder holding a hetfl run (or nothing) is cleared of hetfl's files first and the
+      run computed again; any other folder, or one holding files hetfl did not write, is refused, never
+      deleted. Cannot be combined with ``resume=True``.
 
     To continue an interrupted run from its own configuration:
     ``hetfl.run("DIR/config.toml", out="DIR", resume=True)``.
@@ -371,7 +386,8 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
 # ----------------------------------------------------------------- compare
 def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[list[str]], RunConfig], out: Path,
                    target: float | None, *, progress: bool | None, console: Console | None,
-                   option: str = "--out", grid: Mapping[str, list[Any]] | None = None) -> CompareResult:
+                   option: str = "--out", grid: Mapping[str, list[Any]] | None = None,
+                   max_runs: int | None = MAX_RUNS) -> CompareResult:
     """Every method x seed into ``out/<method>-seed<k>`` (with a ``grid``: every method x grid cell x seed
     into ``out/<method>/<cell>/seed<k>``, see :mod:`hetfl.sweeps`), then ``comparison.md`` and
     ``comparison.csv``, one row per method (and cell) (``hetfl compare``, :func:`compare`, :func:`hetfl.sweep`).
@@ -382,12 +398,13 @@ def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[li
     ``run k of n (...): about M min left`` before each run (None: silent). Every configuration and
     every folder is checked before any run starts: a folder holding a finished run of the same resolved
     configuration is reused, an interrupted one resumed, another configuration is a RunDirError naming
-    the keys (``option`` names the argument to change)."""
+    the keys (``option`` names the argument to change). ``max_runs``: a plan of more runs is refused before
+    any is configured (None: no limit; ``hetfl compare --yes``)."""
     from hetfl.report import with_curves
     from hetfl.sweeps import check_grid, run_plan
 
     return with_curves(run_plan(methods, seeds, check_grid(grid), configure, out, target, progress=progress,
-                                console=console, option=option))  # + curves.png, linked from comparison.md
+                                console=console, option=option, max_runs=max_runs))  # + curves.png, in comparison.md
 
 
 def _method_list(methods: str | Sequence[str]) -> list[str]:

@@ -220,7 +220,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
     result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
-                            args.target, progress=False if args.quiet else None, console=console, grid=grid)
+                            args.target, progress=False if args.quiet else None, console=console, grid=grid,
+                            **({"max_runs": None} if args.yes else {}))
     console.print(result.markdown)
     curves = f"; curves: {out / 'curves.png'}" if (out / "curves.png").is_file() else ""
     print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}{curves}")
@@ -427,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sweep a config key over values, parsed as --set parses one, e.g. --grid "
                           "train.lr=0.01,0.1 (repeatable: the cartesian product; not a key also given with --set)")
     cmp.add_argument("--sweep", metavar="FILE", help="TOML file with a [grid] table of KEY = [values] (as --grid)")
+    cmp.add_argument("--yes", action="store_true", help="run a plan of more than 1000 runs (methods x grid cells x "
+                                                        "seeds; refused without it, before anything is planned)")
     cmp.add_argument("--quiet", action="store_true")
     cmp.set_defaults(func=cmd_compare)
 

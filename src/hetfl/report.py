@@ -187,9 +187,10 @@ def _copy_in(png: Path, out: Path, name: str) -> Path:
     return target
 
 
-def _md_text(text: str) -> str:
-    """``text`` shown literally in Markdown: characters that would start markup (``*_`[]<>``) backslash-escaped."""
-    return re.sub(r"([\\`*_\[\]<>])", r"\\\1", text)
+def _fence(text: str) -> str:
+    """A Markdown code fence longer than any run of backticks in ``text`` (which then cannot close it)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def _note_parts(result: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -198,7 +199,7 @@ def _note_parts(result: dict[str, Any]) -> tuple[list[str], list[str]]:
     note = " ".join(str(result.get("note") or "").split())
     if not note:
         return [], []
-    return [f'<p class="muted">Note: {html.escape(note)}</p>'], [f"*Note:* {_md_text(note)}", ""]
+    return [f'<p class="muted">Note: {html.escape(note)}</p>'], [f"*Note:* {tables.markdown_text(note)}", ""]
 
 
 def partition_plot(run: Run, out: Path) -> Path | None:
@@ -237,12 +238,14 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     rows = tables.table_rows(records, target)
     table_md = tables.to_markdown(rows, target)
     differences = tables.differences_line(rows)
+    md = tables.markdown_text  # every user string in report.md: a run's values, paths, names, the title
     figures = _curve_figures(groups, labels, out, target, per_seed)
     html_parts = [f"<h1>{html.escape(title)}</h1>",
                   f'<p class="muted">{len(runs)} run(s), {len(groups)} setting(s).</p>',
-                  "<h2>Comparison</h2>", _table_html(table_md), f'<p class="muted">{html.escape(differences)}</p>',
+                  "<h2>Comparison</h2>", _table_html(*tables.table_cells(rows, target)),
+                  f'<p class="muted">{html.escape(differences)}</p>',
                   "<h2>Curves</h2>", *(_img(png) for _, png in figures)]
-    md_parts = [f"# {title}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",
+    md_parts = [f"# {md(title)}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",
                 table_md, "## Curves", "", *(line for alt, png in figures for line in (_md_img(alt, png, out), ""))]
     for key, group in groups.items():
         first = group[0]
@@ -250,8 +253,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
         html_parts += [f"<h2>Setting: {html.escape(name)}</h2>",
                        f'<p class="muted">runs: {html.escape(", ".join(str(r.path) for r in group))}</p>',
                        "<h3>Configuration</h3>", f"<pre>{html.escape(first.config_text)}</pre>"]
-        md_parts += [f"## Setting: {name}", "", "runs: " + ", ".join(f"`{r.path}`" for r in group), "",
-                     "```toml", first.config_text.rstrip(), "```", ""]
+        fence = _fence(first.config_text)
+        md_parts += [f"## Setting: {md(name)}", "", "runs: " + ", ".join(md(r.path) for r in group), "",
+                     fence + "toml", first.config_text.rstrip(), fence, ""]
         heat = partition_plot(first, out)
         if heat is not None:
             html_parts += ["<h3>Partition</h3>", _img(heat)]
@@ -264,20 +268,20 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
             if index.get("run_id", run.run_id) != run.run_id:  # written for another configuration in this folder
                 note = f"analyses of {run.path.name} skipped: written for another configuration; rerun hetfl analyze"
                 html_parts.append(f'<p class="muted">{html.escape(note)}</p>')
-                md_parts += [note, ""]
+                md_parts += [md(note), ""]
                 continue
             html_parts.append(f"<h3>Analyses of {html.escape(run.path.name)} (round {index['round']})</h3>")
-            md_parts += [f"### Analyses of {run.path.name} (round {index['round']})", ""]
+            md_parts += [f"### Analyses of {md(run.path.name)} (round {md(index['round'])})", ""]
             for analysis, result in index["written"].items():
                 png = run.path / "analysis" / Path(result["png"]).name
                 if png.is_file():
                     note_html, note_md = _note_parts(result)
                     local = _copy_in(png, out, f"analysis_{run.run_id}_{analysis}.png")
                     html_parts += [f"<h4>{html.escape(analysis)}</h4>", _img(png), *note_html]
-                    md_parts += [_md_img(analysis, local, out), "", *note_md]
+                    md_parts += [_md_img(md(analysis), local, out), "", *note_md]
             for analysis, why in index.get("skipped", {}).items():
                 html_parts.append(f'<p class="muted">{html.escape(analysis)} skipped: {html.escape(why)}</p>')
-                md_parts += [f"{analysis} skipped: {why}", ""]
+                md_parts += [f"{md(analysis)} skipped: {md(why)}", ""]
     page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(html_parts)}</body></html>\n")
     html_path, md_path = out / "report.html", out / "report.md"
@@ -286,11 +290,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     return html_path, md_path
 
 
-def _table_html(markdown: str) -> str:
-    """The comparison table (Markdown pipe table) as HTML."""
-    lines = [line for line in markdown.strip().splitlines() if line.startswith("|")]
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
-    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+def _table_html(head: list[str], body: list[list[str]]) -> str:
+    """The comparison table (:func:`hetfl.tables.table_cells`) as HTML, every cell escaped."""
     out = ["<table><thead><tr>", *(f"<th>{html.escape(h)}</th>" for h in head), "</tr></thead><tbody>"]
     for row in body:
         out += ["<tr>", *(f"<td>{html.escape(c)}</td>" for c in row), "</tr>"]

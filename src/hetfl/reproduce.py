@@ -43,7 +43,7 @@ from typing import Any
 
 from hetfl import config as config_mod
 from hetfl.params import ConfigError
-from hetfl.tables import mean_std, with_spread
+from hetfl.tables import markdown_text, mean_std, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -284,9 +284,10 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
 
 def markdown(result: dict[str, Any]) -> str:
     cols = result["columns"]
-    lines = [f"# {result['title']}", "", f"Paper numbers: {result['paper']}. Ours: mean ± std over seeds "
+    md = markdown_text  # the preset's own strings (title, paper, labels, notes) shown literally
+    lines = [f"# {md(result['title'])}", "", f"Paper numbers: {md(result['paper'])}. Ours: mean ± std over seeds "
              "(the value alone for one seed), in %; diff = ours - paper.", "",
-             "| method | " + " | ".join(f"{label} ours | paper | diff" for label in cols.values()) + " |",
+             "| method | " + " | ".join(f"{md(label)} ours | paper | diff" for label in cols.values()) + " |",
              "|---|" + "---|---|---|" * len(cols)]
     for label, by_col in result["table"].items():
         cells = []
@@ -295,13 +296,13 @@ def markdown(result: dict[str, Any]) -> str:
             paper = "U" if cell["paper"] is None else f"{cell['paper']:.2f}"
             diff = "" if cell["diff"] is None or result["quick"] else f"{cell['diff']:+.2f}"
             cells.append(f"{with_spread(cell['ours'], cell['std'], len(cell['values']))} | {paper} | {diff}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
     if result["quick"]:
         lines += ["", "Quick variant: fewer rounds, one seed, a subset of columns, possibly a smaller model or "
                   "another dataset (see the preset's [quick] table). Compare the ordering of methods, not the "
                   "numbers: the paper's are for the full setting, so no differences are given."]
     if result["notes"]:
-        lines += ["", "Notes: " + result["notes"]]
+        lines += ["", "Notes: " + md(result["notes"])]
     lines += curve_lines(result)
     return "\n".join(lines) + "\n"
 

@@ -23,6 +23,11 @@ either way. An empty grid is ``hetfl compare`` as it always was: ``OUT/<method>-
 
 Every cell x method x seed is configured and checked before any run starts (ConfigError naming the key,
 the value and what is allowed; a folder holding another configuration is a RunDirError naming the keys).
+The plan is counted first (methods x cells x seeds, without listing them) and said; above ``max_runs``
+(default :data:`MAX_RUNS`) it is refused before any planning unless asked for (``hetfl compare --yes``,
+``max_runs=None`` in Python). Planning is lazy: the cells are generated one by one, each run is configured
+once to be checked (its configuration is not kept) and again just before it runs, and a cell's folder and
+``cell.json`` are made when its first run starts.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import re
 import time
 import tomllib
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +64,10 @@ OWN_AXES = {"seed": "seeds are their own axis: use --seeds (seeds= in Python)",
             "algorithm.name": "methods are their own axis: use --methods (methods= in Python)"}
 #: longest cell folder name before it is shortened and hashed
 MAX_NAME = 120
+#: runs a plan may have without being asked for explicitly (``hetfl compare --yes``, ``max_runs=None``)
+MAX_RUNS = 1000
+#: runs configured and checked together (their dataset loaded once): bounds the memory planning holds
+CHECK_CHUNK = 256
 _SAFE = re.compile(r"[^A-Za-z0-9._+\-]")
 
 
@@ -265,8 +274,42 @@ def _shown(value: Any) -> str:
 
 def cells(grid: Mapping[str, list[Any]]) -> list[Cell]:
     """The cartesian product of ``grid``'s values (the first key varies slowest); ``[Cell()]`` for no grid."""
+    return list(iter_cells(grid))
+
+
+def iter_cells(grid: Mapping[str, list[Any]]) -> Iterator[Cell]:
+    """:func:`cells`, one at a time (a grid of a million cells is never listed)."""
     keys = list(grid)
-    return [Cell(tuple(zip(keys, combo, strict=True))) for combo in itertools.product(*(grid[k] for k in keys))]
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        yield Cell(tuple(zip(keys, combo, strict=True)))
+
+
+def count_cells(grid: Mapping[str, list[Any]]) -> int:
+    """How many cells ``grid`` has (the product of its value counts; 1 for no grid), without making them."""
+    return math.prod(len(values) for values in grid.values())
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def describe_plan(methods: Sequence[str], seeds: Sequence[int], grid: Mapping[str, list[Any]]) -> str:
+    """``1600 runs (1 method x 1600 grid cells x 1 seed)``."""
+    total = len(methods) * count_cells(grid) * len(seeds)
+    parts = [_plural(len(methods), "method"), *([_plural(count_cells(grid), "grid cell")] if grid else []),
+             _plural(len(seeds), "seed")]
+    return f"{_plural(total, 'run')} ({' x '.join(parts)})"
+
+
+def check_plan_size(total: int, max_runs: int | None, option: str, what: str) -> None:
+    """A plan of more than ``max_runs`` runs is a ConfigError (``--yes`` on the command line, ``max_runs`` in
+    Python), raised before any run is configured. None: no limit."""
+    if max_runs is None or total <= max_runs:
+        return
+    key, how = ("--yes", "pass --yes to run them all") if option.startswith("--") else \
+        ("max_runs", "pass max_runs=None (or a larger number) to run them all")
+    raise ConfigError(key, max_runs if key == "max_runs" else False,
+                      f"the plan has {what}, more than {max_runs} (max_runs); {how}, or make the grid smaller")
 
 
 # ----------------------------------------------------------------- counter and time left
@@ -394,70 +437,96 @@ def as_configured(cell: Cell, cfg: RunConfig) -> Cell:
     return Cell(tuple((key, flat.get(key, value)) for key, value in cell.values))
 
 
-def check_distinct(plans: list[PlanItem]) -> None:
-    """Two cells that give one configuration (``--grid train.lr=1,1.0``) would share a folder: a ConfigError."""
-    seen: dict[Path, PlanItem] = {}
-    for item in plans:
-        other = seen.setdefault(item.run_dir, item)
-        if other is not item:
-            key = next((k for k, _ in item.cell.values), "grid")
-            raise ConfigError(key, item.cell.label, f"two grid cells give the same configuration ({item.run_dir}); "
-                                                    "give each value once")
+def check_distinct(item: PlanItem, seen: dict[Path, Cell]) -> None:
+    """Two cells that give one configuration (``--grid train.lr=1,1.0``) would share a folder: a ConfigError.
+    ``seen``: the folders of the runs checked before, and their cells (``item``'s is added)."""
+    if item.run_dir in seen:
+        key = next((k for k, _ in item.cell.values), "grid")
+        raise ConfigError(key, item.cell.label, f"two grid cells give the same configuration ({item.run_dir}); "
+                                                "give each value once")
+    seen[item.run_dir] = item.cell
 
 
-def _write_cell_files(plans: list[PlanItem]) -> None:
+def _write_cell_file(item: PlanItem) -> None:
+    """``cell.json`` beside a cell's seed folders (made with the cell's folder, when its first run starts)."""
     from hetfl.engine.checkpoint import atomic_write_text
 
-    for item in plans:
-        if not item.cell.values:
-            continue
-        path = item.run_dir.parent / "cell.json"
-        text = json.dumps({"method": item.method, "grid": dict(item.cell.values)}, indent=2) + "\n"
-        if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, text)
+    if not item.cell.values:
+        return
+    path = item.run_dir.parent / "cell.json"
+    text = json.dumps({"method": item.method, "grid": dict(item.cell.values)}, indent=2) + "\n"
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
 
 
-def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
-             configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
-             progress: bool | None, console: Console | None, option: str = "--out",
-             clock: Callable[[], float] = time.monotonic) -> CompareResult:
-    """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
-    with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
-    ``hetfl compare``, :func:`hetfl.compare` and :func:`sweep` call. ``grid``: checked by :func:`check_grid`;
-    ``clock``: the counter's time source (tests give a fake one)."""
-    from hetfl import tables
+def plan_items(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
+               configure: Callable[[list[str]], RunConfig], out: Path, progress: bool | None) -> Iterator[PlanItem]:
+    """Every method x cell x seed, configured (``configure`` plus the method's and the runtime's checks) one
+    at a time, in the plan's order; the same items each time it is called."""
     from hetfl.algorithms import hyperparameters
-    from hetfl.api import CompareResult, RunResult, _with_progress, execute, plan_states
-    from hetfl.cli import check_output_dir
-    from hetfl.engine.checkpoint import atomic_write_text
+    from hetfl.api import _with_progress
     from hetfl.runtimes import check_runtime
 
-    check_output_dir(out, option)
-    plans = []
-    for method in methods:  # validate every combination before running anything
-        for cell in cells(grid):
+    for method in methods:
+        for cell in iter_cells(grid):
             for seed in seeds:
                 cfg = _with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
                                      progress)
                 hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
                 check_runtime(cfg)  # e.g. runtime.executor = flower without Flower: refused before run 1
                 named = as_configured(cell, cfg)
-                plans.append(PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed)))
-    check_distinct(plans)
-    states = plan_states([p.cfg for p in plans], [p.run_dir for p in plans], option)
+                yield PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed))
+
+
+def check_plan(items: Iterator[PlanItem], option: str) -> list[tuple[PlannedRun, str]]:
+    """Check every item (configuration, distinct folders, what each folder holds) before any run starts,
+    ``CHECK_CHUNK`` at a time; keeps each run's counter entry and state, not its configuration."""
+    from hetfl.api import plan_states
+
+    seen: dict[Path, Cell] = {}
+    checked: list[tuple[PlannedRun, str]] = []
+    while chunk := list(itertools.islice(items, CHECK_CHUNK)):
+        for item in chunk:
+            check_distinct(item, seen)
+        states = plan_states([p.cfg for p in chunk], [p.run_dir for p in chunk], option)
+        checked += [(planned_run(p.label, p.cfg, p.run_dir, s), s) for p, s in zip(chunk, states, strict=True)]
+    return checked
+
+
+def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
+             configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
+             progress: bool | None, console: Console | None, option: str = "--out",
+             clock: Callable[[], float] = time.monotonic, max_runs: int | None = MAX_RUNS) -> CompareResult:
+    """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
+    with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
+    ``hetfl compare``, :func:`hetfl.compare` and :func:`sweep` call. ``grid``: checked by :func:`check_grid`;
+    ``clock``: the counter's time source (tests give a fake one). The plan is counted and said first, and
+    refused above ``max_runs`` runs (None: no limit) before any run is configured (:func:`check_plan_size`)."""
+    from hetfl import tables
+    from hetfl.api import CompareResult, RunResult, execute
+    from hetfl.cli import check_output_dir
+    from hetfl.engine.checkpoint import atomic_write_text
+
+    check_output_dir(out, option)
     say = None if console is None else _printer(console)
-    counter = RunCounter([planned_run(p.label, p.cfg, p.run_dir, s) for p, s in zip(plans, states, strict=True)],
-                         say, clock)
-    _write_cell_files(plans)
-    runs = []
-    for i, (item, state) in enumerate(zip(plans, states, strict=True)):
+    what = describe_plan(methods, seeds, grid)
+    if say is not None:
+        say(f"plan: {what}")
+    check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
+    checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
+    counter = RunCounter([planned for planned, _ in checked], say, clock)
+    runs, records = [], []
+    for i, (item, (_, state)) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
+                                               strict=True)):
         if state != "finished":
             counter.start(i)
+        _write_cell_file(item)
         status = execute(item.cfg, item.run_dir, state, console)
         counter.done(i)
-        runs.append(RunResult.load(item.run_dir, status=status))
-    records = [result.record(item.method) for item, result in zip(plans, runs, strict=True)]
+        result = RunResult.load(item.run_dir, status=status)
+        runs.append(result)
+        records.append(result.record(item.method))
     rows = tables.table_rows(records, target)
     markdown = tables.to_markdown(rows, target)
     atomic_write_text(out / "comparison.md", markdown)
@@ -475,7 +544,7 @@ def _printer(console: Console) -> Callable[[str], None]:
 def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fedavg",),
           seeds: int | Sequence[int] = (0,), *, config: ConfigLike = None, overrides: Sequence[str] = (),
           out: str | os.PathLike[str], target: float | None = None, progress: bool = False,
-          plugins: Sequence[str | os.PathLike[str]] = ()) -> CompareResult:
+          plugins: Sequence[str | os.PathLike[str]] = (), max_runs: int | None = MAX_RUNS) -> CompareResult:
     """Run methods x grid cells x seeds and table them: one row per method and cell (the grid's keys that
     vary a column each), mean ± std over seeds; ``hetfl compare --grid`` from Python.
 
@@ -484,8 +553,9 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
     ``overrides``, ``out``, ``target``, ``progress`` and ``plugins`` as :func:`hetfl.compare`. Runs go to
     ``out/<method>/<cell>/seed<k>`` (see :mod:`hetfl.sweeps`); finished runs of the same resolved
     configuration are reused, interrupted ones resumed, another configuration in a folder is a
-    RunDirError naming the keys, all decided before any run starts. ``progress=True`` prints progress
-    bars and ``run k of n (...): about M min left`` before each run.
+    RunDirError naming the keys, all decided before any run starts. ``progress=True`` prints the plan's size,
+    progress bars and ``run k of n (...): about M min left`` before each run. ``max_runs``: a plan of more runs
+    (methods x cells x seeds) is a ConfigError before anything is planned (None: no limit).
 
     >>> import hetfl
     >>> table = hetfl.sweep({"train.lr": [0.01, 0.1]}, methods=["fedavg"], seeds=[0, 1],
@@ -501,6 +571,8 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
     checked = check_grid(grid, assignments)
     if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
         raise ConfigError("target", target, "must be an accuracy in (0, 1]")
+    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 0):
+        raise ConfigError("max_runs", max_runs, "must be a number of runs >= 0, or None (no limit)")
     return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
                           target, progress=progress, console=make_console() if progress else None, option="out",
-                          grid=checked)
+                          grid=checked, max_runs=max_runs)

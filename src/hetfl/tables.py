@@ -13,9 +13,11 @@ each (dotted names, as for ``--set``), so two rows never look like one setting.
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, stdev
@@ -129,14 +131,27 @@ def differences_line(rows: list[dict[str, Any]]) -> str:
     return f"Rows differ in: {', '.join(keys)}; the runs of a row differ only in the seed."
 
 
-def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
-    """The table as Markdown, followed by :func:`differences_line`."""
+#: characters that start Markdown markup anywhere in a line (``|`` splits a table row); ``_`` only at a word's edge
+_MARKUP = re.compile(r"[\\`*\[\]|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
+def markdown_text(text: Any) -> str:
+    """``text`` (a user's value, a path, a name) shown literally in Markdown, in running text, a heading or a
+    table cell: on one line, HTML escaped (``<img ...>`` stays text) and Markdown's markup characters
+    backslash-escaped (a ``|`` adds no column, ``**b**`` is no emphasis)."""
+    flat = " ".join(str(text).splitlines())
+    return _MARKUP.sub(lambda m: "\\" + m.group(0), html.escape(flat, quote=False))
+
+
+def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[str], list[list[str]]]:
+    """The comparison table as data: its header and one list of cell texts per row, unescaped (each output
+    escapes them its own way: :func:`to_markdown`, the HTML report)."""
     keys = key_columns(rows)
     head = ["method", *keys, "metric", "seeds", "final acc (%)", "best acc (%)"]
     if target is not None:
         head += [f"rounds to {100 * target:g}%"]
     head += ["time (s)", "setting"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
                  with_spread(row["final_mean"], row["final_std"], row["seeds"]),
@@ -145,8 +160,16 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
             rtt = row["rounds_to_target"]
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
         cells += [f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + differences_line(rows) + "\n"
+        body.append([str(cell) for cell in cells])
+    return head, body
+
+
+def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
+    """The table as Markdown (every cell escaped: :func:`markdown_text`), followed by :func:`differences_line`."""
+    head, body = table_cells(rows, target)
+    lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
+    return "\n".join(lines) + "\n\n" + markdown_text(differences_line(rows)) + "\n"
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:

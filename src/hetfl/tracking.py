@@ -14,9 +14,18 @@ four calls to the backends switched on (:class:`TensorBoardTracker`, :class:`MLf
 * ``close(failed)``: flush and close (an MLflow run left by an error or Ctrl-C is marked KILLED
   or FAILED; it goes on, RUNNING again, when the run is resumed).
 
-TensorBoard and MLflow are imported only when switched on; a missing package is a ConfigError
-naming the extra to install (:func:`check`, called by the experiment's set-up, before anything is
-written). What a resume needs lives in ``RUN_DIR/tracking.json`` (:data:`STATE_NAME`): the MLflow
+TensorBoard and MLflow are imported only when switched on; a missing package, or a store that cannot
+be used, is a ConfigError naming the key (:func:`check`, called by the experiment's set-up, before
+anything is written): an MLflow URI of a scheme MLflow does not know, a server (MLflow over HTTP, a
+database server) that does not accept a connection within :data:`CONNECT_TIMEOUT_S`, an SQLite database
+or a folder (MLflow's file store, ``tracking.tensorboard_dir``) that cannot be made there, a file that
+is no SQLite database. A store that fails once the run is going loses the run nothing: the backend is
+dropped with one warning, and the run folder (``metrics.jsonl``, ``summary.json``) stays the record.
+Requests to an MLflow server get a bounded time (``MLFLOW_HTTP_REQUEST_TIMEOUT``, default here
+:data:`HTTP_TIMEOUT_S`) and few retries (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, default here
+:data:`HTTP_RETRIES`) unless the environment sets them.
+
+What a resume needs lives in ``RUN_DIR/tracking.json`` (:data:`STATE_NAME`): the MLflow
 store and run id, which a resumed run continues, and the TensorBoard folder with the rounds it
 holds. Rounds after the checkpoint that were logged before an interruption are recomputed with the
 same numbers on resume and are not logged twice: MLflow's store is asked which steps the run has,
@@ -29,10 +38,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
+import os
 import re
+import socket
+import tempfile
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -52,6 +66,16 @@ MARKER = "train_loss"
 SUMMARY_PREFIX = "summary/"
 #: MLflow's limits (mlflow.utils.validation): params per log_batch call, characters of a param value
 PARAMS_PER_BATCH, PARAM_CHARS = 100, 6000
+#: seconds a tracking server (MLflow over HTTP, a database server) gets to accept a connection at the check
+CONNECT_TIMEOUT_S = 5.0
+#: MLflow's request timeout (s) and retries for a server, unless the environment sets them (MLflow's defaults,
+#: 120 s and 7 retries with backoff, would hold a run for many minutes on a server gone away)
+HTTP_TIMEOUT_S, HTTP_RETRIES = 30, 2
+#: the port a server URI without one uses, by scheme (the part before a ``+driver``)
+DEFAULT_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+log = logging.getLogger("hetfl")
 
 
 # ------------------------------------------------------------------ helpers
@@ -103,14 +127,110 @@ def require(module: str, key: str, what: str, extra: str) -> Any:
 
 
 def check(cfg: Any) -> None:
-    """The packages of the backends switched on are importable (ConfigError naming the extra otherwise).
-    Called by the experiment's set-up, before anything is written."""
+    """The packages of the backends switched on are importable (ConfigError naming the extra otherwise) and
+    their stores can be used (:func:`check_mlflow_store`, :func:`check_folder`). Called by the experiment's
+    set-up, before anything is written."""
     t = cfg.tracking
     if t.tensorboard:
         require("tensorboard", "tracking.tensorboard", "TensorBoard", "tensorboard")
         require("torch.utils.tensorboard", "tracking.tensorboard", "TensorBoard", "tensorboard")
+        if t.tensorboard_dir:
+            check_folder("tracking.tensorboard_dir", t.tensorboard_dir, Path(t.tensorboard_dir).expanduser())
     if t.mlflow:
         require("mlflow", "tracking.mlflow", "MLflow", "mlflow")
+        check_mlflow_store(cfg)
+
+
+def check_folder(key: str, value: str, path: Path) -> None:
+    """A folder that can be made (or is there) and written: its nearest existing ancestor is a folder in which a
+    temporary folder can be made (and is removed at once). A ConfigError naming ``key`` otherwise."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(key, value, f"{existing} is a file, not a folder: name a folder that can hold it")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".hetfl-check-").cleanup()
+    except OSError as err:
+        raise ConfigError(key, value, f"no folder can be made in {existing} ({err.strerror or err}): name a "
+                                      "writable folder") from None
+
+
+def check_mlflow_store(cfg: Any) -> None:
+    """``tracking.mlflow_uri`` (or MLflow's default store when empty) names a store this MLflow can use: a scheme
+    it knows, a file store it allows in a folder that can be made, an SQLite database that is one (or can be
+    made), a server that accepts a connection within :data:`CONNECT_TIMEOUT_S`. ConfigError naming the key."""
+    import mlflow
+
+    value = cfg.tracking.mlflow_uri
+    uri = absolute_uri(value) if value else absolute_uri(str(mlflow.get_tracking_uri()))
+    shown = value or uri
+    check_scheme(shown, uri)
+    scheme = uri.partition(":")[0].lower() if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", uri) else ""
+    if scheme == "file":
+        check_file_store(cfg, uri)
+        check_folder("tracking.mlflow_uri", shown, Path(urllib.request.url2pathname(urllib.parse.urlparse(uri).path)))
+    elif scheme == "sqlite":
+        check_sqlite(shown, uri)
+    elif scheme.partition("+")[0] in DEFAULT_PORTS:
+        check_reachable(shown, uri, scheme.partition("+")[0])
+
+
+def check_scheme(shown: str, uri: str) -> None:
+    """MLflow has a store for ``uri``'s scheme (its registry of tracking stores, plugins included)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+    except ImportError:  # another MLflow layout: its own error comes when the store is opened
+        return
+    try:
+        registry.get_store_builder(uri)
+    except Exception:
+        schemes = ", ".join(sorted(s for s in registry._registry if s))
+        scheme = uri.partition(":")[0] if ":" in uri else uri
+        raise ConfigError("tracking.mlflow_uri", shown, f"is not a store MLflow knows: its scheme {scheme!r} is none "
+                                                        f"of {schemes} (or a plain folder path)") from None
+
+
+def check_sqlite(shown: str, uri: str) -> None:
+    """An SQLite store: the database file is one (or empty), or its folder can be made and written."""
+    if not uri.startswith("sqlite:///"):  # sqlite:// : a database in memory
+        return
+    path_text = uri[len("sqlite:///"):].partition("?")[0]  # absolute_uri made a relative path absolute
+    if path_text in ("", ":memory:"):
+        return
+    path = Path(path_text)
+    key = "tracking.mlflow_uri"
+    if path.is_dir():
+        raise ConfigError(key, shown, f"{path} is a folder, not an SQLite database")
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+        except OSError as err:
+            raise ConfigError(key, shown, f"{path} cannot be read ({err.strerror or err})") from None
+        if head and head != SQLITE_HEADER:
+            raise ConfigError(key, shown, f"{path} is not an SQLite database (a file of another kind); name a new "
+                                          "file or an MLflow database")
+        return
+    check_folder(key, shown, path.parent)  # MLflow makes the database's folders
+
+
+def check_reachable(shown: str, uri: str, scheme: str) -> None:
+    """A server store (MLflow over HTTP, a database server) accepts a TCP connection within
+    :data:`CONNECT_TIMEOUT_S` seconds (a bounded check: MLflow's own retries take minutes to give up)."""
+    key = "tracking.mlflow_uri"
+    try:
+        parsed = urllib.parse.urlparse(uri)
+        host, port = parsed.hostname, parsed.port or DEFAULT_PORTS[scheme]
+    except ValueError as err:
+        raise ConfigError(key, shown, f"is not a valid server URI ({err})") from None
+    if not host:
+        raise ConfigError(key, shown, "names no host (e.g. http://127.0.0.1:5000)")
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConfigError(key, shown, f"cannot connect to {host}:{port} within {CONNECT_TIMEOUT_S:g} s "
+                                      f"({err.strerror or err}); start the server, or fix the URI") from None
 
 
 # ------------------------------------------------------------------ MLflow store
@@ -278,6 +398,9 @@ class MLflowTracker(Tracker):
     def start(self, cfg: Any, run_dir: Path, history: list[dict[str, Any]]) -> None:
         from mlflow.tracking import MlflowClient
 
+        if self.uri.startswith(("http:", "https:")):  # bounded requests, unless the environment says otherwise
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
         self.client = MlflowClient(tracking_uri=self.uri)
         self.run_id = self.continued_run() or self.new_run(cfg, run_dir)
         write_state(run_dir, self.name, {"uri": self.uri, "run_id": self.run_id,
@@ -384,26 +507,43 @@ BACKENDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "mlflow
 # ------------------------------------------------------------------ what the engine calls
 class Tracking:
     """The backends a run's configuration switches on, as one :class:`Tracker` for the engine (which
-    knows no backend). Built by :func:`open_tracking` before the run writes anything."""
+    knows no backend). Built by :func:`open_tracking` before the run writes anything. A backend whose store
+    fails during the run (an exception other than a ConfigError) is dropped with one warning and the run goes
+    on: its numbers are all in the run folder, which is the record (:meth:`drop`)."""
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
 
+    def _each(self, call: str, *args: Any) -> None:
+        """``call`` on every backend still on; one that raises is dropped."""
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except ConfigError:  # a setting to fix (a deleted MLflow experiment): exit 2, as before
+                raise
+            except Exception as err:
+                self.drop(tracker, call, err)
+
+    def drop(self, tracker: Tracker, call: str, err: Exception) -> None:
+        """Stop sending to ``tracker`` after its store failed in ``call``; said once, as a warning."""
+        self.trackers.remove(tracker)
+        log.warning("tracking: %s stopped (%s failed: %s: %s); the run goes on without it and loses nothing: "
+                    "metrics.jsonl and summary.json in the run folder hold every number", tracker.name, call,
+                    type(err).__name__, " ".join(str(err).split())[:300])
+        with suppress(Exception):
+            tracker.close(failed=True)
+
     def start(self, cfg: Any, run_dir: Path, history: list[dict[str, Any]]) -> None:
-        for tracker in self.trackers:
-            tracker.start(cfg, run_dir, history)
+        self._each("start", cfg, run_dir, history)
 
     def log_round(self, round_: int, metrics: dict[str, Any]) -> None:
-        for tracker in self.trackers:
-            tracker.log_round(round_, metrics)
+        self._each("log_round", round_, metrics)
 
     def finish(self, summary: dict[str, Any], run_dir: Path) -> None:
-        for tracker in self.trackers:
-            tracker.finish(summary, run_dir)
+        self._each("finish", summary, run_dir)
 
     def close(self, failed: bool = False, interrupted: bool = False) -> None:
-        for tracker in self.trackers:
-            tracker.close(failed, interrupted)
+        self._each("close", failed, interrupted)
 
     @contextmanager
     def session(self, cfg: Any, run_dir: Path, history: list[dict[str, Any]]) -> Iterator[Tracking]:

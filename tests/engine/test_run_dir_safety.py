@@ -243,6 +243,31 @@ def test_a_live_holder_is_named_and_a_killed_holders_lock_is_taken_over(tmp_path
     assert not (run / LOCK).exists()
 
 
+@pytest.mark.slow
+def test_sigterm_removes_the_lock_and_the_run_resumes(tmp_path, capsys):
+    """Issue 26, item 6: a run stopped with SIGTERM (a service manager, ``kill``, a batch system's time limit)
+    ends as Ctrl-C does: exit 130, its lock file removed (the README's promise), resumable."""
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    holder = driver(tmp_path, {"kind": "pause", "round": 2, "marker": str(marker)},
+                    "run", "--out", str(run), *cli_args("train.rounds=3"))
+    try:
+        deadline = time.time() + 120
+        while not marker.exists() and holder.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), holder.communicate()
+        holder.send_signal(signal.SIGTERM)
+        _, err = holder.communicate(timeout=120)
+    finally:
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGKILL)
+            holder.communicate()
+    assert holder.returncode == 130, err
+    assert "interrupted" in err
+    assert not (run / LOCK).exists()
+    code, err = resume(run, capsys)
+    assert code == 0, err
+
+
 def test_a_lock_left_on_another_host_is_refused_not_taken_over(tmp_path, monkeypatch):
     run = tmp_path / "run"
     interrupted_run(run, 2, monkeypatch, "train.rounds=4")

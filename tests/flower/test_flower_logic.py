@@ -7,22 +7,32 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
 
-from flwr.app import Context, Error, Message, RecordDict
+import torch
+from flwr.app import Array, Context, Error, Message, MetricRecord, RecordDict
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.client_app import app as client_app
-from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.codec import encode_tensor
+from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
 
 SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
          "train.local_steps=10", "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
 DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+@pytest.fixture(autouse=True)
+def trusted_state_roots(tmp_path, monkeypatch):
+    """The in-process nodes keep client state where the server says, under ``tmp_path``, as the simulation's
+    nodes do under the run folders (their environment trusts them: hetfl.flower.node.state_root)."""
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
 
 
 class LoopbackGrid:
@@ -41,6 +51,7 @@ class LoopbackGrid:
         self.broken: set[int] = set()
         self.slow: set[int] = set()  # their replies wait in ``held`` until ``release``
         self.held: dict[str, Message] = {}
+        self.tamper: dict[int, Any] = {}  # node -> function changing its training replies in place
 
     def get_node_ids(self) -> list[int]:
         return list(self.ids)
@@ -58,7 +69,10 @@ class LoopbackGrid:
                 self.replies[message.metadata.message_id] = Message(Error(code=0, reason="disk full"), reply_to=message)
                 continue
             answers = self.held if node in self.slow else self.replies
-            answers[message.metadata.message_id] = client_app(message, self.contexts[node])
+            answer = client_app(message, self.contexts[node])
+            if node in self.tamper and message.metadata.message_type == "train" and not answer.has_error():
+                self.tamper[node](answer.content)
+            answers[message.metadata.message_id] = answer
         return ids
 
     def release(self) -> None:
@@ -155,3 +169,59 @@ def test_a_crashed_run_resumes_with_the_node_states_of_its_checkpoint(tmp_path, 
     assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]
     assert not any(p.exists() for p in stale), "states of the interrupted session are dropped"
+
+
+# ------------------------------------------------------------- malformed and oversized replies (issue 26, item 13)
+def _drop_upload(content) -> None:
+    del content["upload"]
+
+
+def _wrong_shape(content) -> None:
+    upload = content["upload"]
+    name = next(iter(upload.keys()))
+    upload[name] = encode_tensor(torch.zeros(3, 3, 3))
+
+
+def _undecodable(content) -> None:
+    upload = content["upload"]
+    name = next(iter(upload.keys()))
+    upload[name] = Array(dtype="float32", shape=(2,), stype="pickle", data=b"\x80\x04not an array")
+
+
+def _oversized(content) -> None:
+    content["upload"]["padding"] = encode_tensor(torch.zeros(40 * 2**20 // 4))  # 40 MiB the server did not ask for
+
+
+def _inflated_samples(content) -> None:
+    result = content["result"]
+    result["num-samples"] = 10**9  # to outweigh every other client in the mean
+
+
+def _not_numbers(content) -> None:
+    content["result"] = MetricRecord({"steps": 1})
+
+
+TAMPERS = {"no upload": (_drop_upload, "malformed"), "wrong shape": (_wrong_shape, "shape"),
+           "undecodable": (_undecodable, "malformed"), "oversized": (_oversized, "oversized"),
+           "inflated sample count": (_inflated_samples, "num-samples"), "no numbers": (_not_numbers, "malformed")}
+
+
+@pytest.mark.parametrize("case", list(TAMPERS))
+def test_a_malformed_or_oversized_reply_is_dropped_with_its_reason_and_the_round_goes_on(tmp_path, caplog, case):
+    tamper, reason = TAMPERS[case]
+    grid = LoopbackGrid(3)
+    grid.tamper[grid.ids[1]] = tamper
+    run_on(grid, [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=2"], tmp_path / "r")
+    got = metrics(tmp_path / "r")
+    assert [x["failed_clients"] for x in got] == [[1], [1]]
+    assert (tmp_path / "r" / "summary.json").is_file()
+    said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
+    assert len(said) == 2 and all(reason in line for line in said), said  # once a round
+
+
+def test_malformed_replies_below_the_quorum_stop_the_run_with_the_reason(tmp_path):
+    grid = LoopbackGrid(3)
+    grid.tamper[grid.ids[2]] = _drop_upload
+    with pytest.raises(FlowerRoundError, match=r"round 1, training: 2 of 3 clients answered.*client 2: .*malformed"):
+        run_on(grid, [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=0"], tmp_path / "r")
+    assert not (tmp_path / "r" / "summary.json").exists()

@@ -25,7 +25,7 @@ from hetfl.algorithms.base import without_feature_transforms
 from hetfl.engine import secure_sum
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.client_app import app as client_app
-from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
 from tests.flower.test_flower_logic import LoopbackGrid
 
@@ -35,6 +35,13 @@ BASE = ["algorithm.name=fedavg+ccvr", "data.partition=dirichlet", "train.rounds=
         "train.local_steps=5", "algorithm.ccvr.epochs=1", "model.options={hidden = [16]}", "runtime.progress=false",
         "runtime.threads=1", "runtime.secure_aggregation=true"]
 DROP = {"round_time_s", "eval_time_s", "failed_clients", "flower_bytes_down", "flower_bytes_up"}
+
+
+@pytest.fixture(autouse=True)
+def trusted_state_roots(tmp_path, monkeypatch):
+    """The in-process nodes keep client state where the server says, under ``tmp_path``, as the simulation's
+    nodes do under the run folders (their environment trusts them: hetfl.flower.node.state_root)."""
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
 
 
 class WireGrid(LoopbackGrid):
@@ -177,3 +184,18 @@ def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_pa
 
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([z * (9 / 10) ** 0.5], 1e-5))
     assert privacy["epsilon"] > 4.0
+
+
+@pytest.mark.slow
+def test_a_nodes_privacy_floor_encodes_its_reply_on_the_servers_grid(tmp_path, monkeypatch):
+    """Issue 26, item 12: a node whose dp-epsilon floor is stricter than the server's adds more noise, but
+    encodes its reply with the public bounds of the server's settings, which the server decodes the sum with."""
+    seen = []
+    encode = secure_sum.encode
+    monkeypatch.setattr(secure_sum, "encode",
+                        lambda dense, bounds, levels: seen.append(dict(bounds)) or encode(dense, bounds, levels))
+    grid = WireGrid(4)
+    grid.contexts[grid.ids[1]].node_config["dp-epsilon"] = 2.0
+    exp, _ = federation(grid, [*BASE, "data.num_clients=4", "algorithm.ccvr.dp_epsilon=8"], tmp_path / "r")
+    exp.run(tmp_path / "r")
+    assert len(seen) == 4 and all(bounds == exp.posthoc[0].reply_bounds() for bounds in seen), seen

@@ -4,7 +4,9 @@
 ``fcntl.flock`` on that file, which holds ``{"pid", "host", "started"}`` of the holder so that a
 refused process can name it. The kernel drops a flock when its process dies however it dies
 (SIGKILL included), so a lock file left by a crash is recognised as stale (its flock is free),
-taken over and logged; the file is removed on every normal exit, exceptions and Ctrl-C included.
+taken over and logged; the file is removed on every normal exit, exceptions, Ctrl-C and SIGTERM included
+(while a run holds its lock in the main thread, SIGTERM raises :class:`Terminated`, a KeyboardInterrupt, unless
+the program has a SIGTERM handler of its own).
 A lock file written on another host whose flock is free is refused, not taken over: a flock
 may not reach across hosts on a network file system, and hetfl cannot see whether that process
 still runs. The lock is re-entrant within one process (the Flower simulation's ServerApp thread
@@ -34,6 +36,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -57,6 +60,15 @@ HISTORY_KEY = "metrics_history"
 CLIENT_METRICS_NAME = "client_metrics.jsonl"
 CLIENT_RECORD_KEY = "client_metrics"
 HASH_CHUNK = 1 << 20
+#: every name hetfl itself writes at the top of a run directory: the run's files (config.toml, the logs, the
+#: summary, the checkpoint, its lock), tracking's record and TensorBoard folder (hetfl.tracking), the saved
+#: client models, the Flower simulation's node state (hetfl.flower.protocol.NODES_DIR), and what ``hetfl
+#: analyze`` and ``hetfl report`` add (``analysis/``, ``report/``). Named here, below the modules that own them
+#: (tests check the names match): ``overwrite=True`` deletes these and nothing else.
+RUN_ENTRIES = frozenset({
+    "config.toml", "metrics.jsonl", CLIENT_METRICS_NAME, "summary.json", "checkpoint.safetensors", LOCK_NAME,
+    "tracking.json", "tensorboard", "client_models", "flower_nodes", "analysis", "report",
+})
 LINE_DIGEST_CHARS = 16  # a 64-bit prefix of each line's SHA-256: enough to tell an edited line
 
 log = logging.getLogger("hetfl")
@@ -65,6 +77,11 @@ log = logging.getLogger("hetfl")
 class RunDirError(ValueError):
     """The output directory cannot be used (in use by another process, holds another run,
     nothing to resume, a damaged history); the CLI exits with code 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """The process was sent SIGTERM while it held a run directory: raised in the main thread so that the run
+    ends as on Ctrl-C (its lock file removed, trackers closed, exit 130 from the CLI, resumable)."""
 
 
 # ------------------------------------------------------------------ lock
@@ -240,12 +257,31 @@ def lock_run_dir(run_dir: Path) -> Iterator[bool]:
     with _held_guard:
         _held[key] = _Held(fd, 1)
     try:
-        remove_temp_files(run_dir)
-        yield True
+        with _sigterm_as_interrupt():
+            remove_temp_files(run_dir)
+            yield True
     finally:
         with _held_guard:
             del _held[key]
         _release(run_dir, fd, created)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` for the ``with`` block, when this is the main thread and the program
+    left SIGTERM to its default (which would end the process with no ``finally`` run, leaving the lock file)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def check_unlocked(run_dir: Path) -> None:
@@ -273,6 +309,17 @@ def check_no_run(run_dir: Path) -> None:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise RunDirError(f"{run_dir} already holds a run or other files ({shown}); continue it with "
                           f"`hetfl run --resume {run_dir}` (library: resume=True) or use another directory")
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether hetfl wrote a run directory entry of this name (:data:`RUN_ENTRIES`, or the temporary file
+    of an atomic write, ``.NAME.XXXX.tmp``)."""
+    return name in RUN_ENTRIES or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names at the top of ``run_dir`` that hetfl did not write (the user's files), sorted."""
+    return sorted(p.name for p in run_dir.iterdir() if not is_run_entry(p.name))
 
 
 def remove_temp_files(run_dir: Path) -> None:

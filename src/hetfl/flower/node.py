@@ -11,7 +11,19 @@ and its test split (personalised evaluation).
 Node config keys (all optional but ``partition-id``): ``data-root`` (where this node's copy
 of the dataset is; default: the config's ``data.root``), ``state-dir`` (a folder for the
 client's persistent state, needed to resume a deployed run of a stateful method), ``threads``
-(torch CPU threads).
+(torch CPU threads), and the node's privacy floor: ``dp-epsilon`` and ``dp-delta`` (the most
+this node's differentially private releases may spend: the smaller of the node's and the
+server's setting is used), ``dp-noise-source`` (``os`` or ``seed``: the node's choice wins; a
+node that does not want the server to know its noise sets ``os``). A node with a floor refuses
+a method that releases nothing under differential privacy, or a run with it switched off. The
+server's accounting then bounds what such a node spends from above.
+
+What the node does not take from the server: paths. Client state is written only inside the
+node's own ``state-dir``; the run and session names in a message must be plain hexadecimal
+names (what hetfl's server sends), never a path. A server's ``state-root`` (the simulation's
+``RUN_DIR/flower_nodes``) is used only by a node without a ``state-dir`` whose environment lists
+that folder (or one above it) in ``HETFL_TRUSTED_STATE_ROOTS`` (the simulation sets it for its nodes); a deployed
+node without a ``state-dir`` keeps the state in Flower's context only.
 
 Client state. What ``Algorithm.finish`` returns as the client's new persistent state
 (SCAFFOLD's control variate, MOON's previous model, FedPAC's head, a personalised model ...)
@@ -27,20 +39,31 @@ the in-process executors.
 
 from __future__ import annotations
 
+import copy
+import logging
+import math
+import os
 import re
 import tomllib
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hetfl.flower import protocol as P
+from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
 
 if TYPE_CHECKING:
     from hetfl.engine.experiment import Experiment
 
-_RUNTIME: dict[tuple[str, str, int], Experiment] = {}
+_RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
+#: a run or session name the server may choose: what hetfl's server sends (hexadecimal digests), never a path
+_NAME = re.compile(r"[0-9a-f]{1,64}")
+#: the node's privacy floor: node config key -> the algorithms' setting it bounds
+PRIVACY_KEYS = {"dp-epsilon": "dp_epsilon", "dp-delta": "dp_delta", "dp-noise-source": "dp_noise_source"}
+
+log = logging.getLogger("hetfl")
 
 
 class NodeError(RuntimeError):
@@ -52,17 +75,19 @@ def header(message: Message) -> dict[str, Any]:
 
 
 def runtime(cfg_text: str, context: Context) -> Experiment:
-    """The node's experiment pieces for a config, built once per process (one config at a time)."""
+    """The node's experiment pieces for a config, built once per process (one config at a time), with the
+    node's own data root, thread count and privacy floor (:func:`with_privacy_floor`) over the server's."""
     data_root = str(context.node_config.get("data-root", ""))
     threads = int(context.node_config.get("threads", 0))
-    key = (cfg_text, data_root, threads)
+    floor = privacy_floor(context.node_config)
+    key = (cfg_text, data_root, threads, tuple(sorted(floor.items())))
     if key not in _RUNTIME:
         import torch
 
         from hetfl import config as config_mod
         from hetfl.engine.experiment import Experiment
 
-        cfg = config_mod.from_dict(tomllib.loads(cfg_text))
+        cfg = with_privacy_floor(config_mod.from_dict(tomllib.loads(cfg_text)), floor)
         if data_root:
             cfg = replace(cfg, data=replace(cfg.data, root=data_root))
         _RUNTIME.clear()
@@ -70,6 +95,82 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         if threads:  # the node's own setting wins over the config's runtime.threads
             torch.set_num_threads(threads)
     return _RUNTIME[key]
+
+
+def privacy_floor(node_config: Any) -> dict[str, Any]:
+    """The node's ``dp-epsilon`` (> 0), ``dp-delta`` (in (0, 1)) and ``dp-noise-source`` (os | seed) that it
+    sets, as the algorithms' setting names; a NodeError naming a bad one."""
+    from hetfl.algorithms.dp_moments import NOISE_SOURCES
+
+    floor: dict[str, Any] = {}
+    for key, setting in PRIVACY_KEYS.items():
+        if key not in node_config:
+            continue
+        value = node_config[key]
+        if key == "dp-noise-source":
+            if value not in NOISE_SOURCES:
+                raise NodeError(f"node config {key} = {value!r}: must be one of {', '.join(NOISE_SOURCES)}")
+            floor[setting] = value
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        upper = 1.0 if key == "dp-delta" else math.inf
+        if not 0 < number < upper:
+            raise NodeError(f"node config {key} = {value!r}: must be a number > 0" + (" and < 1" if upper < math.inf
+                                                                                      else ""))
+        floor[setting] = number
+    return floor
+
+
+def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
+    """``cfg`` with the node's floor applied to each part of the method that releases under differential
+    privacy (the trainer's and each post-hoc step's settings with a ``dp_epsilon``): the smaller epsilon and
+    delta of the node's and the server's, the node's noise source. A NodeError when no part can honour it, or
+    when the run has differential privacy off for such a part (the server would not expect noisy replies:
+    their form and its calibration differ), so the node's floor is never silently unmet."""
+    if not floor:
+        return cfg
+    from hetfl.algorithms import algorithm_class, parse_name, posthoc_class
+
+    trainer, steps = parse_name(cfg.algorithm.name)
+    params = copy.deepcopy(cfg.algorithm.params)
+    parts = [(algorithm_class(trainer).Hyper, params, "algorithm."),
+             *((posthoc_class(s).Hyper, params.setdefault(s, {}), f"algorithm.{s}.") for s in steps)]
+    private = [(hyper, table, prefix) for hyper, table, prefix in parts
+               if "dp_epsilon" in {f.name for f in fields(hyper)}]
+    if not private:
+        raise NodeError(f"this node requires differential privacy ({_floor_text(floor)}); the run's method "
+                        f"{cfg.algorithm.name} releases nothing under it, so this node does not take part")
+    for hyper, table, prefix in private:
+        defaults = {f.name: f.default for f in fields(hyper)}
+        if not math.isfinite(float(table.get("dp_epsilon", defaults["dp_epsilon"]))):
+            raise NodeError(f"this node requires differential privacy ({_floor_text(floor)}); the run has none for "
+                            f"{prefix.rstrip('.')} ({prefix}dp_epsilon = inf), so this node does not take part")
+        for setting, mine in floor.items():
+            theirs = table.get(setting, defaults[setting])
+            table[setting] = mine if setting == "dp_noise_source" else min(float(theirs), mine)
+            if table[setting] != theirs:
+                log.warning("hetfl node: %s%s = %r (the server's %r): the node's privacy floor", prefix, setting,
+                            table[setting], theirs)
+    return replace(cfg, algorithm=replace(cfg.algorithm, params=params))
+
+
+def server_step(cfg_text: str, exp: Experiment, index: int) -> Any:
+    """Post-hoc step ``index`` with the server's settings (without this node's floor): under secure aggregation a
+    reply is encoded with its public bounds, which the server decodes the sum with."""
+    from hetfl import config as config_mod
+    from hetfl.algorithms import parse_name, posthoc_class, step_hyper
+
+    cfg = config_mod.from_dict(tomllib.loads(cfg_text))
+    name = parse_name(cfg.algorithm.name)[1][index]
+    return posthoc_class(name)(step_hyper(name, cfg.algorithm.params.get(name, {})), exp.setup)
+
+
+def _floor_text(floor: dict[str, Any]) -> str:
+    names = {v: k for k, v in PRIVACY_KEYS.items()}
+    return ", ".join(f"{names[k]} = {v}" for k, v in floor.items())
 
 
 def own_client(h: dict[str, Any], context: Context) -> int:
@@ -88,11 +189,11 @@ class StateStore:
 
     def __init__(self, context: Context, h: dict[str, Any], client: int, device: Any) -> None:
         self.context, self.client, self.device = context, client, device
-        self.run, self.session = str(h["run"]), str(h["session"])
+        self.run, self.session = plain_name(h, "run"), plain_name(h, "session")
         self.start, self.committed = int(h["start"]), int(h["committed"])
         self.key = f"hetfl.{self.run}.{client}"
-        root = str(context.node_config.get("state-dir", "") or h.get("state-root", ""))
-        self.folder = Path(root) / self.run / f"client_{client:04d}" if root else None
+        root = state_root(context, h)
+        self.folder = root / self.run / f"client_{client:04d}" if root is not None else None
 
     def _valid(self, version: int, session: str) -> bool:
         """Written by this session, or before the checkpoint this session started from."""
@@ -147,6 +248,31 @@ class StateStore:
         for v, s, p in files:
             if not self._valid(v, s) or v < keep_from:
                 p.unlink(missing_ok=True)
+
+
+def plain_name(h: dict[str, Any], field: str) -> str:
+    """The header's ``run`` or ``session``: a NodeError unless it is a plain hexadecimal name (a path such as
+    ``../../x`` would take the node's writes and prunes out of its state folder)."""
+    value = str(h.get(field, ""))
+    if not _NAME.fullmatch(value):
+        raise NodeError(f"the server's {field} name {value!r} is not a plain hexadecimal name; refused (this node "
+                        "writes only inside its own state folder)")
+    return value
+
+
+def state_root(context: Context, h: dict[str, Any]) -> Path | None:
+    """Where this node keeps client state on disk: its own ``state-dir``; else the server's ``state-root`` when
+    the node's environment trusts it (:data:`TRUSTED_ROOTS_ENV` lists it or a folder above it; the simulation
+    sets it); else nowhere (Flower's context only)."""
+    own = str(context.node_config.get("state-dir", ""))
+    if own:
+        return Path(own)
+    offered = str(h.get("state-root", ""))
+    if not offered:
+        return None
+    real = Path(os.path.realpath(offered))
+    trusted = [Path(os.path.realpath(p)) for p in os.environ.get(TRUSTED_ROOTS_ENV, "").split(os.pathsep) if p]
+    return Path(offered) if any(real.is_relative_to(folder) for folder in trusted) else None
 
 
 def shared_tensors(message: Message, context: Context, h: dict[str, Any], device: Any) -> dict:

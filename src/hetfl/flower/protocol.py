@@ -42,3 +42,6 @@ REPLY = "reply"
 RESULT = "result"  # MetricRecord of a reply's numbers
 
 NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside the run directory
+#: environment variable listing (os.pathsep-separated) the folders under which a node without a state-dir of its
+#: own may keep client state where the server's ``state-root`` says (the simulation sets it: hetfl.flower.node)
+TRUSTED_ROOTS_ENV = "HETFL_TRUSTED_STATE_ROOTS"

@@ -224,7 +224,10 @@ def handle_query(message: Message, context: Context) -> Message:
              for (name, dtype, stype, shape), a in zip(json.loads(str(h[MODEL_LAYOUT])), stored, strict=True)}
     features, labels = exp.client_features(model, c)
     query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
-    encoded = secure_sum.encode(step.dense_reply(query), step.reply_bounds(), levels)
+    # the server's bounds (a node's privacy floor may have changed this node's): the grid the sum is decoded on
+    bounds = node.server_step(str(h["config"]), exp, int(h["step"])).reply_bounds() \
+        if node.privacy_floor(context.node_config) else step.reply_bounds()
+    encoded = secure_sum.encode(step.dense_reply(query), bounds, levels)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(secure_sum.to_grid(encoded, levels)),
                     num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=message)

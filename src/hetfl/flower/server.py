@@ -21,7 +21,11 @@ becomes one exchange of messages with the nodes (:mod:`hetfl.flower.protocol`):
 Failures: a phase waits ``runtime.flower_timeout_s`` for its replies; clients that do not
 answer (or answer with an error) are left out of that phase and listed in the round's
 ``failed_clients``; fewer answers than ``runtime.flower_min_replies`` stop the run with a
-:class:`FlowerRoundError` (the last checkpoint resumes it).
+:class:`FlowerRoundError` (the last checkpoint resumes it). A reply the server cannot use counts as
+no answer, its reason logged: malformed (a record or number missing, tensors that do not decode, an
+upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
+outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
+sent to the client plus :data:`UPLOAD_SLACK` bytes).
 """
 
 from __future__ import annotations
@@ -51,6 +55,17 @@ if TYPE_CHECKING:
     from hetfl.engine.summary import Reporter
 
 log = logging.getLogger("hetfl")
+
+
+#: a training upload may hold at most this many times the tensor bytes sent to the client (model, payload, client
+#: state), plus UPLOAD_SLACK bytes: every hetfl method uploads about a model's worth (SCAFFOLD: two)
+UPLOAD_FACTOR, UPLOAD_SLACK = 8, 16 * 2**20
+#: what reading a reply of a client raises when the reply is malformed (a missing record or number, bad tensors)
+MALFORMED = (KeyError, TypeError, ValueError, RuntimeError, AttributeError)
+
+
+class MalformedReply(ValueError):
+    """A client's reply the server cannot use (its reason is logged, the client counts as not answering)."""
 
 
 class FlowerRoundError(RuntimeError):
@@ -364,11 +379,11 @@ class FlowerFederation:
             h = self.header(c, 0, lr=lr)
             self.add_client_records(records, h, c, server, encoder, with_init=False)
             contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
-        replies = self.exchange(P.SETUP, contents, 0)
+        replies = self.tensor_replies(P.SETUP, self.exchange(P.SETUP, contents, 0))
         for c in replies:
             self.acknowledge(c, server)
         self.check_quorum(len(replies), self.num_clients, 1, "set-up round")
-        return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
+        return replies
 
     def train(self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
               reporter: Reporter) -> tuple[list[ClientUpdate], int]:
@@ -387,16 +402,53 @@ class FlowerFederation:
         for c in sampled:
             if c not in replies:
                 continue
-            result = replies[c][P.RESULT]
-            upload = {k: decode_tensor(a, self.exp.device) for k, a in replies[c][P.UPLOAD].items()}
-            updates.append(ClientUpdate(c, upload, int(result["num-samples"]), int(result["steps"]),
-                                        float(result["loss-sum"])))
-            if int(result["has-state"]):
+            sent = record_nbytes(r for r in contents[c].values() if isinstance(r, ArrayRecord))
+            try:
+                update, has_state = self.read_update(c, replies[c], sent, server)
+            except MALFORMED as err:
+                self.fail(c, f"{P.TRAIN}: {_why(err)}")
+                continue
+            updates.append(update)
+            if has_state:
                 self.has_state.add(c)
             self.acknowledge(c, server)
             reporter.client_done()
         self.check_quorum(len(updates), len(sampled), round_, "training")
         return updates, bytes_down
+
+    def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
+        """Client ``c``'s training reply as an update (and whether its node now keeps state for it), checked: an
+        upload of at most :data:`UPLOAD_FACTOR` x ``sent`` + :data:`UPLOAD_SLACK` bytes, tensors that decode, the
+        model's shape for each of the model's tensors, the client's own sample count, whole numbers. Raises one of
+        :data:`MALFORMED` (:class:`MalformedReply` with the reason) otherwise."""
+        record, result = content[P.UPLOAD], content[P.RESULT]
+        size, limit = record_nbytes([record]), UPLOAD_FACTOR * sent + UPLOAD_SLACK
+        if size > limit:
+            raise MalformedReply(f"oversized reply: an upload of {size} bytes, more than {limit} ({UPLOAD_FACTOR} "
+                                 f"x the {sent} bytes sent + {UPLOAD_SLACK})")
+        upload = {k: decode_tensor(a, self.exp.device) for k, a in record.items()}
+        for name, t in upload.items():
+            expected = server.model.get(name)
+            if expected is not None and t.shape != expected.shape:
+                raise MalformedReply(f"malformed reply: upload {name!r} has shape {list(t.shape)}, the model's is "
+                                     f"{list(expected.shape)}")
+        samples, size_c = _whole(result, "num-samples"), self.exp.data.client_sizes[c]
+        if samples != size_c:
+            raise MalformedReply(f"malformed reply: num-samples = {samples}, but client {c} holds {size_c} training "
+                                 "samples")
+        update = ClientUpdate(c, upload, samples, _whole(result, "steps"), float(result["loss-sum"]))
+        return update, bool(_whole(result, "has-state"))
+
+    def tensor_replies(self, kind: str, replies: dict[int, RecordDict]) -> dict[int, Tensors]:
+        """The ``reply`` tensors of each client's reply; a client whose reply lacks them or does not decode is
+        recorded as failed (malformed) and left out."""
+        out = {}
+        for c in sorted(replies):
+            try:
+                out[c] = from_record(replies[c][P.REPLY], self.exp.device)
+            except MALFORMED as err:
+                self.fail(c, f"{kind}: {_why(err)}")
+        return out
 
     def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
         """Every client's reply, by client; for an additive step under ``runtime.secure_aggregation``, their
@@ -409,9 +461,9 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
-        replies = self.exchange(P.POSTHOC, contents, round_)
+        replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
         self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}")
-        return {c: from_record(replies[c][P.REPLY], self.exp.device) for c in sorted(replies)}
+        return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
                           global_correct: torch.Tensor | None) -> dict[int, float]:
@@ -451,10 +503,43 @@ class FlowerFederation:
             contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
         if contents:
             replies = self.exchange(P.EVALUATE, contents, round_)
+            answered = 0
             for c in sorted(replies):
+                try:
+                    acc = _accuracy(replies[c][P.RESULT])
+                except MALFORMED as err:
+                    self.fail(c, f"{P.EVALUATE}: {_why(err)}")
+                    continue
+                answered += 1
                 self.acknowledge(c, server)
-                result = replies[c][P.RESULT]
-                if "acc" in result:
-                    accs[c] = float(result["acc"])
-            self.check_quorum(len(replies), len(contents), round_, "evaluation")
+                if acc is not None:
+                    accs[c] = acc
+            self.check_quorum(answered, len(contents), round_, "evaluation")
         return accs
+
+
+def _why(err: BaseException) -> str:
+    """A malformed reply's reason for the log: a MalformedReply says it; anything else is named as such."""
+    if isinstance(err, MalformedReply):
+        return str(err)
+    return f"malformed reply ({type(err).__name__}: {err})"
+
+
+def _whole(result: Any, key: str) -> int:
+    """A reply's whole number ``key`` (>= 0); a ValueError for anything else."""
+    value = result[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or value != int(value):
+        raise MalformedReply(f"malformed reply: {key} = {value!r} is no whole number >= 0")
+    return int(value)
+
+
+def _accuracy(result: Any) -> float | None:
+    """An evaluation reply's accuracy (None: the client has no test split); a ValueError outside [0, 1]."""
+    if "acc" not in result:
+        if "empty" not in result:
+            raise MalformedReply("malformed reply: neither acc nor empty")
+        return None
+    acc = float(result["acc"])
+    if not 0.0 <= acc <= 1.0:
+        raise MalformedReply(f"malformed reply: acc = {acc!r} is outside [0, 1]")
+    return acc

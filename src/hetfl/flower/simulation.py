@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetfl.engine.rundir import check_no_run, lock_run_dir
 from hetfl.flower import INSTALL_HINT, check_flower, offline_defaults, require_flwr
-from hetfl.flower.protocol import NODES_DIR
+from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 
 if TYPE_CHECKING:
     from hetfl.engine.experiment import Experiment
@@ -71,10 +73,27 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
         for _, run_dir, resume in jobs:
             if locks.enter_context(lock_run_dir(Path(run_dir))) and not resume:
                 check_no_run(Path(run_dir))
-        _simulate(server_app, client_app, jobs, stop, verbose)
+        with _trusted_state_roots([str(Path(run_dir).resolve() / NODES_DIR) for _, run_dir, _ in jobs]):
+            _simulate(server_app, client_app, jobs, stop, verbose)
     if len(summaries) != len(jobs):
         raise RuntimeError("the Flower simulation ended before its runs finished (see the log above)")
     return summaries
+
+
+@contextlib.contextmanager
+def _trusted_state_roots(roots: list[str]) -> Iterator[None]:
+    """The simulation's nodes may keep client state in the run folders' ``flower_nodes/`` that the server
+    names: the folders listed in the environment the nodes (Ray's workers, started now) inherit, for the
+    simulation's duration. A node trusts no server-chosen folder otherwise (:func:`hetfl.flower.node.state_root`)."""
+    before = os.environ.get(TRUSTED_ROOTS_ENV)
+    os.environ[TRUSTED_ROOTS_ENV] = os.pathsep.join([*roots, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TRUSTED_ROOTS_ENV, None)
+        else:
+            os.environ[TRUSTED_ROOTS_ENV] = before
 
 
 def _simulate(server_app: Any, client_app: Any, jobs: list[tuple[Experiment, str | Path, bool]],

@@ -1,0 +1,106 @@
+"""What a Flower node does not take from the server (issue 26, item 12): the paths it writes under (its state
+folder confines them; a server-chosen root only where the node's environment trusts it) and the privacy it
+requires (its own ``dp-epsilon``/``dp-delta``/``dp-noise-source`` floor wins over the server's configuration).
+Node code called directly, no Ray, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+
+import torch
+from flwr.app import Context, RecordDict
+
+from hetfl import config
+from hetfl.flower import node
+from hetfl.flower.node import TRUSTED_ROOTS_ENV, NodeError, StateStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["data.partition=iid", "data.num_clients=2", "data.options={num_devices=4, max_samples=40}",
+        "train.rounds=2", "train.local_steps=1", "runtime.threads=1"]
+
+
+def context(**node_config) -> Context:
+    return Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2, **node_config},
+                   state=RecordDict(), run_config={})
+
+
+def header(**extra) -> dict:
+    return {"run": "0123456789abcdef", "session": "a1b2c3d4e5f6", "start": 0, "committed": 0, **extra}
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("field", ["run", "session"])
+@pytest.mark.parametrize("value", ["../../x", "/tmp/abs", "a/b", "..", ""])
+def test_a_server_chosen_run_or_session_cannot_leave_the_nodes_state_folder(tmp_path, field, value):
+    state_dir = tmp_path / "node" / "state"
+    with pytest.raises(NodeError, match=field):
+        StateStore(context(**{"state-dir": str(state_dir)}), header(**{field: value}), 0, "cpu").save(
+            {"w": torch.ones(2)}, 1)
+    assert files_under(tmp_path) == []
+
+
+def test_the_node_writes_and_prunes_only_inside_its_state_folder(tmp_path):
+    state_dir = tmp_path / "state"
+    outside = tmp_path / "outside" / "client_0000"
+    outside.mkdir(parents=True)
+    (outside / "round_00001-ffffffffffff.safetensors").write_bytes(b"the user's")  # a prune target if reached
+    store = StateStore(context(**{"state-dir": str(state_dir)}), header(**{"state-root": str(tmp_path / "outside")}),
+                       0, "cpu")
+    store.save({"w": torch.ones(2)}, 1)
+    assert files_under(state_dir) == ["0123456789abcdef/client_0000/round_00001-a1b2c3d4e5f6.safetensors"]
+    assert (outside / "round_00001-ffffffffffff.safetensors").read_bytes() == b"the user's"
+
+
+def test_a_server_chosen_state_root_is_used_only_where_the_nodes_environment_trusts_it(tmp_path, monkeypatch):
+    """A deployed node without a state-dir keeps its state in Flower's context only; the simulation's nodes
+    (whose environment lists the run folders' node stores) write where the server says."""
+    root = tmp_path / "server-chosen"
+    monkeypatch.delenv(TRUSTED_ROOTS_ENV, raising=False)
+    ctx = context()
+    store = StateStore(ctx, header(**{"state-root": str(root)}), 0, "cpu")
+    store.save({"w": torch.ones(2)}, 1)
+    assert not root.exists()
+    assert torch.equal(store.load(2)["w"], torch.ones(2))  # kept in the context
+
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(root))
+    StateStore(context(), header(**{"state-root": str(root)}), 0, "cpu").save({"w": torch.ones(2)}, 1)
+    assert files_under(root) == ["0123456789abcdef/client_0000/round_00001-a1b2c3d4e5f6.safetensors"]
+
+
+def server_config(*overrides: str) -> str:
+    return config.dumps(config.load(None, [*TINY, *overrides]))
+
+
+def test_a_nodes_privacy_floor_wins_over_the_servers_settings():
+    ctx = context(**{"dp-epsilon": 2.0, "dp-delta": 1e-6, "dp-noise-source": "os"})
+    weak = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8", "algorithm.ccvr.dp_delta=1e-5")
+    step = node.runtime(weak, ctx).posthoc[0]
+    assert (step.hp.dp_epsilon, step.hp.dp_delta, step.hp.dp_noise_source) == (2.0, 1e-6, "os")
+
+    off = server_config("algorithm.name=fedavg+ccvr")  # the server switched privacy off: the node refuses
+    with pytest.raises(NodeError, match=r"algorithm\.ccvr\.dp_epsilon = inf"):
+        node.runtime(off, ctx)
+
+    strict = server_config("algorithm.name=fedpac", "model.options={hidden = [8]}", "algorithm.dp_epsilon=0.5")
+    assert node.runtime(strict, ctx).algorithm.hp.dp_epsilon == 0.5  # a stricter server setting is kept
+
+
+def test_a_node_that_requires_privacy_refuses_a_method_without_it():
+    with pytest.raises(NodeError, match="dp-epsilon"):
+        node.runtime(server_config("algorithm.name=fedavg"), context(**{"dp-epsilon": 2.0}))
+
+
+@pytest.mark.parametrize(("key", "value"), [("dp-epsilon", 0.0), ("dp-epsilon", "x"), ("dp-delta", 1.0),
+                                            ("dp-noise-source", "dice")])
+def test_a_bad_node_privacy_setting_is_named(key, value):
+    with pytest.raises(NodeError, match=key):
+        node.runtime(server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8"),
+                     context(**{key: value}))
