@@ -260,7 +260,7 @@ def test_compare_returns_the_rows_hetfl_compare_writes(tmp_path, capsys):
     assert [(row["method"], row["metric"], row["seeds"]) for row in table.rows] == [
         ("fedavg", "global", 2), ("local", "client mean", 2)]
     mean = sum(r.final_accuracy for r in table.runs[:2]) / 2
-    assert table.rows[0]["final_mean"] == pytest.approx(100 * mean)
+    assert table.rows[0]["final_mean"] == pytest.approx(mean)  # one unit: fractions, as RunResult
     assert table.markdown == (out / "comparison.md").read_text()
     assert table.csv == (out / "comparison.csv").read_bytes().decode()
 

@@ -193,7 +193,8 @@ class RunResult:
 @dataclass(frozen=True)
 class CompareResult:
     """A table over runs: ``rows`` are the rows of ``comparison.md`` / ``comparison.csv`` as dicts (one per
-    setting: mean and std over seeds, in percent, of the final and best accuracy, ...), ``markdown`` the
+    setting: mean and std over seeds of the final and best accuracy, as fractions like
+    :attr:`RunResult.final_accuracy`, ...), ``markdown`` the
     table as written, ``runs`` every run (a :class:`RunResult` each), ``out`` the folder holding them."""
 
     out: Path
@@ -423,13 +424,14 @@ def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, 
     there is a RunDirError naming the differing keys, raised before any run starts.
 
     Returns a :class:`CompareResult`: ``.rows`` as ``comparison.csv`` (one per setting; accuracies in
-    percent, mean and std over seeds), ``.markdown`` as ``comparison.md``, ``.runs`` every run.
+    fractions like :attr:`RunResult.final_accuracy`, mean and std over seeds), ``.markdown`` as
+    ``comparison.md`` (the one place they are in percent, for reading), ``.runs`` every run.
 
     >>> import hetfl
     >>> table = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=["train.rounds=2"],
     ...                       out="runs/cmp")  # doctest: +SKIP
-    >>> [(row["method"], round(row["final_mean"], 1)) for row in table.rows]  # doctest: +SKIP
-    [('fedavg', 61.9), ('fedprox', 61.7)]
+    >>> [(row["method"], round(row["final_mean"], 3)) for row in table.rows]  # doctest: +SKIP
+    [('fedavg', 0.619), ('fedprox', 0.617)]
     """
     from hetfl.cli import make_console
 

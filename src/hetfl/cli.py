@@ -194,6 +194,24 @@ def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.R
     return config_mod.from_dict(tree)
 
 
+def parse_target(text: str | None) -> float | None:
+    """``--target``: an accuracy as a fraction in (0, 1] (``0.6``, the unit of every file and object) or in
+    percent with a ``%`` sign (``60%``, the unit the tables show); a ConfigError naming both otherwise."""
+    if text is None:
+        return None
+    raw = str(text).strip()
+    is_percent = raw.endswith("%")
+    try:
+        value = float(raw.removesuffix("%").strip())
+    except ValueError:
+        value = float("nan")
+    fraction = value / 100 if is_percent else value
+    if not 0 < fraction <= 1:  # NaN fails too
+        raise ConfigError("--target", text, "must be an accuracy: a fraction in (0, 1] such as 0.6, or a percent "
+                                            "with its sign such as 60%")
+    return fraction
+
+
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl.api import run_comparison
     from hetfl.sweeps import grid_from_cli
@@ -207,13 +225,12 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "need at least one of each")
     if len(set(seeds)) < len(seeds) or len(set(methods)) < len(methods):
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "must not repeat a method or seed")
-    if args.target is not None and not 0 < args.target <= 1:
-        raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    target = parse_target(args.target)
     grid = grid_from_cli(args.grid, args.sweep, args.set)  # checked before anything is written
     out = Path(args.out)
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
     result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
-                            args.target, progress=False if args.quiet else None, console=console, grid=grid)
+                            target, progress=False if args.quiet else None, console=console, grid=grid)
     console.print(result.markdown)
     curves = f"; curves: {out / 'curves.png'}" if (out / "curves.png").is_file() else ""
     print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}{curves}")
@@ -368,11 +385,10 @@ def default_report_dir(run_dirs: list[str]) -> Path:
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from hetfl.report import build_report
 
-    if args.target is not None and not 0 < args.target <= 1:
-        raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    target = parse_target(args.target)
     out = Path(args.out) if args.out else default_report_dir(args.run_dirs)
     check_output_dir(out)
-    html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title,
+    html_path, md_path = build_report(args.run_dirs, out, target=target, title=args.title,
                                       per_seed=args.per_seed)
     print(f"report: {html_path} (self-contained), {md_path}")
     return 0
@@ -413,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(cmp)
     cmp.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    cmp.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
+    cmp.add_argument("--target", default=None, help="accuracy for rounds-to-target: a fraction (0.8) or, as the "
+                     "table shows it, a percent (80%%)")
     cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv (runs of the same "
                      "configuration there are reused; another configuration there is an error)")
     cmp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -451,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     rpt.add_argument("--out", help="folder for report.html, report.md and their images (default: RUN_DIR/report "
                      "for one run; for several, report/ in the folder that holds them all, e.g. the --out of "
                      "hetfl compare)")
-    rpt.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
+    rpt.add_argument("--target", default=None, help="accuracy for rounds-to-target: a fraction (0.8) or, as the "
+                     "table shows it, a percent (80%%)")
     rpt.add_argument("--title", default="hetfl report")
     rpt.add_argument("--per-seed", action="store_true", help="draw each seed as a thin line in the mean ± std "
                      "bands, and add the per-run curves (accuracy, client spread, loss, traffic)")

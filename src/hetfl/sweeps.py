@@ -490,8 +490,8 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
     >>> import hetfl
     >>> table = hetfl.sweep({"train.lr": [0.01, 0.1]}, methods=["fedavg"], seeds=[0, 1],
     ...                     overrides=["train.rounds=2"], out="runs/sweep")  # doctest: +SKIP
-    >>> [(row["train.lr"], round(row["final_mean"], 1)) for row in table.rows]  # doctest: +SKIP
-    [('0.01', 55.2), ('0.1', 63.0)]
+    >>> [(row["train.lr"], round(row["final_mean"], 3)) for row in table.rows]  # doctest: +SKIP
+    [('0.01', 0.552), ('0.1', 0.63)]
     """
     from hetfl.api import _load_plugins, _method_list, _override_list, _seed_list, make_config, run_comparison
     from hetfl.cli import make_console
