@@ -94,3 +94,124 @@ def test_curve_labels_name_the_method_and_what_the_user_varied():
     labels = list(record_groups([_record("fedavg+ccvr", 0, 0.5), _record("fedpac", 0, 0.6),
                                  _record("fedavg", 0, 0.4, train__lr=0.1)]))
     assert labels == ["fedavg+ccvr (train.lr=0.05)", "fedpac (train.lr=0.05)", "fedavg (train.lr=0.1)"]
+
+
+# ----------------------------------------------------------------- item 8: hints that name the real thing
+TINY_RUN = ["--set", "data.partition=iid", "--set", "data.num_clients=4",
+            "--set", "data.options={num_devices=8, max_samples=60}", "--set", "train.rounds=2",
+            "--set", "train.local_steps=2", "--set", "runtime.threads=1"]
+
+
+def test_ctrl_c_in_hetfl_run_names_the_folder_to_resume(tmp_path, monkeypatch, capsys):
+    import hetfl.runtimes
+    from hetfl.cli import main
+
+    def interrupted(target, run_dir, **_):
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.toml").write_text("seed = 0\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hetfl.runtimes, "run_experiment", interrupted)
+    run_dir = tmp_path / "my run"
+    assert main(["run", "--out", str(run_dir), "--quiet"]) == 130
+    error = capsys.readouterr().err
+    assert f"hetfl run --resume '{run_dir}'" in error and "DIR" not in error
+
+
+def test_ctrl_c_before_a_run_wrote_anything_says_to_start_again(tmp_path, monkeypatch, capsys):
+    import hetfl.runtimes
+    from hetfl.cli import main
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hetfl.runtimes, "run_experiment", interrupted)
+    assert main(["run", "--out", str(tmp_path / "r"), "--quiet"]) == 130
+    error = capsys.readouterr().err
+    assert "--resume" not in error and "nothing was written" in error
+
+
+def test_ctrl_c_in_compare_says_to_rerun_the_same_command(tmp_path, monkeypatch, capsys):
+    import hetfl.api
+    from hetfl.cli import main
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hetfl.api, "run_comparison", interrupted)
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--out", str(out)]) == 130
+    error = capsys.readouterr().err
+    assert "hetfl run --resume" not in error
+    assert f"hetfl compare --methods fedavg,fedprox --seeds 0 --out {out}" in error
+
+
+def test_report_on_an_unfinished_run_says_to_resume_it(tmp_path, capsys):
+    from hetfl.cli import main
+
+    run_dir = tmp_path / "half"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("seed = 0\n")
+    (run_dir / "metrics.jsonl").write_text('{"round": 1}\n')
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 2
+    error = capsys.readouterr().err
+    assert f"hetfl run --resume {run_dir}" in error and "--out DIR" not in error
+
+
+def test_the_apis_occupied_folder_error_mentions_overwrite(tmp_path, one_thread):
+    import hetfl
+    from hetfl.engine.rundir import RunDirError
+    from tests.helpers.runs import TINY
+
+    hetfl.run(overrides=TINY, out=tmp_path / "r")
+    with pytest.raises(RunDirError, match="overwrite=True"):
+        hetfl.run(overrides=[*TINY, "train.lr=0.1"], out=tmp_path / "r")
+
+
+def test_resuming_a_finished_run_says_nothing_to_do_once(tmp_path, capsys, monkeypatch, one_thread):
+    import logging
+
+    from hetfl.cli import main
+
+    monkeypatch.setattr(logging.root, "handlers", [])  # as on the command line: a warning goes to stderr
+    run_dir = tmp_path / "r"
+    assert main(["run", *TINY_RUN, "--out", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(run_dir)]) == 0
+    seen = capsys.readouterr()
+    assert (seen.out + seen.err).count("nothing to do") == 1
+
+
+def test_a_mistyped_option_shows_the_subcommands_usage_and_the_near_option(capsys):
+    from hetfl.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--sett", "train.rounds=2"])
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "usage: hetfl run" in error and "--sett" in error and "did you mean '--set'?" in error
+
+
+@pytest.mark.parametrize(("assignment", "meant"), [("algorithm.name=fedavgg", "'fedavg'"),
+                                                    ("algorithm.name=FedAvg", "'fedavg'"),
+                                                    ("algorithm.name=fedprx", "'fedprox'"),
+                                                    ("algorithm.name=fedavg+ccrv", "'ccvr'"),
+                                                    ("train.rouns=3", "'train.rounds'"),
+                                                    ("trian.rounds=3", "'train'"),
+                                                    ("data.partition=dirichlett", "'dirichlet'")])
+def test_a_typo_gets_a_did_you_mean(assignment, meant):
+    from hetfl.algorithms import parse_name
+    from hetfl.api import make_config
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_name(make_config(None, [assignment]).algorithm.name)
+    assert f"did you mean {meant}?" in str(info.value)
+
+
+def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
+    from hetfl.algorithms import algorithm_class
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError, match="--plugin FILE"):
+        algorithm_class("featnorm")

@@ -307,6 +307,19 @@ def _unfinished_error(run_dir: Path) -> Exception:
                        "start it again")
 
 
+def _state_or_overwrite_hint(cfg: RunConfig, run_dir: Path) -> State:
+    """:func:`plan_states` for one run; where ``run_dir`` holds a run of another configuration, the error
+    also names ``overwrite=True``, which replaces it (never a folder of other files)."""
+    from hetfl.engine.rundir import RunDirError
+
+    try:
+        return plan_states([cfg], [run_dir], "out")[0]
+    except RunDirError as err:
+        if not holds_run(run_dir):
+            raise
+        raise RunDirError(f"{err}, or pass overwrite=True to replace it") from None
+
+
 # ----------------------------------------------------------------- run
 def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | os.PathLike[str] | None = None,
         resume: bool = False, overwrite: bool = False, progress: bool = False,
@@ -362,7 +375,7 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
         clear_run_dir(run_dir)
         status = execute(cfg, run_dir, "new", console, experiment)
     else:
-        state = plan_states([cfg], [run_dir], "out")[0]
+        state = _state_or_overwrite_hint(cfg, run_dir)
         if state == "unfinished" and not resume:
             raise _unfinished_error(run_dir)
         status = execute(cfg, run_dir, state, console)

@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from rich.text import Text
 
 from hetfl import __version__
 from hetfl import config as config_mod
-from hetfl.params import ConfigError
+from hetfl.params import ConfigError, did_you_mean
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -73,6 +74,11 @@ class RichReporter:
     def client_done(self) -> None:
         if self.progress:
             self.progress.advance(self.clients)
+
+    @property
+    def shows_notes(self) -> bool:
+        """Whether :meth:`note` prints (the run's notes are then not also logged)."""
+        return self.enabled
 
     def note(self, message: str) -> None:
         if self.enabled:
@@ -174,6 +180,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
         check_unlocked(run_dir)
         check_new_run_dir(run_dir)
+    args.run_dir = run_dir  # named by the hint after Ctrl-C (interrupted_hint)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
     check_runtime(cfg)  # the executor's own checks (Flower installed), before the set-up's work
@@ -415,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (with it, --set takes "
                                                          "only tracking.KEY=VALUE)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, command_parser=run)
 
     cmp = sub.add_parser(
         "compare", help="several methods x seeds on one setting: mean ± std table",
@@ -438,13 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "train.lr=0.01,0.1 (repeatable: the cartesian product; not a key also given with --set)")
     cmp.add_argument("--sweep", metavar="FILE", help="TOML file with a [grid] table of KEY = [values] (as --grid)")
     cmp.add_argument("--quiet", action="store_true")
-    cmp.set_defaults(func=cmd_compare)
+    cmp.set_defaults(func=cmd_compare, command_parser=cmp)
 
     part = sub.add_parser("partition", help="show how a dataset is split over clients")
     add_config_args(part)
     part.add_argument("--plot", metavar="FILE", help="write a PNG heat map of class counts per client")
     part.add_argument("--json", metavar="FILE", help="write the per-client statistics as JSON")
-    part.set_defaults(func=cmd_partition)
+    part.set_defaults(func=cmd_partition, command_parser=part)
 
     rep = sub.add_parser(
         "reproduce", help="run a paper table's preset and compare with the published numbers",
@@ -460,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="folder for the runs and reproduction.md (default runs/reproduce/NAME)")
     rep.add_argument("--quiet", action="store_true")
     add_plugin_arg(rep)
-    rep.set_defaults(func=cmd_reproduce)
+    rep.set_defaults(func=cmd_reproduce, command_parser=rep)
 
     rpt = sub.add_parser("report", help="one self-contained HTML page (and Markdown) for one or more runs")
     rpt.add_argument("run_dirs", nargs="+", help="run directories; runs whose resolved configurations differ "
@@ -474,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     rpt.add_argument("--per-seed", action="store_true", help="draw each seed as a thin line in the mean ± std "
                      "bands, and add the per-run curves (accuracy, client spread, loss, traffic)")
     add_plugin_arg(rpt)
-    rpt.set_defaults(func=cmd_report)
+    rpt.set_defaults(func=cmd_report, command_parser=rpt)
 
     ana = sub.add_parser("analyze", help="CKA, weight norms, spectra, SWD, t-SNE, curves of a run directory")
     ana.add_argument("run_dir", help="a run directory written by hetfl run")
@@ -483,14 +490,42 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ana.add_argument("--probe", type=int, default=512, help="test samples used as probe data (CKA, spectra)")
     add_plugin_arg(ana)
-    ana.set_defaults(func=cmd_analyze)
+    ana.set_defaults(func=cmd_analyze, command_parser=ana)
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys")
     lst.add_argument("what", nargs="?", default="all",
                      choices=("all", "algorithms", "datasets", "partitions", "models", "config"))
     add_plugin_arg(lst)
-    lst.set_defaults(func=cmd_list)
+    lst.set_defaults(func=cmd_list, command_parser=lst)
     return parser
+
+
+def interrupted_hint(args: argparse.Namespace, argv: list[str]) -> str:
+    """What to do after Ctrl-C, naming the real thing: ``hetfl run --resume`` with the run's folder (once it
+    holds its config.toml), the same command again for ``compare`` and ``reproduce`` (which reuse finished
+    runs and resume the interrupted one), nothing for the commands that only read."""
+    if args.command == "run":
+        run_dir = getattr(args, "run_dir", None) or (Path(args.resume) if args.resume else None)
+        if run_dir is None or not (run_dir / "config.toml").is_file():
+            return "nothing was written; run the command again"
+        plugins = "".join(f" --plugin {shlex.quote(p)}" for p in args.plugin)
+        return f"continue with `hetfl run --resume {shlex.quote(str(run_dir))}{plugins}`"
+    if args.command in ("compare", "reproduce"):
+        return (f"run the same command again to continue (`{shlex.join(['hetfl', *argv])}`): it reuses the "
+                "finished runs and resumes the interrupted one")
+    return "nothing to continue"
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that an unknown option is reported by its subcommand's parser (its
+    usage, not the top level's) with the nearest option it has (``--sett``: did you mean --set?)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command: argparse.ArgumentParser = args.command_parser
+        options = [s for action in command._actions for s in action.option_strings]
+        hints = [did_you_mean(word.partition("=")[0], options).strip() for word in extra if word.startswith("-")]
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f" ({h})" for h in hints if h))
+    return args
 
 
 def make_console() -> Console:
@@ -501,8 +536,8 @@ def make_console() -> Console:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_arguments(build_parser(), argv)
     console = make_console()
     try:
         from hetfl.algorithms import load_plugin
@@ -514,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetfl: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hetfl: interrupted; continue with `hetfl run --resume DIR`", file=sys.stderr)
+        print(f"hetfl: interrupted; {interrupted_hint(args, argv)}", file=sys.stderr)
         return 130
 
 

@@ -79,9 +79,13 @@ def read_runs(run_dirs: list[Path]) -> list[Run]:
     as a row's "seeds" would count one seed twice."""
     runs: list[Run] = []
     for path in run_dirs:
-        for name in (CONFIG_NAME, SUMMARY_NAME, METRICS_NAME):
+        if not (path / CONFIG_NAME).is_file():
+            raise ReportError(f"{path}: no {CONFIG_NAME}, so no hetfl run; give run directories written by "
+                              "hetfl run or hetfl compare")
+        for name in (SUMMARY_NAME, METRICS_NAME):
             if not (path / name).is_file():
-                raise ReportError(f"{path}: no {name}; give finished run directories (hetfl run --out DIR)")
+                raise ReportError(f"{path}: no {name}: the run has not finished; continue it with "
+                                  f"`hetfl run --resume {path}`, then report it")
         tree = identity.saved_tree(path)
         if tree is None:
             raise ReportError(f"{path}: {CONFIG_NAME} is not readable TOML; give finished run directories")

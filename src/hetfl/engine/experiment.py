@@ -385,14 +385,17 @@ class Experiment:
         return server
 
     def note(self, message: str, reporter: Reporter) -> None:
-        """Tell the user once per run how the run executes (an executor's fallback, and why)."""
+        """Tell the user once per run how the run executes (an executor's fallback, and why): through the
+        reporter where it shows notes (``shows_notes``: the terminal's progress display), else as a
+        warning of the ``hetfl`` logger; never both, so a line is printed once."""
         notes = self.__dict__.setdefault("_notes", set())
         if message in notes:
             return
         notes.add(message)
-        logging.getLogger("hetfl").warning(message)
         if hasattr(reporter, "note"):
             reporter.note(message)
+        if not getattr(reporter, "shows_notes", False):
+            logging.getLogger("hetfl").warning(message)
 
     def save_client_models(self, round_: int, ctxs: list[ClientContext], results: list[LocalResult]) -> None:
         """``client_models/round_XXXX.safetensors``: each trained client's local model after ``round_``
