@@ -215,3 +215,28 @@ def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
 
     with pytest.raises(ConfigError, match="--plugin FILE"):
         algorithm_class("featnorm")
+
+
+# ----------------------------------------------------------------- item 6: a post-hoc step's before and after
+def test_the_terminal_summary_shows_the_accuracy_before_and_after_ccvr():
+    from rich.console import Console
+
+    from hetfl.cli import summary_table
+
+    summary = {"algorithm": "fedavg+ccvr", "final_global_acc": 0.275, "best_global_acc": 0.275,
+               "final_global_acc_before_ccvr": 0.21, "rounds": 3, "wall_time_s": 1.0, "bytes_up_total": 0,
+               "bytes_down_total": 0}
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "final_global_acc_before_ccvr" in text and "21.00%" in text and "27.50%" in text
+
+
+def test_the_comparison_table_shows_the_accuracy_before_a_post_hoc_step():
+    with_ccvr = _record("fedavg+ccvr", 0, 0.275)
+    with_ccvr.summary["final_global_acc_before_ccvr"] = 0.21
+    rows = tables.table_rows([with_ccvr, _record("fedavg", 0, 0.22)], target=None)
+    assert rows[0]["final_before_ccvr_mean"] == pytest.approx(0.21) and rows[1]["final_before_ccvr_mean"] is None
+    head, _, first, second = tables.to_markdown(rows, None).splitlines()[:4]
+    assert "| final before ccvr (%) | final acc (%) |" in head
+    assert "| 21.00 | 27.50 |" in first and "| - | 22.00 |" in second

@@ -109,7 +109,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"summary: {summary['algorithm']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
+    before = sorted(k for k in summary if k.startswith("final_global_acc_before_"))  # a post-hoc step's input
+    for key in (*before, "final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
         if key in summary:
             table.add_row(key, f"{100 * summary[key]:.2f}%")
     table.add_row("rounds", str(summary["rounds"]))

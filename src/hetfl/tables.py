@@ -24,6 +24,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -125,15 +126,37 @@ def shown_keys(configs: list[dict[str, Any]]) -> list[str]:
     return [k for k in varying if changed(k)]
 
 
+#: summary.json's accuracy of the global model before a post-hoc step, ``final_global_acc_before_<step>``
+BEFORE_PREFIX = "final_global_acc_before_"
+
+
+def posthoc_steps(records: Sequence[RunRecord]) -> list[str]:
+    """The post-hoc steps (``ccvr``, ...) whose accuracy before the step some run's summary records."""
+    return sorted({k.removeprefix(BEFORE_PREFIX) for r in records for k in r.summary if k.startswith(BEFORE_PREFIX)})
+
+
+def _before_steps(runs: list[RunRecord], steps: list[str]) -> dict[str, float | None]:
+    """``final_before_<step>_mean`` / ``_std`` of a row: the global accuracy before each post-hoc step, over
+    seeds (fractions); None where the row's runs have no such step."""
+    out: dict[str, float | None] = {}
+    for step in steps:
+        values = [r.summary.get(BEFORE_PREFIX + step) for r in runs]
+        mean_value, std = mean_std(values) if None not in values else (None, None)  # type: ignore[arg-type]
+        out[f"final_before_{step}_mean"], out[f"final_before_{step}_std"] = mean_value, std
+    return out
+
+
 def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str, Any]]:
     """One row per setting (records with equal setting ids; by method label where a record's
     config is unknown), in first-seen order. The keys of :func:`shown_keys` become columns named by
     the dotted key. Accuracies are fractions (``final_mean``, ``final_std``, ``best_mean``, ``best_std``);
-    ``rounds_to_target`` counts rounds."""
+    ``rounds_to_target`` counts rounds. Where a run has a post-hoc step (``fedavg+ccvr``), its accuracy
+    before the step is there too (``final_before_ccvr_mean``/``_std``; None for rows without it)."""
     groups: dict[str, list[RunRecord]] = {}
     for r in records:
         groups.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
     varying = shown_keys([runs[0].config for runs in groups.values() if runs[0].config])
+    steps = posthoc_steps(records)
     rows = []
     for runs in groups.values():
         flat = identity.flatten(runs[0].config)
@@ -146,6 +169,7 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
         row.update({
             "metric": "global" if key == "final_global_acc" else "client mean",
             "seeds": len(runs),
+            **_before_steps(runs, steps),
             "final_mean": final_m, "final_std": final_s,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
@@ -176,13 +200,17 @@ def differences_line(rows: list[dict[str, Any]]) -> str:
 def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
     """The table as Markdown (accuracies in percent, for reading), followed by :func:`differences_line`."""
     keys = key_columns(rows)
-    head = ["method", *keys, "metric", "seeds", "final acc (%)", "best acc (%)"]
+    steps = [k.removeprefix("final_before_").removesuffix("_mean") for k in (rows[0] if rows else {})
+             if k.startswith("final_before_") and k.endswith("_mean")]
+    head = ["method", *keys, "metric", "seeds", *(f"final before {s} (%)" for s in steps), "final acc (%)",
+            "best acc (%)"]
     if target is not None:
         head += [f"rounds to {percent(target):g}%"]
     head += ["time (s)", "setting"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
+                 *(_before_cell(row, s) for s in steps),
                  with_spread(percent(row["final_mean"]), percent(row["final_std"]), row["seeds"]),
                  with_spread(percent(row["best_mean"]), percent(row["best_std"]), row["seeds"])]
         if target is not None:
@@ -191,6 +219,14 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
         cells += [f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + differences_line(rows) + "\n"
+
+
+def _before_cell(row: dict[str, Any], step: str) -> str:
+    """The accuracy before post-hoc ``step`` in percent, or :data:`UNSET` for a row without that step."""
+    mean_value = row[f"final_before_{step}_mean"]
+    if mean_value is None:
+        return UNSET
+    return with_spread(percent(mean_value), percent(row[f"final_before_{step}_std"]), row["seeds"])
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
