@@ -240,3 +240,22 @@ def test_the_comparison_table_shows_the_accuracy_before_a_post_hoc_step():
     head, _, first, second = tables.to_markdown(rows, None).splitlines()[:4]
     assert "| final before ccvr (%) | final acc (%) |" in head
     assert "| 21.00 | 27.50 |" in first and "| - | 22.00 |" in second
+
+
+# ----------------------------------------------------------------- item 9: files others can read
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_run_folders_files_follow_the_umask(tmp_path, umask, one_thread):
+    import os
+    import stat
+
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    before = os.umask(umask)
+    try:
+        hetfl.run(overrides=TINY, out=tmp_path / "r")
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "r").iterdir() if p.is_file()}
+    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= set(modes)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
