@@ -259,3 +259,32 @@ def test_a_run_folders_files_follow_the_umask(tmp_path, umask, one_thread):
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "r").iterdir() if p.is_file()}
     assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= set(modes)
     assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+# ----------------------------------------------------------------- item 10: piped output is never cut
+def test_piped_lists_show_every_name_whole(capsys):
+    from hetfl import reproduce
+    from hetfl.cli import main
+
+    assert main(["list", "config"]) == 0
+    out = capsys.readouterr().out
+    assert "runtime.secagg_reconstruction_threshold" in out and "…" not in out
+    assert main(["reproduce", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and all(name in out for name in reproduce.available())
+
+
+def test_a_piped_comparison_table_keeps_each_row_on_one_line(tmp_path, monkeypatch, capsys):
+    import hetfl.api
+    from hetfl.api import CompareResult
+    from hetfl.cli import main
+
+    rows = tables.table_rows([_record("fedavg", 0, 0.5, train__lr=0.123456789, data__alpha=0.123456789),
+                              _record("fedprox", 0, 0.6, algorithm__mu=0.123456789)], target=0.4)
+    markdown = tables.to_markdown(rows, 0.4)
+    monkeypatch.setattr(hetfl.api, "run_comparison",
+                        lambda *_, **__: CompareResult(tmp_path, [], rows, markdown, 0.4))
+    assert main(["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in markdown.splitlines()) > 80
+    assert markdown.strip() in out

@@ -529,11 +529,21 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     return args
 
 
+#: the width of output that goes to a pipe or a file: wide enough that no table or line is cut or wrapped
+PIPED_WIDTH = 100_000
+
+
 def make_console() -> Console:
     """The terminal console of the commands: text goes out as it is (no rich markup, no emoji codes),
     so that square brackets in names, notes and messages (``hetfl[flower]``, a preset's ``[quick]``)
-    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`)."""
-    return Console(stderr=False, markup=False, emoji=False)
+    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`).
+    Output that is not a terminal (piped, redirected) is never cut or wrapped: rich would fit it to 80
+    columns, ellipsing the names one types (``runtime.secagg_reconstructio…``) and breaking table rows.
+    ``COLUMNS`` in the environment still sets a width."""
+    console = Console(stderr=False, markup=False, emoji=False)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=False, markup=False, emoji=False, width=PIPED_WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:
