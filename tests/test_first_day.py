@@ -214,7 +214,7 @@ def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
     from hetfl.params import ConfigError
 
     with pytest.raises(ConfigError, match="--plugin FILE"):
-        algorithm_class("featnorm")
+        algorithm_class("featnorm_from_no_plugin")
 
 
 # ----------------------------------------------------------------- item 6: a post-hoc step's before and after
@@ -288,3 +288,72 @@ def test_a_piped_comparison_table_keeps_each_row_on_one_line(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert max(len(line) for line in markdown.splitlines()) > 80
     assert markdown.strip() in out
+
+
+# ----------------------------------------------------------------- item 3: the plug-in example shows its effect
+def _readme_plugin_example(tmp_path) -> list[str]:
+    """README's "Adding a method": its my_method.py written to ``tmp_path``, and its command's arguments."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(# my_method.py\n.*?)```", readme, re.S).group(1)
+    (tmp_path / "my_method.py").write_text(code)
+    command = next(line for line in readme.splitlines() if line.startswith("hetfl run --plugin my_method.py"))
+    return shlex.split(command.replace("my_method.py", str(tmp_path / "my_method.py")))[1:]
+
+
+def test_the_plugin_example_changes_the_run_and_logs_its_loss_parts(tmp_path, monkeypatch, one_thread):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))  # the plug-in registers for this test
+    argv = [*_readme_plugin_example(tmp_path), "--set", "train.rounds=2", "--set", "runtime.threads=1", "--quiet"]
+    assert "algorithm.weight=0.05" in argv
+    off = [a.replace("algorithm.weight=0.05", "algorithm.weight=0") for a in argv]
+    assert main([*argv, "--out", str(tmp_path / "on")]) == 0
+    assert main([*off, "--out", str(tmp_path / "off")]) == 0
+    on_line, off_line = (json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])
+                         for d in ("on", "off"))
+    assert {"train_ce", "train_penalty"} <= set(on_line)  # the parts the method's loss returns
+    assert on_line["train_penalty"] < 0.5 * off_line["train_penalty"]  # the penalty shrinks the features
+    assert on_line["global_loss"] != off_line["global_loss"]  # and the model with them
+
+
+# ----------------------------------------------------------------- item 12: method costs and defaults
+def test_the_feduv_preset_runs_the_authors_code_bandwidth_and_says_so():
+    from hetfl import reproduce
+
+    preset = reproduce.load_preset("feduv-table1")
+    specs = reproduce.run_specs(preset)
+    feduv = reproduce.build_config(preset, specs[("FedUV", "stl-a0.01", 0)], [])
+    assert feduv.algorithm.params["bandwidth"] == "code"
+    assert "bandwidth" in preset.notes and "sigma" in preset.notes
+
+
+def test_fedbrs_docstring_states_the_authors_latest_defaults():
+    from hetfl.algorithms import fedbr
+
+    text = " ".join(fedbr.__doc__.split())
+    assert "01dc5c6" in text and "Mixup and Mixture off" in text and "without momentum" in text
+
+
+def test_a_fedetf_run_says_what_its_personalisation_costs_when_it_starts(tmp_path, one_thread):
+    from hetfl.api import make_config
+    from hetfl.engine.experiment import Experiment
+    from hetfl.engine.summary import Reporter
+    from tests.helpers.runs import TINY
+
+    class Notes(Reporter):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.notes.append(message)
+
+    reporter = Notes()
+    cfg = make_config(None, [*TINY, "algorithm.name=fedetf", "model.name=mlp", "train.rounds=1",
+                             "algorithm.pers_cycles=1", "algorithm.pers_epochs=1"])
+    Experiment(cfg).run(tmp_path / "r", reporter=reporter)
+    assert any("algorithm.pers_cycles" in n and "before every evaluation" in n for n in reporter.notes)

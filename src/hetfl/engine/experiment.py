@@ -62,7 +62,14 @@ from hetfl.engine.rundir import (
 )
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
-from hetfl.engine.summary import Reporter, client_acc_summary, client_row, diverged_round, make_summary
+from hetfl.engine.summary import (
+    Reporter,
+    client_acc_summary,
+    client_row,
+    diverged_round,
+    loss_parts,
+    make_summary,
+)
 from hetfl.engine.vectorized import train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
@@ -234,6 +241,8 @@ class Experiment:
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         start = ckpt.round if ckpt else 0
+        for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
+            self.note(message, reporter)
         tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
@@ -440,17 +449,21 @@ class Experiment:
         bytes_up = 0
         loss_sum = 0.0
         steps_total = 0
+        part_sums: dict[str, float] = {}
         for u in updates:
             bytes_up += nbytes(u.upload)
             uploads.append(Upload(u.client_id, u.upload, u.num_samples, u.steps,
                                   {"loss": u.loss_sum / max(u.steps, 1)}))
             loss_sum += u.loss_sum
             steps_total += u.steps
+            for key, value in u.part_sums.items():
+                part_sums[key] = part_sums.get(key, 0.0) + value
         new_server = algo.aggregate(server, uploads, round_)
         return {
             **algo.round_info(new_server, uploads, round_),
             "round": round_,
             "train_loss": loss_sum / max(steps_total, 1),
+            **loss_parts(part_sums, steps_total),
             "lr": lr,
             "clients": len(sampled),
             "local_steps": steps_total,

@@ -40,5 +40,6 @@ VIEW_EXTRA = "server.extra"
 UPLOAD = "upload"
 REPLY = "reply"
 RESULT = "result"  # MetricRecord of a reply's numbers
+LOSS_PART = "loss-part/"  # a RESULT key's prefix: a part of the local loss summed over the steps (``ce``, ...)
 
 NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside the run directory

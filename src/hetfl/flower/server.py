@@ -389,8 +389,9 @@ class FlowerFederation:
                 continue
             result = replies[c][P.RESULT]
             upload = {k: decode_tensor(a, self.exp.device) for k, a in replies[c][P.UPLOAD].items()}
+            parts = {k.removeprefix(P.LOSS_PART): float(v) for k, v in result.items() if k.startswith(P.LOSS_PART)}
             updates.append(ClientUpdate(c, upload, int(result["num-samples"]), int(result["steps"]),
-                                        float(result["loss-sum"])))
+                                        float(result["loss-sum"]), parts))
             if int(result["has-state"]):
                 self.has_state.add(c)
             self.acknowledge(c, server)
