@@ -357,3 +357,29 @@ def test_a_fedetf_run_says_what_its_personalisation_costs_when_it_starts(tmp_pat
                              "algorithm.pers_cycles=1", "algorithm.pers_epochs=1"])
     Experiment(cfg).run(tmp_path / "r", reporter=reporter)
     assert any("algorithm.pers_cycles" in n and "before every evaluation" in n for n in reporter.notes)
+
+
+# ----------------------------------------------------------------- item 7: cost before a long job
+def test_the_counter_estimates_from_the_first_rounds_before_any_run_has_finished():
+    from hetfl import sweeps
+
+    times = iter([0.0, 5.0, 6.0, 7.0, 8.0])  # start; round 1 ends (with the set-up), then a round a second
+    said: list[str] = []
+    runs = [sweeps.PlannedRun("a", 100, "new", rounds=10), sweeps.PlannedRun("b", 100, "new", rounds=10)]
+    counter = sweeps.RunCounter(runs, said.append, lambda: next(times))
+    assert counter.start(0).endswith("time left known once a run has finished")
+    for _ in range(3):
+        counter.round_done(0)
+    assert said[-1] == "run 1 of 2 (a): about 17 s left (rough: from rounds 2-3 of this run)"
+    counter.round_done(0)
+    assert len(said) == 2  # said once
+
+
+def test_compare_prints_the_early_estimate_while_its_first_run_goes_on(tmp_path, capsys, one_thread):
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    hetfl.compare(["fedavg"], seeds=[0, 1], overrides=[*TINY, "train.rounds=4"], out=tmp_path / "c", progress=True)
+    out = capsys.readouterr().out
+    assert "run 1 of 2 (fedavg, seed 0): time left known once a run has finished" in out
+    assert "left (rough: from rounds 2-3 of this run)" in out

@@ -234,11 +234,13 @@ def plan_states(cfgs: list[RunConfig], run_dirs: list[Path], option: str) -> lis
 
 
 def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None,
-            experiment: Experiment | None = None) -> Status:
+            experiment: Experiment | None = None,
+            on_round: Callable[[dict[str, Any]], object] | None = None) -> Status:
     """Bring the run of ``cfg`` in ``run_dir`` to its end from ``state``: a finished run is reused as it is
     (said on ``console``), an interrupted one goes on from its own ``config.toml`` (as ``hetfl run
     --resume``; the checkpoint's configuration is checked against it), a new one runs (``experiment``:
-    already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``."""
+    already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``; ``on_round``
+    gets each round's metrics line as it is written (the run counter's early estimate)."""
     from hetfl.cli import RichReporter, make_console
     from hetfl.engine.experiment import CONFIG_NAME
     from hetfl.runtimes import run_experiment
@@ -251,7 +253,7 @@ def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None
     target: RunConfig | Experiment = cfg if experiment is None else experiment
     if state == "unfinished":
         target = config_mod.load(run_dir / CONFIG_NAME)
-    reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress)
+    reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress, on_round)
     try:
         run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter)
     finally:

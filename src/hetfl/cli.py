@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 class RichReporter:
     """Progress bars for rounds and clients, and a summary table at the end."""
 
-    def __init__(self, console: Console, enabled: bool) -> None:
-        self.console, self.enabled = console, enabled
+    def __init__(self, console: Console, enabled: bool,
+                 on_round: Callable[[dict[str, Any]], object] | None = None) -> None:
+        self.console, self.enabled, self.on_round = console, enabled, on_round
         self.progress: Progress | None = None
 
     def start(self, cfg: config_mod.RunConfig, start_round: int, exp: Any) -> None:
@@ -85,6 +87,8 @@ class RichReporter:
             self.console.print(message, style="yellow")
 
     def round_end(self, line: dict[str, Any]) -> None:
+        if self.on_round is not None:  # whether shown or not (the run counter's early estimate)
+            self.on_round(line)
         if not self.progress:
             return
         parts = [f"loss {line['train_loss']:.3f}"]
