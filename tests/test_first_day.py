@@ -383,3 +383,23 @@ def test_compare_prints_the_early_estimate_while_its_first_run_goes_on(tmp_path,
     out = capsys.readouterr().out
     assert "run 1 of 2 (fedavg, seed 0): time left known once a run has finished" in out
     assert "left (rough: from rounds 2-3 of this run)" in out
+
+
+# ----------------------------------------------------------------- item 13: small things
+def test_a_one_class_clients_entropy_is_zero_not_minus_zero():
+    import math
+
+    import numpy as np
+
+    from hetfl.data.partition_report import _entropy_bits
+
+    value = _entropy_bits(np.array([0, 12, 0]))
+    assert value == 0.0 and math.copysign(1.0, value) == 1.0 and str(round(value, 4)) == "0.0"
+
+
+def test_the_readme_explains_global_against_mean_client_accuracy_and_lists_eval_time():
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "`eval_time_s`" in readme
+    assert "mean client accuracy is much lower" in readme
