@@ -403,3 +403,25 @@ def test_the_readme_explains_global_against_mean_client_accuracy_and_lists_eval_
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert "`eval_time_s`" in readme
     assert "mean client accuracy is much lower" in readme
+
+
+# ----------------------------------------------------------------- item 11: the quick CCVR preset
+def test_the_quick_ccvr_presets_runs_have_distinct_progress_labels():
+    from hetfl import reproduce
+
+    preset = reproduce.load_preset("ccvr-table2").variant(True)
+    labels = [reproduce.spec_label(spec) for spec in set(reproduce.run_specs(preset).values())]
+    assert len(labels) == len(set(labels))
+    assert any("ccvr.oracle=all" in label for label in labels)
+
+
+def test_a_measured_quick_estimate_is_shown_with_its_machine_and_load(capsys):
+    from hetfl import reproduce
+    from hetfl.cli import main
+
+    preset = reproduce.load_preset("ccvr-table2")
+    assert "busy" in preset.quick_cpu_measured and "idle" in preset.quick_cpu_measured
+    assert main(["reproduce", "--list"]) == 0
+    assert preset.quick_cpu_measured in capsys.readouterr().out
+    _, basis = reproduce.estimate_minutes(preset.variant(True))
+    assert preset.quick_cpu_measured in basis

@@ -355,7 +355,8 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         for name in reproduce.available():
             preset = reproduce.load_preset(name)
             runs = len(set(reproduce.run_specs(preset).values()))
-            quick = (f"{preset.quick_cpu_minutes:.0f} (measured)" if preset.quick_cpu_measured
+            quick = (f"{preset.quick_cpu_minutes:.0f} (measured): {preset.quick_cpu_measured}"
+                     if preset.quick_cpu_measured
                      else f"~{preset.quick_cpu_minutes:.0f} (rough)")
             table.add_row(name, preset.title, str(runs), f"~{preset.gpu_minutes:.0f} (rough, not measured)", quick)
         table.caption = ("quick CPU minutes: the --quick variant on 2 idle CPU cores; 'measured' ones say how in "

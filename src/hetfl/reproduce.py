@@ -266,9 +266,16 @@ def estimate_minutes(preset: Preset) -> tuple[float, str]:
     """The preset's estimate of its whole run time in minutes (the quick variant's on 2 idle CPU cores,
     else the GPU one) and what it is (measured when the preset says how, ``quick_cpu_measured``)."""
     if preset.is_quick:
-        basis = "measured on 2 idle CPU cores" if preset.quick_cpu_measured else "not measured"
+        basis = f"measured: {preset.quick_cpu_measured}" if preset.quick_cpu_measured else "not measured"
         return preset.quick_cpu_minutes, f"the preset's estimate, {basis}"
     return preset.gpu_minutes, "the preset's GPU estimate, not measured"
+
+
+def spec_label(spec: RunSpec) -> str:
+    """A run's name in the counter's line: column, method, the row's own settings (``algorithm.`` left out:
+    ``ccvr.oracle=all``), seed; so two runs of one method (CCVR and its oracle) never read the same."""
+    settings = ", ".join(f"{key.removeprefix('algorithm.')}={json.loads(value)}" for key, value in spec.overrides)
+    return f"{spec.column}, {spec.algorithm}" + (f" ({settings})" if settings else "") + f", seed {spec.seed}"
 
 
 def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, Path, str]],
@@ -280,8 +287,7 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
     from hetfl.sweeps import RunCounter, planned_run
 
     minutes, basis = estimate_minutes(preset)
-    runs = [planned_run(f"{spec.column}, {spec.algorithm}, seed {spec.seed}", cfg, run_dir, state)
-            for spec, cfg, run_dir, state in plan]
+    runs = [planned_run(spec_label(spec), cfg, run_dir, state) for spec, cfg, run_dir, state in plan]
     return RunCounter(runs, say, clock or time.monotonic, prior_s=60 * minutes or None, prior_label=basis)
 
 
