@@ -425,3 +425,20 @@ def test_a_measured_quick_estimate_is_shown_with_its_machine_and_load(capsys):
     assert preset.quick_cpu_measured in capsys.readouterr().out
     _, basis = reproduce.estimate_minutes(preset.variant(True))
     assert preset.quick_cpu_measured in basis
+
+
+def test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it(tmp_path, monkeypatch, capsys, one_thread):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    argv = [*_readme_plugin_example(tmp_path), "--set", "train.rounds=1", "--set", "runtime.threads=1", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    del algorithms._CLASSES["featnorm"]  # a new process: the plug-in is not loaded
+    (tmp_path / "r" / "summary.json").unlink()  # as if interrupted in its last round
+    before = sorted(p.name for p in (tmp_path / "r").iterdir())
+    capsys.readouterr()
+    assert main(["run", "--resume", str(tmp_path / "r")]) == 2
+    error = capsys.readouterr().err
+    assert "'featnorm'" in error and "--plugin FILE" in error and "resuming" in error
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
