@@ -544,9 +544,9 @@ def make_console() -> Console:
     are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`).
     Output that is not a terminal (piped, redirected) is never cut or wrapped: rich would fit it to 80
     columns, ellipsing the names one types (``runtime.secagg_reconstructio…``) and breaking table rows.
-    ``COLUMNS`` in the environment still sets a width."""
+    ``COLUMNS`` in the environment still sets a width; a notebook keeps rich's own."""
     console = Console(stderr=False, markup=False, emoji=False)
-    if console.is_terminal or os.environ.get("COLUMNS"):
+    if console.is_terminal or console.is_jupyter or os.environ.get("COLUMNS"):
         return console
     return Console(stderr=False, markup=False, emoji=False, width=PIPED_WIDTH)
 

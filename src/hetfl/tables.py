@@ -140,8 +140,8 @@ def _before_steps(runs: list[RunRecord], steps: list[str]) -> dict[str, float | 
     seeds (fractions); None where the row's runs have no such step."""
     out: dict[str, float | None] = {}
     for step in steps:
-        values = [r.summary.get(BEFORE_PREFIX + step) for r in runs]
-        mean_value, std = mean_std(values) if None not in values else (None, None)  # type: ignore[arg-type]
+        values = [float(r.summary[BEFORE_PREFIX + step]) for r in runs if BEFORE_PREFIX + step in r.summary]
+        mean_value, std = mean_std(values) if len(values) == len(runs) else (None, None)
         out[f"final_before_{step}_mean"], out[f"final_before_{step}_std"] = mean_value, std
     return out
 
