@@ -230,11 +230,12 @@ def test_overwrite_removes_every_file_hetfl_writes_in_a_run_folder(tmp_path):
     from hetfl import tracking
     from hetfl.analysis.run import OUT_DIR
     from hetfl.engine.experiment import CLIENT_MODELS_DIR
+    from hetfl.engine.ledger import LEDGER_NAME
     from hetfl.engine.rundir import RUN_ENTRIES
     from hetfl.flower.protocol import NODES_DIR
 
-    assert {tracking.STATE_NAME, tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report"} \
-        <= RUN_ENTRIES
+    assert {tracking.STATE_NAME, tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report",
+            LEDGER_NAME} <= RUN_ENTRIES
     out = tmp_path / "run"
     hetfl.run(overrides=TINY, out=out)
     for folder in (tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report"):
@@ -298,7 +299,7 @@ def test_compare_returns_the_rows_hetfl_compare_writes(tmp_path, capsys):
     assert [(row["method"], row["metric"], row["seeds"]) for row in table.rows] == [
         ("fedavg", "global", 2), ("local", "client mean", 2)]
     mean = sum(r.final_accuracy for r in table.runs[:2]) / 2
-    assert table.rows[0]["final_mean"] == pytest.approx(100 * mean)
+    assert table.rows[0]["final_mean"] == pytest.approx(mean)  # one unit: fractions, as RunResult
     assert table.markdown == (out / "comparison.md").read_text()
     assert table.csv == (out / "comparison.csv").read_bytes().decode()
 

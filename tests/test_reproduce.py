@@ -75,12 +75,13 @@ def test_table_means_diffs_and_best5(tmp_path):
     accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
     result = reproduce.reproduce(preset, tmp_path / "out", fake_run(accs))
     a, b = result["table"]["A"]["c"], result["table"]["B"]["c"]
-    assert a["ours"] == pytest.approx(60.5) and a["std"] == pytest.approx(0.5 ** 0.5)  # sample std of 60, 61
-    assert a["diff"] == pytest.approx(10.5)
-    assert b["ours"] == pytest.approx(100 * ((0.9 + 0.8 + 0.7 + 0.6 + 0.2) / 5 + 0.005))  # 5 best, seed mean
+    # fractions, as every hetfl file; sample std of 0.60, 0.61
+    assert a["ours"] == pytest.approx(0.605) and a["std"] == pytest.approx(0.5 ** 0.5 / 100)
+    assert a["diff"] == pytest.approx(0.105) and a["paper"] == pytest.approx(0.5)
+    assert b["ours"] == pytest.approx((0.9 + 0.8 + 0.7 + 0.6 + 0.2) / 5 + 0.005)  # 5 best, seed mean
     assert b["paper"] is None
     md = (tmp_path / "out" / "reproduction.md").read_text()
-    assert "+10.50" in md and "| U |" in md and f"| 60.50 ± {a['std']:.2f} |" in md
+    assert "+10.50" in md and "| U |" in md and f"| 60.50 ± {100 * a['std']:.2f} |" in md
     quick = reproduce.reproduce(preset.variant(True), tmp_path / "q", fake_run(accs))
     assert quick["table"]["A"]["c"]["seeds"] == [0]
     quick_md = (tmp_path / "q" / "reproduction.md").read_text()
@@ -96,7 +97,7 @@ def test_reproduce_command_runs_a_preset_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["reproduce", str(path), "--quick", "--out", str(out), "--quiet"]) == 0
     result = json.loads((out / "reproduction.json").read_text())
-    assert 0 < result["table"]["A"]["c"]["ours"] <= 100
+    assert 0 < result["table"]["A"]["c"]["ours"] <= 1
     assert main(["reproduce", "no-such-preset"]) == 2
     assert "available" in capsys.readouterr().err
     assert main(["reproduce", "--list"]) == 0

@@ -136,7 +136,7 @@ def test_grid_product_folder_layout_and_one_row_per_cell(tmp_path):
         (lr, batch, 2) for lr, batch in cells]
     for i, row in enumerate(table.rows):
         pair = table.runs[2 * i:2 * i + 2]
-        accs = [100 * run.final_accuracy for run in pair]
+        accs = [run.final_accuracy for run in pair]  # the rows hold fractions, as RunResult
         mean = sum(accs) / 2
         assert row["final_mean"] == pytest.approx(mean)
         # tables.py's std over seeds: the sample standard deviation (n - 1)

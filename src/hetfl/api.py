@@ -195,7 +195,8 @@ class RunResult:
 @dataclass(frozen=True)
 class CompareResult:
     """A table over runs: ``rows`` are the rows of ``comparison.md`` / ``comparison.csv`` as dicts (one per
-    setting: mean and std over seeds, in percent, of the final and best accuracy, ...), ``markdown`` the
+    setting: mean and std over seeds of the final and best accuracy, as fractions like
+    :attr:`RunResult.final_accuracy`, ...), ``markdown`` the
     table as written, ``runs`` every run (a :class:`RunResult` each), ``out`` the folder holding them."""
 
     out: Path
@@ -235,11 +236,13 @@ def plan_states(cfgs: list[RunConfig], run_dirs: list[Path], option: str) -> lis
 
 
 def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None,
-            experiment: Experiment | None = None) -> Status:
+            experiment: Experiment | None = None,
+            on_round: Callable[[dict[str, Any]], object] | None = None) -> Status:
     """Bring the run of ``cfg`` in ``run_dir`` to its end from ``state``: a finished run is reused as it is
     (said on ``console``), an interrupted one goes on from its own ``config.toml`` (as ``hetfl run
     --resume``; the checkpoint's configuration is checked against it), a new one runs (``experiment``:
-    already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``."""
+    already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``; ``on_round``
+    gets each round's metrics line as it is written (the run counter's early estimate)."""
     from hetfl.cli import RichReporter, make_console
     from hetfl.engine.experiment import CONFIG_NAME
     from hetfl.runtimes import run_experiment
@@ -252,7 +255,7 @@ def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None
     target: RunConfig | Experiment = cfg if experiment is None else experiment
     if state == "unfinished":
         target = config_mod.load(run_dir / CONFIG_NAME)
-    reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress)
+    reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress, on_round)
     try:
         run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter)
     finally:
@@ -320,6 +323,19 @@ def _unfinished_error(run_dir: Path) -> Exception:
                        "start it again")
 
 
+def _state_or_overwrite_hint(cfg: RunConfig, run_dir: Path) -> State:
+    """:func:`plan_states` for one run; where ``run_dir`` holds a run of another configuration, the error
+    also names ``overwrite=True``, which replaces it (never a folder of other files)."""
+    from hetfl.engine.rundir import RunDirError
+
+    try:
+        return plan_states([cfg], [run_dir], "out")[0]
+    except RunDirError as err:
+        if not holds_run(run_dir):
+            raise
+        raise RunDirError(f"{err}, or pass overwrite=True to replace it") from None
+
+
 # ----------------------------------------------------------------- run
 def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | os.PathLike[str] | None = None,
         resume: bool = False, overwrite: bool = False, progress: bool = False,
@@ -376,7 +392,7 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
         clear_run_dir(run_dir)
         status = execute(cfg, run_dir, "new", console, experiment)
     else:
-        state = plan_states([cfg], [run_dir], "out")[0]
+        state = _state_or_overwrite_hint(cfg, run_dir)
         if state == "unfinished" and not resume:
             raise _unfinished_error(run_dir)
         status = execute(cfg, run_dir, state, console)
@@ -440,13 +456,14 @@ def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, 
     there is a RunDirError naming the differing keys, raised before any run starts.
 
     Returns a :class:`CompareResult`: ``.rows`` as ``comparison.csv`` (one per setting; accuracies in
-    percent, mean and std over seeds), ``.markdown`` as ``comparison.md``, ``.runs`` every run.
+    fractions like :attr:`RunResult.final_accuracy`, mean and std over seeds), ``.markdown`` as
+    ``comparison.md`` (the one place they are in percent, for reading), ``.runs`` every run.
 
     >>> import hetfl
     >>> table = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=["train.rounds=2"],
     ...                       out="runs/cmp")  # doctest: +SKIP
-    >>> [(row["method"], round(row["final_mean"], 1)) for row in table.rows]  # doctest: +SKIP
-    [('fedavg', 61.9), ('fedprox', 61.7)]
+    >>> [(row["method"], round(row["final_mean"], 3)) for row in table.rows]  # doctest: +SKIP
+    [('fedavg', 0.619), ('fedprox', 0.617)]
     """
     from hetfl.cli import make_console
 

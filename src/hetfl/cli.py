@@ -12,7 +12,9 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from rich.text import Text
 
 from hetfl import __version__
 from hetfl import config as config_mod
-from hetfl.params import ConfigError
+from hetfl.params import ConfigError, did_you_mean
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -51,8 +53,9 @@ def _calibration_errors() -> tuple[type[Exception], ...]:
 class RichReporter:
     """Progress bars for rounds and clients, and a summary table at the end."""
 
-    def __init__(self, console: Console, enabled: bool) -> None:
-        self.console, self.enabled = console, enabled
+    def __init__(self, console: Console, enabled: bool,
+                 on_round: Callable[[dict[str, Any]], object] | None = None) -> None:
+        self.console, self.enabled, self.on_round = console, enabled, on_round
         self.progress: Progress | None = None
 
     def start(self, cfg: config_mod.RunConfig, start_round: int, exp: Any) -> None:
@@ -81,11 +84,18 @@ class RichReporter:
         if self.progress:
             self.progress.advance(self.clients)
 
+    @property
+    def shows_notes(self) -> bool:
+        """Whether :meth:`note` prints (the run's notes are then not also logged)."""
+        return self.enabled
+
     def note(self, message: str) -> None:
         if self.enabled:
             self.console.print(message, style="yellow")
 
     def round_end(self, line: dict[str, Any]) -> None:
+        if self.on_round is not None:  # whether shown or not (the run counter's early estimate)
+            self.on_round(line)
         if not self.progress:
             return
         parts = [f"loss {line['train_loss']:.3f}"]
@@ -110,7 +120,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"summary: {summary['algorithm']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
+    before = sorted(k for k in summary if k.startswith("final_global_acc_before_"))  # a post-hoc step's input
+    for key in (*before, "final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
         if key in summary:
             table.add_row(key, f"{100 * summary[key]:.2f}%")
     table.add_row("rounds", str(summary["rounds"]))
@@ -181,6 +192,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
         check_unlocked(run_dir)
         check_new_run_dir(run_dir)
+    args.run_dir = run_dir  # named by the hint after Ctrl-C (interrupted_hint)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
     check_runtime(cfg)  # the executor's own checks (Flower installed), before the set-up's work
@@ -201,6 +213,24 @@ def _with(cfg: config_mod.RunConfig, **sections: dict[str, Any]) -> config_mod.R
     return config_mod.from_dict(tree)
 
 
+def parse_target(text: str | None) -> float | None:
+    """``--target``: an accuracy as a fraction in (0, 1] (``0.6``, the unit of every file and object) or in
+    percent with a ``%`` sign (``60%``, the unit the tables show); a ConfigError naming both otherwise."""
+    if text is None:
+        return None
+    raw = str(text).strip()
+    is_percent = raw.endswith("%")
+    try:
+        value = float(raw.removesuffix("%").strip())
+    except ValueError:
+        value = float("nan")
+    fraction = value / 100 if is_percent else value
+    if not 0 < fraction <= 1:  # NaN fails too
+        raise ConfigError("--target", text, "must be an accuracy: a fraction in (0, 1] such as 0.6, or a percent "
+                                            "with its sign such as 60%")
+    return fraction
+
+
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl.api import run_comparison
     from hetfl.sweeps import grid_from_cli
@@ -214,13 +244,12 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "need at least one of each")
     if len(set(seeds)) < len(seeds) or len(set(methods)) < len(methods):
         raise ConfigError("--methods/--seeds", f"{args.methods} / {args.seeds}", "must not repeat a method or seed")
-    if args.target is not None and not 0 < args.target <= 1:
-        raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    target = parse_target(args.target)
     grid = grid_from_cli(args.grid, args.sweep, args.set)  # checked before anything is written
     out = Path(args.out)
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
     result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
-                            args.target, progress=False if args.quiet else None, console=console, grid=grid,
+                            target, progress=False if args.quiet else None, console=console, grid=grid,
                             **({"max_runs": None} if args.yes else {}))
     console.print(result.markdown)
     curves = f"; curves: {out / 'curves.png'}" if (out / "curves.png").is_file() else ""
@@ -334,7 +363,8 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         for name in reproduce.available():
             preset = reproduce.load_preset(name)
             runs = len(set(reproduce.run_specs(preset).values()))
-            quick = (f"{preset.quick_cpu_minutes:.0f} (measured)" if preset.quick_cpu_measured
+            quick = (f"{preset.quick_cpu_minutes:.0f} (measured): {preset.quick_cpu_measured}"
+                     if preset.quick_cpu_measured
                      else f"~{preset.quick_cpu_minutes:.0f} (rough)")
             table.add_row(name, preset.title, str(runs), f"~{preset.gpu_minutes:.0f} (rough, not measured)", quick)
         table.caption = ("quick CPU minutes: the --quick variant on 2 idle CPU cores; 'measured' ones say how in "
@@ -376,11 +406,10 @@ def default_report_dir(run_dirs: list[str]) -> Path:
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from hetfl.report import build_report
 
-    if args.target is not None and not 0 < args.target <= 1:
-        raise ConfigError("--target", args.target, "must be an accuracy in (0, 1]")
+    target = parse_target(args.target)
     out = Path(args.out) if args.out else default_report_dir(args.run_dirs)
     check_output_dir(out)
-    html_path, md_path = build_report(args.run_dirs, out, target=args.target, title=args.title,
+    html_path, md_path = build_report(args.run_dirs, out, target=target, title=args.title,
                                       per_seed=args.per_seed)
     print(f"report: {html_path} (self-contained), {md_path}")
     return 0
@@ -407,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (with it, --set takes "
                                                          "only tracking.KEY=VALUE)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, command_parser=run)
 
     cmp = sub.add_parser(
         "compare", help="several methods x seeds on one setting: mean ± std table",
@@ -421,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(cmp)
     cmp.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    cmp.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
+    cmp.add_argument("--target", default=None, help="accuracy for rounds-to-target: a fraction (0.8) or, as the "
+                     "table shows it, a percent (80%%)")
     cmp.add_argument("--out", required=True, help="folder for the runs and comparison.md/.csv (runs of the same "
                      "configuration there are reused; another configuration there is an error)")
     cmp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -431,13 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--yes", action="store_true", help="run a plan of more than 1000 runs (methods x grid cells x "
                                                         "seeds; refused without it, before anything is planned)")
     cmp.add_argument("--quiet", action="store_true")
-    cmp.set_defaults(func=cmd_compare)
+    cmp.set_defaults(func=cmd_compare, command_parser=cmp)
 
     part = sub.add_parser("partition", help="show how a dataset is split over clients")
     add_config_args(part)
     part.add_argument("--plot", metavar="FILE", help="write a PNG heat map of class counts per client")
     part.add_argument("--json", metavar="FILE", help="write the per-client statistics as JSON")
-    part.set_defaults(func=cmd_partition)
+    part.set_defaults(func=cmd_partition, command_parser=part)
 
     rep = sub.add_parser(
         "reproduce", help="run a paper table's preset and compare with the published numbers",
@@ -453,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="folder for the runs and reproduction.md (default runs/reproduce/NAME)")
     rep.add_argument("--quiet", action="store_true")
     add_plugin_arg(rep)
-    rep.set_defaults(func=cmd_reproduce)
+    rep.set_defaults(func=cmd_reproduce, command_parser=rep)
 
     rpt = sub.add_parser("report", help="one self-contained HTML page (and Markdown) for one or more runs")
     rpt.add_argument("run_dirs", nargs="+", help="run directories; runs whose resolved configurations differ "
@@ -461,12 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     rpt.add_argument("--out", help="folder for report.html, report.md and their images (default: RUN_DIR/report "
                      "for one run; for several, report/ in the folder that holds them all, e.g. the --out of "
                      "hetfl compare)")
-    rpt.add_argument("--target", type=float, default=None, help="accuracy for rounds-to-target, e.g. 0.8")
+    rpt.add_argument("--target", default=None, help="accuracy for rounds-to-target: a fraction (0.8) or, as the "
+                     "table shows it, a percent (80%%)")
     rpt.add_argument("--title", default="hetfl report")
     rpt.add_argument("--per-seed", action="store_true", help="draw each seed as a thin line in the mean ± std "
                      "bands, and add the per-run curves (accuracy, client spread, loss, traffic)")
     add_plugin_arg(rpt)
-    rpt.set_defaults(func=cmd_report)
+    rpt.set_defaults(func=cmd_report, command_parser=rpt)
 
     ana = sub.add_parser("analyze", help="CKA, weight norms, spectra, SWD, t-SNE, curves of a run directory")
     ana.add_argument("run_dir", help="a run directory written by hetfl run")
@@ -475,26 +506,64 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ana.add_argument("--probe", type=int, default=512, help="test samples used as probe data (CKA, spectra)")
     add_plugin_arg(ana)
-    ana.set_defaults(func=cmd_analyze)
+    ana.set_defaults(func=cmd_analyze, command_parser=ana)
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys")
     lst.add_argument("what", nargs="?", default="all",
                      choices=("all", "algorithms", "datasets", "partitions", "models", "config"))
     add_plugin_arg(lst)
-    lst.set_defaults(func=cmd_list)
+    lst.set_defaults(func=cmd_list, command_parser=lst)
     return parser
+
+
+def interrupted_hint(args: argparse.Namespace, argv: list[str]) -> str:
+    """What to do after Ctrl-C, naming the real thing: ``hetfl run --resume`` with the run's folder (once it
+    holds its config.toml), the same command again for ``compare`` and ``reproduce`` (which reuse finished
+    runs and resume the interrupted one), nothing for the commands that only read."""
+    if args.command == "run":
+        run_dir = getattr(args, "run_dir", None) or (Path(args.resume) if args.resume else None)
+        if run_dir is None or not (run_dir / "config.toml").is_file():
+            return "nothing was written; run the command again"
+        plugins = "".join(f" --plugin {shlex.quote(p)}" for p in args.plugin)
+        return f"continue with `hetfl run --resume {shlex.quote(str(run_dir))}{plugins}`"
+    if args.command in ("compare", "reproduce"):
+        return (f"run the same command again to continue (`{shlex.join(['hetfl', *argv])}`): it reuses the "
+                "finished runs and resumes the interrupted one")
+    return "nothing to continue"
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that an unknown option is reported by its subcommand's parser (its
+    usage, not the top level's) with the nearest option it has (``--sett``: did you mean --set?)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command: argparse.ArgumentParser = args.command_parser
+        options = [s for action in command._actions for s in action.option_strings]
+        hints = [did_you_mean(word.partition("=")[0], options).strip() for word in extra if word.startswith("-")]
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f" ({h})" for h in hints if h))
+    return args
+
+
+#: the width of output that goes to a pipe or a file: wide enough that no table or line is cut or wrapped
+PIPED_WIDTH = 100_000
 
 
 def make_console() -> Console:
     """The terminal console of the commands: text goes out as it is (no rich markup, no emoji codes),
     so that square brackets in names, notes and messages (``hetfl[flower]``, a preset's ``[quick]``)
-    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`)."""
-    return Console(stderr=False, markup=False, emoji=False)
+    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`).
+    Output that is not a terminal (piped, redirected) is never cut or wrapped: rich would fit it to 80
+    columns, ellipsing the names one types (``runtime.secagg_reconstructio…``) and breaking table rows.
+    ``COLUMNS`` in the environment still sets a width; a notebook keeps rich's own."""
+    console = Console(stderr=False, markup=False, emoji=False)
+    if console.is_terminal or console.is_jupyter or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=False, markup=False, emoji=False, width=PIPED_WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_arguments(build_parser(), argv)
     console = make_console()
     try:
         from hetfl.algorithms import load_plugin
@@ -509,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetfl: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("hetfl: interrupted; continue with `hetfl run --resume DIR`", file=sys.stderr)
+        print(f"hetfl: interrupted; {interrupted_hint(args, argv)}", file=sys.stderr)
         return 130
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from hetfl.params import ConfigError, build, setting, to_dict
+from hetfl.params import ConfigError, build, did_you_mean, setting, to_dict
 
 DATASET_NAMES = (
     "synthetic", "mnist", "fmnist", "emnist", "cifar10", "cifar100", "cinic10", "stl10",
@@ -235,7 +235,8 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     allowed = {"seed", "algorithm", *SECTIONS}
     for key in tree:
         if key not in allowed:
-            raise ConfigError(key, tree[key], "unknown key; allowed: " + ", ".join(sorted(allowed)))
+            raise ConfigError(key, tree[key], "unknown key; " + did_you_mean(key, sorted(allowed)) + "allowed: "
+                              + ", ".join(sorted(allowed)))
     sections = {}
     for name, cls in SECTIONS.items():
         value = tree.get(name, {})

@@ -14,6 +14,7 @@ coefficient only turns a run into NaNs that exits 0.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -29,6 +30,15 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"{key} = {value!r}: {allowed}")
+
+
+def did_you_mean(word: Any, options: Sequence[Any], prefix: str = "") -> str:
+    """``"did you mean 'fedavg'? "`` for the option closest to ``word`` (letter case ignored, so ``FedAvg``
+    finds ``fedavg``; :func:`difflib.get_close_matches`), ``prefix`` put before it (``train.`` for a key
+    of that section); ``""`` when nothing is close. The start of an error's "what is allowed"."""
+    by_lower = {str(option).lower(): option for option in options}
+    close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"did you mean {prefix + str(by_lower[close[0]])!r}? " if close else ""
 
 
 def setting(
@@ -120,7 +130,7 @@ def _check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         _check_finite(key, value)
     choices = meta.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(key, value, "allowed: " + ", ".join(map(str, choices)))
+        raise ConfigError(key, value, did_you_mean(value, choices) + "allowed: " + ", ".join(map(str, choices)))
     if not isinstance(value, int | float) or isinstance(value, bool):
         return
     bounds = [
@@ -147,7 +157,8 @@ def build(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
     for key in values:
         if key not in fields:
             allowed = ", ".join(sorted(fields)) or "(none: this method has no settings)"
-            raise ConfigError(prefix + key, values[key], f"unknown key; allowed: {allowed}")
+            hint = did_you_mean(key, list(fields), prefix)
+            raise ConfigError(prefix + key, values[key], f"unknown key; {hint}allowed: {allowed}")
     kwargs = {}
     for name, fld in fields.items():
         if name not in values:

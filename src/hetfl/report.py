@@ -79,9 +79,13 @@ def read_runs(run_dirs: list[Path]) -> list[Run]:
     as a row's "seeds" would count one seed twice."""
     runs: list[Run] = []
     for path in run_dirs:
-        for name in (CONFIG_NAME, SUMMARY_NAME, METRICS_NAME):
+        if not (path / CONFIG_NAME).is_file():
+            raise ReportError(f"{path}: no {CONFIG_NAME}, so no hetfl run; give run directories written by "
+                              "hetfl run or hetfl compare")
+        for name in (SUMMARY_NAME, METRICS_NAME):
             if not (path / name).is_file():
-                raise ReportError(f"{path}: no {name}; give finished run directories (hetfl run --out DIR)")
+                raise ReportError(f"{path}: no {name}: the run has not finished; continue it with "
+                                  f"`hetfl run --resume {path}`, then report it")
         tree = identity.saved_tree(path)
         if tree is None:
             raise ReportError(f"{path}: {CONFIG_NAME} is not readable TOML; give finished run directories")
@@ -95,8 +99,8 @@ def read_runs(run_dirs: list[Path]) -> list[Run]:
 
 
 def labels_for(groups: dict[str, list[Run]]) -> dict[str, str]:
-    """A label per setting: the method, plus the keys that vary between settings and its setting id."""
-    varying = [k for k in identity.varying_keys([g[0].config for g in groups.values()]) if k != "algorithm.name"]
+    """A label per setting: the method, plus the keys the table shows (:func:`hetfl.tables.shown_keys`)."""
+    varying = tables.shown_keys([g[0].config for g in groups.values()])
     return {key: _setting_label(runs[0].config.get("algorithm", {}).get("name", "?"), runs[0].config, varying)
             for key, runs in groups.items()}
 
@@ -111,12 +115,11 @@ def _setting_label(method: str, config: dict[str, Any], varying: list[str]) -> s
 def record_groups(records: Sequence[tables.RunRecord]) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """The runs of each row of :func:`hetfl.tables.table_rows` (a setting; a method where a run's config is
     unknown), as ``label -> seed -> metrics`` for :func:`~hetfl.analysis.plots.plot_seed_bands`; the label
-    is the row's method and the keys that vary between rows (+ the setting id if two labels would match)."""
+    is the row's method and the keys its table shows (+ the setting id if two labels would match)."""
     rows: dict[str, list[tables.RunRecord]] = {}
     for r in records:
         rows.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
-    varying = [k for k in identity.varying_keys([rs[0].config for rs in rows.values() if rs[0].config])
-               if k != "algorithm.name"]
+    varying = tables.shown_keys([rs[0].config for rs in rows.values() if rs[0].config])
     out: dict[str, dict[int, list[dict[str, Any]]]] = {}
     for rs in rows.values():
         label = _setting_label(rs[0].method, rs[0].config, varying)

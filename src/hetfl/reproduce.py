@@ -15,7 +15,8 @@ A preset (``configs/<name>.toml``) holds:
 ``[[rows]]``
     the table's rows: ``label``, ``algorithm``, optional ``set``,
     ``column_set`` (per-column overrides), ``metric`` (overrides the preset's)
-    and ``paper`` (column id -> published number, in %). Rows whose runs are
+    and ``paper`` (column id -> published number, in % as the paper prints it;
+    ``reproduction.json`` holds it as a fraction, as every hetfl file does). Rows whose runs are
     identical share them: "FedAvg" and "FedAvg + CCVR" read the accuracy
     before and after calibration of one ``fedavg+ccvr`` run.
 ``[quick]``
@@ -25,8 +26,9 @@ A preset (``configs/<name>.toml``) holds:
 ones and reusing finished ones of the same resolved configuration; a run folder
 holding another configuration is an error naming the keys) and writes
 ``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
-number and the difference, and per column ``curves_<column id>.png`` (+ ``.csv``):
-each row's curves as mean ± std bands over seeds, linked from ``reproduction.md``.
+number and the difference (fractions in the JSON, percent in the Markdown
+table), and per column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
+as mean ± std bands over seeds, linked from ``reproduction.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 from hetfl import config as config_mod
 from hetfl.params import ConfigError
-from hetfl.tables import markdown_text, mean_std, with_spread
+from hetfl.tables import markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -243,10 +245,11 @@ def reproduce(
         for column in preset.columns:
             values = [metric_value(out / column.id / specs[(row.label, column.id, s)].dirname, metric)
                       for s in preset.seeds]
-            ours = 100 * mean(values)
-            paper = row.paper.get(column.id)
+            ours = mean(values)
+            printed = row.paper.get(column.id)  # the paper's number as printed, in %
+            paper = None if printed is None else printed / 100
             table.setdefault(row.label, {})[column.id] = {
-                "ours": ours, "std": 100 * mean_std(values)[1], "seeds": preset.seeds, "values": values,
+                "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
                 "paper": paper, "diff": None if paper is None else ours - paper, "metric": metric,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
@@ -263,9 +266,16 @@ def estimate_minutes(preset: Preset) -> tuple[float, str]:
     """The preset's estimate of its whole run time in minutes (the quick variant's on 2 idle CPU cores,
     else the GPU one) and what it is (measured when the preset says how, ``quick_cpu_measured``)."""
     if preset.is_quick:
-        basis = "measured on 2 idle CPU cores" if preset.quick_cpu_measured else "not measured"
+        basis = f"measured: {preset.quick_cpu_measured}" if preset.quick_cpu_measured else "not measured"
         return preset.quick_cpu_minutes, f"the preset's estimate, {basis}"
     return preset.gpu_minutes, "the preset's GPU estimate, not measured"
+
+
+def spec_label(spec: RunSpec) -> str:
+    """A run's name in the counter's line: column, method, the row's own settings (``algorithm.`` left out:
+    ``ccvr.oracle=all``), seed; so two runs of one method (CCVR and its oracle) never read the same."""
+    settings = ", ".join(f"{key.removeprefix('algorithm.')}={json.loads(value)}" for key, value in spec.overrides)
+    return f"{spec.column}, {spec.algorithm}" + (f" ({settings})" if settings else "") + f", seed {spec.seed}"
 
 
 def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, Path, str]],
@@ -277,8 +287,7 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
     from hetfl.sweeps import RunCounter, planned_run
 
     minutes, basis = estimate_minutes(preset)
-    runs = [planned_run(f"{spec.column}, {spec.algorithm}, seed {spec.seed}", cfg, run_dir, state)
-            for spec, cfg, run_dir, state in plan]
+    runs = [planned_run(spec_label(spec), cfg, run_dir, state) for spec, cfg, run_dir, state in plan]
     return RunCounter(runs, say, clock or time.monotonic, prior_s=60 * minutes or None, prior_label=basis)
 
 
@@ -293,9 +302,10 @@ def markdown(result: dict[str, Any]) -> str:
         cells = []
         for cid in cols:
             cell = by_col[cid]
-            paper = "U" if cell["paper"] is None else f"{cell['paper']:.2f}"
-            diff = "" if cell["diff"] is None or result["quick"] else f"{cell['diff']:+.2f}"
-            cells.append(f"{with_spread(cell['ours'], cell['std'], len(cell['values']))} | {paper} | {diff}")
+            paper = "U" if cell["paper"] is None else f"{percent(cell['paper']):.2f}"
+            diff = "" if cell["diff"] is None or result["quick"] else f"{percent(cell['diff']):+.2f}"
+            ours = with_spread(percent(cell["ours"]), percent(cell["std"]), len(cell["values"]))
+            cells.append(f"{ours} | {paper} | {diff}")
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
     if result["quick"]:
         lines += ["", "Quick variant: fewer rounds, one seed, a subset of columns, possibly a smaller model or "

@@ -62,6 +62,8 @@ __all__ = ["Cell", "RunCounter", "cells", "check_grid", "grid_from_cli", "parse_
 #: axes of their own, never grid keys: what to use instead
 OWN_AXES = {"seed": "seeds are their own axis: use --seeds (seeds= in Python)",
             "algorithm.name": "methods are their own axis: use --methods (methods= in Python)"}
+#: rounds of the first run measured before the counter estimates the time left from them
+EARLY_ROUNDS = 3
 #: longest cell folder name before it is shortened and hashed
 MAX_NAME = 120
 #: runs a plan may have without being asked for explicitly (``hetfl compare --yes``, ``max_runs=None``)
@@ -344,6 +346,7 @@ class PlannedRun:
     cost: float
     state: str  # new | unfinished | finished
     recorded_s: float | None = None  # a finished run's recorded wall time (summary.json)
+    rounds: int = 0  # rounds still to compute (0: unknown, no estimate from its first rounds)
 
 
 @dataclass
@@ -354,7 +357,9 @@ class RunCounter:
     this invocation, times the cost of the runs still to do (this one included). Runs found finished
     count as done and add nothing to the rate. Before any run here has finished, the estimate is rough
     and says so: from the recorded times of runs found finished in the plan, else ``prior_s`` (a
-    preset's estimate of the whole plan, shared out by cost), else none."""
+    preset's estimate of the whole plan, shared out by cost), else none; and once the first run has
+    measured :data:`EARLY_ROUNDS` rounds (:meth:`round_done`), from those rounds, said once, so a long
+    plan's cost is known minutes into it rather than after its first run."""
 
     runs: list[PlannedRun]
     say: Callable[[str], None] | None = None
@@ -364,6 +369,8 @@ class RunCounter:
     _spent: float = 0.0
     _done_cost: float = 0.0
     _started: float | None = field(default=None, repr=False)
+    _round_ends: list[float] = field(default_factory=list, repr=False)  # this run's round end times
+    _early_said: bool = field(default=False, repr=False)
 
     def start(self, index: int) -> str:
         """Say (and return) the counter line of run ``index`` (0-based), and start its clock."""
@@ -372,6 +379,29 @@ class RunCounter:
         if self.say is not None:
             self.say(message)
         self._started = self.clock()
+        self._round_ends = []
+        return message
+
+    def round_done(self, index: int) -> str | None:
+        """A round of run ``index`` has ended. While no run of this invocation has finished, the end of its
+        :data:`EARLY_ROUNDS`-th round says (once, and returns) the time left from the rounds after the first
+        (the first carries the set-up: data, model, warm-up): their seconds per round times the rounds left
+        in this run, plus the later runs' cost at this run's seconds per unit of cost."""
+        run = self.runs[index]
+        if (self._started is None or self._done_cost > 0 or self._early_said or run.rounds < EARLY_ROUNDS
+                or run.cost <= 0):
+            return None
+        self._round_ends.append(self.clock())
+        if len(self._round_ends) < EARLY_ROUNDS:
+            return None
+        per_round = (self._round_ends[-1] - self._round_ends[0]) / (len(self._round_ends) - 1)
+        later = sum(r.cost for r in self.runs[index + 1:] if r.state != "finished")
+        left = per_round * (run.rounds - len(self._round_ends)) + later * per_round * run.rounds / run.cost
+        self._early_said = True
+        message = (f"run {index + 1} of {len(self.runs)} ({run.label}): about {format_duration(left)} left "
+                   f"(rough: from rounds 2-{len(self._round_ends)} of this run)")
+        if self.say is not None:
+            self.say(message)
         return message
 
     def done(self, index: int) -> None:
@@ -407,7 +437,8 @@ def planned_run(label: str, cfg: RunConfig, run_dir: Path, state: str) -> Planne
     """A run of a plan with its cost still to do (an interrupted run's written rounds left out)."""
     done = cfg.train.rounds if state == "finished" else rounds_done(run_dir) if state == "unfinished" else 0
     recorded = recorded_seconds(run_dir) if state == "finished" else None
-    return PlannedRun(label, run_cost(cfg) if state == "finished" else run_cost(cfg, done), state, recorded)
+    return PlannedRun(label, run_cost(cfg) if state == "finished" else run_cost(cfg, done), state, recorded,
+                      max(cfg.train.rounds - done, 0))
 
 
 # ----------------------------------------------------------------- plan and run
@@ -522,7 +553,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
         if state != "finished":
             counter.start(i)
         _write_cell_file(item)
-        status = execute(item.cfg, item.run_dir, state, console)
+        status = execute(item.cfg, item.run_dir, state, console, on_round=lambda _line, i=i: counter.round_done(i))
         counter.done(i)
         result = RunResult.load(item.run_dir, status=status)
         runs.append(result)
@@ -560,8 +591,8 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
     >>> import hetfl
     >>> table = hetfl.sweep({"train.lr": [0.01, 0.1]}, methods=["fedavg"], seeds=[0, 1],
     ...                     overrides=["train.rounds=2"], out="runs/sweep")  # doctest: +SKIP
-    >>> [(row["train.lr"], round(row["final_mean"], 1)) for row in table.rows]  # doctest: +SKIP
-    [('0.01', 55.2), ('0.1', 63.0)]
+    >>> [(row["train.lr"], round(row["final_mean"], 3)) for row in table.rows]  # doctest: +SKIP
+    [('0.01', 0.552), ('0.1', 0.63)]
     """
     from hetfl.api import _load_plugins, _method_list, _override_list, _seed_list, make_config, run_comparison
     from hetfl.cli import make_console

@@ -4,10 +4,18 @@ Reads finished run directories (``summary.json`` + ``metrics.jsonl``) and
 reports, per setting, mean ± std over seeds of the final and best accuracy and
 the rounds needed to reach a target accuracy, as Markdown and CSV.
 
+One unit: the rows (``comparison.csv``, :attr:`hetfl.api.CompareResult.rows`) hold accuracies as fractions
+in [0, 1], as ``summary.json``, ``metrics.jsonl`` and :attr:`hetfl.api.RunResult.final_accuracy` do; only
+the rendered table (:func:`to_markdown`) shows them in percent, for reading.
+
 A row is one setting: runs whose resolved configurations differ only in the
 seed (equal :func:`hetfl.engine.identity.setting_id`). Each row carries its
-setting id, and the configuration keys that differ between rows get a column
-each (dotted names, as for ``--set``), so two rows never look like one setting.
+setting id, and the configuration keys that someone changed and that differ
+between rows get a column each (dotted names, as for ``--set``; :func:`shown_keys`):
+a grid's keys, a ``--set`` that differs between runs. Keys that differ only
+because the methods differ (each method's own default settings) stay in the
+run folders' ``config.toml``, so two rows never look like one setting and a
+table of two methods is not 29 columns of defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import io
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
@@ -75,35 +85,93 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def with_spread(mean_value: float, std: float, seeds: int) -> str:
     """``mean ± std`` for two or more seeds; the mean alone for one (a single seed has no spread to show:
-    ``± 0.00`` would claim one)."""
+    ``± 0.00`` would claim one). Values as given: the tables pass percent (:func:`percent`)."""
     return f"{mean_value:.2f} ± {std:.2f}" if seeds > 1 else f"{mean_value:.2f}"
+
+
+def percent(fraction: float) -> float:
+    """An accuracy fraction in percent, for a table rendered to be read (files and objects keep fractions)."""
+    return 100 * fraction
 
 
 def _cell(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+@cache
+def _method_defaults(method: str) -> dict[str, str] | None:
+    """The flattened default configuration of ``method`` (its own settings filled in), each value as a
+    table cell shows it; None for a method this process does not know (a plug-in not loaded)."""
+    from hetfl.params import ConfigError
+
+    try:
+        tree = identity.canonical_tree({"algorithm": {"name": method}})
+    except ConfigError:
+        return None
+    return {k: _cell(v) for k, v in identity.flatten(tree).items()}
+
+
+def shown_keys(configs: list[dict[str, Any]]) -> list[str]:
+    """The keys of the resolved configuration trees ``configs`` (one per setting) that get a column: those
+    that vary between them (``algorithm.name`` aside: the method column) and differ from their method's
+    default in at least one setting, i.e. keys someone set or swept. A key that varies only because the
+    methods differ (SCAFFOLD's ``algorithm.server_lr`` beside FedAvg) is no column: its values are each
+    method's defaults, and the run folders keep them. Where a method is unknown, every varying key shows."""
+    varying = [k for k in identity.varying_keys(configs) if k != "algorithm.name"]
+    flats = [identity.flatten(c) for c in configs]
+    defaults = [_method_defaults(str(c.get("algorithm", {}).get("name", ""))) for c in configs]
+
+    def changed(key: str) -> bool:
+        return any(d is None or (key in f and _cell(f[key]) != d.get(key)) for f, d in zip(flats, defaults,
+                                                                                             strict=True))
+
+    return [k for k in varying if changed(k)]
+
+
+#: summary.json's accuracy of the global model before a post-hoc step, ``final_global_acc_before_<step>``
+BEFORE_PREFIX = "final_global_acc_before_"
+
+
+def posthoc_steps(records: Sequence[RunRecord]) -> list[str]:
+    """The post-hoc steps (``ccvr``, ...) whose accuracy before the step some run's summary records."""
+    return sorted({k.removeprefix(BEFORE_PREFIX) for r in records for k in r.summary if k.startswith(BEFORE_PREFIX)})
+
+
+def _before_steps(runs: list[RunRecord], steps: list[str]) -> dict[str, float | None]:
+    """``final_before_<step>_mean`` / ``_std`` of a row: the global accuracy before each post-hoc step, over
+    seeds (fractions); None where the row's runs have no such step."""
+    out: dict[str, float | None] = {}
+    for step in steps:
+        values = [float(r.summary[BEFORE_PREFIX + step]) for r in runs if BEFORE_PREFIX + step in r.summary]
+        mean_value, std = mean_std(values) if len(values) == len(runs) else (None, None)
+        out[f"final_before_{step}_mean"], out[f"final_before_{step}_std"] = mean_value, std
+    return out
+
+
 def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str, Any]]:
     """One row per setting (records with equal setting ids; by method label where a record's
-    config is unknown), in first-seen order. Keys that vary between the rows' settings (other
-    than ``algorithm.name``, which is the method column) become columns named by the dotted key."""
+    config is unknown), in first-seen order. The keys of :func:`shown_keys` become columns named by
+    the dotted key. Accuracies are fractions (``final_mean``, ``final_std``, ``best_mean``, ``best_std``);
+    ``rounds_to_target`` counts rounds. Where a run has a post-hoc step (``fedavg+ccvr``), its accuracy
+    before the step is there too (``final_before_ccvr_mean``/``_std``; None for rows without it)."""
     groups: dict[str, list[RunRecord]] = {}
     for r in records:
         groups.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
-    configs = [runs[0].config for runs in groups.values() if runs[0].config]
-    varying = [k for k in identity.varying_keys(configs) if k != "algorithm.name"]
+    varying = shown_keys([runs[0].config for runs in groups.values() if runs[0].config])
+    steps = posthoc_steps(records)
     rows = []
     for runs in groups.values():
         flat = identity.flatten(runs[0].config)
         key = runs[0].metric_key
         best_key = key.replace("final_", "best_")
-        final_m, final_s = mean_std([100 * r.summary[key] for r in runs])
-        best_m, best_s = mean_std([100 * r.summary[best_key] for r in runs])
+        final_m, final_s = mean_std([r.summary[key] for r in runs])
+        best_m, best_s = mean_std([r.summary[best_key] for r in runs])
         row: dict[str, Any] = {"method": runs[0].method}
         row.update({k: _cell(flat[k]) if k in flat else UNSET for k in varying})
         row.update({
             "metric": "global" if key == "final_global_acc" else "client mean",
             "seeds": len(runs),
+            **_before_steps(runs, steps),
             "final_mean": final_m, "final_std": final_s,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
@@ -145,17 +213,21 @@ def markdown_text(text: Any) -> str:
 
 def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[str], list[list[str]]]:
     """The comparison table as data: its header and one list of cell texts per row, unescaped (each output
-    escapes them its own way: :func:`to_markdown`, the HTML report)."""
+    escapes them its own way: :func:`to_markdown`, the HTML report). Accuracies in percent, for reading."""
     keys = key_columns(rows)
-    head = ["method", *keys, "metric", "seeds", "final acc (%)", "best acc (%)"]
+    steps = [k.removeprefix("final_before_").removesuffix("_mean") for k in (rows[0] if rows else {})
+             if k.startswith("final_before_") and k.endswith("_mean")]
+    head = ["method", *keys, "metric", "seeds", *(f"final before {s} (%)" for s in steps), "final acc (%)",
+            "best acc (%)"]
     if target is not None:
-        head += [f"rounds to {100 * target:g}%"]
+        head += [f"rounds to {percent(target):g}%"]
     head += ["time (s)", "setting"]
     body = []
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
-                 with_spread(row["final_mean"], row["final_std"], row["seeds"]),
-                 with_spread(row["best_mean"], row["best_std"], row["seeds"])]
+                 *(_before_cell(row, s) for s in steps),
+                 with_spread(percent(row["final_mean"]), percent(row["final_std"]), row["seeds"]),
+                 with_spread(percent(row["best_mean"]), percent(row["best_std"]), row["seeds"])]
         if target is not None:
             rtt = row["rounds_to_target"]
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
@@ -170,6 +242,14 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
     lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
     return "\n".join(lines) + "\n\n" + markdown_text(differences_line(rows)) + "\n"
+
+
+def _before_cell(row: dict[str, Any], step: str) -> str:
+    """The accuracy before post-hoc ``step`` in percent, or :data:`UNSET` for a row without that step."""
+    mean_value = row[f"final_before_{step}_mean"]
+    if mean_value is None:
+        return UNSET
+    return with_spread(percent(mean_value), percent(row[f"final_before_{step}_std"]), row["seeds"])
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from hetfl.algorithms.base import Algorithm, Setup
 from hetfl.algorithms.posthoc import PostHoc
-from hetfl.params import ConfigError, build
+from hetfl.params import ConfigError, build, did_you_mean
 
 # name -> "module:Class"; modules are imported on first use.
 _REGISTRY: dict[str, str] = {
@@ -78,7 +78,9 @@ def algorithm_class(name: str) -> type[Algorithm]:
     if name in _CLASSES:
         return _CLASSES[name]
     if name not in available():
-        raise ConfigError("algorithm.name", name, "allowed: " + ", ".join(available()))
+        raise ConfigError("algorithm.name", name, "unknown method; " + did_you_mean(name, available())
+                          + "allowed: " + ", ".join(available()) + "; a method defined in a plug-in file needs "
+                          "--plugin FILE (plugins= in Python), also when resuming its run")
     module, cls = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -102,7 +104,8 @@ def parse_name(full_name: str) -> tuple[str, list[str]]:
     for n, step in enumerate(steps):
         if step not in _POSTHOC:
             allowed = ", ".join(_POSTHOC) or "none yet"
-            raise ConfigError("algorithm.name", full_name, f"unknown post-hoc step {step!r}; allowed: {allowed}")
+            raise ConfigError("algorithm.name", full_name, f"unknown post-hoc step {step!r}; "
+                                                           f"{did_you_mean(step, list(_POSTHOC))}allowed: {allowed}")
         if step in steps[:n]:
             raise ConfigError("algorithm.name", full_name,
                               f"post-hoc step {step!r} is given twice; each step runs once, its settings in "

@@ -413,6 +413,11 @@ class Algorithm(PrivateReleases):
         model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
         return ServerState(model=model, extra=server.extra)
 
+    def run_notes(self) -> list[str]:
+        """What the user should hear when a run of this method starts: a cost that its settings hide (FedETF's
+        personalisation before every evaluation); none by default."""
+        return []
+
     def round_info(self, server: ServerState, uploads: list[Upload], round: int) -> dict[str, Any]:
         """Numbers of the round for its metrics line, after ``aggregate`` made ``server`` (e.g. FedPAC's
         privacy budget spent so far); none by default."""

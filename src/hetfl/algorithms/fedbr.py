@@ -4,7 +4,8 @@ Guo, Tang, Lin. "FedBR: Improving Federated Learning on Heterogeneous Data via
 Local Learning Bias Reduction." ICML 2023, Algorithm 1 and eq. (2)-(7); checked
 against the authors' code, LINs-lab/FedBR at commit 3e24f7fa
 (``fedbr/algorithms.py`` class ``FedBR``, ``fedbr/algorithms_fed.py``,
-``fedbr/scripts/train_fed.py`` at d382a37a).
+``fedbr/scripts/train_fed.py`` at d382a37a), and its defaults against their
+latest code commit, 01dc5c6 (2023-06-01; later commits change only the licence).
 
 One pseudo dataset ``D_p`` of ``B`` samples (B = the batch size, 32 in the
 paper: "pseudo-data only transfer once (32 pseudo-data)") with soft labels
@@ -65,17 +66,22 @@ projection). ``mixup = true`` is "FedBR + Mixup": the real batch is mixed with
 a shuffled copy of itself, ``lam ~ Beta(mixup_alpha, mixup_alpha)`` once per
 batch (0.2, the code's ``get_new_all_x``).
 
+hetfl's defaults are the authors' latest code's (01dc5c6): Mixup and Mixture off
+(the code's ``--use_Mixup`` / ``--use_Mixture`` flags, off unless given; here
+``mixup = true``, ``pseudo = "mixture"``), no FedDecorr term (commented out in
+``FedBR.update``), and plain SGD without momentum for the model and the head
+(``gen_opt``, ``disc_opt``: the run's lr and weight decay), which is
+``train.momentum = 0``, hetfl's default. Their first commit, 3e24f7fa, the
+snapshot of its CIFAR-100 runs, differed: its ``update`` always applied Mixup
+(Beta(0.2, 0.2)), always mixed the pseudo-data, added ``0.1 * FedDecorr`` of the
+real features, and gave the head momentum 0.9.
+
 Departures from the paper and the authors' code that remain:
 
 - the head's optimiser is the run's client SGD (``train.momentum``,
-  ``train.weight_decay``; lr ``head_lr`` or the client lr). The code's
-  ``disc_opt`` is SGD with momentum 0.9 and the run's weight decay and lr, so the
-  two agree when ``train.momentum = 0.9``; the max step is not a plain ascent
-  step in the code (nor here unless ``train.momentum = 0``);
-- the code at 3e24f7fa is the snapshot of its CIFAR-100 runs: its ``update``
-  always applies Mixup (Beta(0.2, 0.2)), always mixes the pseudo-data
-  ("Mixture"), and adds ``0.1 * FedDecorr`` of the real features; here Mixup,
-  Mixture and no FedDecorr are the paper's separate settings;
+  ``train.weight_decay``; lr ``head_lr`` or the client lr), as the latest code's
+  ``disc_opt`` (same lr and weight decay, no momentum) at ``train.momentum = 0``;
+  with momentum the max step is no longer a plain ascent step;
 - under ``"mixture"`` the code computes the global features once per round on
   the first step's mixed pseudo-data and reuses them at later steps (whose
   mixtures differ); here they are computed at each step from the step's

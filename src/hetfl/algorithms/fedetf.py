@@ -205,6 +205,18 @@ class FedETF(Algorithm):
         return {name: local[name] for name in self.uploaded_names()}, ctx.state
 
     # ------------------------------------------------------------- evaluation
+    def run_notes(self) -> list[str]:
+        """The cost of the personalisation, said when a run starts: it runs before every evaluation of the
+        clients and is many rounds of local training (22 s a round against FedAvg's 2 s on the default data)."""
+        if not self.hp.personalize or self.hp.pers_cycles == 0:
+            return []
+        epochs = 2 * self.hp.pers_cycles * self.hp.pers_epochs
+        return [f"fedetf: before every evaluation each client is personalised: local training, then {epochs} epochs "
+                f"of ETF/projection fine-tuning (algorithm.pers_cycles = {self.hp.pers_cycles} x 2 x "
+                f"algorithm.pers_epochs = {self.hp.pers_epochs}), which can take ten times a round; for a quick "
+                "run lower algorithm.pers_cycles (e.g. 2), raise train.eval_every, or set "
+                "algorithm.personalize = false"]
+
     def personalize_stages(self, ctx: ClientContext) -> list[Stage]:
         """Local training, then alternating ETF / projection fine-tuning (the code's personalisation)."""
         if not self.hp.personalize:

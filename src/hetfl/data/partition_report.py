@@ -43,7 +43,7 @@ def _entropy_bits(counts: np.ndarray) -> float:
     if total == 0:
         return 0.0
     p = counts[counts > 0] / total
-    return float(-(p * np.log2(p)).sum())
+    return float(-(p * np.log2(p)).sum()) + 0.0  # + 0.0: a one-class client's -0.0 becomes 0.0
 
 
 def partition_table(

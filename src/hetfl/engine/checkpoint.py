@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hetfl.algorithms.base import ServerState, Tensors
+from hetfl.files import follow_umask
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT_VERSION = 1
@@ -40,9 +41,11 @@ class Checkpoint:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``; the file's
+    mode follows the umask (:func:`hetfl.files.follow_umask`), as a plain write's would."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        follow_umask(fd)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -58,12 +61,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` to a safetensors file atomically (temp file + rename)."""
+    """Write ``tensors`` to a safetensors file atomically (temp file + rename; mode as the umask says)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        follow_umask(tmp)  # after the write: the mode mkstemp gave may be the one save_file keeps
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

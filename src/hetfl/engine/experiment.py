@@ -65,7 +65,14 @@ from hetfl.engine.rundir import (
 )
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
-from hetfl.engine.summary import Reporter, client_acc_summary, client_row, diverged_round, make_summary
+from hetfl.engine.summary import (
+    Reporter,
+    client_acc_summary,
+    client_row,
+    diverged_round,
+    loss_parts,
+    make_summary,
+)
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
@@ -240,6 +247,8 @@ class Experiment:
             return self.finished(run_dir, ckpt, reporter)
         self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
         start = ckpt.round if ckpt else 0
+        for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
+            self.note(message, reporter)
         tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
@@ -435,14 +444,17 @@ class Experiment:
         return server
 
     def note(self, message: str, reporter: Reporter) -> None:
-        """Tell the user once per run how the run executes (an executor's fallback, and why)."""
+        """Tell the user once per run how the run executes (an executor's fallback, and why): through the
+        reporter where it shows notes (``shows_notes``: the terminal's progress display), else as a
+        warning of the ``hetfl`` logger; never both, so a line is printed once."""
         notes = self.__dict__.setdefault("_notes", set())
         if message in notes:
             return
         notes.add(message)
-        logging.getLogger("hetfl").warning(message)
         if hasattr(reporter, "note"):
             reporter.note(message)
+        if not getattr(reporter, "shows_notes", False):
+            logging.getLogger("hetfl").warning(message)
 
     def save_client_models(self, round_: int, ctxs: list[ClientContext], results: list[LocalResult]) -> None:
         """``client_models/round_XXXX.safetensors``: each trained client's local model after ``round_``
@@ -487,17 +499,21 @@ class Experiment:
         bytes_up = 0
         loss_sum = 0.0
         steps_total = 0
+        part_sums: dict[str, float] = {}
         for u in updates:
             bytes_up += nbytes(u.upload)
             uploads.append(Upload(u.client_id, u.upload, u.num_samples, u.steps,
                                   {"loss": u.loss_sum / max(u.steps, 1)}))
             loss_sum += u.loss_sum
             steps_total += u.steps
+            for key, value in u.part_sums.items():
+                part_sums[key] = part_sums.get(key, 0.0) + value
         new_server = algo.aggregate(self.account_release(algo, uploads, round_, server), uploads, round_)
         return {
             **algo.round_info(new_server, uploads, round_),
             "round": round_,
             "train_loss": loss_sum / max(steps_total, 1),
+            **loss_parts(part_sums, steps_total),
             "lr": lr,
             "clients": len(sampled),
             "local_steps": steps_total,

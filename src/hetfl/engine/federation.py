@@ -140,7 +140,8 @@ class InProcessFederation:
             upload, new_state = algo.finish(ctx, result.state, result.steps)
             if new_state:
                 clients[c] = new_state
-            updates.append(ClientUpdate(c, upload, exp.data.client_sizes[c], result.steps, result.loss_sum))
+            updates.append(ClientUpdate(c, upload, exp.data.client_sizes[c], result.steps, result.loss_sum,
+                                        result.metric_sums))
         return updates, bytes_down
 
     def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:

@@ -14,10 +14,12 @@ def nbytes(tensors: Tensors) -> int:
 @dataclasses.dataclass
 class ClientUpdate:
     """What the server receives from one client after its local round (``Algorithm.finish``'s
-    upload and the numbers the round's metrics need)."""
+    upload and the numbers the round's metrics need: the loss and the parts of it the method's loss
+    returns, ``{"ce": ..., "penalty": ...}``, each summed over the local steps)."""
 
     client_id: int
     upload: Tensors
     num_samples: int
     steps: int
     loss_sum: float
+    part_sums: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -68,6 +68,7 @@ HASH_CHUNK = 1 << 20
 RUN_ENTRIES = frozenset({
     "config.toml", "metrics.jsonl", CLIENT_METRICS_NAME, "summary.json", "checkpoint.safetensors", LOCK_NAME,
     "tracking.json", "tensorboard", "client_models", "flower_nodes", "analysis", "report",
+    "privacy_ledger.json",  # hetfl.engine.ledger.LEDGER_NAME (which imports this module)
 })
 LINE_DIGEST_CHARS = 16  # a 64-bit prefix of each line's SHA-256: enough to tell an edited line
 

@@ -40,6 +40,22 @@ def client_row(round_: int, by_client: dict[int, float], num_clients: int) -> di
                                             for c in range(num_clients)]}
 
 
+#: metrics-line keys a loss part may not take (it is then written as ``train_part_<name>``)
+_LINE_KEYS = frozenset({"train_loss", "train_part"})
+
+
+def loss_parts(part_sums: dict[str, float], steps: int) -> dict[str, float]:
+    """The metrics line's parts of the train loss: each part a method's loss returns (``{"ce": ...,
+    "penalty": ...}``; an adversary stage's as ``max/contrastive``) as ``train_<part>``, its mean per local
+    step over the round's clients, as ``train_loss`` is. Keys in sorted order, so every executor writes
+    the same line."""
+    out = {}
+    for name in sorted(part_sums):
+        key = f"train_{name}"
+        out[key if key not in _LINE_KEYS else f"train_part_{name}"] = part_sums[name] / max(steps, 1)
+    return out
+
+
 def diverged_round(history: Sequence[dict[str, Any]]) -> int | None:
     """The first round whose train loss is inf or NaN (``metrics.jsonl`` lines), or None."""
     if isinstance(history, History):  # tracked as its lines were added: no parse of every line each round

@@ -355,7 +355,8 @@ def handle_train(message: Message, context: Context) -> Message:
         P.UPLOAD: to_record(upload),
         P.RESULT: MetricRecord({"steps": result.steps, "loss-sum": float(result.loss_sum),
                                 "num-samples": exp.data.client_sizes[c],
-                                "has-state": int(had_state or bool(new_state))}),
+                                "has-state": int(had_state or bool(new_state)),
+                                **{P.LOSS_PART + k: float(v) for k, v in result.metric_sums.items()}}),
     })
 
 

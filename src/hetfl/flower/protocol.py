@@ -40,6 +40,7 @@ VIEW_EXTRA = "server.extra"
 UPLOAD = "upload"
 REPLY = "reply"
 RESULT = "result"  # MetricRecord of a reply's numbers
+LOSS_PART = "loss-part/"  # a RESULT key's prefix: a part of the local loss summed over the steps (``ce``, ...)
 
 NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside the run directory
 #: environment variable listing (os.pathsep-separated) the folders under which a node without a state-dir of its

@@ -436,7 +436,8 @@ class FlowerFederation:
         if samples != size_c:
             raise MalformedReply(f"malformed reply: num-samples = {samples}, but client {c} holds {size_c} training "
                                  "samples")
-        update = ClientUpdate(c, upload, samples, _whole(result, "steps"), float(result["loss-sum"]))
+        parts = {k.removeprefix(P.LOSS_PART): float(v) for k, v in result.items() if k.startswith(P.LOSS_PART)}
+        update = ClientUpdate(c, upload, samples, _whole(result, "steps"), float(result["loss-sum"]), parts)
         return update, bool(_whole(result, "has-state"))
 
     def tensor_replies(self, kind: str, replies: dict[int, RecordDict]) -> dict[int, Tensors]:

@@ -31,6 +31,8 @@ log = logging.getLogger("hetfl")
 class LogReporter:
     """Progress as log lines (the ServerApp has no terminal)."""
 
+    shows_notes = True  # note() logs them: the experiment does not log them a second time
+
     def start(self, cfg: Any, start_round: int, exp: Any) -> None:
         log.warning("hetfl on Flower: %s, %d clients, %d rounds%s", cfg.algorithm.name, cfg.data.num_clients,
                     cfg.train.rounds, f", resuming after round {start_round}" if start_round else "")

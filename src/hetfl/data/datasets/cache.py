@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hetfl.files import follow_umask
 from hetfl.params import ConfigError
 
 #: sub-folder of the user's cache directory holding decoded datasets
@@ -99,9 +100,11 @@ def fingerprint(paths: Iterable[Path]) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Write ``path`` via ``write(file)`` into a temporary file in the same folder, then ``os.replace``."""
+    """Write ``path`` via ``write(file)`` into a temporary file in the same folder, then ``os.replace``
+    (the file's mode follows the umask, so a shared cache is readable by those it is shared with)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        follow_umask(fd)
         with os.fdopen(fd, mode) as fh:
             write(fh)
         os.replace(tmp, path)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetfl.data.base import DatasetError
+from hetfl.files import follow_umask
 
 TIMEOUT_S = 60.0
 
@@ -63,6 +64,7 @@ def fetch(remote: Remote, folder: Path) -> Path:
     for url in remote.urls:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{remote.name}.", suffix=".part")
         try:
+            follow_umask(fd)  # data.root may be shared: the download is readable as the umask allows
             with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
                 while block := response.read(1 << 20):
                     out.write(block)

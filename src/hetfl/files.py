@@ -1,0 +1,36 @@
+"""File modes: files hetfl writes follow the process's umask, as ``open()`` would create them.
+
+An atomic write goes through a temporary file made by :func:`tempfile.mkstemp`, which is private
+(0600) whatever the umask, and the rename keeps that mode: a run folder shared with colleagues
+(umask 022) would hold files only its owner can read. :func:`follow_umask` gives such a file the
+mode a plain ``open(path, "w")`` would have given it (0666 minus the umask). Secrets (the TLS keys of
+:mod:`hetfl.flower.deploy`) are written 0600 on purpose and do not go through here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process's umask, read from ``/proc/self/status`` where it is there (Linux), else by setting
+    and restoring it (which other threads could observe for an instant)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(target: int | str | os.PathLike[str]) -> None:
+    """Give a file (an open descriptor or a path) the mode ``open()`` creates files with: 0666 & ~umask."""
+    mode = 0o666 & ~current_umask()
+    if isinstance(target, int):
+        os.fchmod(target, mode)
+    else:
+        os.chmod(target, mode)
