@@ -151,6 +151,8 @@ class GroupBuffers:
         self.payload, self.payload_dims = self._shared_or_rows([c.payload for c in ctxs])
         self.cstate, self.cstate_dims = self._shared_or_rows([c.state for c in ctxs])
         self.extras, self.extras_dims = self._shared_or_rows([c.extras for c in ctxs])
+        # data every client received once (ctx.shared, FedMix's means): one copy the steps read
+        self.shared = {n: t.detach().clone().to(device) for n, t in ctxs[0].shared.items()}
         stages = plans[0].stages
         self.opt = [sgd_init({n: self.state[n] for n in s.trainable}, s.sgd) for s in stages]
         self.adv_opt = [sgd_init({n: self.state[n] for n in s.adversary.trainable}, s.adversary.sgd)
@@ -172,6 +174,7 @@ class GroupBuffers:
     def fits(self, plans: list[ClientPlan]) -> bool:
         """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
         return len(plans) == self.k and batch_dicts([p.ctx.payload for p in plans])[1] == self.payload_dims \
+            and tensors_key(plans[0].ctx.shared) == tensors_key(self.shared) \
             and batch_dicts([p.ctx.state for p in plans])[1] == self.cstate_dims \
             and batch_dicts([p.ctx.extras for p in plans])[1] == self.extras_dims
 
@@ -188,6 +191,8 @@ class GroupBuffers:
                     buffer.copy_(dicts[0][name])
                 else:
                     buffer.copy_(torch.stack([*(d[name] for d in dicts), dicts[0][name]]))
+        for name, buffer in self.shared.items():
+            buffer.copy_(plans[0].ctx.shared[name])
         for d in (*self.opt, *self.adv_opt):
             for t in d.values():
                 t.zero_()
@@ -256,6 +261,7 @@ class VectorizedGroup:
         self.uncapturable = self.cache.uncapturable if self.cache is not None else set()
         self.key = (plans[0].key(), len(plans))
         self.buffers = self._buffers()
+        self.template.__dict__["shared"] = self.buffers.shared  # what a captured step reads: kept buffers
 
     def _buffers(self) -> GroupBuffers:
         if self.cache is not None:
@@ -408,6 +414,11 @@ class VectorizedCache:
     programs: dict[Any, CompiledCall] = field(default_factory=dict)
     uncapturable: set[Any] = field(default_factory=set)  # stage keys whose capture failed: run eagerly
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
+
+    def drop(self, clients: int) -> None:
+        """Forget the buffers and compiled calls of groups of ``clients`` clients."""
+        self.buffers = {k: v for k, v in self.buffers.items() if k[1] != clients}
+        self.programs = {k: v for k, v in self.programs.items() if k[0][1] != clients}
 
 
 def is_capturing() -> bool:
@@ -649,6 +660,8 @@ def train_clients_vectorized(
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
                                       cache=cache, channels_last=channels_last, **settings).run()
             except torch.cuda.OutOfMemoryError:
+                if cache is not None:  # free what this chunk size kept: a smaller one is tried next
+                    cache.drop(len(chunk))
                 if len(chunk) == 1:
                     raise
                 size = memo[key] = max(1, len(chunk) // 2)
