@@ -39,7 +39,7 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
-from hetfl.engine import resources, secure_sum
+from hetfl.engine import resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     Checkpoint,
     atomic_write_text,
@@ -110,6 +110,7 @@ class Experiment:
         self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment)
         info = self.dataset.info
         resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
+        threads.fit_threads(cfg, self.device, info.input_shape, info.num_classes, vmap)  # runtime.threads; 0: auto
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)

@@ -1,0 +1,92 @@
+"""The torch CPU thread count of a run (``runtime.threads``).
+
+A number > 0 is used as given. ``0`` (the default, "auto") fits the count to the work of one
+training step on a CPU device: a step whose forward pass is small (logistic regression, the MLPs,
+the small CNNs at the usual batch sizes) runs on **one** thread, anything larger on the process's
+count (torch's default: one thread per core). torch splits an operation over threads only when it
+is large, and each split costs a wake-up of every thread; with small operations that cost exceeds
+the work, and on a machine whose cores are busy with other jobs a step waits for a thread that is
+not scheduled: the default Synthetic run took 71 s on torch's default count and 5 s on one thread
+on a busy 2-core machine (issue 27; ``benchmarks/results/threads.md`` has the measurements behind
+:data:`ONE_THREAD_BELOW_FLOPS`). On a CUDA device the count is left as it is (the work is on the GPU).
+
+The count is a function of the configuration and the model only (never of the machine's load), so
+a run and its resume use the same count: torch's CPU reductions split by thread count, and a
+different count changes results in the last bits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetfl.config import RunConfig
+from hetfl.engine import resources
+
+#: Forward-pass floating-point operations of one training step (per-sample forward FLOPs x batch size
+#: x clients stepped at once) below which a CPU run uses one thread. Measured on 2 idle cores (torch
+#: 2.11, benchmarks/threads.py): a second thread first pays at about this size, and below it one
+#: thread is as fast on an idle machine and many times faster on a busy one.
+ONE_THREAD_BELOW_FLOPS = 1e9
+
+
+def layer_flops(module: nn.Module, output: torch.Tensor) -> int:
+    """Floating-point operations (2 per multiply-add) of a linear or convolutional layer's forward pass
+    that produced ``output``; 0 for any other layer (their cost is small beside these)."""
+    if isinstance(module, nn.Linear):
+        return 2 * output.numel() * module.in_features
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return 2 * output.numel() * (module.in_channels // module.groups) * math.prod(module.kernel_size)
+    return 0
+
+
+def forward_flops(name: str, input_shape: tuple[int, ...], num_classes: int, options: dict[str, Any]) -> int | None:
+    """Floating-point operations of one sample's forward pass through model ``name``: its linear and
+    convolutional layers, counted by forward hooks on the meta device (nothing is computed or allocated;
+    torch's ``FlopCounterMode`` would import TorchDynamo, about a second); None where the model cannot
+    be built or run there."""
+    model = resources.meta_model(name, input_shape, num_classes, options)
+    if model is None:
+        return None
+    counted: list[int] = []
+    hooks = [m.register_forward_hook(lambda m, _, out: counted.append(layer_flops(m, out))) for m in model.modules()
+             if isinstance(m, nn.Linear | nn.modules.conv._ConvNd)]
+    try:
+        model(torch.empty((1, *input_shape), device="meta"))
+    except Exception:  # a model that needs real values in its forward pass: no estimate, no change
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(counted)
+
+
+def step_flops(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int, vmap: bool) -> int | None:
+    """Forward FLOPs of one local step: a batch through the model, for every client stepped at once."""
+    per_sample = forward_flops(cfg.model.name, input_shape, num_classes, dict(cfg.model.options))
+    if per_sample is None:
+        return None
+    return per_sample * cfg.train.batch_size * resources.clients_at_once(cfg, vmap)
+
+
+def auto_threads(cfg: RunConfig, device: torch.device, input_shape: tuple[int, ...], num_classes: int,
+                 vmap: bool) -> int | None:
+    """The count ``runtime.threads = 0`` stands for: 1 for a small step on a CPU device, None (leave the
+    process's count) for a large step, on an accelerator, or where the step cannot be estimated."""
+    if device.type != "cpu":
+        return None
+    flops = step_flops(cfg, input_shape, num_classes, vmap)
+    return 1 if flops is not None and flops < ONE_THREAD_BELOW_FLOPS else None
+
+
+def fit_threads(cfg: RunConfig, device: torch.device, input_shape: tuple[int, ...], num_classes: int,
+                vmap: bool) -> int:
+    """Set torch's (process-wide) CPU thread count for this run: ``runtime.threads`` when > 0, else
+    :func:`auto_threads`; return the count in force."""
+    count = cfg.runtime.threads or auto_threads(cfg, device, input_shape, num_classes, vmap)
+    if count and count != torch.get_num_threads():
+        torch.set_num_threads(count)
+    return torch.get_num_threads()

@@ -1,0 +1,79 @@
+"""``runtime.threads``: a count > 0 as given; 0 (auto) one thread for a small training step on a CPU
+device, the process's count otherwise (issue 27: the default run was 14x slower on torch's default
+count on a busy 2-core machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetfl import config
+from hetfl.engine import threads
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.resources import meta_model
+
+TINY = ["data.options={num_devices=4, max_samples=40}", "data.num_clients=4", "train.rounds=1",
+        "runtime.progress=false"]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def two_threads():
+    """The process starts on 2 threads (torch's default on a 2-core machine)."""
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize(("name", "shape", "options"), [
+    ("mlp", (60,), {"hidden": []}), ("mlp", (784,), {"hidden": [200, 200]}), ("cnn2", (1, 28, 28), {}),
+    ("simple_cnn", (3, 32, 32), {}), ("fedpac_cnn", (3, 32, 32), {}), ("resnet18", (3, 32, 32), {"norm": "gn"}),
+])
+def test_forward_flops_are_torchs_count_of_the_matrix_products_and_convolutions(name, shape, options):
+    model = meta_model(name, shape, 10, options)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.empty((1, *shape), device="meta"))
+    assert threads.forward_flops(name, shape, 10, options) == counter.get_total_flops()
+
+
+def test_logistic_regression_is_two_flops_per_weight():
+    assert threads.forward_flops("mlp", (60,), 10, {"hidden": []}) == 2 * 60 * 10
+
+
+def test_the_default_run_trains_on_one_thread(two_threads):
+    """The default Synthetic run (logistic regression, batch 32) on a process with 2 threads."""
+    exp = Experiment(config.load(None, TINY))
+    assert exp.cfg.runtime.threads == 0 and exp.device == CPU
+    assert torch.get_num_threads() == 1
+
+
+def test_a_thread_count_that_is_set_is_used_as_given():
+    Experiment(config.load(None, [*TINY, "runtime.threads=2"]))
+    assert torch.get_num_threads() == 2
+
+
+def test_a_large_step_keeps_the_processs_count():
+    """ResNet-18 at batch 32 on 32x32 images: ~3.6e10 forward FLOPs a step, where threads pay."""
+    cfg = config.load(None, ["model.name=resnet18", "train.batch_size=32"])
+    assert threads.step_flops(cfg, (3, 32, 32), 10, vmap=False) > threads.ONE_THREAD_BELOW_FLOPS
+    assert threads.auto_threads(cfg, CPU, (3, 32, 32), 10, vmap=False) is None
+
+
+def test_small_steps_use_one_thread_on_the_cpu_only():
+    cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32"])
+    assert threads.auto_threads(cfg, CPU, (1, 28, 28), 10, vmap=False) == 1
+    assert threads.auto_threads(cfg, CUDA, (1, 28, 28), 10, vmap=False) is None  # the work is on the GPU
+
+
+def test_vmapped_clients_count_as_one_step():
+    """vmap on the CPU steps a round's clients as one computation: the step is that many times larger."""
+    cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32", "data.num_clients=30",
+                             "runtime.executor=vectorized", "runtime.vmap_on_cpu=true"])
+    one = threads.step_flops(cfg, (1, 28, 28), 10, vmap=False)
+    assert threads.step_flops(cfg, (1, 28, 28), 10, vmap=True) == 30 * one
+    assert threads.auto_threads(cfg, CPU, (1, 28, 28), 10, vmap=True) is None
+
+
+def test_a_model_that_cannot_run_on_the_meta_device_keeps_the_processs_count(monkeypatch):
+    monkeypatch.setattr(threads.resources, "meta_model", lambda *a, **k: None)
+    cfg = config.load(None, [])
+    assert threads.auto_threads(cfg, CPU, (60,), 10, vmap=False) is None
