@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetfl import config
 from hetfl.engine import threads
 from hetfl.engine.experiment import Experiment
-from hetfl.engine.resources import meta_model
+from hetfl.models import build_model
 
 TINY = ["data.options={num_devices=4, max_samples=40}", "data.num_clients=4", "train.rounds=1",
         "runtime.progress=false"]
@@ -29,14 +29,25 @@ def two_threads():
     ("simple_cnn", (3, 32, 32), {}), ("fedpac_cnn", (3, 32, 32), {}), ("resnet18", (3, 32, 32), {"norm": "gn"}),
 ])
 def test_forward_flops_are_torchs_count_of_the_matrix_products_and_convolutions(name, shape, options):
-    model = meta_model(name, shape, 10, options)
-    with FlopCounterMode(display=False) as counter:
-        model(torch.empty((1, *shape), device="meta"))
-    assert threads.forward_flops(name, shape, 10, options) == counter.get_total_flops()
+    model = build_model(name, shape, 10, **options)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.eval()(torch.zeros((1, *shape)))
+    assert threads.forward_flops(model.train(), shape) == counter.get_total_flops()
+
+
+def test_counting_changes_nothing_in_the_model():
+    """A pass in eval mode without gradients: batch norm's running statistics stay, the mode is put back,
+    no random number is drawn."""
+    model = build_model("resnet18", (3, 32, 32), 10).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert threads.forward_flops(model, (3, 32, 32)) > 0
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_logistic_regression_is_two_flops_per_weight():
-    assert threads.forward_flops("mlp", (60,), 10, {"hidden": []}) == 2 * 60 * 10
+    assert threads.forward_flops(build_model("mlp", (60,), 10, hidden=[]), (60,)) == 2 * 60 * 10
 
 
 def test_the_default_run_trains_on_one_thread(two_threads):
@@ -54,26 +65,29 @@ def test_a_thread_count_that_is_set_is_used_as_given():
 def test_a_large_step_keeps_the_processs_count():
     """ResNet-18 at batch 32 on 32x32 images: ~3.6e10 forward FLOPs a step, where threads pay."""
     cfg = config.load(None, ["model.name=resnet18", "train.batch_size=32"])
-    assert threads.step_flops(cfg, (3, 32, 32), 10, vmap=False) > threads.ONE_THREAD_BELOW_FLOPS
-    assert threads.auto_threads(cfg, CPU, (3, 32, 32), 10, vmap=False) is None
+    model = build_model("resnet18", (3, 32, 32), 10)
+    assert threads.step_flops(cfg, model, (3, 32, 32), vmap=False) > threads.ONE_THREAD_BELOW_FLOPS
+    assert threads.auto_threads(cfg, CPU, model, (3, 32, 32), vmap=False) is None
 
 
 def test_small_steps_use_one_thread_on_the_cpu_only():
     cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32"])
-    assert threads.auto_threads(cfg, CPU, (1, 28, 28), 10, vmap=False) == 1
-    assert threads.auto_threads(cfg, CUDA, (1, 28, 28), 10, vmap=False) is None  # the work is on the GPU
+    model = build_model("cnn2", (1, 28, 28), 10)
+    assert threads.auto_threads(cfg, CPU, model, (1, 28, 28), vmap=False) == 1
+    assert threads.auto_threads(cfg, CUDA, model, (1, 28, 28), vmap=False) is None  # the work is on the GPU
 
 
 def test_vmapped_clients_count_as_one_step():
     """vmap on the CPU steps a round's clients as one computation: the step is that many times larger."""
     cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32", "data.num_clients=30",
                              "runtime.executor=vectorized", "runtime.vmap_on_cpu=true"])
-    one = threads.step_flops(cfg, (1, 28, 28), 10, vmap=False)
-    assert threads.step_flops(cfg, (1, 28, 28), 10, vmap=True) == 30 * one
-    assert threads.auto_threads(cfg, CPU, (1, 28, 28), 10, vmap=True) is None
+    model = build_model("cnn2", (1, 28, 28), 10)
+    one = threads.step_flops(cfg, model, (1, 28, 28), vmap=False)
+    assert threads.step_flops(cfg, model, (1, 28, 28), vmap=True) == 30 * one
+    assert threads.auto_threads(cfg, CPU, model, (1, 28, 28), vmap=True) is None
 
 
-def test_a_model_that_cannot_run_on_the_meta_device_keeps_the_processs_count(monkeypatch):
-    monkeypatch.setattr(threads.resources, "meta_model", lambda *a, **k: None)
+def test_a_model_whose_pass_cannot_be_counted_keeps_the_processs_count():
+    """A plug-in model that takes another input than the dataset's samples: no estimate, no change."""
     cfg = config.load(None, [])
-    assert threads.auto_threads(cfg, CPU, (60,), 10, vmap=False) is None
+    assert threads.auto_threads(cfg, CPU, build_model("cnn2", (1, 28, 28), 10), (60,), vmap=False) is None

@@ -110,10 +110,10 @@ class Experiment:
         self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment)
         info = self.dataset.info
         resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
-        threads.fit_threads(cfg, self.device, info.input_shape, info.num_classes, vmap)  # runtime.threads; 0: auto
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)
+        threads.fit_threads(cfg, self.device, self.model, info.input_shape, vmap)  # runtime.threads; 0: fit to the step
         check_model_parts(cfg.algorithm.name, cfg.model, param_groups(self.model), info.input_shape, info.num_classes)
         self.model.to(self.device).train()
         self.caller = ModelCaller(self.model)

@@ -18,7 +18,6 @@ different count changes results in the last bits.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,50 +42,51 @@ def layer_flops(module: nn.Module, output: torch.Tensor) -> int:
     return 0
 
 
-def forward_flops(name: str, input_shape: tuple[int, ...], num_classes: int, options: dict[str, Any]) -> int | None:
-    """Floating-point operations of one sample's forward pass through model ``name``: its linear and
-    convolutional layers, counted by forward hooks on the meta device (nothing is computed or allocated;
-    torch's ``FlopCounterMode`` would import TorchDynamo, about a second); None where the model cannot
-    be built or run there."""
-    model = resources.meta_model(name, input_shape, num_classes, options)
-    if model is None:
-        return None
+def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int | None:
+    """Floating-point operations of one sample's forward pass through ``model`` (on the CPU): its linear
+    and convolutional layers, counted by forward hooks on a pass of zeros without gradients in eval mode
+    (no running statistic moves, no random number is drawn; the model's mode is put back). A pass on the
+    meta device would import torch's Python decompositions (about 2 s); this one costs a sample's forward
+    pass. None where the pass fails."""
     counted: list[int] = []
     hooks = [m.register_forward_hook(lambda m, _, out: counted.append(layer_flops(m, out))) for m in model.modules()
              if isinstance(m, nn.Linear | nn.modules.conv._ConvNd)]
+    training = model.training
     try:
-        model(torch.empty((1, *input_shape), device="meta"))
-    except Exception:  # a model that needs real values in its forward pass: no estimate, no change
+        with torch.no_grad():
+            model.eval()(torch.zeros((1, *input_shape)))
+    except Exception:  # a model this pass does not fit: no estimate, no change
         return None
     finally:
+        model.train(training)
         for hook in hooks:
             hook.remove()
     return sum(counted)
 
 
-def step_flops(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int, vmap: bool) -> int | None:
+def step_flops(cfg: RunConfig, model: nn.Module, input_shape: tuple[int, ...], vmap: bool) -> int | None:
     """Forward FLOPs of one local step: a batch through the model, for every client stepped at once."""
-    per_sample = forward_flops(cfg.model.name, input_shape, num_classes, dict(cfg.model.options))
+    per_sample = forward_flops(model, input_shape)
     if per_sample is None:
         return None
     return per_sample * cfg.train.batch_size * resources.clients_at_once(cfg, vmap)
 
 
-def auto_threads(cfg: RunConfig, device: torch.device, input_shape: tuple[int, ...], num_classes: int,
+def auto_threads(cfg: RunConfig, device: torch.device, model: nn.Module, input_shape: tuple[int, ...],
                  vmap: bool) -> int | None:
     """The count ``runtime.threads = 0`` stands for: 1 for a small step on a CPU device, None (leave the
     process's count) for a large step, on an accelerator, or where the step cannot be estimated."""
     if device.type != "cpu":
         return None
-    flops = step_flops(cfg, input_shape, num_classes, vmap)
+    flops = step_flops(cfg, model, input_shape, vmap)
     return 1 if flops is not None and flops < ONE_THREAD_BELOW_FLOPS else None
 
 
-def fit_threads(cfg: RunConfig, device: torch.device, input_shape: tuple[int, ...], num_classes: int,
+def fit_threads(cfg: RunConfig, device: torch.device, model: nn.Module, input_shape: tuple[int, ...],
                 vmap: bool) -> int:
-    """Set torch's (process-wide) CPU thread count for this run: ``runtime.threads`` when > 0, else
-    :func:`auto_threads`; return the count in force."""
-    count = cfg.runtime.threads or auto_threads(cfg, device, input_shape, num_classes, vmap)
+    """Set torch's (process-wide) CPU thread count for this run of ``model`` (built, still on the CPU):
+    ``runtime.threads`` when > 0, else :func:`auto_threads`; return the count in force."""
+    count = cfg.runtime.threads or auto_threads(cfg, device, model, input_shape, vmap)
     if count and count != torch.get_num_threads():
         torch.set_num_threads(count)
     return torch.get_num_threads()
