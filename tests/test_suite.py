@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import string
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +56,14 @@ def test_a_device_env_that_names_no_device_is_refused_with_its_name(monkeypatch)
         pick_device("auto")
     assert err.value.key == "runtime.device" and AUTO_DEVICE_ENV in err.value.allowed and "'gpu'" in err.value.allowed
     assert pick_device("cpu") == torch.device("cpu")  # a run that names its device does not read it
+
+
+def test_ci_runs_exactly_the_readmes_test_command_with_one_process_per_core():
+    """.ci/run's command is the README's command 2, which runs the suite under pytest-xdist; the test
+    extra installs pytest-xdist."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    command = (root / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert command in readme.splitlines() and command.endswith("-m pytest -q -n auto")
+    extra = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert any(req.startswith("pytest-xdist") for req in extra["test"])
