@@ -67,7 +67,7 @@ def main() -> None:
     print(f"| model | batch | fwd FLOPs/step | {counts} | best |")
     print("|---|---|---|" + "---|" * len(args.threads) + "---|")
     for name, options, shape, batch in CASES:
-        flops = (forward_flops(name, shape, 10, options) or 0) * batch
+        flops = (forward_flops(build_model(name, shape, 10, **options), shape) or 0) * batch
         ms = {}
         for count in args.threads:
             torch.set_num_threads(count)

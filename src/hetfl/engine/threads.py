@@ -3,12 +3,12 @@
 A number > 0 is used as given. ``0`` (the default, "auto") fits the count to the work of one
 training step on a CPU device: a step whose forward pass is small (logistic regression, the MLPs,
 the small CNNs at the usual batch sizes) runs on **one** thread, anything larger on the process's
-count (torch's default: one thread per core). torch splits an operation over threads only when it
-is large, and each split costs a wake-up of every thread; with small operations that cost exceeds
-the work, and on a machine whose cores are busy with other jobs a step waits for a thread that is
-not scheduled: the default Synthetic run took 71 s on torch's default count and 5 s on one thread
-on a busy 2-core machine (issue 27; ``benchmarks/results/threads.md`` has the measurements behind
-:data:`ONE_THREAD_BELOW_FLOPS`). On a CUDA device the count is left as it is (the work is on the GPU).
+count (torch's default: one thread per core). A split operation waits for every thread; on a
+machine whose cores are busy with other jobs a small step waits for a thread that is not
+scheduled: the default Synthetic run took 71 s on torch's default count and 5 s on one thread on a
+busy 2-core machine (issue 27), while on idle cores a second thread gains small steps little
+(``benchmarks/results/threads.md`` has the measurements behind :data:`ONE_THREAD_BELOW_FLOPS`).
+On a CUDA device the count is left as it is (the work is on the GPU).
 
 The count is a function of the configuration and the model only (never of the machine's load), so
 a run and its resume use the same count: torch's CPU reductions split by thread count, and a
@@ -26,9 +26,10 @@ from hetfl.config import RunConfig
 from hetfl.engine import resources
 
 #: Forward-pass floating-point operations of one training step (per-sample forward FLOPs x batch size
-#: x clients stepped at once) below which a CPU run uses one thread. Measured on 2 idle cores (torch
-#: 2.11, benchmarks/threads.py): a second thread first pays at about this size, and below it one
-#: thread is as fast on an idle machine and many times faster on a busy one.
+#: x clients stepped at once) below which a CPU run uses one thread. Measured (benchmarks/threads.py,
+#: benchmarks/results/threads.md): on 2 idle cores a second thread makes such steps at most 1.6x faster
+#: (logistic regression not at all); on a busy 2-core machine one thread made them 2-8x faster. Larger
+#: steps (VGG-11, ResNet-18: ~1e10) gain ~2x from a second idle core and keep torch's count.
 ONE_THREAD_BELOW_FLOPS = 1e9
 
 
