@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetfl.engine.setup import AUTO_DEVICE_ENV
+torch.set_num_threads(1)  # before hetfl is imported: its "auto" threads (hetfl.engine.threads) start from here
+
+from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
 
 os.environ[AUTO_DEVICE_ENV] = "cpu"
 

@@ -62,32 +62,48 @@ def test_a_thread_count_that_is_set_is_used_as_given():
     assert torch.get_num_threads() == 2
 
 
-def test_a_large_step_keeps_the_processs_count():
+@pytest.fixture
+def process_started_on_two(monkeypatch):
+    """As in a process that started on 2 threads (the tests' processes start on one: tests/conftest.py)."""
+    monkeypatch.setattr(threads, "PROCESS_THREADS", 2)
+
+
+def test_a_large_step_gets_the_processs_starting_count(process_started_on_two):
     """ResNet-18 at batch 32 on 32x32 images: ~3.6e10 forward FLOPs a step, where threads pay."""
     cfg = config.load(None, ["model.name=resnet18", "train.batch_size=32"])
     model = build_model("resnet18", (3, 32, 32), 10)
     assert threads.step_flops(cfg, model, (3, 32, 32), vmap=False) > threads.ONE_THREAD_BELOW_FLOPS
-    assert threads.auto_threads(cfg, CPU, model, (3, 32, 32), vmap=False) is None
+    assert threads.auto_threads(cfg, CPU, model, (3, 32, 32), vmap=False) == 2
 
 
-def test_small_steps_use_one_thread_on_the_cpu_only():
+def test_a_large_run_after_a_small_one_in_the_same_process_gets_the_same_count_as_alone(process_started_on_two):
+    """A sweep or a notebook: the default run goes down to one thread; a ResNet-18 run after it must not
+    stay there (its numbers would depend on what ran before it)."""
+    Experiment(config.load(None, TINY))
+    assert torch.get_num_threads() == 1
+    cfg = config.load(None, ["model.name=resnet18", "train.batch_size=32"])
+    assert threads.fit_threads(cfg, CPU, build_model("resnet18", (3, 32, 32), 10), (3, 32, 32), vmap=False) == 2
+    assert torch.get_num_threads() == 2
+
+
+def test_small_steps_use_one_thread_on_the_cpu_only(process_started_on_two):
     cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32"])
     model = build_model("cnn2", (1, 28, 28), 10)
     assert threads.auto_threads(cfg, CPU, model, (1, 28, 28), vmap=False) == 1
-    assert threads.auto_threads(cfg, CUDA, model, (1, 28, 28), vmap=False) is None  # the work is on the GPU
+    assert threads.auto_threads(cfg, CUDA, model, (1, 28, 28), vmap=False) == 2  # the work is on the GPU
 
 
-def test_vmapped_clients_count_as_one_step():
+def test_vmapped_clients_count_as_one_step(process_started_on_two):
     """vmap on the CPU steps a round's clients as one computation: the step is that many times larger."""
     cfg = config.load(None, ["model.name=cnn2", "train.batch_size=32", "data.num_clients=30",
                              "runtime.executor=vectorized", "runtime.vmap_on_cpu=true"])
     model = build_model("cnn2", (1, 28, 28), 10)
     one = threads.step_flops(cfg, model, (1, 28, 28), vmap=False)
     assert threads.step_flops(cfg, model, (1, 28, 28), vmap=True) == 30 * one
-    assert threads.auto_threads(cfg, CPU, model, (1, 28, 28), vmap=True) is None
+    assert threads.auto_threads(cfg, CPU, model, (1, 28, 28), vmap=True) == 2
 
 
-def test_a_model_whose_pass_cannot_be_counted_keeps_the_processs_count():
-    """A plug-in model that takes another input than the dataset's samples: no estimate, no change."""
+def test_a_model_whose_pass_cannot_be_counted_gets_the_processs_starting_count(process_started_on_two):
+    """A plug-in model that takes another input than the dataset's samples: no estimate, torch's count."""
     cfg = config.load(None, [])
-    assert threads.auto_threads(cfg, CPU, build_model("cnn2", (1, 28, 28), 10), (60,), vmap=False) is None
+    assert threads.auto_threads(cfg, CPU, build_model("cnn2", (1, 28, 28), 10), (60,), vmap=False) == 2

@@ -3,16 +3,17 @@
 A number > 0 is used as given. ``0`` (the default, "auto") fits the count to the work of one
 training step on a CPU device: a step whose forward pass is small (logistic regression, the MLPs,
 the small CNNs at the usual batch sizes) runs on **one** thread, anything larger on the process's
-count (torch's default: one thread per core). A split operation waits for every thread; on a
-machine whose cores are busy with other jobs a small step waits for a thread that is not
-scheduled: the default Synthetic run took 71 s on torch's default count and 5 s on one thread on a
+count before hetfl changed it (torch's default: one thread per core). A split operation waits for
+every thread; on a machine whose cores are busy with other jobs a small step waits for a thread
+that is not scheduled: the default Synthetic run took 71 s on torch's default count and 5 s on one thread on a
 busy 2-core machine (issue 27), while on idle cores a second thread gains small steps little
 (``benchmarks/results/threads.md`` has the measurements behind :data:`ONE_THREAD_BELOW_FLOPS`).
-On a CUDA device the count is left as it is (the work is on the GPU).
+On a CUDA device a run gets the process's count too (the work is on the GPU).
 
-The count is a function of the configuration and the model only (never of the machine's load), so
-a run and its resume use the same count: torch's CPU reductions split by thread count, and a
-different count changes results in the last bits.
+The count is a function of the configuration, the model and the process's starting count only
+(never of the machine's load or of an earlier run in the process), so a run and its resume use the
+same count: torch's CPU reductions split by thread count, and a different count changes results in
+the last bits.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from hetfl.engine import resources
 #: (logistic regression not at all); on a busy 2-core machine one thread made them 2-8x faster. Larger
 #: steps (VGG-11, ResNet-18: ~1e10) gain ~2x from a second idle core and keep torch's count.
 ONE_THREAD_BELOW_FLOPS = 1e9
+#: The process's count when hetfl's engine was first imported (torch's default: a thread per core, or
+#: ``OMP_NUM_THREADS``, or what the program set before): the count ``auto`` gives a large step, also after
+#: an earlier run in this process went down to one thread.
+PROCESS_THREADS = torch.get_num_threads()
 
 
 def layer_flops(module: nn.Module, output: torch.Tensor) -> int:
@@ -74,20 +79,22 @@ def step_flops(cfg: RunConfig, model: nn.Module, input_shape: tuple[int, ...], v
 
 
 def auto_threads(cfg: RunConfig, device: torch.device, model: nn.Module, input_shape: tuple[int, ...],
-                 vmap: bool) -> int | None:
-    """The count ``runtime.threads = 0`` stands for: 1 for a small step on a CPU device, None (leave the
-    process's count) for a large step, on an accelerator, or where the step cannot be estimated."""
-    if device.type != "cpu":
-        return None
-    flops = step_flops(cfg, model, input_shape, vmap)
-    return 1 if flops is not None and flops < ONE_THREAD_BELOW_FLOPS else None
+                 vmap: bool) -> int:
+    """The count ``runtime.threads = 0`` stands for: 1 for a small step on a CPU device; otherwise (a large
+    step, an accelerator, a step that cannot be estimated) :data:`PROCESS_THREADS`, so that a run gets the
+    same count whatever ran before it in this process (a sweep, a notebook)."""
+    if device.type == "cpu":
+        flops = step_flops(cfg, model, input_shape, vmap)
+        if flops is not None and flops < ONE_THREAD_BELOW_FLOPS:
+            return 1
+    return PROCESS_THREADS
 
 
 def fit_threads(cfg: RunConfig, device: torch.device, model: nn.Module, input_shape: tuple[int, ...],
                 vmap: bool) -> int:
     """Set torch's (process-wide) CPU thread count for this run of ``model`` (built, still on the CPU):
-    ``runtime.threads`` when > 0, else :func:`auto_threads`; return the count in force."""
+    ``runtime.threads`` when > 0, else :func:`auto_threads`; return it."""
     count = cfg.runtime.threads or auto_threads(cfg, device, model, input_shape, vmap)
-    if count and count != torch.get_num_threads():
+    if count != torch.get_num_threads():
         torch.set_num_threads(count)
-    return torch.get_num_threads()
+    return count
