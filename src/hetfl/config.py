@@ -107,7 +107,8 @@ class RuntimeConfig:
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
-    device: str = setting("auto", doc="auto (cuda when present), cpu, cuda, or cuda:N (GPU N of those present)")
+    device: str = setting("auto", doc="auto (the environment variable HETFL_DEVICE when set, else cuda when "
+                                      "present), cpu, cuda, or cuda:N (GPU N of those present)")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
     client_metrics_every: int = setting(
         1, ge=0, doc="write every client's accuracy to client_metrics.jsonl on the evaluated rounds that are "
