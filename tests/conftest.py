@@ -1,18 +1,43 @@
-"""Fixtures shared by the test modules. None is autouse: a module asks for one with
-``pytestmark = pytest.mark.usefixtures("one_thread")`` or by naming it as a test's parameter."""
+"""Fixtures shared by the test modules, and two settings that hold for every test:
+
+* **One torch CPU thread per test process** (``one_torch_thread``, autouse). The tests' models and
+  batches are small: on one thread they run several times faster than on torch's default of a
+  thread per core, which on a busy machine wait for each other at every operation; and under
+  ``pytest -n N`` each of the N worker processes keeps to its core. A test that needs another count
+  sets it (``runtime.threads`` or ``torch.set_num_threads``); it is put back to one before the next.
+* **``runtime.device = "auto"`` is the CPU** (``HETFL_DEVICE=cpu``, set here for this process and
+  every process it starts: CLI subprocesses, Flower's nodes). Tests that pin numbers or compare with
+  a CPU computation then give the same result on a machine with CUDA as without. A CUDA test states
+  its device (``runtime.device=cuda``, or tensors moved with ``.cuda()``) and is skipped where CUDA is
+  absent; the suite has no test that relies on ``auto`` meaning CUDA.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+torch.set_num_threads(1)  # before hetfl is imported: its "auto" threads (hetfl.engine.threads) start from here
+
+from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
+
+os.environ[AUTO_DEVICE_ENV] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test starts on one torch thread (a test or a run that changed the count does not leak it)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 @pytest.fixture
 def one_thread():
-    """Run a test on one torch thread (small models run faster on one thread than on two, and do
-    not fight other jobs for the cores); the thread count is restored afterwards."""
+    """Run a test on one torch thread (now the default for every test: kept for the modules that ask
+    for it); the thread count is restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

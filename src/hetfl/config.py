@@ -110,13 +110,15 @@ class RuntimeConfig:
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
-    device: str = setting("auto", doc="auto (cuda when present), cpu, cuda, or cuda:N (GPU N of those present)")
+    device: str = setting("auto", doc="auto (the environment variable HETFL_DEVICE when set, else cuda when "
+                                      "present), cpu, cuda, or cuda:N (GPU N of those present)")
     checkpoint_every: int = setting(1, ge=0, doc="checkpoint every this many rounds (0 = never)")
     client_metrics_every: int = setting(
         1, ge=0, doc="write every client's accuracy to client_metrics.jsonl on the evaluated rounds that are "
                      "multiples of this, and the last (0 = never; metrics.jsonl always has their mean, std "
                      "and quartiles). Output only: not part of a run's identity")
-    threads: int = setting(0, ge=0, le=1024, doc="torch CPU threads (0 = torch's default)")
+    threads: int = setting(0, ge=0, le=1024, doc="torch CPU threads, process-wide (0 = auto: one thread for a small "
+                                                 "training step on a CPU device, torch's default for a large one)")
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
         (), doc="rounds after which every participating client's local model is saved (layer-wise CKA)")

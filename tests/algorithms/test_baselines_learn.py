@@ -22,6 +22,7 @@ BASE = [
     "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
     "data.samples_per_client=300", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [128]}",
     "train.rounds=5", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
+    "train.eval_every=5",  # only the last round's accuracy is checked: evaluate that one alone
 ]
 METHODS = [
     "fedavg", "fedavgm", "fedprox", "scaffold", "feddyn", "fednova", "moon", "local", "freeze", "fedbabu", "feduv",
@@ -29,7 +30,8 @@ METHODS = [
 ]
 PERSONALISED = {"local", "fedpac"}
 
-pytestmark = needs_shared_data
+# end to end, so slow; fast cover: test_baselines.py (each method), test_vectorized.py (the engine)
+pytestmark = [needs_shared_data, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -107,6 +108,7 @@ def test_calibrating_a_clsnorm_model_starts_from_its_normalised_rows():
         assert torch.allclose(setup.model.logits(new.model, X), setup.model.logits(server.model, X), atol=1e-5)
 
 
+@pytest.mark.slow  # two 3-round MNIST runs, ~10 s
 @needs_shared_data
 def test_every_round_calibration_and_side_study_trainers_run(tmp_path):
     base = ["data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dirichlet",

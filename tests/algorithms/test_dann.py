@@ -123,6 +123,7 @@ def test_settings_are_validated():
         build_algorithm("dann", {"lam": -1.0}, tiny_setup())
 
 
+@pytest.mark.slow  # fast cover: tests/engine/test_vectorized.py's every-method test (dann)
 def test_vectorised_equals_sequential():
     exp = Experiment(config.load(None, [*SYNTHETIC, "data.num_clients=12", "data.partition=dirichlet",
                                         "algorithm.name=dann", "algorithm.lam=0.5", "algorithm.hidden=32"]))

@@ -148,6 +148,7 @@ def test_settings_are_validated():
         build_algorithm("fedetf", {"pers_epochs": 0}, tiny_setup())
 
 
+@pytest.mark.slow  # fast cover: tests/engine/test_vectorized.py's every-method test (fedetf)
 def test_vectorised_equals_sequential():
     exp = Experiment(config.load(None, [*SYNTHETIC, "data.num_clients=12", "data.partition=dirichlet",
                                         "algorithm.name=fedetf"]))

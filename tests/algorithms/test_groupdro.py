@@ -179,6 +179,7 @@ def test_settings_are_validated():
         build_algorithm("groupdro", {"eta": -0.1}, tiny_setup())
 
 
+@pytest.mark.slow  # fast cover: tests/engine/test_vectorized.py's every-method test (groupdro)
 @pytest.mark.parametrize("groups", ["classes", "clients"])
 def test_vectorised_equals_sequential(groups):
     exp = Experiment(config.load(None, [*SYNTHETIC, "data.num_clients=12", "data.partition=dirichlet",

@@ -28,13 +28,15 @@ BASE = [
     "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
     "data.samples_per_client=300", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [128]}",
     "train.rounds=5", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
+    "train.eval_every=5",  # only the last round's accuracy is checked: evaluate that one alone
     "runtime.threads=1",
 ]
 # methods that also train a meaningful global model, evaluated as global_acc
 WITH_GLOBAL = ["fedavg_ft", "ditto", "apfl", "fedrod", "pfedme", "knnper"]
 PERSONALISED = ["fedper", "fedrep", "lgfedavg", "fedfomo", "pfedhn"]
 
-pytestmark = needs_shared_data
+# end to end, so slow; fast cover: test_personalized_baselines.py (each method), test_vectorized.py (the engine)
+pytestmark = [needs_shared_data, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

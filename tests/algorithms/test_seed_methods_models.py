@@ -61,7 +61,12 @@ def test_the_default_selection_covers_every_model_and_every_method() -> None:
     assert {method for method, model in PAIRS if model in BIG_MODELS} == set(SEED_METHODS)
 
 
-@pytest.mark.parametrize(("method", "model"), PAIRS)
+#: the big models' runs are slow (1-4 s each); ``-m "not slow"`` keeps every method on the small models
+PARAMS = [pytest.param(method, model, marks=pytest.mark.slow) if model in BIG_MODELS else (method, model)
+          for method, model in PAIRS]
+
+
+@pytest.mark.parametrize(("method", "model"), PARAMS)
 def test_seed_method_runs_on_every_model(method: str, model: str) -> None:
     exp, start, out = one_round(method, model)
     server, line = out["server"], out["line"]

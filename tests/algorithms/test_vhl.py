@@ -203,6 +203,7 @@ def test_virtual_classifier_is_averaged_with_the_model():
     torch.testing.assert_close(new.model[HEAD + "weight"], 2 * server.model[HEAD + "weight"])
 
 
+@pytest.mark.slow  # fast cover: tests/engine/test_vectorized.py's every-method test (vhl)
 def test_vectorised_equals_sequential():
     exp = Experiment(config.load(None, [*SYNTHETIC, "data.num_clients=12", "data.partition=dirichlet",
                                         "algorithm.name=vhl", "algorithm.num_virtual=200", "train.local_epochs=1"]))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hetfl.cli import main
 
 RUN = ["--set", "train.rounds=2", "--set", "data.partition=dirichlet", "--set", "data.num_clients=6",
        "--set", "model.options={hidden = [16]}", "--set", "runtime.save_client_models=[2]"]
 
 
+@pytest.mark.slow  # every analysis (t-SNE, CKA, plots), ~8 s; fast cover: test_analysis.py, test_plots.py
 def test_every_analysis_runs_on_a_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     assert main(["run", *RUN, "--out", str(run_dir), "--quiet"]) == 0

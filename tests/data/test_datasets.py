@@ -164,12 +164,22 @@ def test_idx_bad_magic_names_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "content", "expected"),
-    [
-        ("t10k-images-idx3-ubyte.gz", gzip.compress(idx_bytes(np.zeros((6, 28, 28), np.uint8)))[:-9], "corrupt gzip"),
-        ("t10k-images-idx3-ubyte.gz", gzip.compress(idx_bytes(np.zeros((6, 28, 28), np.uint8))[:-5]), "truncated"),
-        ("t10k-images-idx3-ubyte.gz", gzip.compress(idx_bytes(np.zeros((6, 14, 14), np.uint8))), "expected 28x28"),
-        ("t10k-labels-idx1-ubyte.gz", gzip.compress(idx_bytes(np.full(6, 10, np.uint8))), "expected 0..9"),
-        ("t10k-labels-idx1-ubyte.gz", gzip.compress(idx_bytes(np.zeros(5, np.uint8))), "differ in length"),
+    [  # gzip's header holds a time stamp unless mtime is given; the ids name the case, not the bytes
+        pytest.param("t10k-images-idx3-ubyte.gz",
+                     gzip.compress(idx_bytes(np.zeros((6, 28, 28), np.uint8)), mtime=0)[:-9], "corrupt gzip",
+                     id="images-corrupt-gzip"),
+        pytest.param("t10k-images-idx3-ubyte.gz",
+                     gzip.compress(idx_bytes(np.zeros((6, 28, 28), np.uint8))[:-5], mtime=0), "truncated",
+                     id="images-truncated"),
+        pytest.param("t10k-images-idx3-ubyte.gz",
+                     gzip.compress(idx_bytes(np.zeros((6, 14, 14), np.uint8)), mtime=0), "expected 28x28",
+                     id="images-14x14"),
+        pytest.param("t10k-labels-idx1-ubyte.gz",
+                     gzip.compress(idx_bytes(np.full(6, 10, np.uint8)), mtime=0), "expected 0..9",
+                     id="labels-out-of-range"),
+        pytest.param("t10k-labels-idx1-ubyte.gz",
+                     gzip.compress(idx_bytes(np.zeros(5, np.uint8)), mtime=0), "differ in length",
+                     id="labels-too-few"),
     ],
 )
 def test_idx_corrupt_files(tmp_path, name, content, expected):

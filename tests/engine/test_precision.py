@@ -56,10 +56,12 @@ def test_bf16_vectorised_equals_sequential():
             assert (a.state[name] - b.state[name]).abs().max().item() < 2e-2, name
 
 
+@pytest.mark.slow  # two 3-round cnn2 runs; fast cover: the first-round test above
 def test_bf16_run_learns_as_fp32_does(tmp_path):
     acc = {}
     for precision in ("fp32", "bf16"):
-        cfg = config.load(None, [*BASE, f"train.precision={precision}", "train.rounds=3", "algorithm.name=fedavg"])
+        cfg = config.load(None, [*BASE, f"train.precision={precision}", "train.rounds=3", "train.eval_every=3",
+                                 "algorithm.name=fedavg"])
         acc[precision] = Experiment(cfg).run(tmp_path / precision)["final_global_acc"]
     assert acc["bf16"] > 0.2  # chance is 0.1; 3 clients of 200 samples, 3 rounds
     assert acc["bf16"] == pytest.approx(acc["fp32"], abs=0.05)

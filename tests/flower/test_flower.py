@@ -75,6 +75,7 @@ def test_the_server_sends_a_node_only_the_server_state_client_model_reads():
     assert {k for k in view.extra.read if k in extra} == {f"head.1/{n}" for n in exp.algorithm.head_names}
 
 
+@pytest.mark.slow  # Ray's start, ~15 s; fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
 def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
     """Same code on the same CPU: metrics, summary and final server state are bit-identical.
     fedavg (plain), scaffold (control variates: server + node state), fedpac (statistics, per-client
@@ -102,6 +103,7 @@ def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
     assert (tmp_path / "flower-scaffold" / NODES_DIR).is_dir()  # SCAFFOLD's control variates, for resume
 
 
+@pytest.mark.slow  # Ray's start, ~13 s
 def test_hetfl_run_with_the_flower_executor_in_one_command(tmp_path):
     """``hetfl run --set runtime.executor=flower``: the run directory of the other executors, MOON's
     numbers (the previous local model kept on each node) as with the sequential executor.

@@ -69,6 +69,7 @@ def log_tail(fed: LocalFederation) -> str:
         "\n--- flwr run\n" + (fed.workdir / "flwr-run.log").read_text()[-3000:]
 
 
+@pytest.mark.slow  # a SuperLink and 3 SuperNodes as processes, ~35 s
 def test_deployed_run_over_tls_gives_the_sequential_numbers(federation, tmp_path):
     """SCAFFOLD (client state kept by each SuperNode between its ClientApp processes) over TLS:
     the same metrics as the in-process sequential executor."""
@@ -87,6 +88,7 @@ def test_deployed_run_over_tls_gives_the_sequential_numbers(federation, tmp_path
         [{k: v for k, v in x.items() if k not in DROP} for x in lines(tmp_path / "sequential")]
 
 
+@pytest.mark.slow  # ~50 s; fast cover: test_flower_logic.py's silent or failing client
 def test_a_supernode_killed_mid_run_is_recorded_and_the_run_finishes(federation, tmp_path):
     """SIGKILL one SuperNode (and its ClientApp processes) after round 1: round 2 waits for it up
     to runtime.flower_timeout_s, goes on with the two clients that answered, and says so."""

@@ -41,7 +41,7 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
-from hetfl.engine import resources, secure_sum
+from hetfl.engine import resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     Checkpoint,
     atomic_write_text,
@@ -123,6 +123,7 @@ class Experiment:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)
+        threads.fit_threads(cfg, self.device, self.model, info.input_shape, vmap)  # runtime.threads; 0: fit to the step
         check_model_parts(cfg.algorithm.name, cfg.model, param_groups(self.model), info.input_shape, info.num_classes)
         self.model.to(self.device).train()
         self.caller = ModelCaller(self.model)

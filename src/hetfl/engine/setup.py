@@ -5,6 +5,8 @@ partition itself, and the checks a resume (configuration changes) and a plan (me
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any
 
 import torch
@@ -21,13 +23,21 @@ from hetfl.models.base import param_groups
 from hetfl.params import ConfigError, to_dict
 from hetfl.rng import derive_seed
 
+#: The environment variable that names the device ``runtime.device = "auto"`` stands for (cpu, cuda or
+#: cuda:N); unset or empty: cuda when present, else cpu. A run that names its device is not affected. The test
+#: suite sets it to cpu (tests/conftest.py), so tests that pin numbers give them on a machine with CUDA too.
+AUTO_DEVICE_ENV = "HETFL_DEVICE"
+
 
 def pick_device(name: str) -> torch.device:
     """The device of ``runtime.device`` (auto, cpu, cuda, cuda:N), checked against this machine's GPUs.
     A device index becomes the current CUDA device, so that what runs on the current device (the
     vectorised executor's CUDA streams and graphs) runs on the chosen one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get(AUTO_DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", name):
+            raise ConfigError("runtime.device", "auto", f"the environment variable {AUTO_DEVICE_ENV} = {name!r} "
+                                                        "must be cpu, cuda or cuda:N (or unset)")
     device = torch.device(name)
     if device.type != "cuda":
         return device

@@ -141,7 +141,7 @@ class _Encoder:
 def node_config(cfg: config_mod.RunConfig, simulation: bool) -> config_mod.RunConfig:
     """The config the nodes build their experiment from.
 
-    In a simulation with ``runtime.threads = 0`` (torch's default) the nodes get this process's
+    In a simulation with ``runtime.threads = 0`` (auto) the nodes get this process's
     thread count: Ray starts each actor with one thread per CPU it was given, and torch's CPU
     kernels split reductions by thread count, so a node on another count than the sequential
     executor differs from it in the last bits (and, rounds later, in accuracy). With equal
