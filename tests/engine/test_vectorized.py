@@ -19,20 +19,22 @@ import pytest
 import torch
 
 from hetfl import config
-from hetfl.algorithms import available
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
 from tests.helpers import needs_shared_data
-from tests.helpers.executors import CHAOTIC_LOCAL_TRAINING, SYNTHETIC, compare_one_round, round_contexts
+from tests.helpers.executors import (
+    CHAOTIC_LOCAL_TRAINING,
+    SYNTHETIC,
+    compare_one_round,
+    methods_by_family,
+    round_contexts,
+)
 
 MNIST = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "mnist"
 
 
-VECTORISABLE = available()
-
-
-@pytest.mark.parametrize("method", VECTORISABLE)
+@pytest.mark.parametrize("method", methods_by_family())
 def test_every_method_vectorised_equals_sequential(method):
     steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
     exp = Experiment(config.load(None, [*SYNTHETIC, f"algorithm.name={method}", *steps]))

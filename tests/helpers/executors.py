@@ -63,3 +63,20 @@ def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int =
 # by CPU (AVX2 vs AVX-512 kernels). They are compared over 10 steps, where float32
 # rounding is still 2e-7.
 CHAOTIC_LOCAL_TRAINING = {"fedbr", "feddecorr"}
+
+
+# One method per way of training locally, compared by the quick subset (-m "not slow"); the
+# every-method comparisons run the others too, marked slow (the whole suite, as CI runs it, has them
+# all): plain SGD, a loss reading the payload (FedProx), a gradient transform and client state
+# (SCAFFOLD), extra models (MOON), a regulariser (FedUV), several stages and extras (FedPAC, FedRep),
+# an adversary (FedBR), per-step draws (Mixup), data shared once (FedMix), a step reading the round
+# (DANN), a personal stage (Ditto), inner steps (pFedMe).
+FAMILIES = ("fedavg", "fedprox", "scaffold", "moon", "feduv", "fedpac", "fedrep", "fedbr", "mixup", "fedmix",
+            "dann", "ditto", "pfedme")
+
+
+def methods_by_family(quick: tuple[str, ...] = FAMILIES) -> list:
+    """Every method as a test parameter, those outside ``quick`` marked slow."""
+    from hetfl.algorithms import available
+
+    return [m if m in quick else pytest.param(m, marks=pytest.mark.slow) for m in available()]
