@@ -262,7 +262,14 @@ def test_a_run_folders_files_follow_the_umask(tmp_path, umask, one_thread):
 
 
 # ----------------------------------------------------------------- item 10: piped output is never cut
-def test_piped_lists_show_every_name_whole(capsys):
+@pytest.fixture
+def piped(monkeypatch):
+    """Output to a pipe with no width asked for: pytest-xdist's workers inherit ``COLUMNS=80`` from the
+    terminal, which (as documented) would set the width."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+def test_piped_lists_show_every_name_whole(capsys, piped):
     from hetfl import reproduce
     from hetfl.cli import main
 
@@ -274,7 +281,7 @@ def test_piped_lists_show_every_name_whole(capsys):
     assert "…" not in out and all(name in out for name in reproduce.available())
 
 
-def test_a_piped_comparison_table_keeps_each_row_on_one_line(tmp_path, monkeypatch, capsys):
+def test_a_piped_comparison_table_keeps_each_row_on_one_line(tmp_path, monkeypatch, capsys, piped):
     import hetfl.api
     from hetfl.api import CompareResult
     from hetfl.cli import main
@@ -415,7 +422,7 @@ def test_the_quick_ccvr_presets_runs_have_distinct_progress_labels():
     assert any("ccvr.oracle=all" in label for label in labels)
 
 
-def test_a_measured_quick_estimate_is_shown_with_its_machine_and_load(capsys):
+def test_a_measured_quick_estimate_is_shown_with_its_machine_and_load(capsys, piped):
     from hetfl import reproduce
     from hetfl.cli import main
 
