@@ -5,9 +5,10 @@ only through its :class:`~hetfl.engine.federation.Federation`; it imports no run
 and ``vectorized`` run the clients in this process (the experiment's own federation, ``Experiment.run``);
 ``flower`` runs them on Flower's simulation engine (:mod:`hetfl.flower.simulation`, which attaches a
 ``FlowerFederation``). ``hetfl run``, the Python API, ``hetfl compare`` and sweeps, and ``hetfl reproduce``
-run experiments through :func:`run_experiment`.
+run experiments through :func:`run_experiment`. :func:`set_up` sets an experiment up with what the engine is
+handed from above: hetfl's trackers (:mod:`hetfl.tracking`: TensorBoard, MLflow).
 
-Importing this module is light: the engine and Flower are imported when a run starts.
+Flower, an optional dependency, is imported only when its executor is asked for.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfl import tracking
 from hetfl.config import RunConfig
+from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
 
 if TYPE_CHECKING:
-    from hetfl.engine.experiment import Experiment
     from hetfl.engine.summary import Reporter
 
 Runner = Callable[["Experiment", Path, bool, "Reporter | None"], dict[str, Any]]
@@ -46,13 +48,13 @@ def _in_process(exp: Experiment, run_dir: Path, resume: bool, reporter: Reporter
 
 
 def _check_flower(cfg: RunConfig) -> None:
-    from hetfl.flower import check_flower
+    from hetfl.flower import check_flower  # optional dependency (hetfl[flower]): imported when asked for
 
     check_flower(cfg)
 
 
 def _flower_simulation(exp: Experiment, run_dir: Path, resume: bool, reporter: Reporter | None) -> dict[str, Any]:
-    from hetfl.flower.simulation import run_simulation  # the clients on Flower's simulation engine
+    from hetfl.flower.simulation import run_simulation  # optional (hetfl[flower]): the clients on Flower
 
     return run_simulation(exp, run_dir, resume=resume, reporter=reporter)
 
@@ -77,6 +79,12 @@ def check_runtime(cfg: RunConfig) -> None:
     runtime_of(cfg).check(cfg)
 
 
+def set_up(cfg: RunConfig) -> Experiment:
+    """The experiment of ``cfg``, set up (everything checked, data read) and handed hetfl's trackers
+    (:data:`hetfl.tracking.TRACKERS`), so that its run is tracked as ``cfg.tracking`` says."""
+    return Experiment(cfg, trackers=tracking.TRACKERS)
+
+
 def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Path, *, resume: bool = False,
                    reporter: Reporter | None = None) -> dict[str, Any]:
     """Run (or continue, ``resume``) an experiment in ``run_dir`` with the runtime its ``runtime.executor``
@@ -86,9 +94,7 @@ def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Pat
     if isinstance(cfg_or_experiment, RunConfig):
         runtime = runtime_of(cfg_or_experiment)
         runtime.check(cfg_or_experiment)
-        from hetfl.engine.experiment import Experiment
-
-        exp = Experiment(cfg_or_experiment)
+        exp = set_up(cfg_or_experiment)
     else:
         exp = cfg_or_experiment
         runtime = runtime_of(exp.cfg)
@@ -96,4 +102,4 @@ def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Pat
     return runtime.run(exp, Path(run_dir), resume, reporter)
 
 
-__all__ = ["RUNTIMES", "Runtime", "check_runtime", "run_experiment"]
+__all__ = ["RUNTIMES", "Runtime", "check_runtime", "run_experiment", "set_up"]

@@ -572,5 +572,19 @@ def open_tracking(cfg: Any, run_dir: Path) -> Tracking:
     return Tracking([cls(cfg, run_dir) for name, cls in BACKENDS.items() if getattr(t, name)])
 
 
-__all__ = ["NO_TRACKING", "STATE_NAME", "MLflowTracker", "TensorBoardTracker", "Tracker", "Tracking", "check",
-           "open_tracking"]
+class Backends:
+    """hetfl's tracking backends as the engine is handed them (:class:`hetfl.engine.tracker.Trackers`):
+    ``Experiment(cfg, trackers=TRACKERS)``, which :func:`hetfl.runtimes.set_up` does."""
+
+    def check(self, cfg: Any) -> None:
+        check(cfg)
+
+    def open(self, cfg: Any, run_dir: Path) -> Tracking:
+        return open_tracking(cfg, run_dir)
+
+
+#: what the engine is handed (:mod:`hetfl.engine.tracker`)
+TRACKERS = Backends()
+
+__all__ = ["NO_TRACKING", "STATE_NAME", "TRACKERS", "Backends", "MLflowTracker", "TensorBoardTracker", "Tracker",
+           "Tracking", "check", "open_tracking"]

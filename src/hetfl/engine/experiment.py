@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from hetfl import config as config_mod
-from hetfl import tracking
-from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name
+from hetfl.algorithms import build_algorithm, build_posthoc, check_model_parts, hyperparameters, parse_name
 from hetfl.algorithms.base import (
     SHARED,
     Batch,
@@ -35,7 +34,6 @@ from hetfl.algorithms.base import (
     Setup,
     Tensors,
     Upload,
-    check_model_parts,
     without_feature_transforms,
 )
 from hetfl.algorithms.posthoc import SummedReplies
@@ -73,6 +71,7 @@ from hetfl.engine.summary import (
     loss_parts,
     make_summary,
 )
+from hetfl.engine.tracker import NO_RUN_TRACKER, NO_TRACKERS, RunTracker, Trackers, untracked_switch
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
@@ -91,9 +90,12 @@ CLIENT_ACC_KEY = "_client_acc"
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, trackers: Trackers = NO_TRACKERS) -> None:
         """Load data, partition, build model and method. Raises a ConfigError,
-        DatasetError, PartitionError or ModelError on bad input, before any output."""
+        DatasetError, PartitionError or ModelError on bad input, before any output. ``trackers``: where the
+        run's numbers are also sent (:mod:`hetfl.engine.tracker`; :func:`hetfl.runtimes.set_up` hands
+        :mod:`hetfl.tracking`'s), checked here with the rest of the configuration."""
+        self.trackers = trackers
         self.device = pick_device(cfg.runtime.device)
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
@@ -101,7 +103,7 @@ class Experiment:
         hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
         # secure aggregation needs an additive post-hoc step (the steps' settings decide; no data needed yet)
         secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
-        tracking.check(cfg)  # tracking switched on without its package: named before any work
+        trackers.check(cfg)  # tracking switched on without its package: named before any work
         vmap = vmap_clients(cfg.runtime, self.device)
         resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
@@ -147,8 +149,8 @@ class Experiment:
         # where the clients' side runs: in this process (sequential / vectorized executors) by default;
         # a runtime above the engine may attach another (hetfl.flower's FlowerFederation: Flower nodes)
         self.federation: Federation = InProcessFederation(self)
-        # where the numbers are also sent (hetfl.tracking: TensorBoard, MLflow); set for the run by run_locked
-        self.tracker: tracking.Tracking = tracking.NO_TRACKING
+        # where the numbers are also sent (the handed trackers: TensorBoard, MLflow); set for the run by run_locked
+        self.tracker: RunTracker = NO_RUN_TRACKER
         self.ledger: PrivacyLedger | None = None  # the run directory's privacy ledger, opened by run_locked
 
     # --------------------------------------------------------------- pieces
@@ -227,6 +229,11 @@ class Experiment:
             raise ConfigError("runtime.executor", "flower",
                               "Experiment.run runs the clients in this process only; run a Flower experiment "
                               "with hetfl.runtimes.run_experiment (or `hetfl run`), which starts Flower")
+        untracked = untracked_switch(self.cfg, self.trackers)
+        if untracked:
+            raise ConfigError(untracked, True, "this Experiment was handed no trackers; run it with "
+                                               "hetfl.runtimes.run_experiment (or `hetfl run`, hetfl.run), or set it "
+                                               "up with hetfl.runtimes.set_up(cfg), which hands hetfl.tracking's")
         run_dir = Path(run_dir)
         with lock_run_dir(run_dir) as taken:
             if taken and not resume:
@@ -249,7 +256,7 @@ class Experiment:
         start = ckpt.round if ckpt else 0
         for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
             self.note(message, reporter)
-        tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
+        tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
             if not resume or not (run_dir / CONFIG_NAME).exists():

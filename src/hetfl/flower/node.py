@@ -40,6 +40,7 @@ the in-process executors.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -49,9 +50,14 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.compat.common import recorddict_compat as compat
 
+from hetfl.engine import secure_sum
 from hetfl.flower import protocol as P
+from hetfl.flower import secagg
+from hetfl.flower.codec import decode_tensor
 from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
 
 if TYPE_CHECKING:
@@ -334,11 +340,10 @@ def handle_setup(message: Message, context: Context) -> Message:
 def handle_train(message: Message, context: Context) -> Message:
     """A local round; or, inside Flower's SecAgg+ (stage 2), a secure post-hoc query (:mod:`hetfl.flower.secagg`)."""
     from hetfl.engine.summary import Reporter
-    from hetfl.flower import secagg
     from hetfl.flower.codec import from_record, to_record
 
     if secagg.is_query(message):
-        return secagg.handle_query(message, context)
+        return handle_secure_query(message, context)
     h = header(message)
     exp = runtime(h["config"], context)
     c, round_ = own_client(h, context), int(h["round"])
@@ -386,3 +391,24 @@ def handle_evaluate(message: Message, context: Context) -> Message:
     acc, _ = exp.client_accuracy(c, server_view(message, shared, exp.device), state, round_, payload=payload)
     result = {"empty": 1} if acc is None else {"acc": float(acc)}
     return reply(message, {P.RESULT: MetricRecord(result)})
+
+
+def handle_secure_query(message: Message, context: Context) -> Message:
+    """The client's dense reply to the post-hoc step, on Flower's grid, as a FitRes (``num_examples = 1``)."""
+    h = dict(message.content.config_records[secagg.FITINS_CONFIG])
+    exp = runtime(str(h["config"]), context)
+    c, levels = own_client(h, context), int(h["levels"])
+    step = exp.posthoc[int(h["step"])]
+    stored = list(message.content.array_records[secagg.FITINS_PARAMETERS].values())
+    layout = json.loads(str(h[secagg.MODEL_LAYOUT]))
+    model = {name: decode_tensor(Array(dtype=dtype, shape=tuple(shape), stype=stype, data=a.data), exp.device)
+             for (name, dtype, stype, shape), a in zip(layout, stored, strict=True)}
+    features, labels = exp.client_features(model, c)
+    query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
+    # the server's bounds (a node's privacy floor may have changed this node's): the grid the sum is decoded on
+    bounds = server_step(str(h["config"]), exp, int(h["step"])).reply_bounds() \
+        if privacy_floor(context.node_config) else step.reply_bounds()
+    encoded = secure_sum.encode(step.dense_reply(query), bounds, levels)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(secure_sum.to_grid(encoded, levels)),
+                    num_examples=1, metrics={})
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=message)
