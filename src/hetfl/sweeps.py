@@ -529,7 +529,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
              clock: Callable[[], float] = time.monotonic, max_runs: int | None = MAX_RUNS) -> CompareResult:
     """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
     with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
-    ``hetfl compare``, :func:`hetfl.compare` and :func:`sweep` call. ``grid``: checked by :func:`check_grid`;
+    ``hetfl compare``, :func:`hetfl.compare` and :func:`hetfl.sweep` call. ``grid``: checked by :func:`check_grid`;
     ``clock``: the counter's time source (tests give a fake one). The plan is counted and said first, and
     refused above ``max_runs`` runs (None: no limit) before any run is configured (:func:`check_plan_size`)."""
     check_output_dir(out, option)
@@ -540,7 +540,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     counter = RunCounter([planned for planned, _ in checked], say, clock)
-    runs, records = [], []
+    results, records = [], []
     for i, (item, (_, state)) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
                                                strict=True)):
         if state != "finished":
@@ -549,13 +549,13 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
         status = runs.execute(item.cfg, item.run_dir, state, console, on_round=lambda _line, i=i: counter.round_done(i))
         counter.done(i)
         result = RunResult.load(item.run_dir, status=status)
-        runs.append(result)
+        results.append(result)
         records.append(result.record(item.method))
     rows = tables.table_rows(records, target)
     markdown = tables.to_markdown(rows, target)
     atomic_write_text(out / "comparison.md", markdown)
     atomic_write_text(out / "comparison.csv", tables.to_csv(rows))
-    return CompareResult(out, runs, rows, markdown, target)
+    return CompareResult(out, results, rows, markdown, target)
 
 
 def _printer(console: Console) -> Callable[[str], None]:
