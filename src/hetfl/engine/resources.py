@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from hetfl.data.datasets import checked_options, dataset_options
+from hetfl.data.datasets.idx import EMNIST_CLASSES
 from hetfl.models.meta import meta_model
 from hetfl.params import ConfigError
 
@@ -223,15 +225,11 @@ _EMNIST_SAMPLES = {"balanced": 131_600, "byclass": 814_255, "bymerge": 814_255, 
 
 def known_dataset(name: str, options: Mapping[str, Any]) -> KnownDataset | None:
     """Sizes of dataset ``name`` with (raw, validated or not) ``options``; None where unknown."""
-    from hetfl.data.datasets import checked_options
-
     opts = checked_options(name, options)
     if name == "synthetic":
         samples = int(opts["num_devices"] * expected_device_samples(opts["max_samples"]))
         return KnownDataset((opts["dim"],), opts["num_classes"], samples)
     if name == "emnist":
-        from hetfl.data.datasets.idx import EMNIST_CLASSES
-
         split = opts["split"]
         return KnownDataset((1, 28, 28), len(EMNIST_CLASSES[split]), _EMNIST_SAMPLES.get(split, 1))
     if name not in _IMAGES:
@@ -244,8 +242,6 @@ def known_dataset(name: str, options: Mapping[str, Any]) -> KnownDataset | None:
 
 def dataset_needs(name: str, options: Mapping[str, Any]) -> list[Need]:
     """The dataset's memory, blamed on the option that, put back to its default, shrinks it most."""
-    from hetfl.data.datasets import checked_options, dataset_options
-
     opts = checked_options(name, options)
 
     def size(values: Mapping[str, Any]) -> int:
