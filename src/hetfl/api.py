@@ -150,11 +150,11 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
     check_unlocked(run_dir)
     console = make_console() if progress else None
     if overwrite:
-        runtimes.check_runtime(cfg)  # everything validated before a run is deleted: the executor's checks, the set-up
-        experiment = runtimes.set_up(cfg)
+        experiment = runtimes.set_up(cfg)  # everything validated (runtimes.set_up's one pass) before a run is deleted
         runs.clear_run_dir(run_dir)
         status = runs.execute(cfg, run_dir, "new", console, experiment)
     else:
+        runtimes.check_runtime(cfg)  # the runtime's keys before the folder's run is compared (which reads the data)
         state = runs.state_or_overwrite_hint(cfg, run_dir)
         if state == "unfinished" and not resume:
             raise runs.unfinished_error(run_dir)

@@ -81,8 +81,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     args.run_dir = run_dir  # named by the hint after Ctrl-C (interrupted_hint)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
-    runtimes.check_runtime(cfg)  # the executor's own checks (Flower installed), before the set-up's work
-    exp = runtimes.set_up(cfg)
+    exp = runtimes.set_up(cfg)  # the whole configuration, in one pass down the layers
     reporter = RichReporter(console, exp.cfg.runtime.progress)
     try:
         runtimes.run_experiment(exp, run_dir, resume=bool(args.resume), reporter=reporter)

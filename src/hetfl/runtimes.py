@@ -80,8 +80,21 @@ def check_runtime(cfg: RunConfig) -> None:
 
 
 def set_up(cfg: RunConfig) -> Experiment:
-    """The experiment of ``cfg``, set up (everything checked, data read) and handed hetfl's trackers
-    (:data:`hetfl.tracking.TRACKERS`), so that its run is tracked as ``cfg.tracking`` says."""
+    """The experiment of ``cfg``, resolved in one pass down the layers, each key checked by the module that owns
+    it, every key that needs no data before any data is read, and nothing written (a run folder is made only by
+    ``Experiment.run``). ``cfg``'s syntax and types were checked when it was made (:mod:`hetfl.config`,
+    :mod:`hetfl.params`); then, in this order:
+
+    1. runtimes (here): ``runtime.executor`` and what its runtime cannot honour (Flower installed, ...);
+    2. engine, before the data (:func:`hetfl.engine.experiment.check_config`): ``runtime.device``, ``algorithm.*``
+       (the methods' registry), ``runtime.secure_aggregation``, ``tracking.*`` (the trackers handed here:
+       :data:`hetfl.tracking.TRACKERS`), ``runtime.save_client_models``, what must fit in memory;
+    3. data: the dataset read (``data.*``, :mod:`hetfl.data.datasets`), ``auto`` model and partition and the
+       method's defaults resolved (:func:`hetfl.engine.setup.resolve`), ``train.clients_per_round``, the
+       partition (:mod:`hetfl.data.partition`), the step plan's and the model's memory;
+    4. model and method: the model built (:mod:`hetfl.models`), the parts the method needs
+       (:func:`hetfl.algorithms.check_model_parts`), the method and its post-hoc steps built."""
+    check_runtime(cfg)
     return Experiment(cfg, trackers=tracking.TRACKERS)
 
 
@@ -92,14 +105,11 @@ def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Pat
     checks) or an :class:`~hetfl.engine.experiment.Experiment` already set up. Raises what the set-up
     and ``Experiment.run`` raise, the runtime's ConfigErrors first, all before anything is written."""
     if isinstance(cfg_or_experiment, RunConfig):
-        runtime = runtime_of(cfg_or_experiment)
-        runtime.check(cfg_or_experiment)
-        exp = set_up(cfg_or_experiment)
+        exp = set_up(cfg_or_experiment)  # the runtime's checks first
     else:
         exp = cfg_or_experiment
-        runtime = runtime_of(exp.cfg)
-        runtime.check(exp.cfg)
-    return runtime.run(exp, Path(run_dir), resume, reporter)
+        check_runtime(exp.cfg)  # set up elsewhere: the runtime's checks, before anything is written
+    return runtime_of(exp.cfg).run(exp, Path(run_dir), resume, reporter)
 
 
 __all__ = ["RUNTIMES", "Runtime", "check_runtime", "run_experiment", "set_up"]

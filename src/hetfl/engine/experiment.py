@@ -87,6 +87,38 @@ CLIENT_MODELS_DIR = "client_models"
 CLIENT_ACC_KEY = "_client_acc"
 
 
+def check_config(cfg: RunConfig, trackers: Trackers = NO_TRACKERS) -> torch.device:
+    """The engine's share of resolving a run (:func:`hetfl.runtimes.set_up` gives the whole pass): every key
+    that needs no data, each checked by the module that owns it, in this order, before any data is read or
+    anything is written; returns the device. A ConfigError names the first bad key.
+
+    1. ``runtime.device``: a device this machine has (:func:`hetfl.engine.setup.pick_device`);
+    2. ``algorithm.*``: the method, its post-hoc steps and their settings (the methods' registry,
+       :mod:`hetfl.algorithms`);
+    3. ``runtime.secure_aggregation``: an additive post-hoc step to sum (:mod:`hetfl.engine.secure_sum`; the
+       steps' settings decide, no data needed);
+    4. ``tracking.*``: the handed trackers' packages and stores (:mod:`hetfl.tracking`);
+    5. ``runtime.save_client_models``: rounds >= 1;
+    6. the dataset and the step plan fit in memory (:mod:`hetfl.engine.resources`, with the dataset's options
+       checked by :mod:`hetfl.data.datasets`).
+
+    Before it, the configuration's syntax and types were checked when it was made (:mod:`hetfl.config`,
+    :mod:`hetfl.params`) and the runtime's keys by the runtime (:mod:`hetfl.runtimes`); after it,
+    :class:`Experiment` reads the data and checks what needs it (``auto`` model and partition, clients per
+    round, the partition, the plan's and the model's memory, the model parts the method needs)."""
+    device = pick_device(cfg.runtime.device)
+    parse_name(cfg.algorithm.name)
+    hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+    secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
+    trackers.check(cfg)
+    bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
+    if bad_rounds:
+        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
+                          "must be a list of rounds >= 1")
+    resources.check_config(cfg, vmap_clients(cfg.runtime, device))  # refused before allocating
+    return device
+
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
@@ -96,24 +128,14 @@ class Experiment:
         run's numbers are also sent (:mod:`hetfl.engine.tracker`; :func:`hetfl.runtimes.set_up` hands
         :mod:`hetfl.tracking`'s), checked here with the rest of the configuration."""
         self.trackers = trackers
-        self.device = pick_device(cfg.runtime.device)
+        self.device = check_config(cfg, trackers)  # every key that needs no data: before any data is read
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
-        parse_name(cfg.algorithm.name)
-        hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
-        # secure aggregation needs an additive post-hoc step (the steps' settings decide; no data needed yet)
-        secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
-        trackers.check(cfg)  # tracking switched on without its package: named before any work
         vmap = vmap_clients(cfg.runtime, self.device)
-        resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
         self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
                                     seed=cfg.seed, **cfg.data.options)
-        self.cfg = cfg = resolve(cfg, self.dataset)
-        bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
-        if bad_rounds:
-            raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
-                              "must be a list of rounds >= 1")
+        self.cfg = cfg = resolve(cfg, self.dataset)  # auto model and partition, the method's defaults
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
