@@ -13,7 +13,7 @@ server (:func:`secure_posthoc`)
     and failure records). Flower's server returns ``avg = sum_i x_i / n`` over the ``n`` clients whose
     masked vectors were unmasked (weights 1); ``hetfl.engine.secure_sum`` recovers the exact integer
     sum from it and decodes it.
-node (:func:`secure_aggregation_mod`, :func:`handle_query`)
+node (:func:`secure_aggregation_mod`; the query itself: :func:`hetfl.flower.node.handle_secure_query`)
     the mod passes hetfl's own ``train`` messages through and hands SecAgg+'s to ``secaggplus_mod``;
     at stage 2 (collect masked vectors) that calls the node's train handler, which answers the
     secure post-hoc query with the client's dense reply on Flower's grid
