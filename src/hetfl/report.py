@@ -33,9 +33,9 @@ from hetfl.analysis.plots import plot_curves, plot_seed_bands
 from hetfl.data.datasets import load_dataset
 from hetfl.data.partition_report import plot_partition
 from hetfl.engine import identity
-from hetfl.engine.checkpoint import atomic_write_text
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from hetfl.engine.setup import build_partition, resolve
+from hetfl.files import atomic_write_text
 
 if TYPE_CHECKING:
     from hetfl.runs import CompareResult

@@ -53,7 +53,7 @@ from hetfl import runs, runtimes, tables
 from hetfl.algorithms import hyperparameters
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
-from hetfl.engine.checkpoint import atomic_write_text
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
 from hetfl.runs import CompareResult, RunResult
 

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from hetfl import config as config_mod
-from hetfl.engine.checkpoint import atomic_write_text
 from hetfl.engine.identity import CONFIG_NAME, SUMMARY_NAME, flatten, run_id, setting_id
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
 
 #: the run folder's record of where tracking went (MLflow store and run id, TensorBoard folder)

@@ -42,7 +42,6 @@ from hetfl.data.datasets import load_dataset
 from hetfl.engine import resources, secure_sum
 from hetfl.engine.checkpoint import (
     Checkpoint,
-    atomic_write_text,
     load_checkpoint,
     save_checkpoint,
     save_tensors,
@@ -73,6 +72,7 @@ from hetfl.engine.summary import (
 )
 from hetfl.engine.tracker import NO_RUN_TRACKER, NO_TRACKERS, RunTracker, Trackers, untracked_switch
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
+from hetfl.files import atomic_write_text
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError
