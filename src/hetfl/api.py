@@ -154,7 +154,6 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
         runs.clear_run_dir(run_dir)
         status = runs.execute(cfg, run_dir, "new", console, experiment)
     else:
-        runtimes.check_runtime(cfg)  # the runtime's keys before the folder's run is compared (which reads the data)
         state = runs.state_or_overwrite_hint(cfg, run_dir)
         if state == "unfinished" and not resume:
             raise runs.unfinished_error(run_dir)
