@@ -203,6 +203,22 @@ def test_a_preset_outside_configs_points_to_its_path(tmp_path):
     assert f"`hetfl reproduce {path}`" in err.value.allowed
 
 
+
+def test_a_preset_is_named_by_reproduce_which_alone_knows_where_presets_live():
+    """Issue 28: the configuration says that a file is a preset (config.PresetFileError, naming its path); the
+    API asks hetfl.reproduce, which knows the presets' folder, for the name `hetfl reproduce` takes."""
+    from hetfl.api import make_config
+
+    with pytest.raises(config.PresetFileError) as by_config:
+        config.load(PRESET)
+    assert f"`hetfl reproduce {PRESET}`" in by_config.value.allowed
+    with pytest.raises(config.PresetFileError) as by_api:
+        make_config(str(PRESET), ["train.rounds=1"])
+    assert by_api.value.key == "CONFIG" and by_api.value.value == str(PRESET)
+    assert "`hetfl reproduce ccvr-table2`" in by_api.value.allowed
+    assert reproduce.preset_name(PRESET) == "ccvr-table2"
+
+
 # ------------------------------------------------------------------ runtime.device
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:1", "cuda:12"])
 def test_device_indices_are_valid_settings(device):

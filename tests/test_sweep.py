@@ -418,12 +418,12 @@ def test_the_cli_prints_the_count_first_and_asks_for_yes(tmp_path, monkeypatch, 
 
 def test_runs_are_planned_lazily_and_cell_folders_made_only_when_their_run_starts(tmp_path, monkeypatch):
     """A sweep stopped in its first run has made no other cell's folder (before: every cell.json first)."""
-    from hetfl import api
+    from hetfl import runs
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "execute", stop)
+    monkeypatch.setattr(runs, "execute", stop)
     out = tmp_path / "sweep"
     with pytest.raises(KeyboardInterrupt):
         hetfl.sweep({"train.lr": [0.05, 0.2, 0.3]}, overrides=TINY, out=out)

@@ -24,6 +24,7 @@ from hetfl.config import TrackingConfig  # noqa: E402
 from hetfl.engine import identity  # noqa: E402
 from hetfl.engine.experiment import Experiment  # noqa: E402
 from hetfl.params import ConfigError  # noqa: E402
+from hetfl.runtimes import set_up  # noqa: E402
 from tests.helpers.runs import interrupted  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,7 +100,7 @@ def test_tensorboard_events_hold_each_round_of_metrics_jsonl(tmp_path):
     """2 rounds: one scalar per number of each metrics line, step = round, the very values (double
     precision); the config as text at step 0; the summary's numbers as summary/<key> at the last round."""
     run = tmp_path / "run"
-    summary = Experiment(tiny("train.rounds=2", "tracking.tensorboard=true")).run(run)
+    summary = set_up(tiny("train.rounds=2", "tracking.tensorboard=true")).run(run)
     lines = metrics(run)
     scalars = tensorboard_scalars(run / "tensorboard")
     per_round_tags = {k: v for k, v in scalars.items() if not k.startswith("summary/")}
@@ -121,12 +122,12 @@ def test_shared_tensorboard_root_gives_each_run_its_folder(tmp_path):
     same name would mix its steps into the first one's: refused naming tracking.run_name, before writing."""
     root = tmp_path / "tb"
     for name in ("a", "b"):
-        Experiment(tiny("train.rounds=1", "tracking.tensorboard=true", f"tracking.tensorboard_dir={root}")).run(
+        set_up(tiny("train.rounds=1", "tracking.tensorboard=true", f"tracking.tensorboard_dir={root}")).run(
             tmp_path / name)
     assert sorted(p.name for p in root.iterdir()) == ["a", "b"]
     assert [s for s, _ in tensorboard_scalars(root / "a")["train_loss"]] == [1]
     with pytest.raises(ConfigError, match=r"tracking\.run_name.*already holds TensorBoard events"):
-        Experiment(tiny("train.rounds=1", "tracking.tensorboard=true", f"tracking.tensorboard_dir={root}",
+        set_up(tiny("train.rounds=1", "tracking.tensorboard=true", f"tracking.tensorboard_dir={root}",
                         "tracking.run_name=a")).run(tmp_path / "c")
     assert not (tmp_path / "c").exists()
 
@@ -136,7 +137,7 @@ def test_mlflow_run_holds_config_rounds_summary_and_files(tmp_path):
     """One MLflow run: params = the resolved config flattened; each metric's history = metrics.jsonl's
     numbers per round; the summary's numbers; the run folder's files as artifacts; status FINISHED."""
     run = tmp_path / "run"
-    exp = Experiment(tiny("train.rounds=2", "tracking.mlflow=true", store(tmp_path), "tracking.run_name=demo"))
+    exp = set_up(tiny("train.rounds=2", "tracking.mlflow=true", store(tmp_path), "tracking.run_name=demo"))
     summary = exp.run(run)
     client, runs = mlflow_runs(tmp_path)
     (found,) = runs
@@ -209,7 +210,7 @@ def test_tracking_switched_on_at_resume_is_the_same_run(tmp_path, monkeypatch, c
     on = ["tracking.mlflow=true", "tracking.tensorboard=true", store(tmp_path)]
     assert main(["run", "--resume", str(run), "--quiet", *[a for o in on for a in ("--set", o)]]) == 0
     summary = json.loads((run / "summary.json").read_text())
-    plain = config.to_tree(Experiment(tiny("train.rounds=3")).cfg)  # resolved, tracking off
+    plain = config.to_tree(set_up(tiny("train.rounds=3")).cfg)  # resolved, tracking off
     assert summary["run_id"] == identity.run_id(plain) and summary["setting_id"] == identity.setting_id(plain)
     expected = per_round(metrics(run))
     client, runs = mlflow_runs(tmp_path)
@@ -251,7 +252,7 @@ def test_mlflow_file_store_refused_by_mlflow_is_named_before_writing(tmp_path, m
     variable, with nothing written (not MLflow's exception after config.toml)."""
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     with pytest.raises(ConfigError, match=r"tracking\.mlflow_uri.*MLFLOW_ALLOW_FILE_STORE=true"):
-        Experiment(tiny("train.rounds=1", "tracking.mlflow=true", store(tmp_path))).run(tmp_path / "run")
+        set_up(tiny("train.rounds=1", "tracking.mlflow=true", store(tmp_path))).run(tmp_path / "run")
     assert not (tmp_path / "run").exists() and not (tmp_path / "mlruns").exists()
 
 
@@ -306,7 +307,7 @@ def test_an_unusable_store_is_a_config_error_before_the_run_folder_exists(tmp_pa
     db = _text_file(tmp_path)
     filled = [o.format(db=db, file=db) for o in overrides]
     with pytest.raises(ConfigError) as err:
-        Experiment(tiny("train.rounds=1", *filled))
+        set_up(tiny("train.rounds=1", *filled))
     assert err.value.key == key and says in str(err.value), str(err.value)
     out = tmp_path / "run"
     assert main(["run", "--out", str(out), "--quiet", *[a for o in [*TINY, *filled] for a in ("--set", o)]]) == 2
@@ -341,8 +342,21 @@ def test_a_store_failing_mid_run_loses_no_data_and_is_said_once(tmp_path, monkey
 
     monkeypatch.setattr(MlflowClient, "log_batch", flaky)
     with caplog.at_level(logging.WARNING, logger="hetfl"):
-        summary = Experiment(tiny("train.rounds=4", "tracking.mlflow=true", store(tmp_path))).run(tmp_path / "run")
+        summary = set_up(tiny("train.rounds=4", "tracking.mlflow=true", store(tmp_path))).run(tmp_path / "run")
     assert [m["round"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
     assert summary["rounds"] == 4 and (tmp_path / "run" / "summary.json").is_file()
     said = [r.getMessage() for r in caplog.records if "mlflow" in r.getMessage().lower()]
     assert len(said) == 1 and "connection refused" in said[0] and "metrics.jsonl" in said[0], said
+
+
+# ------------------------------------------------------------------ the engine is handed its trackers
+def test_the_engine_tracks_only_with_the_trackers_it_is_handed(tmp_path):
+    """The engine knows no backend (issue 28): an Experiment set up without trackers refuses a configuration that
+    switches tracking on, naming the key, before anything is written; hetfl.runtimes.set_up hands hetfl's."""
+    cfg = tiny("train.rounds=1", "tracking.tensorboard=true")
+    with pytest.raises(ConfigError) as err:
+        Experiment(cfg).run(tmp_path / "run")
+    assert err.value.key == "tracking.tensorboard" and "hetfl.runtimes.set_up" in str(err.value)
+    assert not (tmp_path / "run").exists()
+    assert set_up(cfg).trackers is tracking.TRACKERS
+    Experiment(tiny("train.rounds=1")).run(tmp_path / "untracked")  # tracking off: nothing to hand

@@ -48,7 +48,7 @@ def checked_config(args: argparse.Namespace, out: Path) -> RunConfig:
     and the engine's own checks: run directory free and writable, then the whole set-up of the
     experiment, which refuses a method whose model lacks a part it needs, a dataset or partition
     that does not fit, a plan that cannot fit in memory). Raises what ``hetfl run`` raises."""
-    from hetfl.cli import check_new_run_dir
+    from hetfl.console import check_new_run_dir
     from hetfl.engine.experiment import Experiment
     from hetfl.engine.rundir import check_unlocked
     from hetfl.runtimes import check_runtime

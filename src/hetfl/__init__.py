@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "run": "hetfl.api",
     "compare": "hetfl.api",
-    "sweep": "hetfl.sweeps",
+    "sweep": "hetfl.api",
     "RunResult": "hetfl.api",
     "CompareResult": "hetfl.api",
     "ConfigError": "hetfl.params",

@@ -9,23 +9,33 @@ anything is written.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from hetfl import __version__
 from hetfl import config as config_mod
+from hetfl.console import (  # noqa: F401  (summary_table, PIPED_WIDTH: hetfl.cli's names before hetfl.console)
+    PIPED_WIDTH,
+    RichReporter,
+    check_new_run_dir,
+    check_output_dir,
+    default_run_dir,
+    make_console,
+    summary_table,
+)
 from hetfl.params import ConfigError, did_you_mean
+
+# The commands import the subsystems they use inside their functions: `hetfl --help`, `hetfl --version` and a
+# mistyped option answer at once, without loading torch, the engine or matplotlib. Every such import goes down
+# the layers (docs/architecture.md; checked by lint-imports), never up.
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -49,134 +59,10 @@ def _calibration_errors() -> tuple[type[Exception], ...]:
     return (NonFiniteStatistics,)
 
 
-# ----------------------------------------------------------------- progress
-class RichReporter:
-    """Progress bars for rounds and clients, and a summary table at the end."""
-
-    def __init__(self, console: Console, enabled: bool,
-                 on_round: Callable[[dict[str, Any]], object] | None = None) -> None:
-        self.console, self.enabled, self.on_round = console, enabled, on_round
-        self.progress: Progress | None = None
-
-    def start(self, cfg: config_mod.RunConfig, start_round: int, exp: Any) -> None:
-        if not self.enabled:
-            return
-        c = cfg
-        self.console.print(Text.assemble(
-            ("hetfl", "bold"),
-            f" {c.algorithm.name} on {c.data.dataset} ({c.data.partition}, "
-            f"{c.data.num_clients} clients), model {c.model.name} ({exp.num_params:,} parameters), "
-            f"device {exp.device}" + (f", resuming after round {start_round}" if start_round else ""),
-        ))
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"), console=self.console, transient=False,
-        )
-        self.progress.start()
-        self.rounds = self.progress.add_task("rounds", total=c.train.rounds, completed=start_round, status="")
-        self.clients = self.progress.add_task("  clients", total=1, status="")
-
-    def round_start(self, round_: int, num_clients: int) -> None:
-        if self.progress:
-            self.progress.reset(self.clients, total=num_clients, status=f"round {round_}")
-
-    def client_done(self) -> None:
-        if self.progress:
-            self.progress.advance(self.clients)
-
-    @property
-    def shows_notes(self) -> bool:
-        """Whether :meth:`note` prints (the run's notes are then not also logged)."""
-        return self.enabled
-
-    def note(self, message: str) -> None:
-        if self.enabled:
-            self.console.print(message, style="yellow")
-
-    def round_end(self, line: dict[str, Any]) -> None:
-        if self.on_round is not None:  # whether shown or not (the run counter's early estimate)
-            self.on_round(line)
-        if not self.progress:
-            return
-        parts = [f"loss {line['train_loss']:.3f}"]
-        if "global_acc" in line:
-            parts.append(f"global {100 * line['global_acc']:.2f}%")
-        if "client_acc_mean" in line:
-            parts.append(f"clients {100 * line['client_acc_mean']:.2f}%")
-        self.progress.update(self.rounds, advance=1, status=", ".join(parts))
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        if self.progress:
-            self.progress.stop()
-        if self.enabled:
-            self.console.print(summary_table(summary))
-
-    def close(self) -> None:
-        if self.progress:
-            self.progress.stop()
-
-
-def summary_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"summary: {summary['algorithm']}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    before = sorted(k for k in summary if k.startswith("final_global_acc_before_"))  # a post-hoc step's input
-    for key in (*before, "final_global_acc", "best_global_acc", "final_client_acc_mean", "best_client_acc_mean"):
-        if key in summary:
-            table.add_row(key, f"{100 * summary[key]:.2f}%")
-    table.add_row("rounds", str(summary["rounds"]))
-    table.add_row("wall_time_s", f"{summary['wall_time_s']:.1f}")
-    up, down = summary["bytes_up_total"] / 1e6, summary["bytes_down_total"] / 1e6
-    table.add_row("MB up / down", f"{up:.1f} / {down:.1f}")
-    return table
-
-
-# ----------------------------------------------------------------- commands
-def default_run_dir(cfg: config_mod.RunConfig) -> Path:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = cfg.algorithm.name.replace("+", "-")
-    return Path("runs") / f"{stamp}-{name}-{cfg.data.dataset}-seed{cfg.seed}"
-
-
-def _writable_dir(path: Path) -> bool:
-    """A folder we may create files in: write and search permission, and a write bit at all (root can
-    write into a read-only folder, but a folder marked read-only is not meant to be written)."""
-    return os.access(path, os.W_OK | os.X_OK) and bool(path.stat().st_mode & 0o222)
-
-
-def check_output_dir(path: Path, flag: str = "--out") -> None:
-    """An output folder (which may exist: compare, reproduce and report add to theirs) must be a
-    folder, below folders (not files), and writable: a RunDirError (exit 2) otherwise, before
-    anything is written."""
-    from hetfl.engine.rundir import RunDirError
-
-    try:
-        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-        if not existing.is_dir():
-            raise RunDirError(f"{flag} {path}: {existing} is not a folder; choose another {flag}")
-        if not _writable_dir(existing):
-            raise RunDirError(f"{flag} {path}: {existing} is not writable; choose another {flag}")
-    except OSError as err:
-        raise RunDirError(f"{flag} {path}: cannot be used ({err.strerror or err}); choose another {flag}") from None
-
-
-def check_new_run_dir(path: Path) -> None:
-    """``--out`` of a new run must be absent or an empty folder, below folders (not files), and writable:
-    a RunDirError (exit 2) otherwise, before anything is written."""
-    from hetfl.engine.rundir import RunDirError
-
-    try:
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise RunDirError(f"--out {path}: already exists and is not empty; use --resume {path} or another --out")
-    except OSError as err:
-        raise RunDirError(f"--out {path}: cannot be used ({err.strerror or err}); choose another --out") from None
-    check_output_dir(path)
-
-
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from hetfl.engine.experiment import CONFIG_NAME, Experiment
+    from hetfl import api, runtimes
+    from hetfl.engine.experiment import CONFIG_NAME
     from hetfl.engine.rundir import RunDirError, check_unlocked
-    from hetfl.runtimes import check_runtime, run_experiment
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -188,18 +74,17 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
         cfg = config_mod.load(run_dir / CONFIG_NAME, args.set)  # tracking keys: not part of the run's identity
     else:
-        cfg = config_mod.load(args.config, args.set)
+        cfg = api.make_config(args.config, args.set)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
         check_unlocked(run_dir)
         check_new_run_dir(run_dir)
     args.run_dir = run_dir  # named by the hint after Ctrl-C (interrupted_hint)
     if args.quiet:
         cfg = _with(cfg, runtime={"progress": False})
-    check_runtime(cfg)  # the executor's own checks (Flower installed), before the set-up's work
-    exp = Experiment(cfg)
+    exp = runtimes.set_up(cfg)  # the whole configuration, in one pass down the layers
     reporter = RichReporter(console, exp.cfg.runtime.progress)
     try:
-        run_experiment(exp, run_dir, resume=bool(args.resume), reporter=reporter)
+        runtimes.run_experiment(exp, run_dir, resume=bool(args.resume), reporter=reporter)
     finally:
         reporter.close()
     print(f"run directory: {run_dir}")
@@ -232,7 +117,7 @@ def parse_target(text: str | None) -> float | None:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from hetfl.api import run_comparison
+    from hetfl import api
     from hetfl.sweeps import grid_from_cli
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -248,7 +133,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     grid = grid_from_cli(args.grid, args.sweep, args.set)  # checked before anything is written
     out = Path(args.out)
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
-    result = run_comparison(methods, seeds, lambda extra: config_mod.load(args.config, [*args.set, *extra]), out,
+    result = api.run_comparison(methods, seeds, lambda extra: api.make_config(args.config, [*args.set, *extra]), out,
                             target, progress=False if args.quiet else None, console=console, grid=grid,
                             **({"max_runs": None} if args.yes else {}))
     console.print(result.markdown)
@@ -258,11 +143,12 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_partition(args: argparse.Namespace, console: Console) -> int:
+    from hetfl.api import make_config
     from hetfl.data.datasets import load_dataset
     from hetfl.data.partition_report import format_table, partition_table, plot_partition
     from hetfl.engine.setup import build_partition, resolve
 
-    cfg = config_mod.load(args.config, args.set)
+    cfg = make_config(args.config, args.set)
     for flag, target in (("--plot", args.plot), ("--json", args.json)):
         if target:
             check_output_dir(Path(target).parent, flag)
@@ -542,23 +428,6 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
         hints = [did_you_mean(word.partition("=")[0], options).strip() for word in extra if word.startswith("-")]
         command.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f" ({h})" for h in hints if h))
     return args
-
-
-#: the width of output that goes to a pipe or a file: wide enough that no table or line is cut or wrapped
-PIPED_WIDTH = 100_000
-
-
-def make_console() -> Console:
-    """The terminal console of the commands: text goes out as it is (no rich markup, no emoji codes),
-    so that square brackets in names, notes and messages (``hetfl[flower]``, a preset's ``[quick]``)
-    are shown, not taken for styles; styles are given explicitly (``style=``, :class:`rich.text.Text`).
-    Output that is not a terminal (piped, redirected) is never cut or wrapped: rich would fit it to 80
-    columns, ellipsing the names one types (``runtime.secagg_reconstructio…``) and breaking table rows.
-    ``COLUMNS`` in the environment still sets a width; a notebook keeps rich's own."""
-    console = Console(stderr=False, markup=False, emoji=False)
-    if console.is_terminal or console.is_jupyter or os.environ.get("COLUMNS"):
-        return console
-    return Console(stderr=False, markup=False, emoji=False, width=PIPED_WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:

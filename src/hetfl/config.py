@@ -299,20 +299,23 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         except tomllib.TOMLDecodeError as err:
             raise ConfigError("CONFIG", str(path), f"not valid TOML ({err})") from None
         if isinstance(tree.get("preset"), dict):
-            raise ConfigError("CONFIG", str(path), preset_hint(path))
+            raise PresetFileError(path)
     for assignment in overrides:
         apply_override(tree, assignment)
     return from_dict(tree)
 
 
-def preset_hint(path: Path) -> str:
-    """What to tell about a reproduction preset (a TOML file with a ``[preset]`` table, see
-    ``hetfl.reproduce``) given where a run configuration is expected: the command that runs it."""
-    from hetfl.reproduce import PRESET_DIR  # hetfl.reproduce imports this module
+class PresetFileError(ConfigError):
+    """A reproduction preset (a TOML file with a ``[preset]`` table, see :mod:`hetfl.reproduce`) given where a run
+    configuration is expected. The message names the command that runs it: ``hetfl reproduce NAME``, where
+    ``name`` is the preset's name for a preset of the presets' folder (which :mod:`hetfl.reproduce` knows and
+    :func:`hetfl.api.make_config` asks; the configuration does not know where presets live), else its path."""
 
-    name = path.stem if path.resolve() == (PRESET_DIR / f"{path.stem}.toml").resolve() else str(path)
-    return (f"a reproduction preset (hetfl reproduce NAME), not a run configuration; run it with "
-            f"`hetfl reproduce {name}` (add --quick for its small CPU variant)")
+    def __init__(self, path: Path, name: str | None = None) -> None:
+        self.path = path
+        super().__init__("CONFIG", str(path),
+                         f"a reproduction preset (hetfl reproduce NAME), not a run configuration; run it with "
+                         f"`hetfl reproduce {name or path}` (add --quick for its small CPU variant)")
 
 
 def to_tree(cfg: RunConfig) -> dict[str, Any]:

@@ -10,6 +10,7 @@ mode a plain ``open(path, "w")`` would have given it (0666 minus the umask). Sec
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -34,3 +35,23 @@ def follow_umask(target: int | str | os.PathLike[str]) -> None:
         os.fchmod(target, mode)
     else:
         os.chmod(target, mode)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``; the file's
+    mode follows the umask (:func:`hetfl.files.follow_umask`), as a plain write's would."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        follow_umask(fd)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())

@@ -16,6 +16,7 @@ output folder can be moved or shared whole.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import json
 import re
@@ -29,11 +30,15 @@ from typing import TYPE_CHECKING, Any
 from hetfl import config as config_mod
 from hetfl import tables
 from hetfl.analysis.plots import plot_curves, plot_seed_bands
+from hetfl.data.datasets import load_dataset
+from hetfl.data.partition_report import plot_partition
 from hetfl.engine import identity
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
+from hetfl.engine.setup import build_partition, resolve
+from hetfl.files import atomic_write_text
 
 if TYPE_CHECKING:
-    from hetfl.api import CompareResult
+    from hetfl.runs import CompareResult
 
 STYLE = """
 body { font-family: system-ui, -apple-system, Segoe UI, Roboto, sans-serif; margin: 2rem auto; max-width: 1100px;
@@ -144,10 +149,6 @@ def comparison_curves(records: Sequence[tables.RunRecord], out: Path, target: fl
 def with_curves(result: CompareResult) -> CompareResult:
     """``result`` (from ``hetfl compare`` / :func:`hetfl.compare`) with its curves drawn
     (:func:`comparison_curves`) and linked under the table in ``comparison.md`` and ``.markdown``."""
-    import dataclasses
-
-    from hetfl.engine.checkpoint import atomic_write_text
-
     methods = {row["setting_id"]: row["method"] for row in result.rows}  # each band named as its table row
     records = [run.record(methods.get(run.setting_id)) for run in result.runs]
     markdown = result.markdown + comparison_curves(records, result.out, result.target)
@@ -207,10 +208,6 @@ def _note_parts(result: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 def partition_plot(run: Run, out: Path) -> Path | None:
     """The run's partition heat map (rebuilt from its config), or None if its data is unavailable."""
-    from hetfl.data.datasets import load_dataset
-    from hetfl.data.partition_report import plot_partition
-    from hetfl.engine.setup import build_partition, resolve
-
     try:
         cfg = config_mod.load(run.path / CONFIG_NAME, [])
         dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=False, cache_dir=cfg.data.cache_dir,

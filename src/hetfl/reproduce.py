@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +45,13 @@ from statistics import mean
 from typing import Any
 
 from hetfl import config as config_mod
+from hetfl import runtimes
+from hetfl.analysis.curves import default_accuracy_key, load_metrics
+from hetfl.analysis.plots import plot_seed_bands
+from hetfl.engine import identity
+from hetfl.engine.resolve import resolve_configs
 from hetfl.params import ConfigError
+from hetfl.sweeps import RunCounter, planned_run
 from hetfl.tables import markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -107,6 +114,12 @@ def preset_path(name: str, directory: Path = PRESET_DIR) -> Path:
         allowed = ", ".join(available(directory)) or "none"
         raise ConfigError("reproduce NAME", name, f"no such preset; available: {allowed}")
     return path
+
+
+def preset_name(path: Path, directory: Path = PRESET_DIR) -> str:
+    """How ``hetfl reproduce`` is told to run the preset file ``path``: its name for a preset of ``directory``
+    (``ccvr-table2``), else its path."""
+    return path.stem if path.resolve() == (directory / f"{path.stem}.toml").resolve() else str(path)
 
 
 def available(directory: Path = PRESET_DIR) -> list[str]:
@@ -216,20 +229,17 @@ def reproduce(
     then write ``reproduction.json`` / ``.md`` there.
 
     Configs are all validated, and every run folder checked against the resolved config of the
-    run planned there (``resolve``, default :func:`hetfl.engine.identity.resolve_configs`), before
+    run planned there (``resolve``, default :func:`hetfl.engine.resolve.resolve_configs`), before
     any run: a folder holding the same run is reused (finished) or resumed (``resume=True``); one
     holding another configuration is a RunDirError naming the differing keys. Before each run that
     computes, ``say`` gets ``run k of n (column, method, seed s): about M min left``
     (:class:`hetfl.sweeps.RunCounter`; before any run has finished, the preset's estimate, labelled rough)."""
-    from hetfl.engine import identity
-    from hetfl.runtimes import check_runtime
-
     specs = run_specs(preset)
     configs = {spec: build_config(preset, spec, user_set or []) for spec in set(specs.values())}
     for cfg in configs.values():  # the executor's own checks (Flower installed, ...) before the first run
-        check_runtime(cfg)
+        runtimes.check_runtime(cfg)
     order = sorted(configs, key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
-    resolved = (resolve or identity.resolve_configs)([configs[spec] for spec in order])
+    resolved = (resolve or resolve_configs)([configs[spec] for spec in order])
     states = {spec: identity.check_run_dir(out / spec.column / spec.dirname, config_mod.to_tree(full))
               for spec, full in zip(order, resolved, strict=True)}
     counter = run_counter(preset, [(spec, configs[spec], out / spec.column / spec.dirname, states[spec])
@@ -282,10 +292,6 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
                 say: Callable[[str], None] | None, clock: Callable[[], float] | None) -> Any:
     """The run counter of a preset's plan (:class:`hetfl.sweeps.RunCounter`) with the preset's estimate
     as its prior."""
-    import time
-
-    from hetfl.sweeps import RunCounter, planned_run
-
     minutes, basis = estimate_minutes(preset)
     runs = [planned_run(spec_label(spec), cfg, run_dir, state) for spec, cfg, run_dir, state in plan]
     return RunCounter(runs, say, clock or time.monotonic, prior_s=60 * minutes or None, prior_label=basis)
@@ -326,8 +332,6 @@ def curve_key(metric: str, runs: dict[int, list[dict[str, Any]]]) -> str:
     ``best5:X`` with X ``global_acc`` or ``client_acc_mean``) when its runs log it, else the runs' default
     (:func:`hetfl.analysis.curves.default_accuracy_key`; e.g. ``final_global_acc_before_ccvr``, logged
     only in the last round, is drawn as the ``global_acc`` curve)."""
-    from hetfl.analysis.curves import default_accuracy_key
-
     key = metric.removeprefix("best5:").removeprefix("final_").removeprefix("best_")
     if key in CURVE_KEYS and all(any(m.get(key) is not None for m in rows) for rows in runs.values()):
         return key
@@ -339,8 +343,6 @@ def column_groups(preset: Preset, specs: dict[tuple[str, str, int], RunSpec], ou
     """A column's runs for :func:`~hetfl.analysis.plots.plot_seed_bands`: label -> seed -> metrics, and
     label -> accuracy key (:func:`curve_key`). Rows that read the same runs and the same accuracy
     (e.g. "FedAvg" and "FedAvg + CCVR", one run before and after calibration) are one label."""
-    from hetfl.analysis.curves import load_metrics
-
     merged: dict[tuple[tuple[str, ...], str], list[str]] = {}
     loaded: dict[tuple[str, ...], dict[int, list[dict[str, Any]]]] = {}
     for row in preset.rows:
@@ -358,8 +360,6 @@ def draw_curves(preset: Preset, specs: dict[tuple[str, str, int], RunSpec], out:
     Returns column id -> ``{"png", "csv"}`` file names (relative to ``out``), or ``{"error": why}`` for a
     column whose runs could not be drawn (the table stands without its figure)."""
     import re
-
-    from hetfl.analysis.plots import plot_seed_bands
 
     figures: dict[str, dict[str, str]] = {}
     for column in preset.columns:

@@ -46,18 +46,24 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.text import Text
+
 from hetfl import config as config_mod
+from hetfl import runs, runtimes, tables
+from hetfl.algorithms import hyperparameters
+from hetfl.console import check_output_dir
 from hetfl.engine import identity
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
+from hetfl.runs import CompareResult, RunResult
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from hetfl.api import CompareResult, ConfigLike
     from hetfl.config import RunConfig
 
 __all__ = ["Cell", "RunCounter", "cells", "check_grid", "grid_from_cli", "parse_grid_option", "read_sweep_file",
-           "run_cost", "sweep", "toml_literal"]
+           "run_cost", "toml_literal"]
 
 #: axes of their own, never grid keys: what to use instead
 OWN_AXES = {"seed": "seeds are their own axis: use --seeds (seeds= in Python)",
@@ -480,8 +486,6 @@ def check_distinct(item: PlanItem, seen: dict[Path, Cell]) -> None:
 
 def _write_cell_file(item: PlanItem) -> None:
     """``cell.json`` beside a cell's seed folders (made with the cell's folder, when its first run starts)."""
-    from hetfl.engine.checkpoint import atomic_write_text
-
     if not item.cell.values:
         return
     path = item.run_dir.parent / "cell.json"
@@ -495,17 +499,13 @@ def plan_items(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any
                configure: Callable[[list[str]], RunConfig], out: Path, progress: bool | None) -> Iterator[PlanItem]:
     """Every method x cell x seed, configured (``configure`` plus the method's and the runtime's checks) one
     at a time, in the plan's order; the same items each time it is called."""
-    from hetfl.algorithms import hyperparameters
-    from hetfl.api import _with_progress
-    from hetfl.runtimes import check_runtime
-
     for method in methods:
         for cell in iter_cells(grid):
             for seed in seeds:
-                cfg = _with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
-                                     progress)
+                cfg = runs.with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
+                                         progress)
                 hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
-                check_runtime(cfg)  # e.g. runtime.executor = flower without Flower: refused before run 1
+                runtimes.check_runtime(cfg)  # e.g. runtime.executor = flower without Flower: refused before run 1
                 named = as_configured(cell, cfg)
                 yield PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed))
 
@@ -513,14 +513,12 @@ def plan_items(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any
 def check_plan(items: Iterator[PlanItem], option: str) -> list[tuple[PlannedRun, str]]:
     """Check every item (configuration, distinct folders, what each folder holds) before any run starts,
     ``CHECK_CHUNK`` at a time; keeps each run's counter entry and state, not its configuration."""
-    from hetfl.api import plan_states
-
     seen: dict[Path, Cell] = {}
     checked: list[tuple[PlannedRun, str]] = []
     while chunk := list(itertools.islice(items, CHECK_CHUNK)):
         for item in chunk:
             check_distinct(item, seen)
-        states = plan_states([p.cfg for p in chunk], [p.run_dir for p in chunk], option)
+        states = runs.plan_states([p.cfg for p in chunk], [p.run_dir for p in chunk], option)
         checked += [(planned_run(p.label, p.cfg, p.run_dir, s), s) for p, s in zip(chunk, states, strict=True)]
     return checked
 
@@ -531,14 +529,9 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
              clock: Callable[[], float] = time.monotonic, max_runs: int | None = MAX_RUNS) -> CompareResult:
     """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
     with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
-    ``hetfl compare``, :func:`hetfl.compare` and :func:`sweep` call. ``grid``: checked by :func:`check_grid`;
+    ``hetfl compare``, :func:`hetfl.compare` and :func:`hetfl.sweep` call. ``grid``: checked by :func:`check_grid`;
     ``clock``: the counter's time source (tests give a fake one). The plan is counted and said first, and
     refused above ``max_runs`` runs (None: no limit) before any run is configured (:func:`check_plan_size`)."""
-    from hetfl import tables
-    from hetfl.api import CompareResult, RunResult, execute
-    from hetfl.cli import check_output_dir
-    from hetfl.engine.checkpoint import atomic_write_text
-
     check_output_dir(out, option)
     say = None if console is None else _printer(console)
     what = describe_plan(methods, seeds, grid)
@@ -547,63 +540,24 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     counter = RunCounter([planned for planned, _ in checked], say, clock)
-    runs, records = [], []
+    results, records = [], []
     for i, (item, (_, state)) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
                                                strict=True)):
         if state != "finished":
             counter.start(i)
         _write_cell_file(item)
-        status = execute(item.cfg, item.run_dir, state, console, on_round=lambda _line, i=i: counter.round_done(i))
+        status = runs.execute(item.cfg, item.run_dir, state, console, on_round=lambda _line, i=i: counter.round_done(i))
         counter.done(i)
         result = RunResult.load(item.run_dir, status=status)
-        runs.append(result)
+        results.append(result)
         records.append(result.record(item.method))
     rows = tables.table_rows(records, target)
     markdown = tables.to_markdown(rows, target)
     atomic_write_text(out / "comparison.md", markdown)
     atomic_write_text(out / "comparison.csv", tables.to_csv(rows))
-    return CompareResult(out, runs, rows, markdown, target)
+    return CompareResult(out, results, rows, markdown, target)
 
 
 def _printer(console: Console) -> Callable[[str], None]:
     """Print a line as text (never as rich markup: a value may hold square brackets)."""
-    from rich.text import Text
-
     return lambda message: console.print(Text(message, style="bold"))
-
-
-def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fedavg",),
-          seeds: int | Sequence[int] = (0,), *, config: ConfigLike = None, overrides: Sequence[str] = (),
-          out: str | os.PathLike[str], target: float | None = None, progress: bool = False,
-          plugins: Sequence[str | os.PathLike[str]] = (), max_runs: int | None = MAX_RUNS) -> CompareResult:
-    """Run methods x grid cells x seeds and table them: one row per method and cell (the grid's keys that
-    vary a column each), mean ± std over seeds; ``hetfl compare --grid`` from Python.
-
-    ``grid``: dotted configuration keys -> lists of values (``{"train.lr": [0.01, 0.1], "data.alpha":
-    [0.1, 0.5]}``), Python values as a TOML file would give them; ``methods``, ``seeds``, ``config``,
-    ``overrides``, ``out``, ``target``, ``progress`` and ``plugins`` as :func:`hetfl.compare`. Runs go to
-    ``out/<method>/<cell>/seed<k>`` (see :mod:`hetfl.sweeps`); finished runs of the same resolved
-    configuration are reused, interrupted ones resumed, another configuration in a folder is a
-    RunDirError naming the keys, all decided before any run starts. ``progress=True`` prints the plan's size,
-    progress bars and ``run k of n (...): about M min left`` before each run. ``max_runs``: a plan of more runs
-    (methods x cells x seeds) is a ConfigError before anything is planned (None: no limit).
-
-    >>> import hetfl
-    >>> table = hetfl.sweep({"train.lr": [0.01, 0.1]}, methods=["fedavg"], seeds=[0, 1],
-    ...                     overrides=["train.rounds=2"], out="runs/sweep")  # doctest: +SKIP
-    >>> [(row["train.lr"], round(row["final_mean"], 3)) for row in table.rows]  # doctest: +SKIP
-    [('0.01', 0.552), ('0.1', 0.63)]
-    """
-    from hetfl.api import _load_plugins, _method_list, _override_list, _seed_list, make_config, run_comparison
-    from hetfl.cli import make_console
-
-    _load_plugins(plugins)
-    names, seed_list, assignments = _method_list(methods), _seed_list(seeds), _override_list(overrides)
-    checked = check_grid(grid, assignments)
-    if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
-        raise ConfigError("target", target, "must be an accuracy in (0, 1]")
-    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 0):
-        raise ConfigError("max_runs", max_runs, "must be a number of runs >= 0, or None (no limit)")
-    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
-                          target, progress=progress, console=make_console() if progress else None, option="out",
-                          grid=checked, max_runs=max_runs)

@@ -34,6 +34,7 @@ from statistics import mean, stdev
 from typing import Any
 
 from hetfl.engine import identity
+from hetfl.params import ConfigError
 
 #: shown in a key's column for a row whose configuration does not have that key (another method's setting)
 UNSET = "-"
@@ -102,8 +103,6 @@ def _cell(value: Any) -> str:
 def _method_defaults(method: str) -> dict[str, str] | None:
     """The flattened default configuration of ``method`` (its own settings filled in), each value as a
     table cell shows it; None for a method this process does not know (a plug-in not loaded)."""
-    from hetfl.params import ConfigError
-
     try:
         tree = identity.canonical_tree({"algorithm": {"name": method}})
     except ConfigError:

@@ -52,8 +52,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from hetfl.engine.checkpoint import atomic_write_text
-from hetfl.engine.identity import CONFIG_NAME, SUMMARY_NAME, flatten
+from hetfl import config as config_mod
+from hetfl.engine.identity import CONFIG_NAME, SUMMARY_NAME, flatten, run_id, setting_id
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
 
 #: the run folder's record of where tracking went (MLflow store and run id, TensorBoard folder)
@@ -91,8 +92,6 @@ def param_text(value: Any) -> str:
 
 def config_params(cfg: Any) -> dict[str, str]:
     """The resolved configuration flattened to ``{"train.lr": "0.05", ...}`` (every key, as MLflow params)."""
-    from hetfl import config as config_mod
-
     return {k: param_text(v) for k, v in flatten(config_mod.to_tree(cfg)).items()}
 
 
@@ -335,8 +334,6 @@ class TensorBoardTracker(Tracker):
         # (rounds logged after the checkpoint, before an interruption; they are written again now)
         self.writer = SummaryWriter(str(self.dir), purge_step=done + 1)
         if self.recorded_rounds is None:
-            from hetfl import config as config_mod
-
             text = "\n".join("    " + line for line in config_mod.dumps(cfg).splitlines())  # markdown code block
             self.writer.add_text("config", text, 0)
         self.rounds = done
@@ -448,8 +445,6 @@ class MLflowTracker(Tracker):
         """A new MLflow run with the configuration as params and the run's identity as tags."""
         from mlflow.entities import Param
 
-        from hetfl import config as config_mod
-        from hetfl.engine.identity import run_id, setting_id
 
         tree = config_mod.to_tree(cfg)
         tags = {"hetfl.run_id": run_id(tree), "hetfl.setting_id": setting_id(tree),
@@ -572,5 +567,19 @@ def open_tracking(cfg: Any, run_dir: Path) -> Tracking:
     return Tracking([cls(cfg, run_dir) for name, cls in BACKENDS.items() if getattr(t, name)])
 
 
-__all__ = ["NO_TRACKING", "STATE_NAME", "MLflowTracker", "TensorBoardTracker", "Tracker", "Tracking", "check",
-           "open_tracking"]
+class Backends:
+    """hetfl's tracking backends as the engine is handed them (:class:`hetfl.engine.tracker.Trackers`):
+    ``Experiment(cfg, trackers=TRACKERS)``, which :func:`hetfl.runtimes.set_up` does."""
+
+    def check(self, cfg: Any) -> None:
+        check(cfg)
+
+    def open(self, cfg: Any, run_dir: Path) -> Tracking:
+        return open_tracking(cfg, run_dir)
+
+
+#: what the engine is handed (:mod:`hetfl.engine.tracker`)
+TRACKERS = Backends()
+
+__all__ = ["NO_TRACKING", "STATE_NAME", "TRACKERS", "Backends", "MLflowTracker", "TensorBoardTracker", "Tracker",
+           "Tracking", "check", "open_tracking"]

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SRC = Path(__file__).resolve().parents[2] / "src"
 #: the layers below the runtimes, and what they must not import
 LOWER = ("hetfl/engine", "hetfl/algorithms")
-FORBIDDEN = ("hetfl.flower", "flwr", "hetfl.cli", "hetfl.api", "hetfl.runtimes")
+FORBIDDEN = ("hetfl.flower", "flwr", "hetfl.cli", "hetfl.api", "hetfl.runtimes",
+             "hetfl.tracking", "hetfl.console", "hetfl.runs")  # handed to the engine, never imported (issue 28)
 TIME_KEYS = {"round_time_s", "eval_time_s", "wall_time_s"}
 
 
@@ -132,3 +133,30 @@ def test_run_experiment_gives_experiment_runs_numbers(tmp_path):
     for summary, name in ((through_config, "config"), (through_experiment, "experiment")):
         assert {k: v for k, v in summary.items() if k not in TIME_KEYS} == numbers
         assert lines(tmp_path / name) == lines(tmp_path / "direct")
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["runtime.device=cuda:99"], "runtime.device"),
+    (["algorithm.name=fedprox", "algorithm.mu=-1"], "algorithm.mu"),
+    (["runtime.secure_aggregation=true"], "runtime.secure_aggregation"),
+    (["tracking.tensorboard=true"], "tracking.tensorboard"),
+    (["data.options={num_devices=100000000}"], "data.options.num_devices"),
+])
+def test_every_key_that_needs_no_data_is_checked_before_any_data_is_read(monkeypatch, overrides, key):
+    """Issue 28, one pass: engine.experiment.check_config checks each key that needs no data, by its owner
+    (the method's registry, secure_sum, the handed trackers, resources), before the set-up reads the data
+    (here reading it is an error: the test fails if it comes first)."""
+    import sys
+
+    import hetfl.engine.experiment as experiment_mod
+    from hetfl import tracking
+
+    def no_reading(*_, **__):
+        raise AssertionError("data read before the configuration was checked")
+
+    cfg = tiny(*overrides)  # valid as a configuration: the set-up refuses it
+    monkeypatch.setattr(experiment_mod, "load_dataset", no_reading)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(ConfigError) as err:
+        Experiment(cfg, trackers=tracking.TRACKERS)
+    assert err.value.key == key, str(err.value)

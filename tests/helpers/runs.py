@@ -52,6 +52,7 @@ def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any) -> N
     """``cfg`` (a RunConfig) run into ``run_dir`` and interrupted (KeyboardInterrupt) at the start of round
     ``stop_after + 1``, as Ctrl-C would."""
     from hetfl.engine.experiment import Experiment
+    from hetfl.runtimes import set_up
 
     original = Experiment.round
 
@@ -62,5 +63,5 @@ def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any) -> N
 
     monkeypatch.setattr(Experiment, "round", crash)
     with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg).run(run_dir)
+        set_up(cfg).run(run_dir)  # tracked as configured (hetfl.tracking)
     monkeypatch.setattr(Experiment, "round", original)

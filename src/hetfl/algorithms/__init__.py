@@ -9,11 +9,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hetfl.algorithms.base import Algorithm, Setup
+import torch
+
+from hetfl.algorithms.base import MODEL_PARTS, Algorithm, Setup, model_provides
 from hetfl.algorithms.posthoc import PostHoc
+from hetfl.models import MODELS, build_model, param_groups
+from hetfl.models.meta import NoRandomInit
 from hetfl.params import ConfigError, build, did_you_mean
 
 # name -> "module:Class"; modules are imported on first use.
@@ -165,3 +170,41 @@ def build_posthoc(full_name: str, params: dict[str, Any], setup: Setup) -> list[
 def build_algorithm(full_name: str, params: dict[str, Any], setup: Setup) -> Algorithm:
     trainer, _ = parse_name(full_name)
     return algorithm_class(trainer)(hyperparameters(full_name, params), setup)
+
+
+# ------------------------------------------------------------------ a method's model parts
+def models_that_fit(requires: Iterable[str], input_shape: tuple[int, ...], num_classes: int) -> list[str]:
+    """The registered models that, with their default options, take inputs of ``input_shape`` and
+    have every part in ``requires``; built on the ``meta`` device (nothing allocated, milliseconds)."""
+    needed = set(requires)
+    fits = []
+    for name in MODELS:
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"), NoRandomInit():
+                model = build_model(name, tuple(input_shape), num_classes)
+        except Exception:  # a model that cannot take this data (ModelError) or be built on meta does not fit
+            continue
+        if needed <= model_provides(param_groups(model)):
+            fits.append(name)
+    return fits
+
+
+def check_model_parts(method: str, model: Any, groups: Mapping[str, Sequence[str]], input_shape: tuple[int, ...],
+                      num_classes: int) -> None:
+    """Refuse a model that lacks a part the method ``method`` (``trainer+step...``) requires: a
+    ConfigError naming ``model.name``, what is missing and the models that fit, raised when the run
+    is set up (before anything is written) instead of a failure mid-run (FedPAC's encoder stage on
+    logistic regression has no parameters to differentiate). ``model`` is the run's ModelConfig."""
+    trainer, *steps = method.split("+")
+    parts = [(trainer, algorithm_class(trainer).model_requires)]
+    parts += [(step, posthoc_class(step).model_requires) for step in steps]
+    have = model_provides(groups)
+    for who, requires in parts:
+        missing = [part for part in requires if part not in have]
+        if not missing:
+            continue
+        options = f" with model.options = {dict(model.options)}" if model.options else ""
+        fits = ", ".join(models_that_fit(requires, input_shape, num_classes)) or "none"
+        need = " and ".join(MODEL_PARTS[part] for part in missing)
+        raise ConfigError("model.name", model.name, f"{who} needs {need}, and {model.name}{options} has none; "
+                                                    f"models that fit this data (with their default options): {fits}")

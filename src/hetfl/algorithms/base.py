@@ -25,7 +25,7 @@ and in checkpoints), and never draws random numbers from global state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,7 +35,6 @@ from torch import nn
 from torch.func import functional_call
 
 from hetfl.optim import SGDConfig
-from hetfl.params import ConfigError
 from hetfl.privacy import Release
 
 Tensors = dict[str, torch.Tensor]
@@ -299,48 +298,6 @@ MODEL_PARTS: dict[str, str] = {
 def model_provides(groups: Mapping[str, Sequence[str]]) -> frozenset[str]:
     """The parts of :data:`MODEL_PARTS` a model has, from its parameter groups (``param_groups``)."""
     return frozenset(part for part in MODEL_PARTS if groups.get(part))
-
-
-def models_that_fit(requires: Iterable[str], input_shape: tuple[int, ...], num_classes: int) -> list[str]:
-    """The registered models that, with their default options, take inputs of ``input_shape`` and
-    have every part in ``requires``; built on the ``meta`` device (nothing allocated, milliseconds)."""
-    from hetfl.engine.resources import _NoRandomInit  # meta tensors have no values to fill at random
-    from hetfl.models import MODELS, build_model, param_groups
-
-    needed = set(requires)
-    fits = []
-    for name in MODELS:
-        try:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"), _NoRandomInit():
-                model = build_model(name, tuple(input_shape), num_classes)
-        except Exception:  # a model that cannot take this data (ModelError) or be built on meta does not fit
-            continue
-        if needed <= model_provides(param_groups(model)):
-            fits.append(name)
-    return fits
-
-
-def check_model_parts(method: str, model: Any, groups: Mapping[str, Sequence[str]], input_shape: tuple[int, ...],
-                      num_classes: int) -> None:
-    """Refuse a model that lacks a part the method ``method`` (``trainer+step...``) requires: a
-    ConfigError naming ``model.name``, what is missing and the models that fit, raised when the run
-    is set up (before anything is written) instead of a failure mid-run (FedPAC's encoder stage on
-    logistic regression has no parameters to differentiate). ``model`` is the run's ModelConfig."""
-    from hetfl.algorithms import algorithm_class, posthoc_class  # the registry imports this module
-
-    trainer, *steps = method.split("+")
-    parts = [(trainer, algorithm_class(trainer).model_requires)]
-    parts += [(step, posthoc_class(step).model_requires) for step in steps]
-    have = model_provides(groups)
-    for who, requires in parts:
-        missing = [part for part in requires if part not in have]
-        if not missing:
-            continue
-        options = f" with model.options = {dict(model.options)}" if model.options else ""
-        fits = ", ".join(models_that_fit(requires, input_shape, num_classes)) or "none"
-        need = " and ".join(MODEL_PARTS[part] for part in missing)
-        raise ConfigError("model.name", model.name, f"{who} needs {need}, and {model.name}{options} has none; "
-                                                    f"models that fit this data (with their default options): {fits}")
 
 
 class PrivateReleases:

@@ -125,6 +125,9 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.fedmix import soft_cross_entropy
 from hetfl.algorithms.mixup import LAM, PERM, mix_inputs, mixup_cross_entropy, mixup_draws
 from hetfl.algorithms.pseudo_data import Slot, assemble, draw_plan, plan_means, proxy_means
+from hetfl.data import datasets
+from hetfl.data.augment import to_float
+from hetfl.data.base import DatasetError
 from hetfl.params import ConfigError, setting
 from hetfl.rng import method_generator
 
@@ -225,13 +228,9 @@ def load_proxy(hp: FedBRHyper, seed: int, cache_dir: str = "") -> tuple[torch.Te
     """The proxy dataset's training inputs (as stored) and a function making them model inputs
     (normalised with the proxy's own statistics), its decoded files cached in ``cache_dir`` (the run's
     ``data.cache_dir``; '' = the default cache folder). A ConfigError names the setting on failure."""
-    from hetfl.data.augment import to_float
-    from hetfl.data.base import DatasetError
-    from hetfl.data.datasets import load_dataset
-
     try:
-        dataset = load_dataset(hp.proxy_dataset, hp.proxy_root or None, download=False, cache_dir=cache_dir or None,
-                               seed=seed)
+        dataset = datasets.load_dataset(hp.proxy_dataset, hp.proxy_root or None, download=False,
+                                        cache_dir=cache_dir or None, seed=seed)
     except DatasetError as err:
         raise ConfigError("algorithm.proxy_root", hp.proxy_root,
                           f"must hold the files of algorithm.proxy_dataset = {hp.proxy_dataset!r} ({err})") from None

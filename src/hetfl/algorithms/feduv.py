@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
-from hetfl.params import setting
+from hetfl.params import ConfigError, setting
 
 
 def identity_std(num_classes: int) -> float:
@@ -141,8 +141,6 @@ class FedUVHyper:
 
     def check(self, prefix: str) -> None:
         if self.lam < 0 and self.lam != -1.0:
-            from hetfl.params import ConfigError
-
             raise ConfigError(prefix + "lam", self.lam, "must be >= 0, or -1 for num_classes / 4")
 
 

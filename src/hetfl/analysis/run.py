@@ -42,6 +42,7 @@ from hetfl.analysis.classifier import class_weight_norms
 from hetfl.analysis.plots import plot_cka, plot_curves, plot_spectrum, plot_swd_matrix, plot_tsne, plot_weight_norms
 from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
+from hetfl.analysis.tsne import tsne_embedding
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import CLIENT_MODELS_DIR, CONFIG_NAME, METRICS_NAME, Experiment
@@ -221,8 +222,6 @@ class RunAnalysis:
                                layer=self.feature_layer())
 
     def tsne(self) -> dict[str, Any]:
-        from hetfl.analysis.tsne import tsne_embedding
-
         per_client = max(1, 1500 // self.exp.data.num_clients)
         feats, labels, clients = [], [], []
         for c in range(self.exp.data.num_clients):

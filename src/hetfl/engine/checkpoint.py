@@ -40,26 +40,6 @@ class Checkpoint:
     info: dict[str, Any]
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``; the file's
-    mode follows the umask (:func:`hetfl.files.follow_umask`), as a plain write's would."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        follow_umask(fd)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` to a safetensors file atomically (temp file + rename; mode as the umask says)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

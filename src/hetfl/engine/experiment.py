@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from hetfl import config as config_mod
-from hetfl import tracking
-from hetfl.algorithms import build_algorithm, build_posthoc, hyperparameters, parse_name
+from hetfl.algorithms import build_algorithm, build_posthoc, check_model_parts, hyperparameters, parse_name
 from hetfl.algorithms.base import (
     SHARED,
     Batch,
@@ -35,7 +34,6 @@ from hetfl.algorithms.base import (
     Setup,
     Tensors,
     Upload,
-    check_model_parts,
     without_feature_transforms,
 )
 from hetfl.algorithms.posthoc import SummedReplies
@@ -44,7 +42,6 @@ from hetfl.data.datasets import load_dataset
 from hetfl.engine import resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     Checkpoint,
-    atomic_write_text,
     load_checkpoint,
     save_checkpoint,
     save_tensors,
@@ -73,7 +70,9 @@ from hetfl.engine.summary import (
     loss_parts,
     make_summary,
 )
+from hetfl.engine.tracker import NO_RUN_TRACKER, NO_TRACKERS, RunTracker, Trackers, untracked_switch
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
+from hetfl.files import atomic_write_text
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError
@@ -88,30 +87,55 @@ CLIENT_MODELS_DIR = "client_models"
 CLIENT_ACC_KEY = "_client_acc"
 
 
+def check_config(cfg: RunConfig, trackers: Trackers = NO_TRACKERS) -> torch.device:
+    """The engine's share of resolving a run (:func:`hetfl.runtimes.set_up` gives the whole pass): every key
+    that needs no data, each checked by the module that owns it, in this order, before any data is read or
+    anything is written; returns the device. A ConfigError names the first bad key.
+
+    1. ``runtime.device``: a device this machine has (:func:`hetfl.engine.setup.pick_device`);
+    2. ``algorithm.*``: the method, its post-hoc steps and their settings (the methods' registry,
+       :mod:`hetfl.algorithms`);
+    3. ``runtime.secure_aggregation``: an additive post-hoc step to sum (:mod:`hetfl.engine.secure_sum`; the
+       steps' settings decide, no data needed);
+    4. ``tracking.*``: the handed trackers' packages and stores (:mod:`hetfl.tracking`);
+    5. ``runtime.save_client_models``: rounds >= 1;
+    6. the dataset and the step plan fit in memory (:mod:`hetfl.engine.resources`, with the dataset's options
+       checked by :mod:`hetfl.data.datasets`).
+
+    Before it, the configuration's syntax and types were checked when it was made (:mod:`hetfl.config`,
+    :mod:`hetfl.params`) and the runtime's keys by the runtime (:mod:`hetfl.runtimes`); after it,
+    :class:`Experiment` reads the data and checks what needs it (``auto`` model and partition, clients per
+    round, the partition, the plan's and the model's memory, the model parts the method needs)."""
+    device = pick_device(cfg.runtime.device)
+    parse_name(cfg.algorithm.name)
+    hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+    secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
+    trackers.check(cfg)
+    bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
+    if bad_rounds:
+        raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
+                          "must be a list of rounds >= 1")
+    resources.check_config(cfg, vmap_clients(cfg.runtime, device))  # refused before allocating
+    return device
+
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, trackers: Trackers = NO_TRACKERS) -> None:
         """Load data, partition, build model and method. Raises a ConfigError,
-        DatasetError, PartitionError or ModelError on bad input, before any output."""
-        self.device = pick_device(cfg.runtime.device)
+        DatasetError, PartitionError or ModelError on bad input, before any output. ``trackers``: where the
+        run's numbers are also sent (:mod:`hetfl.engine.tracker`; :func:`hetfl.runtimes.set_up` hands
+        :mod:`hetfl.tracking`'s), checked here with the rest of the configuration."""
+        self.trackers = trackers
+        self.device = check_config(cfg, trackers)  # every key that needs no data: before any data is read
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
-        parse_name(cfg.algorithm.name)
-        hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # fail fast on bad settings
-        # secure aggregation needs an additive post-hoc step (the steps' settings decide; no data needed yet)
-        secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
-        tracking.check(cfg)  # tracking switched on without its package: named before any work
         vmap = vmap_clients(cfg.runtime, self.device)
-        resources.check_config(cfg, vmap)  # a dataset or step plan that cannot fit: refused before allocating
         root = cfg.data.root or None
         self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
                                     seed=cfg.seed, **cfg.data.options)
-        self.cfg = cfg = resolve(cfg, self.dataset)
-        bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
-        if bad_rounds:
-            raise ConfigError("runtime.save_client_models", list(cfg.runtime.save_client_models),
-                              "must be a list of rounds >= 1")
+        self.cfg = cfg = resolve(cfg, self.dataset)  # auto model and partition, the method's defaults
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
@@ -148,8 +172,8 @@ class Experiment:
         # where the clients' side runs: in this process (sequential / vectorized executors) by default;
         # a runtime above the engine may attach another (hetfl.flower's FlowerFederation: Flower nodes)
         self.federation: Federation = InProcessFederation(self)
-        # where the numbers are also sent (hetfl.tracking: TensorBoard, MLflow); set for the run by run_locked
-        self.tracker: tracking.Tracking = tracking.NO_TRACKING
+        # where the numbers are also sent (the handed trackers: TensorBoard, MLflow); set for the run by run_locked
+        self.tracker: RunTracker = NO_RUN_TRACKER
         self.ledger: PrivacyLedger | None = None  # the run directory's privacy ledger, opened by run_locked
 
     # --------------------------------------------------------------- pieces
@@ -228,6 +252,11 @@ class Experiment:
             raise ConfigError("runtime.executor", "flower",
                               "Experiment.run runs the clients in this process only; run a Flower experiment "
                               "with hetfl.runtimes.run_experiment (or `hetfl run`), which starts Flower")
+        untracked = untracked_switch(self.cfg, self.trackers)
+        if untracked:
+            raise ConfigError(untracked, True, "this Experiment was handed no trackers; run it with "
+                                               "hetfl.runtimes.run_experiment (or `hetfl run`, hetfl.run), or set it "
+                                               "up with hetfl.runtimes.set_up(cfg), which hands hetfl.tracking's")
         run_dir = Path(run_dir)
         with lock_run_dir(run_dir) as taken:
             if taken and not resume:
@@ -250,7 +279,7 @@ class Experiment:
         start = ckpt.round if ckpt else 0
         for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
             self.note(message, reporter)
-        tracker = tracking.open_tracking(cfg, run_dir)  # its stores checked; writes nothing yet
+        tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
             if not resume or not (run_dir / CONFIG_NAME).exists():

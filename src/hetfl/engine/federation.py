@@ -11,7 +11,7 @@ imports a runtime: the layer above it (:mod:`hetfl.runtimes`) picks one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -21,10 +21,7 @@ from hetfl.engine import secure_sum
 from hetfl.engine.evaluate import accuracies_vectorized, accuracy_and_loss
 from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
-
-if TYPE_CHECKING:
-    from hetfl.engine.experiment import Experiment
-    from hetfl.engine.summary import Reporter
+from hetfl.engine.summary import Reporter
 
 #: the Algorithm hooks that decide which model a client is evaluated with (``client_accuracy``); a method
 #: that overrides none of them is evaluated with the global model on every client. (``init_client_state``
@@ -99,10 +96,32 @@ def evaluates_with_global_model(algo: Algorithm) -> bool:
                                          for hook in GLOBAL_EVAL_HOOKS)
 
 
+class ClientSide(Protocol):
+    """What :class:`InProcessFederation` reaches of its experiment: the data, the method, the model caller and
+    the client-side steps (an :class:`~hetfl.engine.experiment.Experiment`, which imports this module)."""
+
+    cfg: Any
+    data: Any
+    algorithm: Algorithm
+    caller: Any
+    vmap_clients: int
+    run_dir: Path | None
+
+    def client_context(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train_clients(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def save_client_models(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def client_features(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def client_accuracy(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class InProcessFederation:
     """The clients in this process: the sequential and vectorised executors (``runtime.executor``)."""
 
-    def __init__(self, exp: Experiment) -> None:
+    def __init__(self, exp: ClientSide) -> None:
         self.exp = exp
 
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:

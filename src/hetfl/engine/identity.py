@@ -14,11 +14,17 @@ numbers are also sent) are left out of both.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from hetfl import config as config_mod
+from hetfl.algorithms import hyperparameters, parse_name, step_hyper
+from hetfl.engine.rundir import RunDirError
+from hetfl.params import ConfigError, to_dict
 
 #: keys that do not change a run's numbers and are left out of its identity: what the terminal shows,
 #: where decoded data is cached (the cache is keyed by the source files, so any folder gives the same arrays),
@@ -97,12 +103,6 @@ def canonical_tree(tree: dict[str, Any]) -> dict[str, Any]:
     hyperparameters are filled in as :func:`hetfl.engine.setup.resolve` does; so an old
     run and a new one of the same setting get the same ids. Raises ConfigError for a tree that
     is no longer a valid configuration."""
-    import dataclasses
-
-    from hetfl import config as config_mod
-    from hetfl.algorithms import hyperparameters, parse_name, step_hyper
-    from hetfl.params import to_dict
-
     cfg = config_mod.from_dict(tree)
     params = cfg.algorithm.params
     _, steps = parse_name(cfg.algorithm.name)
@@ -115,8 +115,6 @@ def saved_tree(run_dir: Path) -> dict[str, Any] | None:
     """The resolved configuration a run directory holds (``config.toml``, else the ``config`` of
     its ``summary.json``), read through :func:`canonical_tree` where it is still valid; None if
     the folder holds neither."""
-    from hetfl.params import ConfigError
-
     config_path, summary_path = run_dir / CONFIG_NAME, run_dir / SUMMARY_NAME
     try:
         if config_path.is_file():
@@ -142,41 +140,12 @@ def run_dir_ids(run_dir: Path) -> tuple[str, str]:
     return setting_id(tree), run_id(tree)
 
 
-def resolve_configs(cfgs: list[Any]) -> list[Any]:
-    """Each RunConfig resolved for its dataset (``auto`` model and partition, the method's default
-    hyperparameters), as the run itself will resolve it, and checked for a model its method can use
-    (a ConfigError naming ``model.name`` otherwise). Each distinct dataset setting is loaded
-    once and dropped before the next (loaders cache decoded files, so this is quick)."""
-    from hetfl.data.datasets import load_dataset
-    from hetfl.engine.setup import check_method_fits_model, resolve
-
-    def key(cfg: Any) -> str:
-        d = cfg.data
-        return json.dumps([d.dataset, d.root, d.download, d.options, cfg.seed], sort_keys=True, default=str)
-
-    by_dataset: dict[str, list[int]] = {}
-    for i, cfg in enumerate(cfgs):
-        by_dataset.setdefault(key(cfg), []).append(i)
-    resolved: list[Any] = list(cfgs)
-    for indices in by_dataset.values():
-        d, seed = cfgs[indices[0]].data, cfgs[indices[0]].seed
-        dataset = load_dataset(d.dataset, d.root or None, download=d.download, cache_dir=d.cache_dir, seed=seed,
-                               **d.options)
-        for i in indices:
-            resolved[i] = resolve(cfgs[i], dataset)
-            check_method_fits_model(resolved[i], dataset.info)  # before any run of the plan starts
-        del dataset
-    return resolved
-
-
 def check_run_dir(run_dir: Path, planned: dict[str, Any], *, option: str = "--out") -> str:
     """Whether the run ``planned`` (a resolved config tree) can go into ``run_dir``: ``"new"`` (no
     folder, or an empty one), ``"finished"`` (it holds this very run: reuse it) or ``"unfinished"``
     (it holds this run, interrupted: resume it). A folder holding a run of another configuration,
     or files that are no run, raises RunDirError naming the differing keys: its numbers would
     otherwise be tabled as the planned run's."""
-    from hetfl.engine.rundir import RunDirError
-
     if not run_dir.exists() or (run_dir.is_dir() and not any(p.name not in IGNORED for p in run_dir.iterdir())):
         return "new"
     if not run_dir.is_dir():

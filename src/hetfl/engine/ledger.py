@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hetfl.engine.checkpoint import atomic_write_text
 from hetfl.engine.rundir import RunDirError
+from hetfl.files import atomic_write_text
 from hetfl.privacy import Release
 
 LEDGER_NAME = "privacy_ledger.json"

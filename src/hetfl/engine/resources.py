@@ -43,8 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from hetfl.data.datasets import checked_options, dataset_options
+from hetfl.data.datasets.idx import EMNIST_CLASSES
+from hetfl.models.meta import meta_model
 from hetfl.params import ConfigError
 
 GB = 1e9
@@ -223,15 +225,11 @@ _EMNIST_SAMPLES = {"balanced": 131_600, "byclass": 814_255, "bymerge": 814_255, 
 
 def known_dataset(name: str, options: Mapping[str, Any]) -> KnownDataset | None:
     """Sizes of dataset ``name`` with (raw, validated or not) ``options``; None where unknown."""
-    from hetfl.data.datasets import checked_options
-
     opts = checked_options(name, options)
     if name == "synthetic":
         samples = int(opts["num_devices"] * expected_device_samples(opts["max_samples"]))
         return KnownDataset((opts["dim"],), opts["num_classes"], samples)
     if name == "emnist":
-        from hetfl.data.datasets.idx import EMNIST_CLASSES
-
         split = opts["split"]
         return KnownDataset((1, 28, 28), len(EMNIST_CLASSES[split]), _EMNIST_SAMPLES.get(split, 1))
     if name not in _IMAGES:
@@ -244,8 +242,6 @@ def known_dataset(name: str, options: Mapping[str, Any]) -> KnownDataset | None:
 
 def dataset_needs(name: str, options: Mapping[str, Any]) -> list[Need]:
     """The dataset's memory, blamed on the option that, put back to its default, shrinks it most."""
-    from hetfl.data.datasets import checked_options, dataset_options
-
     opts = checked_options(name, options)
 
     def size(values: Mapping[str, Any]) -> int:
@@ -301,20 +297,6 @@ def clients_at_once(cfg: Any, vmap: bool) -> int:
 
 
 # ------------------------------------------------------------------ model
-class _NoRandomInit(TorchFunctionMode):
-    """Skips in-place random fills while a model is built on the meta device: they have no values
-    to fill there, and meta's ``normal_`` is a Python decomposition that imports TorchDynamo (~3 s)."""
-
-    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.bernoulli_,
-                       torch.Tensor.exponential_, torch.Tensor.log_normal_, torch.Tensor.cauchy_,
-                       torch.Tensor.geometric_})
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in self.FILLS or getattr(func, "__module__", "") == "torch.nn.init":  # init functions return it
-            return args[0] if args else (kwargs or {}).get("tensor")
-        return func(*args, **(kwargs or {}))
-
-
 def count_parameters(name: str, input_shape: tuple[int, ...], num_classes: int, options: Mapping[str, Any]) -> int:
     """Parameters of model ``name`` counted on the ``meta`` device (nothing allocated).
 
@@ -325,21 +307,6 @@ def count_parameters(name: str, input_shape: tuple[int, ...], num_classes: int, 
     if model is None:
         return -1
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
-
-
-def meta_model(name: str, input_shape: tuple[int, ...], num_classes: int, options: Mapping[str, Any]) -> Any:
-    """Model ``name`` built on the ``meta`` device (shapes only: nothing allocated, no random draws),
-    or None where it cannot be built there (a check that needs it then refuses nothing; the real build
-    reports the problem). A ModelError for bad options propagates, as the real build would raise it."""
-    from hetfl.models import ModelError, build_model
-
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"), _NoRandomInit():
-            return build_model(name, tuple(input_shape), num_classes, **dict(options))
-    except ModelError:
-        raise
-    except Exception:
-        return None
 
 
 def model_needs(name: str, options: Mapping[str, Any], input_shape: tuple[int, ...], num_classes: int,

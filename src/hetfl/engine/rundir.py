@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, overload
 
-from hetfl.engine.checkpoint import atomic_write_bytes
+from hetfl.files import atomic_write_bytes
 
 try:
     import fcntl

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms import hyperparameters, parse_name, step_hyper
-from hetfl.algorithms.base import check_model_parts
+from hetfl.algorithms import check_model_parts, hyperparameters, parse_name, step_hyper
 from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition, make_partition

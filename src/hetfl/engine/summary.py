@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from hetfl import config as config_mod
 from hetfl.config import RunConfig
+from hetfl.engine.identity import run_id, setting_id
 from hetfl.engine.rundir import History
 
-if TYPE_CHECKING:
-    from hetfl.engine.experiment import Experiment
+
+class SetUp(Protocol):
+    """What a summary and a :class:`Reporter` read of the experiment they report (an
+    :class:`~hetfl.engine.experiment.Experiment`, which imports this module)."""
+
+    num_params: int
+    device: Any
 
 #: the quantiles of the clients' accuracies in the metrics line, as ``client_acc_<key>``
 SPREAD_KEYS = ("min", "q25", "median", "q75", "max")
@@ -63,7 +69,7 @@ def diverged_round(history: Sequence[dict[str, Any]]) -> int | None:
     return next((m["round"] for m in history if not math.isfinite(m["train_loss"])), None)
 
 
-def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float, exp: Experiment) -> dict[str, Any]:
+def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float, exp: SetUp) -> dict[str, Any]:
     evaluated = [m for m in history if "client_acc_mean" in m]
     summary: dict[str, Any] = {
         "algorithm": cfg.algorithm.name,
@@ -88,17 +94,15 @@ def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float,
     summary["final_train_loss"] = history[-1]["train_loss"] if history else None
     summary["diverged_round"] = diverged_round(history)
     summary["config"] = config_mod.to_tree(cfg)
-    from hetfl.engine.identity import run_id, setting_id  # the run's identity (what compare/report decide by)
-
     summary["setting_id"] = setting_id(summary["config"])
     summary["run_id"] = run_id(summary["config"])
     return summary
 
 
 class Reporter:
-    """Progress callbacks of a run; the base class is silent (see hetfl.cli for the rich one)."""
+    """Progress callbacks of a run; the base class is silent (see hetfl.console for the rich one)."""
 
-    def start(self, cfg: RunConfig, start_round: int, exp: Experiment) -> None: ...
+    def start(self, cfg: RunConfig, start_round: int, exp: SetUp) -> None: ...
     def round_start(self, round_: int, num_clients: int) -> None: ...
     def client_done(self) -> None: ...
     def round_end(self, line: dict[str, Any]) -> None: ...

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from hetfl.params import ConfigError
+
 if TYPE_CHECKING:
     from hetfl.config import RunConfig
 
@@ -43,8 +45,6 @@ def require_flwr() -> None:
 
 def check_flower(cfg: RunConfig) -> None:
     """A missing Flower, and settings the Flower executor cannot honour, as ConfigErrors before any output."""
-    from hetfl.params import ConfigError
-
     try:
         import flwr  # noqa: F401
     except ImportError:

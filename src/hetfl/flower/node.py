@@ -40,6 +40,7 @@ the in-process executors.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -47,15 +48,24 @@ import re
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.compat.common import recorddict_compat as compat
 
+from hetfl import config as config_mod
+from hetfl.algorithms import algorithm_class, parse_name, posthoc_class, step_hyper
+from hetfl.algorithms.base import SHARED, ServerState
+from hetfl.algorithms.dp_moments import NOISE_SOURCES
+from hetfl.engine import secure_sum
+from hetfl.engine.checkpoint import save_tensors
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.summary import Reporter
 from hetfl.flower import protocol as P
+from hetfl.flower import secagg
+from hetfl.flower.codec import decode_tensor, from_record, to_record
 from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
-
-if TYPE_CHECKING:
-    from hetfl.engine.experiment import Experiment
 
 _RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
 #: a run or session name the server may choose: what hetfl's server sends (hexadecimal digests), never a path
@@ -84,8 +94,6 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
     if key not in _RUNTIME:
         import torch
 
-        from hetfl import config as config_mod
-        from hetfl.engine.experiment import Experiment
 
         cfg = with_privacy_floor(config_mod.from_dict(tomllib.loads(cfg_text)), floor)
         if data_root:
@@ -100,8 +108,6 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
 def privacy_floor(node_config: Any) -> dict[str, Any]:
     """The node's ``dp-epsilon`` (> 0), ``dp-delta`` (in (0, 1)) and ``dp-noise-source`` (os | seed) that it
     sets, as the algorithms' setting names; a NodeError naming a bad one."""
-    from hetfl.algorithms.dp_moments import NOISE_SOURCES
-
     floor: dict[str, Any] = {}
     for key, setting in PRIVACY_KEYS.items():
         if key not in node_config:
@@ -132,7 +138,6 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
     their form and its calibration differ), so the node's floor is never silently unmet."""
     if not floor:
         return cfg
-    from hetfl.algorithms import algorithm_class, parse_name, posthoc_class
 
     trainer, steps = parse_name(cfg.algorithm.name)
     params = copy.deepcopy(cfg.algorithm.params)
@@ -160,9 +165,6 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
 def server_step(cfg_text: str, exp: Experiment, index: int) -> Any:
     """Post-hoc step ``index`` with the server's settings (without this node's floor): under secure aggregation a
     reply is encoded with its public bounds, which the server decodes the sum with."""
-    from hetfl import config as config_mod
-    from hetfl.algorithms import parse_name, posthoc_class, step_hyper
-
     cfg = config_mod.from_dict(tomllib.loads(cfg_text))
     name = parse_name(cfg.algorithm.name)[1][index]
     return posthoc_class(name)(step_hyper(name, cfg.algorithm.params.get(name, {})), exp.setup)
@@ -211,8 +213,6 @@ class StateStore:
 
     def load(self, before: int) -> dict | None:
         """The newest valid state written after a round < ``before``; None if there is none."""
-        from hetfl.flower.codec import from_record
-
         meta = self.context.state.get(self.key + ".meta")
         if meta is not None:
             version, session = int(meta["version"]), str(meta["session"])
@@ -226,13 +226,10 @@ class StateStore:
         return load_file(str(usable[-1][1]), device=str(self.device))
 
     def save(self, tensors: dict, version: int) -> None:
-        from hetfl.flower.codec import to_record
-
         self.context.state[self.key + ".state"] = to_record(tensors)
         self.context.state[self.key + ".meta"] = ConfigRecord({"version": version, "session": self.session})
         if self.folder is None:
             return
-        from hetfl.engine.checkpoint import save_tensors
 
         self.folder.mkdir(parents=True, exist_ok=True)
         save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
@@ -277,8 +274,6 @@ def state_root(context: Context, h: dict[str, Any]) -> Path | None:
 
 def shared_tensors(message: Message, context: Context, h: dict[str, Any], device: Any) -> dict:
     """The server's ``shared/`` tensors: from this message (and kept) or as kept before."""
-    from hetfl.flower.codec import from_record
-
     key = f"hetfl.{h['run']}.shared"
     if P.SHARED in message.content:
         context.state[key] = message.content[P.SHARED]
@@ -288,8 +283,6 @@ def shared_tensors(message: Message, context: Context, h: dict[str, Any], device
 def client_state(store: StateStore, message: Message, before: int, device: Any) -> tuple[dict, bool]:
     """(the client's state for a message of round ``before`` - 1 or before, whether it was kept here):
     the kept state, else the server's ``init_client_state``."""
-    from hetfl.flower.codec import from_record
-
     state = store.load(before)
     if state is not None:
         return state, True
@@ -301,9 +294,6 @@ def client_state(store: StateStore, message: Message, before: int, device: Any) 
 
 def server_view(message: Message, shared: dict, device: Any) -> Any:
     """A ServerState with what the node was sent of the server's (plus the shared tensors)."""
-    from hetfl.algorithms.base import SHARED, ServerState
-    from hetfl.flower.codec import from_record
-
     extra = from_record(message.content.get(P.VIEW_EXTRA), device)
     extra.update({SHARED + k: v for k, v in shared.items()})
     return ServerState(model=from_record(message.content.get(P.VIEW_MODEL), device), extra=extra)
@@ -321,8 +311,6 @@ def handle_hello(message: Message, context: Context) -> Message:
 
 
 def handle_setup(message: Message, context: Context) -> Message:
-    from hetfl.flower.codec import to_record
-
     h = header(message)
     exp = runtime(h["config"], context)
     c = own_client(h, context)
@@ -333,12 +321,8 @@ def handle_setup(message: Message, context: Context) -> Message:
 
 def handle_train(message: Message, context: Context) -> Message:
     """A local round; or, inside Flower's SecAgg+ (stage 2), a secure post-hoc query (:mod:`hetfl.flower.secagg`)."""
-    from hetfl.engine.summary import Reporter
-    from hetfl.flower import secagg
-    from hetfl.flower.codec import from_record, to_record
-
     if secagg.is_query(message):
-        return secagg.handle_query(message, context)
+        return handle_secure_query(message, context)
     h = header(message)
     exp = runtime(h["config"], context)
     c, round_ = own_client(h, context), int(h["round"])
@@ -361,8 +345,6 @@ def handle_train(message: Message, context: Context) -> Message:
 
 
 def handle_posthoc(message: Message, context: Context) -> Message:
-    from hetfl.flower.codec import from_record, to_record
-
     h = header(message)
     exp = runtime(h["config"], context)
     c = own_client(h, context)
@@ -374,8 +356,6 @@ def handle_posthoc(message: Message, context: Context) -> Message:
 
 
 def handle_evaluate(message: Message, context: Context) -> Message:
-    from hetfl.flower.codec import from_record
-
     h = header(message)
     exp = runtime(h["config"], context)
     c, round_ = own_client(h, context), int(h["round"])
@@ -386,3 +366,24 @@ def handle_evaluate(message: Message, context: Context) -> Message:
     acc, _ = exp.client_accuracy(c, server_view(message, shared, exp.device), state, round_, payload=payload)
     result = {"empty": 1} if acc is None else {"acc": float(acc)}
     return reply(message, {P.RESULT: MetricRecord(result)})
+
+
+def handle_secure_query(message: Message, context: Context) -> Message:
+    """The client's dense reply to the post-hoc step, on Flower's grid, as a FitRes (``num_examples = 1``)."""
+    h = dict(message.content.config_records[secagg.FITINS_CONFIG])
+    exp = runtime(str(h["config"]), context)
+    c, levels = own_client(h, context), int(h["levels"])
+    step = exp.posthoc[int(h["step"])]
+    stored = list(message.content.array_records[secagg.FITINS_PARAMETERS].values())
+    layout = json.loads(str(h[secagg.MODEL_LAYOUT]))
+    model = {name: decode_tensor(Array(dtype=dtype, shape=tuple(shape), stype=stype, data=a.data), exp.device)
+             for (name, dtype, stype, shape), a in zip(layout, stored, strict=True)}
+    features, labels = exp.client_features(model, c)
+    query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
+    # the server's bounds (a node's privacy floor may have changed this node's): the grid the sum is decoded on
+    bounds = server_step(str(h["config"]), exp, int(h["step"])).reply_bounds() \
+        if privacy_floor(context.node_config) else step.reply_bounds()
+    encoded = secure_sum.encode(step.dense_reply(query), bounds, levels)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(secure_sum.to_grid(encoded, levels)),
+                    num_examples=1, metrics={})
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=message)

@@ -13,7 +13,7 @@ server (:func:`secure_posthoc`)
     and failure records). Flower's server returns ``avg = sum_i x_i / n`` over the ``n`` clients whose
     masked vectors were unmasked (weights 1); ``hetfl.engine.secure_sum`` recovers the exact integer
     sum from it and decodes it.
-node (:func:`secure_aggregation_mod`, :func:`handle_query`)
+node (:func:`secure_aggregation_mod`; the query itself: :func:`hetfl.flower.node.handle_secure_query`)
     the mod passes hetfl's own ``train`` messages through and hands SecAgg+'s to ``secaggplus_mod``;
     at stage 2 (collect masked vectors) that calls the node's train handler, which answers the
     secure post-hoc query with the client's dense reply on Flower's grid
@@ -35,12 +35,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import FitIns, Parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
-from flwr.compat.common import recorddict_compat as compat
 from flwr.server import ServerConfig, SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
@@ -50,11 +49,19 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 
 from hetfl.engine import secure_sum
-from hetfl.flower.codec import decode_tensor, encode_tensor
+from hetfl.flower.codec import encode_tensor
 
 if TYPE_CHECKING:
     from hetfl.algorithms.base import Tensors
-    from hetfl.flower.server import FlowerFederation
+
+#: the federation a secure post-hoc round runs on: a ``FlowerFederation`` (:mod:`hetfl.flower.server`, which
+#: imports this module; its push / poll / pull, failure records, traffic counts and quorum check are used here)
+FlowerFederation = Any
+
+
+class SecAggStopped(RuntimeError):
+    """SecAgg+ stopped before it summed (too few neighbours left for some client); the server makes it the
+    round's ``FlowerRoundError``."""
 
 log = logging.getLogger("hetfl")
 
@@ -147,8 +154,6 @@ def _model_parameters(raw: Tensors) -> tuple[Parameters, str]:
 
 def secure_posthoc(fed: FlowerFederation, step: Any, raw: Tensors, round_: int) -> secure_sum.SecureSum:
     """The sum of every client's dense reply to ``step`` under SecAgg+ (see the module's docstring)."""
-    from hetfl.flower.server import FlowerRoundError
-
     exp, rt = fed.exp, fed.exp.cfg.runtime
     fed.refresh()
     asked = [c for c in range(fed.num_clients) if c in fed.nodes]
@@ -178,7 +183,7 @@ def secure_posthoc(fed: FlowerFederation, step: Any, raw: Tensors, round_: int) 
         stages = "; ".join(f"stage {s}: {a} of {n} answered" for s, n, a in grid.stages) or \
             f"{len(asked)} client(s) reachable, SecAgg+ needs at least 2"
         reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(fed.failed.items())[:5])
-        raise FlowerRoundError(
+        raise SecAggStopped(
             f"round {round_}, {phase}: SecAgg+ stopped ({stages}); every client must keep "
             f"runtime.secagg_reconstruction_threshold = {rt.secagg_reconstruction_threshold} of its "
             f"min(runtime.secagg_num_shares = {rt.secagg_num_shares}, {len(asked)}) neighbours"
@@ -209,25 +214,3 @@ def is_query(message: Message) -> bool:
     """Whether a ``train`` message is SecAgg+'s stage 2 carrying a secure post-hoc query."""
     header = message.content.config_records.get(FITINS_CONFIG)
     return header is not None and MARK in header
-
-
-def handle_query(message: Message, context: Context) -> Message:
-    """The client's dense reply to the post-hoc step, on Flower's grid, as a FitRes (``num_examples = 1``)."""
-    from hetfl.flower import node
-
-    h = dict(message.content.config_records[FITINS_CONFIG])
-    exp = node.runtime(str(h["config"]), context)
-    c, levels = node.own_client(h, context), int(h["levels"])
-    step = exp.posthoc[int(h["step"])]
-    stored = list(message.content.array_records[FITINS_PARAMETERS].values())
-    model = {name: decode_tensor(Array(dtype=dtype, shape=tuple(shape), stype=stype, data=a.data), exp.device)
-             for (name, dtype, stype, shape), a in zip(json.loads(str(h[MODEL_LAYOUT])), stored, strict=True)}
-    features, labels = exp.client_features(model, c)
-    query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
-    # the server's bounds (a node's privacy floor may have changed this node's): the grid the sum is decoded on
-    bounds = node.server_step(str(h["config"]), exp, int(h["step"])).reply_bounds() \
-        if node.privacy_floor(context.node_config) else step.reply_bounds()
-    encoded = secure_sum.encode(step.dense_reply(query), bounds, levels)
-    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(secure_sum.to_grid(encoded, levels)),
-                    num_examples=1, metrics={})
-    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=message)

@@ -48,6 +48,7 @@ from hetfl.algorithms.posthoc import Replies
 from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
+from hetfl.flower import secagg
 from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, record_nbytes
 
 if TYPE_CHECKING:
@@ -455,9 +456,10 @@ class FlowerFederation:
         """Every client's reply, by client; for an additive step under ``runtime.secure_aggregation``, their
         sum through Flower's SecAgg+ (:mod:`hetfl.flower.secagg`)."""
         if self.exp.cfg.runtime.secure_aggregation and step.additive:
-            from hetfl.flower.secagg import secure_posthoc
-
-            return secure_posthoc(self, step, raw, round_)
+            try:
+                return secagg.secure_posthoc(self, step, raw, round_)
+            except secagg.SecAggStopped as err:
+                raise FlowerRoundError(str(err)) from None
         encoder, index = _Encoder(), self.exp.posthoc.index(step)
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})

@@ -21,7 +21,12 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from hetfl import config as config_mod
+from hetfl import tracking
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.rundir import RunDirError
 from hetfl.flower import check_flower, offline_defaults
+from hetfl.flower.server import FlowerFederation
 
 offline_defaults()
 app = ServerApp()
@@ -53,11 +58,6 @@ class LogReporter:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from hetfl import config as config_mod
-    from hetfl.engine.experiment import Experiment
-    from hetfl.engine.rundir import RunDirError
-    from hetfl.flower.server import FlowerFederation
-
     run_config = context.run_config
     cfg = config_mod.from_dict(tomllib.loads(str(run_config["hetfl-config"])))
     cfg = replace(cfg, runtime=replace(cfg.runtime, executor="flower"))  # what config.toml will say
@@ -66,6 +66,6 @@ def main(grid: Grid, context: Context) -> None:
     resume = bool(run_config.get("resume", False))
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
         raise RunDirError(f"run-dir {run_dir}: already exists and is not empty; set resume = true or another run-dir")
-    exp = Experiment(cfg)
+    exp = Experiment(cfg, trackers=tracking.TRACKERS)  # tracked as hetfl run tracks (hetfl.tracking)
     exp.federation = FlowerFederation(exp, grid, poll_s=float(run_config.get("poll-s", 0.5)))
     exp.run(run_dir, resume=resume, reporter=LogReporter())  # type: ignore[arg-type]

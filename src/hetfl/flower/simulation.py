@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from hetfl.engine.rundir import check_no_run, lock_run_dir
 from hetfl.flower import INSTALL_HINT, check_flower, offline_defaults, require_flwr
+from hetfl.flower.client_app import app as client_app
 from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
+from hetfl.flower.server import FlowerFederation
+from hetfl.params import ConfigError
 
 if TYPE_CHECKING:
     from hetfl.engine.experiment import Experiment
@@ -40,8 +43,6 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
     ``jobs`` of (experiment, run directory, resume); their summaries."""
     require_flwr()
     if importlib.util.find_spec("ray") is None:
-        from hetfl.params import ConfigError
-
         raise ConfigError("runtime.executor", "flower",
                           f"the simulation needs Ray, which is not installed: {INSTALL_HINT}")
     for exp, _, _ in jobs:
@@ -50,8 +51,6 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
-    from hetfl.flower.client_app import app as client_app
-    from hetfl.flower.server import FlowerFederation
 
     summaries: list[dict[str, Any]] = []
     stop = threading.Event()  # ends the ServerApp thread's round loop when the engine stops under it
