@@ -24,9 +24,9 @@ from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
 from tests.helpers import needs_shared_data
 from tests.helpers.executors import (
-    CHAOTIC_LOCAL_TRAINING,
     SYNTHETIC,
     compare_one_round,
+    local_training,
     methods_by_family,
     round_contexts,
 )
@@ -36,7 +36,7 @@ MNIST = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "mnist"
 
 @pytest.mark.parametrize("method", methods_by_family())
 def test_every_method_vectorised_equals_sequential(method):
-    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    steps = local_training(method)
     exp = Experiment(config.load(None, [*SYNTHETIC, f"algorithm.name={method}", *steps]))
     compare_one_round(exp)
 

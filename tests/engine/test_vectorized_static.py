@@ -20,9 +20,9 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import CompiledCall, VectorizedCache, VectorizedGroup, train_clients_vectorized
 from tests.helpers.executors import (
-    CHAOTIC_LOCAL_TRAINING,
     SYNTHETIC,
     compare_one_round,
+    local_training,
     methods_by_family,
     round_contexts,
 )
@@ -51,7 +51,7 @@ def compiled_runs(monkeypatch):
 @pytest.mark.parametrize("method", methods_by_family(("fedavg", "scaffold", "fedbr", "fedpac", "mixup", "fedmix",
                                                        "dann")))
 def test_every_method_static_step_equals_sequential(method, compiled_runs):
-    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    steps = local_training(method)
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", *steps]))
     compare_one_round(exp, step_mode="static")
     assert compiled_runs["runs"] > 0
@@ -263,7 +263,7 @@ CUDA_METHODS = ["fedavg", "fedprox", "scaffold", "moon", "fedbr", "fedpac", "fed
 def test_cuda_graph_steps_equal_sequential_on_cuda(method):
     """On a GPU: the captured steps give the sequential executor's clients, and capture works
     for the methods with extra models, adversaries and several stages."""
-    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    steps = local_training(method)
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "runtime.device=cuda", *steps]))
     notes: list[str] = []
     compare_one_round(exp, step_mode="graph", notes=notes)
@@ -275,7 +275,7 @@ def test_cuda_graph_steps_equal_sequential_on_cuda(method):
 def test_every_method_vectorises_on_cuda_as_on_the_cpu(method):
     """No method falls back to sequential clients on a GPU (compare_one_round fails on a
     "falling back" note), and its vmapped clients equal its sequential ones there."""
-    steps = ["train.local_steps=10"] if method in CHAOTIC_LOCAL_TRAINING else []
+    steps = local_training(method)
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "runtime.device=cuda", *steps]))
     compare_one_round(exp, step_mode="eager")
 
