@@ -7,11 +7,17 @@ algorithm's loss, gradient transform and adversary step run unchanged.
 
 Exactness. Every client draws its batch order, augmentation and per-step
 random numbers from its own generators, in the same order as in
-:func:`hetfl.engine.local.run_stages`. Clients are not padded: at each step the
-active clients are grouped by batch size (the short last batch of an epoch,
-clients that have finished take no step), and each group is one vmapped call.
-No loss needs masking, and a client's result equals the sequential one up to
-floating-point reassociation in batched kernels.
+:func:`hetfl.engine.local.run_stages`, before the round's first step
+(:mod:`hetfl.engine.step_plan`: the plan goes to the device in one copy, and a
+step never waits for the host). A step of some rows computes only those rows
+(a prefix sliced as a view, or rows gathered and scattered back; padding
+entries compute on a scratch row whose results are never read), so no batch is
+padded and no loss needs masking: a client's result equals the sequential one
+up to floating-point reassociation in batched kernels.
+
+Speed on CUDA. Each call shape of the plan (a block of up to 16 steps, a first
+step, a short last batch) is captured once as a CUDA graph and replayed, in
+later rounds too (:class:`CompiledCall`, :class:`VectorizedCache`).
 
 Fallback. Clients whose stage structure or per-client tensor shapes differ are
 run in separate groups; a group whose step cannot be vmapped (data-dependent
