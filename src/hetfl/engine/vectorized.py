@@ -89,29 +89,11 @@ class ClientPlan:
                 tensors_key(ctx.state), tensors_key(ctx.extras))
 
 
-def stack_states(states: Sequence[Tensors]) -> Tensors:
-    return {name: torch.stack([s[name] for s in states]) for name in states[0]}
-
-
-def batch_dicts(dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
-    """Stack per-client tensors along a client axis; a tensor every client shares
-    (the same object: the global model in a payload) stays unstacked (in_dim None)."""
-    out: Tensors = {}
-    dims: dict[str, int | None] = {}
-    for name in dicts[0]:
-        items = [d[name] for d in dicts]
-        if all(t is items[0] for t in items):
-            out[name], dims[name] = items[0], None
-        else:
-            out[name], dims[name] = torch.stack(items), 0
-    return out, dims
-
-
-def select(tensors: Tensors, dims: dict[str, int | None] | None, index: torch.Tensor | None) -> Tensors:
-    """The rows ``index`` of the stacked entries (all of them when ``index`` is None)."""
-    if index is None:
-        return tensors
-    return {n: t if dims is not None and dims[n] is None else t[index] for n, t in tensors.items()}
+def client_axes(dicts: Sequence[Tensors]) -> dict[str, int | None]:
+    """For each tensor name of the clients' dicts: 0 where the clients hold their own tensors (stacked
+    along a client axis), None where every client holds the same object (the global model in a payload:
+    kept once, unbatched under ``vmap``)."""
+    return {name: None if all(d[name] is dicts[0][name] for d in dicts) else 0 for name in dicts[0]}
 
 
 class TemplateContext(ClientContext):
@@ -172,17 +154,18 @@ class GroupBuffers:
                 for n in dicts[0]}
 
     def _shared_or_rows(self, dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
-        """As :func:`batch_dicts`, with the scratch row; a tensor every client shares stays one copy."""
-        _, dims = batch_dicts(dicts)
+        """Per-client tensors stacked with the scratch row (:meth:`_rows`); a tensor every client shares
+        (:func:`client_axes`) is kept once."""
+        dims = client_axes(dicts)
         rows = self._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts])
         return {n: dicts[0][n].detach().clone() if dims[n] is None else rows[n] for n in dims}, dims
 
     def fits(self, plans: list[ClientPlan]) -> bool:
         """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
-        return len(plans) == self.k and batch_dicts([p.ctx.payload for p in plans])[1] == self.payload_dims \
+        return len(plans) == self.k and client_axes([p.ctx.payload for p in plans]) == self.payload_dims \
             and tensors_key(plans[0].ctx.shared) == tensors_key(self.shared) \
-            and batch_dicts([p.ctx.state for p in plans])[1] == self.cstate_dims \
-            and batch_dicts([p.ctx.extras for p in plans])[1] == self.extras_dims
+            and client_axes([p.ctx.state for p in plans]) == self.cstate_dims \
+            and client_axes([p.ctx.extras for p in plans]) == self.extras_dims
 
     def load(self, plans: list[ClientPlan]) -> None:
         """This round's start states, payloads, client states and extras, in place; sums and
