@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.imports import import_statements
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
@@ -39,21 +41,8 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool, modules: set[
     ``a.b``) is not counted: a package that imports its own submodules (a registry) is no circle with them."""
     package = module if is_package else module.rpartition(".")[0]
     found: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[: len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
-            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
-                      for a in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                found.append((node.lineno, node.args[0].value))
+    for line, base, names in import_statements(tree, package):
+        found += [(line, f"{base}.{n}" if f"{base}.{n}" in modules else base) for n in names] or [(line, base)]
     return [(line, name) for line, name in found if name in modules and name != module]
 
 

@@ -17,6 +17,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.federation import Federation, InProcessFederation
 from hetfl.params import ConfigError
 from hetfl.runtimes import run_experiment
+from tests.helpers.imports import import_statements
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,23 +33,9 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
     """(line, module name) of every import in ``source`` (the module ``module``): ``import a.b`` gives
     ``a.b``; ``from a import b`` gives ``a`` and ``a.b`` (``b`` may be a module); relative imports are
     made absolute; ``importlib.import_module("a.b")`` and ``__import__("a.b")`` with a literal name count."""
-    package = module.rsplit(".", 1)[0]
     found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[: len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
-            found.append((node.lineno, base))
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                found.append((node.lineno, node.args[0].value))
+    for line, base, names in import_statements(ast.parse(source), module.rsplit(".", 1)[0]):
+        found += [(line, base), *((line, f"{base}.{name}") for name in names)]
     return found
 
 
