@@ -210,17 +210,25 @@ def test_two_resumes_at_once_write_each_round_once(tmp_path, monkeypatch, capsys
     assert not (run / LOCK).exists()
 
 
+def paused_run(tmp_path: Path, run: Path, *, pause_round: int, rounds: int) -> subprocess.Popen:
+    """``hetfl run --out run`` in a process that pauses in ``pause_round`` (of ``rounds``), holding the folder's
+    lock; returned once it is paused."""
+    marker = tmp_path / "paused"
+    holder = driver(tmp_path, {"kind": "pause", "round": pause_round, "marker": str(marker)},
+                    "run", "--out", str(run), *cli_args(f"train.rounds={rounds}"))
+    deadline = time.time() + 120
+    while not marker.exists() and holder.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), holder.communicate()
+    return holder
+
+
 def test_a_live_holder_is_named_and_a_killed_holders_lock_is_taken_over(tmp_path, capsys, caplog):
     """A run paused in round 3 holds the directory: a new run and a resume there exit 2 naming its pid
     and host; once it is SIGKILLed, its lock file is stale, and a resume takes it over (logged)."""
-    run, marker = tmp_path / "run", tmp_path / "paused"
-    holder = driver(tmp_path, {"kind": "pause", "round": 3, "marker": str(marker)},
-                    "run", "--out", str(run), *cli_args("train.rounds=5"))
+    run = tmp_path / "run"
+    holder = paused_run(tmp_path, run, pause_round=3, rounds=5)
     try:
-        deadline = time.time() + 120
-        while not marker.exists() and holder.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), holder.communicate()
         info = json.loads((run / LOCK).read_text())
         assert info["pid"] == holder.pid and info["host"] == socket.gethostname() and info["started"]
         for argv in (["run", "--out", str(run), *cli_args("train.rounds=5", "seed=3")], ["run", "--resume", str(run)]):
@@ -247,14 +255,9 @@ def test_a_live_holder_is_named_and_a_killed_holders_lock_is_taken_over(tmp_path
 def test_sigterm_removes_the_lock_and_the_run_resumes(tmp_path, capsys):
     """Issue 26, item 6: a run stopped with SIGTERM (a service manager, ``kill``, a batch system's time limit)
     ends as Ctrl-C does: exit 130, its lock file removed (the README's promise), resumable."""
-    run, marker = tmp_path / "run", tmp_path / "paused"
-    holder = driver(tmp_path, {"kind": "pause", "round": 2, "marker": str(marker)},
-                    "run", "--out", str(run), *cli_args("train.rounds=3"))
+    run = tmp_path / "run"
+    holder = paused_run(tmp_path, run, pause_round=2, rounds=3)
     try:
-        deadline = time.time() + 120
-        while not marker.exists() and holder.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), holder.communicate()
         holder.send_signal(signal.SIGTERM)
         _, err = holder.communicate(timeout=120)
     finally:
