@@ -60,6 +60,9 @@ class FederatedData:
         self.client_train_cpu = self.client_train
         self.client_train = [idx.to(device) for idx in self.client_train]
         self.transformed = partition.rotation is not None or partition.label_perm is not None
+        # the per-channel normalisation on the device, made once (a step then copies nothing from the host)
+        self._mean, self._std = (None if v is None else torch.as_tensor(v, dtype=torch.float32).to(device)
+                                 for v in (self.info.mean, self.info.std))
         if self.transformed:  # the global test set is the union of the transformed client tests
             self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
             self.test_x = torch.cat([t.x for t in self.client_tests])
@@ -126,25 +129,8 @@ class FederatedData:
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Raw inputs -> model inputs (uint8 images become normalised floats)."""
         if x.dtype == torch.uint8:
-            return to_float(x, self._mean, self._std)
+            return to_float(x, self._mean, self._std)  # device tensors: no copy from the host in a step
         return x
-
-    @property
-    def _mean(self) -> torch.Tensor | None:
-        return self._constant("mean")
-
-    @property
-    def _std(self) -> torch.Tensor | None:
-        return self._constant("std")
-
-    def _constant(self, name: str) -> torch.Tensor | None:
-        """The dataset's per-channel ``mean`` / ``std`` as a tensor on the device, made once: a
-        step that prepares inputs then copies nothing from the host (and can be captured)."""
-        cache = self.__dict__.setdefault("_constants", {})
-        if name not in cache:
-            value = getattr(self.info, name)
-            cache[name] = None if value is None else torch.as_tensor(value, dtype=torch.float32).to(self.device)
-        return cache[name]
 
     def augment_draws(self, n: int, generator: torch.Generator) -> torch.Tensor | None:
         """The augmentation parameters of a batch of ``n`` samples, drawn on the CPU from ``generator``:

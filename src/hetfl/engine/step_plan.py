@@ -135,12 +135,13 @@ class _Packer:
 
     def __init__(self) -> None:
         self.parts: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.sizes: dict[torch.dtype, int] = {}
         self.slots: list[tuple[torch.dtype, int, tuple[int, ...]]] = []
 
     def add(self, t: torch.Tensor) -> int:
-        parts = self.parts.setdefault(t.dtype, [])
-        offset = sum(p.numel() for p in parts)
-        parts.append(t.reshape(-1))
+        offset = self.sizes.get(t.dtype, 0)
+        self.parts.setdefault(t.dtype, []).append(t.reshape(-1))
+        self.sizes[t.dtype] = offset + t.numel()
         self.slots.append((t.dtype, offset, tuple(t.shape)))
         return len(self.slots) - 1
 

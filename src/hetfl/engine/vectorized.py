@@ -248,6 +248,7 @@ class VectorizedGroup:
         self.template = TemplateContext.of(ctxs[0])
         self.cache = cache if step_mode != "eager" else None
         self.uncapturable = self.cache.uncapturable if self.cache is not None else set()
+        self.programs: dict[Any, CompiledCall] = self.cache.programs if self.cache is not None else {}
         self.key = (plans[0].key(), len(plans))
         self.buffers = self._buffers()
         self.template.__dict__["shared"] = self.buffers.shared  # what a captured step reads: kept buffers
@@ -258,7 +259,7 @@ class VectorizedGroup:
             if kept is not None and kept.fits(self.plans):
                 kept.load(self.plans)
                 return kept
-            self.cache.programs = {k: v for k, v in self.cache.programs.items() if k[0] != self.key}
+            self.cache.forget(lambda key: key == self.key)  # compiled for buffers that are replaced
         made = GroupBuffers(self.plans, self.data.device)
         if self.cache is not None:
             self.cache.buffers[self.key] = made
@@ -367,7 +368,7 @@ class VectorizedGroup:
         """The compiled form of ``call``'s shape: made once (per round, or per run with a cache)."""
         if self.step_mode == "eager":
             return CompiledCall(self, stage, index, call)
-        programs = self.cache.programs if self.cache is not None else self.__dict__.setdefault("_programs", {})
+        programs = self.programs
         key = (self.key, index, stage_key(stage), call.shape())
         found = programs.get(key)
         if found is not None and found.reusable(self.template):
@@ -406,8 +407,15 @@ class VectorizedCache:
 
     def drop(self, clients: int) -> None:
         """Forget the buffers and compiled calls of groups of ``clients`` clients."""
-        self.buffers = {k: v for k, v in self.buffers.items() if k[1] != clients}
-        self.programs = {k: v for k, v in self.programs.items() if k[0][1] != clients}
+        for key in [k for k in self.buffers if k[1] == clients]:
+            del self.buffers[key]
+        self.forget(lambda group: group[1] == clients)
+
+    def forget(self, groups: Callable[[Any], bool]) -> None:
+        """Forget the compiled calls of the groups (keys) for which ``groups`` is true, in place (a group's
+        ``programs`` is this very dict)."""
+        for key in [k for k in self.programs if groups(k[0])]:
+            del self.programs[key]
 
 
 def is_capturing() -> bool:
@@ -425,8 +433,6 @@ class CompiledCall:
     replay that disagrees, leaves the eager result in place and the stage runs eagerly from
     then on, with the reason logged once. The stage (and through it, every callable the step
     calls) is held by the compiled call, so that the identities in its key stay unique."""
-
-    WARMUP_CALLS = 1
 
     def __init__(self, group: VectorizedGroup, stage: Stage, index: int, call: Call) -> None:
         self.group, self.stage, self.index = group, stage, index
