@@ -164,25 +164,17 @@ class FederatedData:
         schedule: list[torch.Tensor],
         augment_gen: torch.Generator,
     ) -> Iterator[Batch]:
-        """The client's batches for ``schedule`` (indices into its own samples)."""
+        """The client's batches for ``schedule`` (indices into its own samples), each augmented with draws
+        from ``augment_gen`` (:meth:`augment_draws`, the vectorised executor's draws too); one copy to the
+        device per batch."""
         for local_idx in schedule:
-            yield self.clients_batch([client], [local_idx], [augment_gen])
-
-    def clients_batch(
-        self, clients: list[int], local_idx: list[torch.Tensor], augment_gens: list[torch.Generator]
-    ) -> Batch:
-        """One batch of each of ``clients``, concatenated in order: client ``clients[i]``'s
-        samples ``local_idx[i]``, augmented with draws from ``augment_gens[i]`` (each
-        client's draws are exactly those of a batch gathered on its own)."""
-        pairs = list(zip(clients, local_idx, strict=True))
-        idx = torch.cat([self.global_indices(c, li) for c, li in pairs])
-        draws = [self.augment_draws(len(li), g) for li, g in zip(local_idx, augment_gens, strict=True)]
-        augment = None if self.augment == "none" else torch.cat(draws, dim=1)  # type: ignore[arg-type]
-        on_device = idx if augment is None else torch.cat([idx.view(1, -1), augment])
-        on_device = on_device.to(self.device, non_blocking=True)  # one copy
-        if augment is None:
-            return self.batch_at(on_device, None)
-        return self.batch_at(on_device[0], on_device[1:])
+            idx = self.global_indices(client, local_idx)
+            augment = self.augment_draws(len(local_idx), augment_gen)
+            if augment is None:
+                yield self.batch_at(idx.to(self.device, non_blocking=True), None)
+                continue
+            on_device = torch.cat([idx.view(1, -1), augment]).to(self.device, non_blocking=True)
+            yield self.batch_at(on_device[0], on_device[1:])
 
     def client_train_split(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.client_train[client]
