@@ -10,6 +10,12 @@
   a CPU computation then give the same result on a machine with CUDA as without. A CUDA test states
   its device (``runtime.device=cuda``, or tensors moved with ``.cuda()``) and is skipped where CUDA is
   absent; the suite has no test that relies on ``auto`` meaning CUDA.
+
+And one order (:func:`pytest_collection_modifyitems`) for ``pytest -n N``, whose workers take the tests
+two at a time in this order (pyproject's addopts): **long tests first, the waiting ones spread among the
+others**, so that no worker waits at the end for a long test that started last, and a worker waiting for
+Flower's or the README's processes (marked ``processes``) overlaps with one that computes, rather than
+with another that waits.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ torch.set_num_threads(1)  # before hetfl is imported: its "auto" threads (hetfl.
 from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
 
 os.environ[AUTO_DEVICE_ENV] = "cpu"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that wait for processes, each followed by an equal share of the other slow tests, then the
+    rest; each group in collection order, so every pytest-xdist worker collects the same list."""
+    waiting = [item for item in items if item.get_closest_marker("processes")]
+    slow = [item for item in items if item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
+    rest = [item for item in items if not item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
+    share = -(-len(slow) // max(len(waiting), 1))
+    ordered: list[pytest.Item] = []
+    for n, item in enumerate(waiting):
+        ordered += [item, *slow[n * share : (n + 1) * share]]
+    items[:] = [*ordered, *slow[len(waiting) * share :], *rest]
 
 
 @pytest.fixture(autouse=True)

@@ -229,13 +229,14 @@ def test_overwrite_removes_every_file_hetfl_writes_in_a_run_folder(tmp_path):
     nodes' state, hetfl analyze's and hetfl report's folders) goes with the run; the names are the modules' own."""
     from hetfl import tracking
     from hetfl.analysis.run import OUT_DIR
+    from hetfl.engine.checkpoint import CHECKPOINT_NAME, TRAINED_NAME
     from hetfl.engine.experiment import CLIENT_MODELS_DIR
     from hetfl.engine.ledger import LEDGER_NAME
     from hetfl.engine.rundir import RUN_ENTRIES
     from hetfl.flower.protocol import NODES_DIR
 
     assert {tracking.STATE_NAME, tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report",
-            LEDGER_NAME} <= RUN_ENTRIES
+            LEDGER_NAME, CHECKPOINT_NAME, TRAINED_NAME} <= RUN_ENTRIES
     out = tmp_path / "run"
     hetfl.run(overrides=TINY, out=out)
     for folder in (tracking.TENSORBOARD_DIR, OUT_DIR, CLIENT_MODELS_DIR, NODES_DIR, "report"):

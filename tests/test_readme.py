@@ -20,74 +20,14 @@ marker, or a command that exits non-zero fails the test, naming the README line.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import SHARED_DATASETS
-
-REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
-FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)-->", re.DOTALL)
-TESTED_LANGUAGES = {"bash", "python", "toml"}
-
-
-@dataclass
-class Block:
-    line: int  # 1-based line of the opening fence
-    language: str
-    text: str
-    action: str = ""  # run | file | skip
-    argument: str = ""  # the file name, or why a block is skipped
-    substitutions: list[tuple[str, str]] = field(default_factory=list)
-
-    def shortened(self) -> str:
-        text = self.text
-        for old, new in self.substitutions:
-            if old not in text:
-                raise AssertionError(f"README.md:{self.line}: the marker's substitution {old!r} no longer "
-                                     "matches the block; update the marker")
-            text = text.replace(old, new.replace("\\n", "\n"))
-        return text
-
-
-def parse_marker(body: str) -> tuple[str, str, list[tuple[str, str]]]:
-    first, *rest = body.strip().splitlines()
-    action, _, argument = first.strip().partition(" ")
-    subs = []
-    for line in rest:
-        if line.strip():
-            old, sep, new = line.strip().partition(" => ")
-            if not sep:
-                old, new = line.strip().removesuffix(" =>"), ""
-            subs.append((old, new))
-    return action, argument.strip(), subs
-
-
-def readme_blocks(text: str) -> list[Block]:
-    """The fenced blocks with their markers (the comment ending on the line before the fence)."""
-    lines = text.splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        opened = FENCE.match(lines[i])
-        if not opened or not opened.group(1):
-            i += 1
-            continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        block = Block(i + 1, opened.group(1), "\n".join(lines[i + 1:end]) + "\n")
-        before = "\n".join(lines[max(0, i - 12):i])
-        found = list(MARKER.finditer(before))
-        if found and before[found[-1].end():].strip() == "":
-            block.action, block.argument, block.substitutions = parse_marker(found[-1].group(1))
-        blocks.append(block)
-        i = end + 1
-    return blocks
-
+from tests.helpers.readme import README, REPO, TESTED_LANGUAGES, readme_blocks
 
 BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
 
@@ -102,6 +42,25 @@ def test_every_example_block_says_how_it_is_tested():
         assert b.action != "skip" or b.argument, f"README.md:{b.line}: say why the block is skipped"
         assert b.action != "file" or b.argument, f"README.md:{b.line}: name the file"
     assert [b.line for b in BLOCKS if b.action == "run" and b.language not in {"bash", "python"}] == []
+
+
+def test_blocks_left_to_other_tests_are_run_by_them():
+    """A block marked ``skip run by tests/X.py::test_y`` is run by those tests (through
+    :func:`tests.helpers.readme.readme_command`, so they run the README's text, not a copy)."""
+    import ast
+    import re
+
+    named = 0
+    for b in BLOCKS:
+        if b.action != "skip" or not b.argument.startswith("run by"):
+            continue
+        for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", b.argument):
+            tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
+            test = next((f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name), None)
+            assert test is not None, f"README.md:{b.line}: {path} has no test {name}"
+            assert "readme_command(" in ast.unparse(test), f"README.md:{b.line}: {name} does not run the README's text"
+            named += 1
+    assert named >= 3
 
 
 def test_markers_substitutions_still_match():
@@ -127,20 +86,22 @@ def readme_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_DATASETS.exists(), reason=f"{SHARED_DATASETS} absent: the README's examples read MNIST "
                     "and CIFAR-10 from it")
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[f"README.md:{b.line}" for b in RUN_BLOCKS])
-def test_the_readmes_examples_run_as_written(readme_home, block):
-    """Each block in the README's order (later blocks use what earlier ones wrote: my.toml, runs/a...)."""
+def test_the_readmes_examples_run_as_written(readme_home):
+    """Every ``run`` block, in the README's order, in one test: later blocks use what earlier ones wrote
+    (my.toml, runs/a...), so they cannot be spread over pytest-xdist's workers. A failure names the block."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    if block.language == "python":
-        script = block.shortened()
-        command = [sys.executable, "-c", script]
-    else:
-        script = "set -euo pipefail\n" + block.shortened()
-        command = ["bash", "-c", script]
-    done = subprocess.run(command, cwd=readme_home, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (f"README.md:{block.line}: the block exited {done.returncode}\n{script}\n"
-                                  f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
+    for block in RUN_BLOCKS:
+        if block.language == "python":
+            script = block.shortened()
+            command = [sys.executable, "-c", script]
+        else:
+            script = "set -euo pipefail\n" + block.shortened()
+            command = ["bash", "-c", script]
+        done = subprocess.run(command, cwd=readme_home, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (f"README.md:{block.line}: the block exited {done.returncode}\n{script}\n"
+                                      f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")

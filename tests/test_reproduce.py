@@ -117,3 +117,79 @@ def test_run_directory_names_are_plain():
     for name in ("ccvr-table2", "fedbr-table1"):
         for spec in run_specs(load_preset(name)).values():
             assert not set(spec.dirname) & set('"/ '), spec.dirname
+
+
+def test_ccvr_and_its_oracle_row_train_once_per_trainer():
+    """Issue 27, item 11: the quick CCVR preset's 8 runs are 4 trainings; each oracle row and its "X + CCVR"
+    row share one (same trainer and settings; only algorithm.ccvr.* differ)."""
+    preset = reproduce.load_preset("ccvr-table2").variant(True)
+    specs = reproduce.run_specs(preset)
+    order = sorted(set(specs.values()), key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
+    configs = [reproduce.build_config(preset, spec, []) for spec in order]
+    sources = reproduce.training_sources(order, configs)
+    assert len(order) == 8 and len(sources) == 4
+    for method in ("FedAvg", "FedProx", "FedAvgM", "MOON"):
+        oracle, ccvr = specs[(f"{method} + oracle calibration", "a0.1", 0)], specs[(f"{method} + CCVR", "a0.1", 0)]
+        assert sources.get(oracle) == ccvr or sources.get(ccvr) == oracle, method  # one trains, one calibrates
+    # a preset run on Flower, or calibrating every round, trains each run itself
+    flower = [reproduce.build_config(preset, spec, ["runtime.executor=flower"]) for spec in order]
+    assert reproduce.training_sources(order, flower) == {}
+    every = [reproduce.build_config(preset, spec, ["algorithm.ccvr.every_round=true"]) for spec in order]
+    assert reproduce.training_sources(order, every) == {}
+
+
+ORACLE_PRESET = """
+[preset]
+title = "toy calibration"
+paper = "nobody"
+metric = "final_global_acc"
+seeds = [0]
+[base.data]
+num_clients = 4
+partition = "dirichlet"
+alpha = 0.1
+[base.model]
+name = "mlp"
+options = { hidden = [16] }
+[base.train]
+rounds = 3
+local_steps = 5
+[[columns]]
+id = "c"
+label = "C"
+[[rows]]
+label = "FedAvg"
+algorithm = "fedavg+ccvr"
+metric = "final_global_acc_before_ccvr"
+[[rows]]
+label = "FedAvg + CCVR"
+algorithm = "fedavg+ccvr"
+[[rows]]
+label = "FedAvg + oracle"
+algorithm = "fedavg+ccvr"
+set = { "algorithm.ccvr.oracle" = "all", "algorithm.ccvr.epochs" = 4 }
+"""
+
+
+def test_reproduce_calibrates_the_oracle_row_on_the_ccvr_runs_training(tmp_path, capsys, monkeypatch):
+    """The oracle row's run starts from the CCVR run's training (one training, said in the counter line) and
+    its number is the one a run trained itself gives."""
+    from hetfl.engine.experiment import Experiment
+
+    path = tmp_path / "toy.toml"
+    path.write_text(ORACLE_PRESET)
+    trained_in: list = []
+    real_run = Experiment.run
+    monkeypatch.setattr(Experiment, "run", lambda self, run_dir, **kw: trained_in.append(kw.get("trained"))
+                        or real_run(self, run_dir, **kw))
+    out = tmp_path / "out"
+    assert main(["reproduce", str(path), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert len(trained_in) == 2 and trained_in[0] is None and trained_in[1] == out / "c" / "fedavg-ccvr-seed0"
+    assert "post-hoc steps only, on run 1's training" in " ".join(printed.split())  # wrapped at COLUMNS
+    table = json.loads((out / "reproduction.json").read_text())["table"]
+    alone = Experiment(reproduce.build_config(reproduce.load_preset(str(path)), reproduce.run_specs(
+        reproduce.load_preset(str(path)))[("FedAvg + oracle", "c", 0)], [])).run(tmp_path / "alone")
+    assert table["FedAvg + oracle"]["c"]["ours"] == alone["final_global_acc"]
+    assert table["FedAvg"]["c"]["ours"] == alone["final_global_acc_before_ccvr"]
+    assert table["FedAvg + CCVR"]["c"]["ours"] != table["FedAvg + oracle"]["c"]["ours"]

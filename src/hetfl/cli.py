@@ -261,13 +261,14 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out or f"runs/reproduce/{preset.name}{'-quick' if args.quick else ''}")
     check_output_dir(out)
 
-    def run(cfg: config_mod.RunConfig, run_dir: Path, resume: bool) -> None:
-        console.print(str(run_dir), style="bold")
+    def run(cfg: config_mod.RunConfig, run_dir: Path, resume: bool, trained: Path | None = None) -> None:
+        console.print(str(run_dir) + (f" (calibrates the model trained in {trained})" if trained else ""),
+                      style="bold")
         reporter = RichReporter(console, enabled=not args.quiet)
         if resume:  # an interrupted run of this configuration goes on from its own config.toml (hetfl run --resume)
             cfg = config_mod.load(run_dir / CONFIG_NAME)
         try:
-            run_experiment(cfg, run_dir, resume=resume, reporter=reporter)
+            run_experiment(cfg, run_dir, resume=resume, reporter=reporter, trained=trained)
         finally:
             reporter.close()
 

@@ -43,7 +43,7 @@ class RichReporter:
             ("hetfl", "bold"),
             f" {c.algorithm.name} on {c.data.dataset} ({c.data.partition}, "
             f"{c.data.num_clients} clients), model {c.model.name} ({exp.num_params:,} parameters), "
-            f"device {exp.device}" + (f", resuming after round {start_round}" if start_round else ""),
+            f"device {exp.device}" + where_it_starts(start_round, getattr(exp, "trained_in", None)),
         ))
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -161,3 +161,11 @@ def make_console() -> Console:
     if console.is_terminal or console.is_jupyter or os.environ.get("COLUMNS"):
         return console
     return Console(stderr=False, markup=False, emoji=False, width=PIPED_WIDTH)
+
+
+def where_it_starts(start_round: int, trained_in: str | None) -> str:
+    """The run header's tail: from round 1 (nothing), resumed, or the post-hoc steps on another run's training."""
+    if trained_in:
+        return f", post-hoc steps on the model trained in {trained_in} (rounds 1-{start_round + 1})"
+    return f", resuming after round {start_round}" if start_round else ""
+

@@ -99,16 +99,24 @@ def set_up(cfg: RunConfig) -> Experiment:
 
 
 def run_experiment(cfg_or_experiment: RunConfig | Experiment, run_dir: str | Path, *, resume: bool = False,
-                   reporter: Reporter | None = None) -> dict[str, Any]:
+                   reporter: Reporter | None = None, trained: str | Path | None = None) -> dict[str, Any]:
     """Run (or continue, ``resume``) an experiment in ``run_dir`` with the runtime its ``runtime.executor``
     names; returns the summary. ``cfg_or_experiment``: a RunConfig (set up here, after the runtime's
-    checks) or an :class:`~hetfl.engine.experiment.Experiment` already set up. Raises what the set-up
-    and ``Experiment.run`` raise, the runtime's ConfigErrors first, all before anything is written."""
+    checks) or an :class:`~hetfl.engine.experiment.Experiment` already set up. ``trained``: a finished
+    run to take the training from (only the post-hoc steps run: ``Experiment.run``'s ``trained``; in this
+    process). Raises what the set-up and ``Experiment.run`` raise, the runtime's ConfigErrors first, all
+    before anything is written."""
+    cfg = cfg_or_experiment if isinstance(cfg_or_experiment, RunConfig) else cfg_or_experiment.cfg
+    if trained is not None and cfg.runtime.executor == "flower":
+        raise ConfigError("runtime.executor", "flower", "a run that starts from another's training (trained=) "
+                          "runs only its post-hoc steps, in this process: use sequential or vectorized")
     if isinstance(cfg_or_experiment, RunConfig):
         exp = set_up(cfg_or_experiment)  # the runtime's checks first
     else:
         exp = cfg_or_experiment
         check_runtime(exp.cfg)  # set up elsewhere: the runtime's checks, before anything is written
+    if trained is not None:
+        return exp.run(Path(run_dir), reporter=reporter, trained=trained)
     return runtime_of(exp.cfg).run(exp, Path(run_dir), resume, reporter)
 
 

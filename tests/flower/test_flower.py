@@ -26,6 +26,7 @@ from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, to_rec
 from hetfl.flower.protocol import NODES_DIR
 from hetfl.flower.server import _Reads
 from hetfl.flower.simulation import run_simulations
+from tests.helpers.readme import readme_command
 
 # 3 clients of FedProx's Synthetic(1,1) split by Dirichlet, a small MLP, 2 rounds of 10 local steps, 1 thread
 SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
@@ -75,6 +76,7 @@ def test_the_server_sends_a_node_only_the_server_state_client_model_reads():
     assert {k for k in view.extra.read if k in extra} == {f"head.1/{n}" for n in exp.algorithm.head_names}
 
 
+@pytest.mark.processes
 @pytest.mark.slow  # Ray's start, ~15 s; fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
 def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
     """Same code on the same CPU: metrics, summary and final server state are bit-identical.
@@ -103,17 +105,22 @@ def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
     assert (tmp_path / "flower-scaffold" / NODES_DIR).is_dir()  # SCAFFOLD's control variates, for resume
 
 
+@pytest.mark.processes
 @pytest.mark.slow  # Ray's start, ~13 s
-def test_hetfl_run_with_the_flower_executor_in_one_command(tmp_path):
-    """``hetfl run --set runtime.executor=flower``: the run directory of the other executors, MOON's
-    numbers (the previous local model kept on each node) as with the sequential executor.
+def test_the_readmes_flower_command_gives_the_sequential_numbers(tmp_path):
+    """The README's ``hetfl run --set runtime.executor=flower --set algorithm.name=scaffold --out ...`` (made
+    small; the README test leaves it to this test): the run directory of the other executors, SCAFFOLD's
+    numbers (control variates kept on each node) as with the sequential executor.
     (Crash and resume: tests/flower/test_flower_logic.py.)"""
-    overrides = [*SMALL, "algorithm.name=moon"]
-    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
-    args = ["run", "--out", str(tmp_path / "flower"), "--quiet"]
-    for o in [*overrides, "runtime.executor=flower"]:
-        args += ["--set", o]
-    assert main(args) == 0
+    command = readme_command("hetfl run --set runtime.executor=flower --set algorithm.name=scaffold")
+    assert command[:2] == ["hetfl", "run"] and "--out" in command
+    args = command[1:]
+    args[args.index("--out") + 1] = str(tmp_path / "flower")
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert "runtime.executor=flower" in sets and "algorithm.name=scaffold" in sets
+    Experiment(config.load(None, [*SMALL, *[x for x in sets if x != "runtime.executor=flower"]])).run(
+        tmp_path / "sequential")
+    assert main([*args, *[f"--set={x}" for x in SMALL], "--quiet"]) == 0
     run = tmp_path / "flower"
     assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors", NODES_DIR} <= {
         p.name for p in run.iterdir()}

@@ -1,6 +1,7 @@
 """hetfl deployed on Flower: a SuperLink and 3 SuperNodes as separate processes on the loopback.
 
-TLS with a CA and certificate made here; then a run where one SuperNode is SIGKILLed mid-run.
+The README's deployment over TLS (certificates made by the script) gives the sequential numbers; a run where
+one SuperNode is SIGKILLed mid-run goes on without it.
 Every process is started in its own process group and the fixture kills the groups, so nothing
 is left behind. Skipped when Flower is not installed (``pip install "hetfl[flower]"``).
 
@@ -26,6 +27,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.deploy import LocalFederation, LogFollower, RunWatch, generate_tls, serverapp_error, start, wait_for
+from tests.helpers.readme import readme_command
 
 DEPLOY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "flower" / "deploy.py"
 
@@ -69,25 +71,7 @@ def log_tail(fed: LocalFederation) -> str:
         "\n--- flwr run\n" + (fed.workdir / "flwr-run.log").read_text()[-3000:]
 
 
-@pytest.mark.slow  # a SuperLink and 3 SuperNodes as processes, ~35 s
-def test_deployed_run_over_tls_gives_the_sequential_numbers(federation, tmp_path):
-    """SCAFFOLD (client state kept by each SuperNode between its ClientApp processes) over TLS:
-    the same metrics as the in-process sequential executor."""
-    overrides = [*SMALL, "train.rounds=2", "algorithm.name=scaffold", "runtime.flower_timeout_s=120"]
-    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
-    fed = federation(3, tls=True)
-    cfg = config.load(None, [*overrides, "runtime.executor=flower"])
-    result = fed.submit(config.dumps(cfg), tmp_path / "deployed", timeout_s=240)
-    run = tmp_path / "deployed"
-    assert result.returncode == 0 and (run / "summary.json").exists(), log_tail(fed)
-    assert "--insecure" not in " ".join(fed.superlink.popen.args)
-    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {p.name for p in run.iterdir()}
-    got = lines(run)
-    assert [x["failed_clients"] for x in got] == [[], []]
-    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
-        [{k: v for k, v in x.items() if k not in DROP} for x in lines(tmp_path / "sequential")]
-
-
+@pytest.mark.processes
 @pytest.mark.slow  # ~50 s; fast cover: test_flower_logic.py's silent or failing client
 def test_a_supernode_killed_mid_run_is_recorded_and_the_run_finishes(federation, tmp_path):
     """SIGKILL one SuperNode (and its ClientApp processes) after round 1: round 2 waits for it up
@@ -223,10 +207,15 @@ def test_the_log_is_followed_line_by_line_as_it_grows(tmp_path):
     assert follower.since_start() == "hetfl: one\nhetfl: two\n"
 
 
-@pytest.mark.slow
-def test_the_script_prints_progress_while_the_run_goes(script, tmp_path, monkeypatch, capsys):
-    """2 SuperNodes over TLS, 2 rounds: the SuperLink, the nodes connecting and each round are printed
-    as they happen (round 1's line before the run's summary.json exists), then the summary."""
+@pytest.mark.processes
+@pytest.mark.slow  # a SuperLink and 3 SuperNodes as processes, ~35 s
+def test_the_readmes_deploy_command_prints_its_progress_and_gives_the_sequential_numbers(script, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """The README's ``python examples/flower/deploy.py ...`` (SCAFFOLD over TLS, made small: 3 SuperNodes, 2
+    rounds; the README test leaves it to this test): the SuperLink, the nodes connecting and each round are
+    printed as they happen (round 1's line before the run's summary.json exists), then the summary; the run
+    directory is hetfl's and its numbers are the in-process sequential executor's (each SuperNode keeps its
+    client's control variate between its ClientApp processes)."""
     said: list[tuple[float, str, bool]] = []
     run = tmp_path / "run"
 
@@ -234,14 +223,21 @@ def test_the_script_prints_progress_while_the_run_goes(script, tmp_path, monkeyp
         said.append((time.time(), message, (run / "summary.json").exists()))
         print(message)
 
+    args = readme_command("python examples/flower/deploy.py")[2:]
+    args[args.index("--out") + 1] = str(run)
+    small = {"data.num_clients": "3", "train.rounds": "2"}
+    args = [f"{a.split('=')[0]}={small[a.split('=')[0]]}" if a.split("=")[0] in small else a for a in args]
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert "--insecure" not in args and {"algorithm.name=scaffold", "data.num_clients=3", "train.rounds=2"} <= set(sets)
+    Experiment(config.load(None, [*SMALL, *sets])).run(tmp_path / "sequential")
     monkeypatch.setattr(script, "say", say)
-    code = script.main([*[f"--set={x}" for x in [*SMALL, "data.num_clients=2", "train.rounds=2"]],
-                        "--out", str(run), "--workdir", str(tmp_path / "federation"), "--timeout", "400"])
+    code = script.main([*args, *[f"--set={x}" for x in SMALL], "--workdir", str(tmp_path / "federation"),
+                        "--timeout", "400"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     messages = [m for _, m, _ in said]
-    order = ["SuperLink up on 127.0.0.1:", "SuperNodes connected: 2/2", "run submitted", "SuperLink: started run",
-             "ServerApp: fedavg, 2 clients, 2 rounds", "round 1/2: loss", "round 2/2: loss", "ServerApp finished"]
+    order = ["SuperLink up on 127.0.0.1:", "SuperNodes connected: 3/3", "run submitted", "SuperLink: started run",
+             "ServerApp: scaffold, 3 clients, 2 rounds;", "round 1/2: loss", "round 2/2: loss", "ServerApp finished"]
     found = [next((i for i, m in enumerate(messages) if m.startswith(p)), None) for p in order]
     assert None not in found and found == sorted(found), messages
     assert "(TLS)" in messages[found[0]]
@@ -251,8 +247,13 @@ def test_the_script_prints_progress_while_the_run_goes(script, tmp_path, monkeyp
         assert f"loss {line['train_loss']:.4f}" in shown and f"global acc {100 * line['global_acc']:.2f}%" in shown
     assert not said[found[5]][2], "round 1 was printed only after the run had ended"
     assert '"rounds": 2' in out and f"run directory: {run}" in out
+    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {p.name for p in run.iterdir()}
+    assert [x["failed_clients"] for x in got] == [[], []]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in lines(tmp_path / "sequential")]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_failure_inside_the_serverapp_is_reported_with_its_cause(script, tmp_path, capsys):
     """A setting that passes every check but fails in the ServerApp (no node can answer its greeting

@@ -143,18 +143,28 @@ def test_fewer_survivors_than_flower_min_replies_stop_the_run(tmp_path):
         _survivors_sum([*BASE, "data.num_clients=4", "runtime.flower_min_replies=0"], grid, tmp_path)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
-def test_flower_simulation_with_secagg_gives_the_in_process_secure_numbers(tmp_path):
-    """Flower's simulation engine (Ray): three nodes, SecAgg+ over real message passing."""
+def test_the_readmes_secure_private_flower_command_gives_the_in_process_numbers(tmp_path):
+    """The README's ``hetfl run --set runtime.executor=flower --set runtime.secure_aggregation=true ...`` (CCVR's
+    moments with differential privacy, summed by SecAgg+; made small; the README test leaves it to this test):
+    Flower's simulation engine (Ray), three nodes, SecAgg+ over real message passing, the in-process secure
+    run's numbers and the budget it was asked for."""
     pytest.importorskip("ray", reason="Flower's simulation engine (Ray) is not installed")
-    from hetfl.flower.simulation import run_simulations
+    from hetfl.cli import main
+    from tests.helpers.readme import readme_command
 
-    overrides = [*BASE, "data.num_clients=3"]
-    Experiment(config.load(None, overrides)).run(tmp_path / "in_process")
-    exp = Experiment(config.load(None, [*overrides, "runtime.executor=flower"]))
-    run_simulations([(exp, tmp_path / "flower", False)])
+    args = readme_command("hetfl run --set runtime.executor=flower --set runtime.secure_aggregation=true")[1:]
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert {"algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4"} <= set(sets)
+    small = [*BASE, "data.num_clients=3"]
+    Experiment(config.load(None, [*small, *[x for x in sets if x != "runtime.executor=flower"]])).run(
+        tmp_path / "in_process")
+    assert main([*args, *[f"--set={x}" for x in small], "--out", str(tmp_path / "flower"), "--quiet"]) == 0
     got = lines(tmp_path / "flower")
     assert got == lines(tmp_path / "in_process") and got[-1]["secagg_clients"] == 3
+    privacy = json.loads((tmp_path / "flower" / "summary.json").read_text())["privacy"]
+    assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-3) and privacy["summed_clients"] == 3
 
 
 def test_differential_privacy_under_secagg_on_flower_matches_in_process_and_reports_the_budget(tmp_path):

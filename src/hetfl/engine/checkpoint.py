@@ -25,6 +25,10 @@ from hetfl.algorithms.base import ServerState, Tensors
 from hetfl.files import follow_umask
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
+#: the model and client states after the last round's training, before the post-hoc steps (CCVR's
+#: calibration) changed them, with that round's training metrics: another run that differs only in its
+#: post-hoc settings starts from it instead of training again (``Experiment.run(..., trained=...)``)
+TRAINED_NAME = "trained.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -54,7 +58,7 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
         raise
 
 
-def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
+def save_checkpoint(run_dir: Path, ckpt: Checkpoint, filename: str = CHECKPOINT_NAME) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.server.model.items():
         tensors[f"server.model/{name}"] = t
@@ -64,12 +68,12 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
         for name, t in state.items():
             tensors[f"client.{cid}/{name}"] = t
     meta = {"format": str(FORMAT_VERSION), "round": str(ckpt.round), "info": json.dumps(ckpt.info)}
-    save_tensors(run_dir / CHECKPOINT_NAME, tensors, meta)
+    save_tensors(run_dir / filename, tensors, meta)
 
 
-def load_checkpoint(run_dir: Path, device: torch.device) -> Checkpoint | None:
-    """The run's checkpoint, or None if it has none yet."""
-    path = run_dir / CHECKPOINT_NAME
+def load_checkpoint(run_dir: Path, device: torch.device, filename: str = CHECKPOINT_NAME) -> Checkpoint | None:
+    """The run's checkpoint (or its file ``filename``), or None if it has none yet."""
+    path = run_dir / filename
     if not path.exists():
         return None
     try:

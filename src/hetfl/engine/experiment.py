@@ -8,7 +8,9 @@ The run directory contract (DESIGN.md): ``config.toml`` (resolved config),
 ``metrics.jsonl`` (one line per round, of a size that does not grow with the
 clients), ``client_metrics.jsonl`` (each client's accuracy on evaluated rounds),
 ``summary.json``, and ``checkpoint.safetensors`` for ``hetfl run --resume``; a run with differential
-privacy also ``privacy_ledger.json`` (:mod:`hetfl.engine.ledger`: each release, recorded before it is used).
+privacy also ``privacy_ledger.json`` (:mod:`hetfl.engine.ledger`: each release, recorded before it is used);
+a run with post-hoc steps also ``trained.safetensors``, its model before them, from which runs that differ
+only in the post-hoc settings start (``Experiment.run(..., trained=...)``; ``hetfl reproduce`` does).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
 from hetfl.engine import resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
+    TRAINED_NAME,
     Checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -53,12 +56,15 @@ from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.local import LocalResult, run_stages, train_client
 from hetfl.engine.messages import nbytes
 from hetfl.engine.rundir import (
+    CLIENT_METRICS_NAME,
+    CLIENT_RECORD_KEY,
     HISTORY_KEY,
     MetricsLog,
     RunDirError,
     check_no_run,
     lock_run_dir,
     restore_metrics,
+    split_lines,
 )
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
@@ -72,7 +78,7 @@ from hetfl.engine.summary import (
 )
 from hetfl.engine.tracker import NO_RUN_TRACKER, NO_TRACKERS, RunTracker, Trackers, untracked_switch
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
-from hetfl.files import atomic_write_text
+from hetfl.files import atomic_write_bytes, atomic_write_text
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError
@@ -85,6 +91,10 @@ CLIENT_MODELS_DIR = "client_models"
 #: the key under which ``evaluate`` returns each client's accuracy (taken out of the metrics line, written
 #: to ``client_metrics.jsonl``); the line keeps their summary (:func:`hetfl.engine.summary.client_acc_summary`)
 CLIENT_ACC_KEY = "_client_acc"
+#: the key of ``trained.safetensors``' info holding its round's metrics line before the post-hoc steps
+PENDING_KEY = "before_posthoc"
+#: the key of a checkpoint's info naming the run whose training it holds (``summary.json``: ``trained_in``)
+TRAINED_IN_KEY = "trained_in"
 
 
 def check_config(cfg: RunConfig, trackers: Trackers = NO_TRACKERS) -> torch.device:
@@ -169,6 +179,7 @@ class Experiment:
         self.chunk_sizes: dict = {}  # vectorized: clients at once per group structure, found in round 1
         self.vectorized_cache = VectorizedCache()  # vectorized: CUDA graphs and their buffers, across rounds
         self.run_dir: Path | None = None
+        self.trained_in: str | None = None  # the run this one took its training from (run(trained=...))
         # where the clients' side runs: in this process (sequential / vectorized executors) by default;
         # a runtime above the engine may attach another (hetfl.flower's FlowerFederation: Flower nodes)
         self.federation: Federation = InProcessFederation(self)
@@ -238,8 +249,16 @@ class Experiment:
         return accuracy_and_loss(self.caller, model_c, test.x, test.y, data, bs, predictor)[1], None
 
     # ------------------------------------------------------------------ run
-    def run(self, run_dir: str | Path, *, resume: bool = False, reporter: Reporter | None = None) -> dict[str, Any]:
+    def run(self, run_dir: str | Path, *, resume: bool = False, reporter: Reporter | None = None,
+            trained: str | Path | None = None) -> dict[str, Any]:
         """Run (or continue) the experiment in ``run_dir``; returns the summary.
+
+        ``trained``: the folder of a finished run whose configuration differs from this one only in the
+        post-hoc steps' settings (``algorithm.ccvr.*``, not ``every_round``): this run starts from its
+        ``trained.safetensors`` (the model after its last round's training, before the post-hoc steps) and
+        only runs its own post-hoc steps and the last evaluation; its rounds' lines before are that run's,
+        and so is the numbers' equality with a run trained here (tested). A RunDirError when that folder
+        holds no such file or another training configuration.
 
         The whole run holds the directory's lock (:mod:`hetfl.engine.rundir`): a second process
         is refused naming this one. A new run needs a directory holding no run, checked under the
@@ -258,16 +277,63 @@ class Experiment:
                                                "hetfl.runtimes.run_experiment (or `hetfl run`, hetfl.run), or set it "
                                                "up with hetfl.runtimes.set_up(cfg), which hands hetfl.tracking's")
         run_dir = Path(run_dir)
+        if trained is not None and resume:
+            raise ValueError("resume=True continues the run in run_dir from its own checkpoint; trained= starts "
+                             "a new run from another's training: give one of them")
+        trained_ckpt = self.trained_checkpoint(Path(trained)) if trained is not None else None
         with lock_run_dir(run_dir) as taken:
             if taken and not resume:
                 check_no_run(run_dir)
+            if trained_ckpt is not None:  # the trained model becomes this run's checkpoint, resumed below
+                copy_history(Path(trained), run_dir, trained_ckpt)
+                info = {**trained_ckpt.info, "config": config_mod.to_tree(self.cfg),
+                        TRAINED_IN_KEY: str(Path(trained).resolve())}
+                save_checkpoint(run_dir, Checkpoint(trained_ckpt.round, trained_ckpt.server, trained_ckpt.clients,
+                                                    info))
+                resume = True
             return self.run_locked(run_dir, resume, reporter or Reporter())
+
+    def trained_checkpoint(self, trained_dir: Path) -> Checkpoint:
+        """``trained_dir``'s model before its post-hoc steps, checked to be this run's training: the same
+        configuration but for the post-hoc settings, no post-hoc step run every round, an in-process run,
+        no differentially private release before it (the ledger it would need is that run's)."""
+        if not isinstance(self.federation, InProcessFederation):
+            raise ConfigError("runtime.executor", self.cfg.runtime.executor,
+                              "a run that starts from another's training (trained=) runs in this process")
+        every_round = [step.name for step in self.posthoc if step.every_round]
+        if every_round:
+            raise ConfigError(f"algorithm.{every_round[0]}.every_round", True,
+                              "a step run after every round changes the training that follows it, so this run "
+                              "cannot start from another's training (trained=)")
+        if not self.posthoc:
+            raise ConfigError("algorithm.name", self.cfg.algorithm.name,
+                              "a run without post-hoc steps would repeat the other's run; trained= starts a run "
+                              "whose post-hoc settings differ (e.g. fedavg+ccvr with other algorithm.ccvr.*)")
+        ckpt = load_checkpoint(trained_dir, self.device, TRAINED_NAME)
+        if ckpt is None or PENDING_KEY not in ckpt.info:
+            raise RunDirError(f"{trained_dir}: no {TRAINED_NAME} (the model before the post-hoc steps) to start "
+                              "from; it is written by a finished run with post-hoc steps and checkpoints on")
+        changed = config_changes(ckpt.info.get("config"), self.cfg, training_only=True)
+        if changed:
+            raise RunDirError(f"{trained_dir}: its training is another configuration's ({'; '.join(changed[:5])}; "
+                              "there -> now); only the post-hoc steps' settings may differ")
+        steps = {step.name for step in self.posthoc}
+        if any(entry.method not in steps for entry in PrivacyLedger(trained_dir).entries):
+            raise RunDirError(f"{trained_dir}: its training made differentially private releases; a run started "
+                              "from it would not account for them: train this run itself")
+        return ckpt
+
+    def keeps_trained(self) -> bool:
+        """Whether this run keeps its last round's model before the post-hoc steps (:func:`keeps_trained_model`;
+        and its clients run in this process)."""
+        return keeps_trained_model(self.cfg) and isinstance(self.federation, InProcessFederation)
 
     def run_locked(self, run_dir: Path, resume: bool, reporter: Reporter) -> dict[str, Any]:
         """The body of :meth:`run`, with the run directory's lock held."""
         cfg = self.cfg
         self.run_dir = run_dir
         ckpt = load_checkpoint(run_dir, self.device) if resume else None
+        self.trained_in = ckpt.info.get(TRAINED_IN_KEY) if ckpt else None
         if ckpt is not None:
             changed = config_changes(ckpt.info.get("config"), cfg)
             if changed:
@@ -276,7 +342,7 @@ class Experiment:
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
-        start = ckpt.round if ckpt else 0
+        start = lines_before(ckpt)
         for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
             self.note(message, reporter)
         tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
@@ -351,12 +417,13 @@ class Experiment:
         """Rounds after the checkpoint's (all, without one) to the last; then the summary."""
         cfg = self.cfg
         server = ckpt.server if ckpt else self.initial_server()
-        self.federation.start(run_dir, ckpt.round if ckpt else 0, ckpt.info if ckpt else {})
+        start = lines_before(ckpt)
+        self.federation.start(run_dir, start, ckpt.info if ckpt else {})
         setup_up = setup_down = 0
         if ckpt is None:
             server, setup_up, setup_down = self.setup_round(server)
         clients: dict[int, Tensors] = ckpt.clients if ckpt else {}
-        start = ckpt.round if ckpt else 0
+        pending = ckpt.info.get(PENDING_KEY) if ckpt else None  # the last round trained in another run
         wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
         history = metrics_log.history
         for method in self.releasing_methods():  # what the server sees of private uploads: the run's first line
@@ -366,11 +433,20 @@ class Experiment:
         reporter.start(cfg, start, self)
         for round_ in range(start + 1, cfg.train.rounds + 1):
             t0 = time.perf_counter()
-            line = self.round(server, clients, round_, reporter)
-            server = line.pop("_server")
-            if round_ == 1:  # the set-up round's traffic counts with round 1
-                line["bytes_up"] += setup_up
-                line["bytes_down"] += setup_down
+            if pending is not None and round_ == ckpt.round:  # trained.safetensors' round: its line and time
+                line = dict(pending["line"])
+                t0 -= pending["train_time_s"]
+            else:
+                line = self.round(server, clients, round_, reporter)
+                server = line.pop("_server")
+                if round_ == 1:  # the set-up round's traffic counts with round 1
+                    line["bytes_up"] += setup_up
+                    line["bytes_down"] += setup_down
+                if round_ == cfg.train.rounds and self.keeps_trained():
+                    trained = {PENDING_KEY: {"line": line, "train_time_s": time.perf_counter() - t0},
+                               "config": config_mod.to_tree(cfg), "wall_time_s": wall,
+                               HISTORY_KEY: metrics_log.record()}
+                    save_checkpoint(run_dir, Checkpoint(round_, server, clients, trained), TRAINED_NAME)
             server = self.run_posthoc(server, round_, line)
             by_client = None
             if round_ % cfg.train.eval_every == 0 or round_ == cfg.train.rounds:
@@ -396,6 +472,8 @@ class Experiment:
                 self.federation.committed(round_)
             reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
+        if self.trained_in is not None:
+            summary[TRAINED_IN_KEY] = self.trained_in
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         self.tracker.finish(summary, run_dir)
         reporter.finish(summary)
@@ -553,4 +631,36 @@ class Experiment:
         }
 
 
-__all__ = ["Experiment", "Reporter"]
+
+def keeps_trained_model(cfg: RunConfig) -> bool:
+    """Whether a run of ``cfg`` keeps its last round's model before the post-hoc steps (``trained.safetensors``),
+    for runs that differ only in those steps' settings to start from: a run in this process (not Flower) with
+    checkpoints on, whose post-hoc steps all run once, after the last round (none ``every_round``)."""
+    steps = parse_name(cfg.algorithm.name)[1]
+    every_round = any(cfg.algorithm.params.get(step, {}).get("every_round", False) for step in steps)
+    return bool(steps) and not every_round and bool(cfg.runtime.checkpoint_every) and cfg.runtime.executor != "flower"
+
+
+def lines_before(ckpt: Checkpoint | None) -> int:
+    """The metrics lines a run holds before it goes on from ``ckpt``: its round, one fewer for a model
+    kept before its round's post-hoc steps (``trained.safetensors``, whose round's line is still to write)."""
+    if ckpt is None:
+        return 0
+    return ckpt.round - (PENDING_KEY in ckpt.info)
+
+
+def copy_history(trained_dir: Path, run_dir: Path, ckpt: Checkpoint) -> None:
+    """The lines of ``metrics.jsonl`` and ``client_metrics.jsonl`` that ``trained_dir`` had written when it
+    kept ``ckpt`` (``trained.safetensors``), copied into ``run_dir``: the rounds a run started from it shares.
+    The copies are checked against the checkpoint's record when the run opens them (:func:`restore_metrics`)."""
+    record = ckpt.info.get(HISTORY_KEY) or {}
+    lines = split_lines((trained_dir / METRICS_NAME).read_bytes())[: lines_before(ckpt)]
+    atomic_write_bytes(run_dir / METRICS_NAME, b"".join(lines))
+    client_bytes = (record.get(CLIENT_RECORD_KEY) or {}).get("bytes", 0)
+    client_file = trained_dir / CLIENT_METRICS_NAME
+    if client_bytes and client_file.exists():
+        with client_file.open("rb") as fh:
+            atomic_write_bytes(run_dir / CLIENT_METRICS_NAME, fh.read(client_bytes))
+
+
+__all__ = ["Experiment", "Reporter", "keeps_trained_model"]

@@ -79,9 +79,36 @@ def run_id(tree: dict[str, Any]) -> str:
     return _digest(identity_keys(tree, with_seed=True))
 
 
-def differing_keys(a: dict[str, Any], b: dict[str, Any], *, with_seed: bool = True) -> list[str]:
-    """Identity keys whose values differ between two config trees, as ``"key: a -> b"`` lines."""
-    fa, fb = identity_keys(a, with_seed=with_seed), identity_keys(b, with_seed=with_seed)
+def posthoc_keys(tree: dict[str, Any]) -> set[str]:
+    """The flattened keys of a run's post-hoc steps' settings (``algorithm.ccvr.epochs`` ...) that act only
+    after the last round's training: all of ``algorithm.<step>.*`` but ``every_round`` (a step run after
+    every round changes the training that follows it)."""
+    steps = str(tree.get("algorithm", {}).get("name", "")).split("+")[1:]
+    prefixes = tuple(f"algorithm.{step}." for step in steps)
+    return {k for k in flatten(tree) if k.startswith(prefixes) and not k.endswith(".every_round")}
+
+
+def training_keys(tree: dict[str, Any]) -> dict[str, Any]:
+    """The identity keys (seed included) that decide a run's training: all but its post-hoc settings
+    (:func:`posthoc_keys`). Two runs with equal training keys train the same model."""
+    after = posthoc_keys(tree)
+    return {k: v for k, v in identity_keys(tree, with_seed=True).items() if k not in after}
+
+
+def training_id(tree: dict[str, Any]) -> str:
+    """Hash of a resolved config tree's :func:`training_keys`: runs with equal ids train the same model and
+    differ at most in what their post-hoc steps do with it."""
+    return _digest(training_keys(tree))
+
+
+def differing_keys(a: dict[str, Any], b: dict[str, Any], *, with_seed: bool = True,
+                   training_only: bool = False) -> list[str]:
+    """Identity keys whose values differ between two config trees, as ``"key: a -> b"`` lines
+    (``training_only``: the :func:`training_keys` only)."""
+    if training_only:
+        fa, fb = training_keys(a), training_keys(b)
+    else:
+        fa, fb = identity_keys(a, with_seed=with_seed), identity_keys(b, with_seed=with_seed)
     same = lambda k: json.dumps(fa.get(k), sort_keys=True, default=str) == json.dumps(fb.get(k), sort_keys=True,
                                                                                         default=str)
     return [f"{k}: {fa.get(k, '(unset)')!r} -> {fb.get(k, '(unset)')!r}"

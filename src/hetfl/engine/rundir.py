@@ -67,6 +67,7 @@ HASH_CHUNK = 1 << 20
 #: (tests check the names match): ``overwrite=True`` deletes these and nothing else.
 RUN_ENTRIES = frozenset({
     "config.toml", "metrics.jsonl", CLIENT_METRICS_NAME, "summary.json", "checkpoint.safetensors", LOCK_NAME,
+    "trained.safetensors",  # hetfl.engine.checkpoint.TRAINED_NAME: the model before the post-hoc steps
     "tracking.json", "tensorboard", "client_models", "flower_nodes", "analysis", "report",
     "privacy_ledger.json",  # hetfl.engine.ledger.LEDGER_NAME (which imports this module)
 })

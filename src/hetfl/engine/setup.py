@@ -121,9 +121,10 @@ def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
     )
 
 
-def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
+def config_changes(saved: dict[str, Any] | None, cfg: RunConfig, *, training_only: bool = False) -> list[str]:
     """How ``cfg`` differs from the configuration a checkpoint was written with, as
-    ``"key: saved -> now"`` lines (empty: the same run). The saved configuration is read
+    ``"key: saved -> now"`` lines (empty: the same run; ``training_only``: the same training,
+    post-hoc settings aside, :func:`hetfl.engine.identity.training_keys`). The saved configuration is read
     through today's defaults first, so that a key added to hetfl after the checkpoint was
     written (with a default that leaves old runs unchanged) does not stop them resuming.
     Keys that change only what the terminal shows (``identity.PRESENTATION_KEYS``, e.g.
@@ -134,7 +135,7 @@ def config_changes(saved: dict[str, Any] | None, cfg: RunConfig) -> list[str]:
         saved = config_mod.to_tree(config_mod.from_dict(saved))
     except ConfigError as err:
         return [f"the checkpoint's configuration is no longer valid: {err}"]
-    return differing_keys(saved, config_mod.to_tree(cfg))
+    return differing_keys(saved, config_mod.to_tree(cfg), training_only=training_only)
 
 
 def check_method_fits_model(cfg: RunConfig, info: Any) -> None:

@@ -39,8 +39,9 @@ class LogReporter:
     shows_notes = True  # note() logs them: the experiment does not log them a second time
 
     def start(self, cfg: Any, start_round: int, exp: Any) -> None:
-        log.warning("hetfl on Flower: %s, %d clients, %d rounds%s", cfg.algorithm.name, cfg.data.num_clients,
-                    cfg.train.rounds, f", resuming after round {start_round}" if start_round else "")
+        rounds = cfg.train.rounds
+        log.warning("hetfl on Flower: %s, %d clients, %d round%s%s", cfg.algorithm.name, cfg.data.num_clients,
+                    rounds, "" if rounds == 1 else "s", f", resuming after round {start_round}" if start_round else "")
 
     def round_start(self, round_: int, num_clients: int) -> None: ...
     def client_done(self) -> None: ...
