@@ -171,6 +171,7 @@ set = { "algorithm.ccvr.oracle" = "all", "algorithm.ccvr.epochs" = 4 }
 """
 
 
+@pytest.mark.slow  # three runs end to end
 def test_reproduce_calibrates_the_oracle_row_on_the_ccvr_runs_training(tmp_path, capsys, monkeypatch):
     """The oracle row's run starts from the CCVR run's training (one training, said in the counter line) and
     its number is the one a run trained itself gives."""

@@ -54,7 +54,8 @@ def test_sampled_clients_and_step_mode():
 
 
 @needs_shared_data
-@pytest.mark.parametrize(("model", "options"), [("resnet18", "{norm = \"bn\"}"), ("resnet18", "{norm = \"gn\"}"),
+@pytest.mark.parametrize(("model", "options"), [pytest.param("resnet18", "{norm = \"bn\"}", marks=pytest.mark.slow),
+                                                pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow),
                                                 ("cnn2", "{}")])
 def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):
     """Per-client BatchNorm running statistics are kept per client under vmap.
@@ -143,7 +144,8 @@ def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_say
 
 
 @needs_shared_data
-@pytest.mark.parametrize(("model", "options"), [("cnn2", "{}"), ("resnet18", "{norm = \"gn\"}")])
+@pytest.mark.parametrize(("model", "options"), [("cnn2", "{}"),
+                                                pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow)])
 def test_channels_last_batches_give_the_nchw_clients(model, options):
     """Image batches laid out channels-last for cuDNN (runtime.channels_last) hold the same values:
     the clients equal those trained on NCHW batches to float rounding. (ResNet-18 with BatchNorm on

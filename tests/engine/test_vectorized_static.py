@@ -152,6 +152,7 @@ def test_a_capture_that_fails_falls_back_to_eager_steps_with_the_reason(monkeypa
     assert any("capture failed" in n and "not permitted" in n for n in notes), notes
 
 
+@pytest.mark.slow  # 3 rounds of 4 methods, ~4 s
 def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_round(monkeypatch):
     """With a cache, round 2 replays round 1's graphs (FedProx: every shape again, nothing captured);
     DANN's loss reads ``ctx.round`` (its gradient-reversal weight), a constant inside a graph, so
