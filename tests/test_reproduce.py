@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hetfl import reproduce
+from hetfl import reproduce, sweeps
 from hetfl.algorithms import hyperparameters
 from hetfl.cli import main
 from hetfl.params import ConfigError
@@ -126,16 +126,19 @@ def test_ccvr_and_its_oracle_row_train_once_per_trainer():
     specs = reproduce.run_specs(preset)
     order = sorted(set(specs.values()), key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
     configs = [reproduce.build_config(preset, spec, []) for spec in order]
-    sources = reproduce.training_sources(order, configs)
+    def training_sources(cfgs):
+        return {order[i]: order[j] for i, j in sweeps.training_sources([sweeps.training_key(c) for c in cfgs]).items()}
+
+    sources = training_sources(configs)
     assert len(order) == 8 and len(sources) == 4
     for method in ("FedAvg", "FedProx", "FedAvgM", "MOON"):
         oracle, ccvr = specs[(f"{method} + oracle calibration", "a0.1", 0)], specs[(f"{method} + CCVR", "a0.1", 0)]
         assert sources.get(oracle) == ccvr or sources.get(ccvr) == oracle, method  # one trains, one calibrates
     # a preset run on Flower, or calibrating every round, trains each run itself
     flower = [reproduce.build_config(preset, spec, ["runtime.executor=flower"]) for spec in order]
-    assert reproduce.training_sources(order, flower) == {}
+    assert training_sources(flower) == {}
     every = [reproduce.build_config(preset, spec, ["algorithm.ccvr.every_round=true"]) for spec in order]
-    assert reproduce.training_sources(order, every) == {}
+    assert training_sources(every) == {}
 
 
 ORACLE_PRESET = """

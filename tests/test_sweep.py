@@ -428,3 +428,27 @@ def test_runs_are_planned_lazily_and_cell_folders_made_only_when_their_run_start
     with pytest.raises(KeyboardInterrupt):
         hetfl.sweep({"train.lr": [0.05, 0.2, 0.3]}, overrides=TINY, out=out)
     assert sorted(p.name for p in (out / "fedavg").iterdir()) == ["train.lr=0.05"]
+
+
+def test_a_grid_over_calibration_settings_trains_once_per_seed(tmp_path, monkeypatch):
+    """``fedavg+ccvr`` over two ``algorithm.ccvr.epochs``: the second cell calibrates the first cell's model
+    (one training per seed, the counter says so) and gives what that cell trained itself gives."""
+    trained_from: list = []
+    real_run = Experiment.run
+    monkeypatch.setattr(Experiment, "run", lambda self, run_dir, **kw: trained_from.append(kw.get("trained"))
+                        or real_run(self, run_dir, **kw))
+    out = tmp_path / "sweep"
+    said: list[str] = []
+    console = Console(file=io.StringIO(), width=400)
+    monkeypatch.setattr(sweeps, "_printer", lambda _console: said.append)
+    overrides = [*TINY, "model.name=mlp", "model.options={hidden = [16]}", "train.rounds=2"]
+    table = sweeps.run_plan(["fedavg+ccvr"], [0], {"algorithm.ccvr.epochs": [2, 5]},
+                            lambda extra: make_config(overrides=[*overrides, *extra]), out, None,
+                            progress=False, console=console)
+    first, second = (r.run_dir for r in table.runs)
+    assert trained_from == [None, first]
+    assert any("post-hoc steps only, on run 1's training" in line for line in said), said
+    alone = Experiment(make_config(overrides=[*overrides, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.epochs=5"]))
+    summary = alone.run(tmp_path / "alone")
+    assert table.runs[1].final_accuracy == summary["final_global_acc"]
+    assert table.runs[0].final_accuracy != table.runs[1].final_accuracy

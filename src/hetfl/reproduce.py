@@ -20,7 +20,7 @@ A preset (``configs/<name>.toml``) holds:
     identical share them: "FedAvg" and "FedAvg + CCVR" read the accuracy
     before and after calibration of one ``fedavg+ccvr`` run. Runs that differ only in their post-hoc
     steps' settings ("FedAvg + CCVR" and "FedAvg + oracle calibration") train once: the others
-    calibrate the first one's model before calibration (:func:`training_sources`).
+    calibrate the first one's model before calibration (:func:`hetfl.sweeps.training_sources`).
 ``[quick]``
     a small CPU variant: ``set``, ``columns`` and ``seeds`` replacing the full ones.
 
@@ -52,10 +52,9 @@ from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import TRAINED_NAME
-from hetfl.engine.experiment import keeps_trained_model
 from hetfl.engine.resolve import resolve_configs
 from hetfl.params import ConfigError
-from hetfl.sweeps import PlannedRun, RunCounter, planned_run, run_cost
+from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
 from hetfl.tables import markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -247,7 +246,7 @@ def reproduce(
     folder = {spec: out / spec.column / spec.dirname for spec in order}
     states = {spec: identity.check_run_dir(folder[spec], config_mod.to_tree(full))
               for spec, full in zip(order, resolved, strict=True)}
-    sources = training_sources(order, resolved)
+    sources = {order[i]: order[j] for i, j in training_sources([training_key(cfg) for cfg in resolved]).items()}
     counter = run_counter(preset, [(spec, configs[spec], folder[spec], states[spec], sources.get(spec))
                                    for spec in order], say, clock)
     for i, spec in enumerate(order):
@@ -284,24 +283,6 @@ def reproduce(
     return result
 
 
-def training_sources(order: list[RunSpec], resolved: list[config_mod.RunConfig]) -> dict[RunSpec, RunSpec]:
-    """Runs that start from an earlier run's training -> that run: runs of one training
-    (:func:`hetfl.engine.identity.training_id`: the same configuration but for the post-hoc steps' settings,
-    e.g. "FedAvg + CCVR" and its oracle row) train once, in the first of them in ``order``, which keeps its
-    model before calibration (:func:`hetfl.engine.experiment.keeps_trained_model`); the others calibrate it."""
-    first: dict[str, RunSpec] = {}
-    sources: dict[RunSpec, RunSpec] = {}
-    for spec, cfg in zip(order, resolved, strict=True):
-        if not keeps_trained_model(cfg):
-            continue
-        key = identity.training_id(config_mod.to_tree(cfg))
-        if key in first:
-            sources[spec] = first[key]
-        else:
-            first[key] = spec
-    return sources
-
-
 def estimate_minutes(preset: Preset) -> tuple[float, str]:
     """The preset's estimate of its whole run time in minutes (the quick variant's on 2 idle CPU cores,
     else the GPU one) and what it is (measured when the preset says how, ``quick_cpu_measured``)."""
@@ -324,14 +305,11 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
     as its prior. A run that starts from another's training (the plan's last item, :func:`training_sources`)
     says so and counts as its last round only."""
     minutes, basis = estimate_minutes(preset)
-    number = {item[0]: i + 1 for i, item in enumerate(plan)}
+    index = {item[0]: i for i, item in enumerate(plan)}
     runs = []
     for spec, cfg, run_dir, state, source in plan:
-        if source is None or state != "new":
-            runs.append(planned_run(spec_label(spec), cfg, run_dir, state))
-        else:
-            label = f"{spec_label(spec)}; post-hoc steps only, on run {number[source]}'s training"
-            runs.append(PlannedRun(label, run_cost(cfg, cfg.train.rounds - 1), state, rounds=1))
+        planned = planned_run(spec_label(spec), cfg, run_dir, state)
+        runs.append(planned if source is None or state != "new" else posthoc_only(planned, cfg, index[source]))
     return RunCounter(runs, say, clock or time.monotonic, prior_s=60 * minutes or None, prior_label=basis)
 
 

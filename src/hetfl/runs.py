@@ -169,12 +169,13 @@ def plan_states(cfgs: list[RunConfig], run_dirs: list[Path], option: str) -> lis
 
 def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None,
             experiment: Experiment | None = None,
-            on_round: Callable[[dict[str, Any]], object] | None = None) -> Status:
+            on_round: Callable[[dict[str, Any]], object] | None = None, trained: Path | None = None) -> Status:
     """Bring the run of ``cfg`` in ``run_dir`` to its end from ``state``: a finished run is reused as it is
     (said on ``console``), an interrupted one goes on from its own ``config.toml`` (as ``hetfl run
     --resume``; the checkpoint's configuration is checked against it), a new one runs (``experiment``:
-    already set up for ``cfg``). Progress is shown on ``console`` when ``cfg.runtime.progress``; ``on_round``
-    gets each round's metrics line as it is written (the run counter's early estimate)."""
+    already set up for ``cfg``; ``trained``: from that run's training, its post-hoc steps only). Progress is
+    shown on ``console`` when ``cfg.runtime.progress``; ``on_round`` gets each round's metrics line as it is
+    written (the run counter's early estimate)."""
     if state == "finished":
         if console is not None:
             console.print(f"{run_dir}: finished earlier, reusing (same configuration)")
@@ -185,7 +186,8 @@ def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None
         target = config_mod.load(run_dir / CONFIG_NAME)
     reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress, on_round)
     try:
-        runtimes.run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter)
+        runtimes.run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter,
+                                trained=trained if state == "new" else None)
     finally:
         reporter.close()
     return "resumed" if state == "unfinished" else "ran"

@@ -53,6 +53,8 @@ from hetfl import runs, runtimes, tables
 from hetfl.algorithms import hyperparameters
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
+from hetfl.engine.checkpoint import TRAINED_NAME
+from hetfl.engine.experiment import keeps_trained_model
 from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
 from hetfl.runs import CompareResult, RunResult
@@ -510,17 +512,59 @@ def plan_items(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any
                 yield PlanItem(method, named, seed, cfg, run_dir_for(out, method, named, seed))
 
 
-def check_plan(items: Iterator[PlanItem], option: str) -> list[tuple[PlannedRun, str]]:
+@dataclass(frozen=True)
+class CheckedRun:
+    """What a plan keeps of a run once checked: its counter entry, its state (new | unfinished | finished),
+    its training (:func:`training_key`) and its folder; not its configuration."""
+
+    planned: PlannedRun
+    state: str
+    training: str | None
+    run_dir: Path
+
+
+def check_plan(items: Iterator[PlanItem], option: str) -> list[CheckedRun]:
     """Check every item (configuration, distinct folders, what each folder holds) before any run starts,
-    ``CHECK_CHUNK`` at a time; keeps each run's counter entry and state, not its configuration."""
+    ``CHECK_CHUNK`` at a time."""
     seen: dict[Path, Cell] = {}
-    checked: list[tuple[PlannedRun, str]] = []
+    checked: list[CheckedRun] = []
     while chunk := list(itertools.islice(items, CHECK_CHUNK)):
         for item in chunk:
             check_distinct(item, seen)
         states = runs.plan_states([p.cfg for p in chunk], [p.run_dir for p in chunk], option)
-        checked += [(planned_run(p.label, p.cfg, p.run_dir, s), s) for p, s in zip(chunk, states, strict=True)]
+        checked += [CheckedRun(planned_run(p.label, p.cfg, p.run_dir, s), s, training_key(p.cfg), p.run_dir)
+                    for p, s in zip(chunk, states, strict=True)]
     return checked
+
+
+def training_key(cfg: RunConfig) -> str | None:
+    """The training a run of ``cfg`` may share with other runs of a plan (:func:`hetfl.engine.identity.training_id`:
+    its configuration but for its post-hoc steps' settings), or None when it keeps no model before those steps
+    (:func:`hetfl.engine.experiment.keeps_trained_model`)."""
+    return identity.training_id(config_mod.to_tree(cfg)) if keeps_trained_model(cfg) else None
+
+
+def training_sources(keys: Sequence[str | None]) -> dict[int, int]:
+    """Runs of a plan (by index) that start from an earlier run's training -> that run: of the runs with one
+    :func:`training_key` (e.g. ``fedavg+ccvr`` with two ``algorithm.ccvr.epochs``, or CCVR's and the oracle's
+    rows of a preset) the first trains and keeps its model before calibration; the others calibrate it."""
+    first: dict[str, int] = {}
+    sources: dict[int, int] = {}
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        if key in first:
+            sources[i] = first[key]
+        else:
+            first[key] = i
+    return sources
+
+
+def posthoc_only(planned: PlannedRun, cfg: RunConfig, source: int) -> PlannedRun:
+    """A new run's counter entry when it starts from run ``source``'s training (0-based): it says so, and counts
+    as its last round only."""
+    return PlannedRun(f"{planned.label}; post-hoc steps only, on run {source + 1}'s training",
+                      run_cost(cfg, cfg.train.rounds - 1), planned.state, rounds=1)
 
 
 def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
@@ -539,14 +583,19 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
         say(f"plan: {what}")
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
-    counter = RunCounter([planned for planned, _ in checked], say, clock)
+    sources = training_sources([c.training for c in checked])
+    counter = RunCounter([c.planned for c in checked], say, clock)
     results, records = [], []
-    for i, (item, (_, state)) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
-                                               strict=True)):
-        if state != "finished":
+    for i, (item, check) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
+                                          strict=True)):
+        trained = trained_folder(check, checked[sources[i]] if i in sources else None)
+        if trained is not None:
+            counter.runs[i] = posthoc_only(check.planned, item.cfg, sources[i])
+        if check.state != "finished":
             counter.start(i)
         _write_cell_file(item)
-        status = runs.execute(item.cfg, item.run_dir, state, console, on_round=lambda _line, i=i: counter.round_done(i))
+        status = runs.execute(item.cfg, item.run_dir, check.state, console,
+                              on_round=lambda _line, i=i: counter.round_done(i), trained=trained)
         counter.done(i)
         result = RunResult.load(item.run_dir, status=status)
         results.append(result)
@@ -556,6 +605,14 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     atomic_write_text(out / "comparison.md", markdown)
     atomic_write_text(out / "comparison.csv", tables.to_csv(rows))
     return CompareResult(out, results, rows, markdown, target)
+
+
+def trained_folder(run: CheckedRun, source: CheckedRun | None) -> Path | None:
+    """The folder a new run takes its training from: its source's, when that run kept its trained model
+    (``trained.safetensors``: it ran earlier in this plan, or in an earlier invocation)."""
+    if run.state != "new" or source is None or not (source.run_dir / TRAINED_NAME).is_file():
+        return None
+    return source.run_dir
 
 
 def _printer(console: Console) -> Callable[[str], None]:
