@@ -228,8 +228,9 @@ def reproduce(
     say: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir, resume)``,
-    then write ``reproduction.json`` / ``.md`` there.
+    """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir, resume)``
+    (``run(cfg, run_dir, False, trained=FOLDER)`` for a new run that calibrates the model an earlier run of
+    the same training kept: :func:`hetfl.sweeps.training_sources`), then write ``reproduction.json`` / ``.md``.
 
     Configs are all validated, and every run folder checked against the resolved config of the
     run planned there (``resolve``, default :func:`hetfl.engine.resolve.resolve_configs`), before
