@@ -110,3 +110,19 @@ def test_a_training_that_released_private_data_is_not_reused(runs, tmp_path):
     PrivacyLedger(base).record("fedavg", 1, Release(1.0, "0" * 64, "seed"))
     with pytest.raises(RunDirError, match="differentially private"):
         Experiment(config.load(None, ORACLE)).run(tmp_path / "forked", trained=base)
+
+
+def test_the_header_says_whose_training_the_run_calibrates(runs, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from hetfl.console import RichReporter
+
+    console = Console(file=io.StringIO(), width=400)
+    reporter = RichReporter(console, enabled=True)
+    Experiment(config.load(None, ORACLE)).run(tmp_path / "forked", trained=runs / "ccvr", reporter=reporter)
+    reporter.close()
+    header = console.file.getvalue().splitlines()[0]
+    assert f"post-hoc steps on the model trained in {(runs / 'ccvr').resolve()} (rounds 1-3)" in header
+    assert "resuming" not in header
