@@ -12,7 +12,7 @@
   absent; the suite has no test that relies on ``auto`` meaning CUDA.
 
 And one order (:func:`pytest_collection_modifyitems`) for ``pytest -n N``, whose workers take the tests
-two at a time in this order (pyproject's addopts): **long tests first, the waiting ones spread among the
+two at a time in this order (:func:`pytest_configure`): **long tests first, the waiting ones spread among the
 others**, so that no worker waits at the end for a long test that started last, and a worker waiting for
 Flower's or the README's processes (marked ``processes``) overlaps with one that computes, rather than
 with another that waits.
@@ -31,6 +31,13 @@ torch.set_num_threads(1)  # before hetfl is imported: its "auto" threads (hetfl.
 from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
 
 os.environ[AUTO_DEVICE_ENV] = "cpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, hand the tests out two at a time (``--maxschedchunk 2``; unless given), in the order
+    below: a worker never queues many tests behind a long one. Nothing without pytest-xdist."""
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 2
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -445,7 +445,7 @@ def test_a_grid_over_calibration_settings_trains_once_per_seed(tmp_path, monkeyp
     table = sweeps.run_plan(["fedavg+ccvr"], [0], {"algorithm.ccvr.epochs": [2, 5]},
                             lambda extra: make_config(overrides=[*overrides, *extra]), out, None,
                             progress=False, console=console)
-    first, second = (r.run_dir for r in table.runs)
+    first = table.runs[0].run_dir
     assert trained_from == [None, first]
     assert any("post-hoc steps only, on run 1's training" in line for line in said), said
     alone = Experiment(make_config(overrides=[*overrides, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.epochs=5"]))
