@@ -19,6 +19,10 @@ if [[ $WHAT == quick || $WHAT == all ]]; then
   timeout 240 python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 --clients 20 \
     --batch-sizes 10 64 --out "$OUT/results" 2>&1 | tail -8
   timeout 60 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
+  for bs in 64 10; do
+    timeout 60 python3 benchmarks/conv_kernels.py --clients 20 --batch-size $bs --dtype bf16 --check 2>&1 \
+      | tee -a "$OUT/results/conv_kernels_cuda.md" | tail -8
+  done
   timeout 150 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 --budget-s ${CCVR_BUDGET_S:-130} \
     --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
 fi
