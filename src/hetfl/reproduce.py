@@ -51,10 +51,9 @@ from hetfl import runtimes
 from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
-from hetfl.engine.checkpoint import TRAINED_NAME
 from hetfl.engine.resolve import resolve_configs
 from hetfl.params import ConfigError
-from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
+from hetfl.sweeps import RunCounter, planned_run, posthoc_only, trained_folder, training_key, training_sources
 from hetfl.tables import markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -254,9 +253,8 @@ def reproduce(
         if states[spec] == "finished":
             continue
         counter.start(i)
-        source = sources.get(spec)
-        trained = folder[source] if source is not None else None
-        if states[spec] == "new" and trained is not None and (trained / TRAINED_NAME).is_file():
+        trained = trained_folder(states[spec], folder[sources[spec]] if spec in sources else None)
+        if trained is not None:
             run(configs[spec], folder[spec], False, trained=trained)  # its post-hoc steps only
         else:
             run(configs[spec], folder[spec], states[spec] == "unfinished")

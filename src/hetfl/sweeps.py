@@ -588,7 +588,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     results, records = [], []
     for i, (item, check) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
                                           strict=True)):
-        trained = trained_folder(check, checked[sources[i]] if i in sources else None)
+        trained = trained_folder(check.state, checked[sources[i]].run_dir if i in sources else None)
         if trained is not None:
             counter.runs[i] = posthoc_only(check.planned, item.cfg, sources[i])
         if check.state != "finished":
@@ -607,12 +607,13 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     return CompareResult(out, results, rows, markdown, target)
 
 
-def trained_folder(run: CheckedRun, source: CheckedRun | None) -> Path | None:
-    """The folder a new run takes its training from: its source's, when that run kept its trained model
-    (``trained.safetensors``: it ran earlier in this plan, or in an earlier invocation)."""
-    if run.state != "new" or source is None or not (source.run_dir / TRAINED_NAME).is_file():
+def trained_folder(state: str, source: Path | None) -> Path | None:
+    """The folder a run in ``state`` takes its training from: ``source`` (the folder of the first run of its
+    training, :func:`training_sources`) for a new run, when that run kept its trained model
+    (``trained.safetensors``: it ran earlier in this plan, or in an earlier invocation); else None."""
+    if state != "new" or source is None or not (source / TRAINED_NAME).is_file():
         return None
-    return source.run_dir
+    return source
 
 
 def _printer(console: Console) -> Callable[[str], None]:
