@@ -40,6 +40,7 @@ def test_round_trip_through_toml(tmp_path):
         ("train.lrr=0.1", "train.lrr", "unknown key"),
         ("train.lr=-0.1", "train.lr", "> 0.0"),
         ("train.lr=abc", "train.lr", "number"),
+        ("train.lr=1e39", "train.lr", "< 3.4028"),  # past float32: a step could not scale a gradient by it
         ("train.rounds=0", "train.rounds", ">= 1"),
         ("train.rounds=2.5", "train.rounds", "integer"),
         ("data.alpha=0", "data.alpha", "> 0.0"),

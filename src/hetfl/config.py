@@ -20,6 +20,10 @@ import tomli_w
 
 from hetfl.params import ConfigError, build, did_you_mean, setting, to_dict
 
+# the largest float32: parameters and optimiser states are float32, so a learning rate past it cannot
+# scale a gradient (torch.optim.SGD fails on it too)
+FLOAT32_MAX = 3.4028234663852886e38
+
 DATASET_NAMES = (
     "synthetic", "mnist", "fmnist", "emnist", "cifar10", "cifar100", "cinic10", "stl10",
     "tinyimagenet", "imagefolder", "pacs", "officehome", "domainnet", "ham10000",
@@ -73,7 +77,7 @@ class TrainConfig:
     local_steps: int = setting(0, ge=0, doc="fixed local steps per round instead of epochs (0 = epochs)")
     batch_size: int = setting(32, ge=1, doc="local batch size")
     drop_last: bool = setting(False, doc="drop each client's last incomplete batch")
-    lr: float = setting(0.05, gt=0.0, doc="client learning rate")
+    lr: float = setting(0.05, gt=0.0, lt=FLOAT32_MAX, doc="client learning rate")
     lr_schedule: str = setting("constant", choices=("constant", "cosine"),
                                doc="client lr over rounds")
     lr_min: float = setting(0.0, ge=0.0, doc="floor of the cosine schedule (reached after the last round)")

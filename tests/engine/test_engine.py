@@ -77,7 +77,7 @@ def test_client_sampling_and_cosine_schedule(tmp_path):
 
 
 def test_a_diverging_run_is_named_in_the_log_and_the_summary(tmp_path, caplog):
-    Experiment(quick("train.lr=1e39")).run(tmp_path / "bad")  # steps past float32: inf, then NaN
+    Experiment(quick("train.lr=1e36")).run(tmp_path / "bad")  # steps past float32: inf, then NaN
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     first = next(m["round"] for m in metrics(tmp_path / "bad") if not math.isfinite(m["train_loss"]))
     assert summary["diverged_round"] == first

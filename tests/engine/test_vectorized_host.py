@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.step_plan import bucket_width, split_steps
-from hetfl.engine.vectorized import CompiledCall, train_clients_vectorized
+from hetfl.engine.vectorized import CompiledCall, VectorizedGroup, train_clients_vectorized
 from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
 
 # ops that wait for the device (a value read back to the host) or copy a host value to it
@@ -97,6 +97,45 @@ def test_any_block_length_gives_the_sequential_clients(monkeypatch, block_steps)
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedprox", "train.momentum=0.9",
                                         "runtime.device=cpu"]))
     compare_one_round(exp, step_mode="static")
+
+
+def prefix_step_ops(monkeypatch, hidden: str) -> Counter[str]:
+    """The ops of one step of the round's first block in which every row trains (rows as views)."""
+    counter, seen = OpCounter(), []
+    original = VectorizedGroup.body
+
+    def body_counted(self, stage, index, call):
+        if seen or call.rows is not None or call.first or call.steps != 1:
+            return original(self, stage, index, call)
+        seen.append(call)
+        with counter:
+            return original(self, stage, index, call)
+
+    monkeypatch.setattr(VectorizedGroup, "body", body_counted)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedavg", "train.momentum=0.9",
+                                        "train.weight_decay=1e-4", f"model.options={{hidden = {hidden}}}",
+                                        "runtime.device=cpu"]))
+    ctxs = round_contexts(exp, exp.initial_server(), {}, 1)
+    train_clients_vectorized(exp.algorithm, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train,
+                             step_mode="static")
+    monkeypatch.setattr(VectorizedGroup, "body", original)
+    assert seen
+    return counter.ops
+
+
+def test_the_sgd_update_of_all_rows_is_a_few_multi_tensor_ops_in_place(monkeypatch):
+    """The update (weight decay, momentum, step) of every row and every tensor is one multi-tensor op
+    per line of the algorithm, written where the rows live: no op per parameter tensor, no copy of
+    new parameters or momentum into the buffers. Four layers cost no more update ops than one."""
+    small, deep = prefix_step_ops(monkeypatch, "[32]"), prefix_step_ops(monkeypatch, "[32, 32, 32, 32]")
+    for ops in (small, deep):
+        assert sum(n for op, n in ops.items() if op.startswith("aten._foreach_")) == 4  # wd, mul, add, step
+        assert ops["aten.copy_"] + ops["aten.index_copy_"] == 0
+    update_ops = ("aten.mul", "aten.sub", "aten.add")  # a per-tensor update: one of each per tensor
+    grown = {op: deep[op] - small[op] for op in update_ops}
+    # the three extra layers add one of each to the forward pass (vmap's linear: bmm, then the bias as
+    # mul and add); an update per tensor would add 6 tensors x (2 mul, add, sub)
+    assert all(n <= 3 for n in grown.values()), grown
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -76,25 +76,23 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
-def sgd_step(
+def step_gradients(
     stage: Stage,
     state: Tensors,
-    opt_state: Tensors,
     batch: Batch,
     ctx: ClientContext,
-    first_step: bool,
     max_grad_norm: float = 0.0,
     grad_fn: GradFn = autograd_grad,
     buffers: tuple[str, ...] = (),
     precision: str = "fp32",
 ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
-    """One optimisation step of ``stage``; returns (new tensors, opt_state, loss, metrics).
+    """The first half of a step of ``stage``: returns (gradients of its trainable tensors after its
+    gradient transform and clipping, the model buffers the forward pass updated, loss, metrics).
 
-    The new tensors are the stage's trainable ones and the model's ``buffers``
-    (BatchNorm running statistics, updated by the forward pass on copies made
-    inside the differentiated function, so that ``torch.func`` transforms see
-    no mutation of captured tensors). ``precision = "bf16"`` runs the loss under
-    bfloat16 autocast; the gradients, parameters and optimiser state stay float32.
+    The buffers are the model's ``buffers`` that the stage does not train (BatchNorm running
+    statistics), updated by the forward pass on copies made inside the differentiated function,
+    so that ``torch.func`` transforms see no mutation of captured tensors. ``precision = "bf16"``
+    runs the loss under bfloat16 autocast; the gradients stay float32.
     """
     trainable = {name: state[name] for name in stage.trainable}
     frozen = {name: t for name, t in state.items() if name not in trainable}
@@ -112,6 +110,27 @@ def sgd_step(
         grads = stage.grad_transform(grads, state, ctx)
     if max_grad_norm > 0:
         grads = clip_grads(grads, max_grad_norm)
+    return grads, new_buffers, loss, metrics
+
+
+def sgd_step(
+    stage: Stage,
+    state: Tensors,
+    opt_state: Tensors,
+    batch: Batch,
+    ctx: ClientContext,
+    first_step: bool,
+    max_grad_norm: float = 0.0,
+    grad_fn: GradFn = autograd_grad,
+    buffers: tuple[str, ...] = (),
+    precision: str = "fp32",
+) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+    """One optimisation step of ``stage``: :func:`step_gradients`, then the SGD update of the
+    stage's trainable tensors; returns (new tensors: the trainable ones and the updated model
+    buffers, opt_state, loss, metrics)."""
+    grads, new_buffers, loss, metrics = step_gradients(stage, state, batch, ctx, max_grad_norm, grad_fn, buffers,
+                                                       precision)
+    trainable = {name: state[name] for name in stage.trainable}
     new_trainable, opt_state = sgd_update(trainable, grads, opt_state, stage.sgd, first_step)
     return {**new_buffers, **new_trainable}, opt_state, loss, metrics
 

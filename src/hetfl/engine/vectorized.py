@@ -1,9 +1,12 @@
 """Vectorised client execution: a round's clients trained as one batched computation.
 
 The clients' local states are stacked along a leading client axis and every
-local step is ``torch.func.vmap`` of the very step the sequential executor runs
-(:func:`hetfl.engine.local.sgd_step`, with ``torch.func.grad``), so each
-algorithm's loss, gradient transform and adversary step run unchanged.
+local step is ``torch.func.vmap`` of the gradient half of the very step the
+sequential executor runs (:func:`hetfl.engine.local.step_gradients`, with
+``torch.func.grad``), so each algorithm's loss, gradient transform and adversary
+step run unchanged; the SGD update then runs once for all rows, in place in the
+stacked buffers, with multi-tensor kernels (:func:`hetfl.optim.sgd_update_`, the
+same arithmetic as the sequential :func:`hetfl.optim.sgd_update`).
 
 Exactness. Every client draws its batch order, augmentation and per-step
 random numbers from its own generators, in the same order as in
@@ -39,9 +42,9 @@ from torch.func import vmap
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
 from hetfl.engine import step_plan
 from hetfl.engine.data import FederatedData
-from hetfl.engine.local import LocalResult, functional_grad, run_stages, sgd_step
+from hetfl.engine.local import LocalResult, functional_grad, run_stages, step_gradients
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
-from hetfl.optim import sgd_init
+from hetfl.optim import sgd_init, sgd_update_
 from hetfl.rng import torch_generator
 
 Log = Callable[[str], None]
@@ -275,23 +278,23 @@ class VectorizedGroup:
             global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps)
 
     # ---------------------------------------------------------------- one step
-    def vmapped_step(
-        self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, payload: Tensors, cstate: Tensors,
-        extras: Tensors, first: bool,
+    def vmapped_gradients(
+        self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
-        """One ``sgd_step`` of ``stage`` for every row of ``state``, vmapped."""
+        """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every row of ``state``, vmapped:
+        the rows' gradients, updated model buffers, losses and metrics."""
         template, max_norm, model_buffers, precision = self.template, self.max_grad_norm, self.model_buffers, \
             self.precision
         b = self.buffers
 
-        def one(state_c, opt_c, x, y, draws, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
+        def one(state_c, x, y, draws, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
             ctx = template.with_tensors(payload_c, cstate_c, extras_c)
-            return sgd_step(stage, state_c, opt_c, Batch(x, y, draws), ctx, first, max_norm, grad_fn=functional_grad,
-                            buffers=model_buffers, precision=precision)
+            return step_gradients(stage, state_c, Batch(x, y, draws), ctx, max_norm, grad_fn=functional_grad,
+                                  buffers=model_buffers, precision=precision)
 
-        in_dims = (0, 0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
+        in_dims = (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
         return vmap(one, in_dims=in_dims, randomness="error")(
-            state, opt, batch.x, batch.y, batch.draws, payload, cstate, extras)
+            state, batch.x, batch.y, batch.draws, payload, cstate, extras)
 
     def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
              augment: torch.Tensor | None, draws: Tensors) -> None:
@@ -312,29 +315,41 @@ class VectorizedGroup:
 
         payload, cstate = shared_or_take(b.payload, b.payload_dims), shared_or_take(b.cstate, b.cstate_dims)
         extras = shared_or_take(b.extras, b.extras_dims)
+        # the rows' states: views of the buffers (a prefix), or gathered copies written back after the step
         state = {n: take(t) for n, t in b.state.items()}
         metrics: Tensors = {}
         if stage.adversary is not None:
-            adv_opt = {n: take(t) for n, t in b.adv_opt[index].items()}
-            new, new_adv, _, adv_metrics = self.vmapped_step(stage.adversary, state, adv_opt, batch, payload, cstate,
-                                                             extras, first)
-            state.update(new)
-            self.write(b.state, new, rows, width)
-            self.write(b.adv_opt[index], new_adv, rows, width)
+            _, adv_metrics = self.train(stage.adversary, state, b.adv_opt[index], batch, payload, cstate, extras,
+                                        first, rows, width)
             metrics.update({f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()})
-        opt = {n: take(t) for n, t in b.opt[index].items()}
-        new, new_opt, loss, stage_metrics = self.vmapped_step(stage, state, opt, batch, payload, cstate, extras, first)
-        self.write(b.state, new, rows, width)
-        self.write(b.opt[index], new_opt, rows, width)
+        loss, stage_metrics = self.train(stage, state, b.opt[index], batch, payload, cstate, extras, first, rows,
+                                         width)
         for key, value in {"": loss, **metrics, **stage_metrics}.items():
             if key not in b.sums:
                 if is_capturing():
                     raise RuntimeError(f"metric {key!r} first appears while a CUDA graph is captured")
                 b.sums[key] = torch.zeros(b.k + 1, device=value.device)
             if rows is None:
-                b.sums[key][:width] += value.float()
+                b.sums[key][:width].add_(value.float())
             else:
                 b.sums[key].index_add_(0, rows, value.float())
+
+    def train(self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, payload: Tensors, cstate: Tensors,
+              extras: Tensors, first: bool, rows: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Tensors]:
+        """One SGD step of ``stage`` for the rows ``rows`` (None: the first ``width``): the vmapped
+        gradients, then :func:`hetfl.optim.sgd_update_` on all rows at once, in place in ``state`` (and
+        in the group's buffers) and in the stage's optimiser state ``opt``; returns (losses, metrics)."""
+        grads, new_buffers, loss, metrics = self.vmapped_gradients(stage, state, batch, payload, cstate, extras)
+        for name, value in new_buffers.items():
+            state[name].copy_(value)
+        names = list(grads)
+        mine = opt if rows is None else {n: t.index_select(0, rows) for n, t in opt.items()}
+        bufs = [mine[n][:width] for n in names] if mine else []
+        sgd_update_([state[n] for n in names], [grads[n] for n in names], bufs, stage.sgd, first)
+        if rows is not None:  # gathered copies: back into the buffers' rows
+            self.write(self.buffers.state, {n: state[n] for n in (*new_buffers, *names)}, rows, width)
+            self.write(opt, mine, rows, width)
+        return loss, metrics
 
     @staticmethod
     def write(full: Tensors, part: Tensors, rows: torch.Tensor | None, width: int) -> None:
