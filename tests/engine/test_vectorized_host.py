@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.step_plan import bucket_width, split_steps
-from hetfl.engine.vectorized import CompiledCall, VectorizedGroup, train_clients_vectorized
+from hetfl.engine.vectorized import ClientPlan, CompiledCall, VectorizedGroup, train_clients_vectorized
 from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
 
 # ops that wait for the device (a value read back to the host) or copy a host value to it
@@ -97,6 +97,37 @@ def test_any_block_length_gives_the_sequential_clients(monkeypatch, block_steps)
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedprox", "train.momentum=0.9",
                                         "runtime.device=cpu"]))
     compare_one_round(exp, step_mode="static")
+
+
+def round_plan(epochs: int):
+    """The calls of round 1 of SYNTHETIC (30 Dirichlet clients of very different sizes), fedavg."""
+    exp = Experiment(config.load(None, [*SYNTHETIC, f"train.local_epochs={epochs}", "runtime.device=cpu"]))
+    plans = [ClientPlan(c, exp.algorithm.stages(c), exp.algorithm.start_state(c))
+             for c in round_contexts(exp, exp.initial_server(), {}, 1)]
+    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])  # as the executor orders a group
+    group = VectorizedGroup(plans, exp.data, seed=0, batch_size=exp.cfg.train.batch_size, drop_last=False,
+                            max_grad_norm=0.0, buffers=(), step_mode="static")
+    stage_plan = group.plan()[0]
+    return stage_plan.calls, stage_plan.steps
+
+
+def test_a_one_epoch_round_steps_ranges_of_rows_in_place_without_padding():
+    """Clients largest first: the clients still training are consecutive rows, and a block is cut where
+    one stops, so every call reads and writes its rows as views (no gather, no scatter) and computes
+    no padding row; the width of a step is the clients that take it."""
+    calls, steps = round_plan(epochs=1)
+    assert all(c.rows is None for c in calls)
+    assert sum(c.steps * c.width for c in calls) == sum(steps)
+    starts = {c.start for c in calls}
+    assert 0 in starts and len(starts) > 1  # the short last batches: single rows anywhere
+
+
+def test_rounds_of_several_epochs_still_gather_rows_where_they_are_not_consecutive():
+    """A client waiting at its short batch mid-round splits the rows still training: those calls gather
+    their rows by index (the other path the equality tests cover)."""
+    calls, steps = round_plan(epochs=2)
+    assert any(c.rows is not None for c in calls) and any(c.rows is None for c in calls)
+    assert sum(c.steps * c.width for c in calls) >= sum(steps)
 
 
 def prefix_step_ops(monkeypatch, hidden: str) -> Counter[str]:

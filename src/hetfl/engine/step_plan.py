@@ -20,14 +20,17 @@ that padding entries point at: its results are discarded). Each stage is
 3. the waiting clients take their short batch (one call per size), and the next
    block starts.
 
+A block is cut into calls where one of its clients stops (each piece in powers of
+two: few distinct lengths), so that every client of a call takes each of its steps.
 A client's own steps stay in its order, so each client's result equals the
-sequential executor's; clients that have finished drop out of the blocks (their
-width shrinks), so no computation is spent on them beyond the width's rounding
-(:func:`bucket_width`), which keeps the number of distinct call shapes (and of
-CUDA graphs) small. The executor orders a group's clients by size, largest first:
-then in one-epoch rounds the clients still training are always the first rows, a
-block's rows are a prefix that its steps slice (no gather, no scatter, no
-padding), and its width is exact.
+sequential executor's; clients that have finished drop out (the width shrinks).
+The executor orders a group's clients by size, largest first: then in one-epoch
+rounds the clients still training are always consecutive rows, and every call
+reads and writes its rows as views of the stacked buffers (no gather, no scatter,
+no padding; its width is exact). Where the rows are not consecutive (a client
+waiting at its short batch between epochs), a call gathers them by index and
+scatters them back, its width rounded up (:func:`bucket_width`) to keep the number
+of distinct call shapes (and of CUDA graphs) small.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class Call:
     """``steps`` consecutive steps of ``width`` rows with batches of ``size`` samples.
 
     Device tensors, step-major: ``rows`` ``[steps, width]`` (row indices into the
-    stacked states; None: rows ``0..width-1`` at every step, which a step reads and
-    writes as views, without gathering), ``idx``
+    stacked states; None: rows ``start..start+width-1`` at every step, which a step
+    reads and writes as views, without gathering), ``idx``
     ``[steps, width, size]`` (indices into the training set), ``augment``
     ``[steps, 3, width, size]`` (crop offsets and flip, or None) and ``draws``
     (each ``[steps, width, ...]``: the stage's per-step random numbers).
@@ -65,10 +68,12 @@ class Call:
     idx: torch.Tensor
     augment: torch.Tensor | None
     draws: Tensors = field(default_factory=dict)
+    start: int = 0
 
-    def shape(self) -> tuple[bool, int, int, int, bool]:
-        """What a compiled call depends on (the values it reads live in buffers)."""
-        return (self.first, self.steps, self.width, self.size, self.rows is None)
+    def shape(self) -> tuple[bool, int, int, int, int | None]:
+        """What a compiled call depends on (the values it reads live in buffers; a range of rows is
+        read as views at a fixed place)."""
+        return (self.first, self.steps, self.width, self.size, self.start if self.rows is None else None)
 
 
 @dataclass
@@ -227,7 +232,9 @@ class _HostCall:
     width: int
     # (row, first batch, batches taken): the row's column is its place in this list
     members: list[tuple[int, _Row, int, int]]
-    prefix: bool = False  # the members are rows 0..width-1, each at every step: no row index needed
+    # the members are the rows start..start+width-1, each at every step (no row index needed); None: they
+    # are gathered by index
+    start: int | None = None
     packed: dict[str, int] = field(default_factory=dict)
 
 
@@ -236,14 +243,21 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
     pos = [0] * k
     calls: list[_HostCall] = []
 
+    def add(first: bool, size: int, steps: int, members: list[tuple[int, _Row, int, int]]) -> None:
+        """A call of ``members`` each taking ``steps`` batches of ``size``: a range of rows if they are
+        consecutive (exact width), else gathered by index (width rounded by :func:`bucket_width`)."""
+        ids = [m[0] for m in members]
+        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
+        width = len(ids) if consecutive else bucket_width(len(ids), k)
+        calls.append(_HostCall(first, size, steps, width, members, ids[0] if consecutive else None))
+
     def singles(members: list[int], first: bool) -> None:
         """One step of each of ``members`` (its next batch), one call per batch size."""
         groups: dict[int, list[int]] = {}
         for r in members:
             groups.setdefault(len(rows[r].batch(pos[r]).idx), []).append(r)
         for size, group in groups.items():
-            calls.append(_HostCall(first, size, 1, len(group), [(r, rows[r], pos[r], 1) for r in group],
-                                   group == list(range(len(group)))))
+            add(first, size, 1, [(r, rows[r], pos[r], 1) for r in group])
             for r in group:
                 pos[r] += 1
 
@@ -261,15 +275,14 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
                     pos[r] += 1
                 steps += 1
                 going = [r for r in going if rows[r].is_full(pos[r])]
-            first_step = 0
-            for part in split_steps(steps, block_steps):
-                members = [(r, rows[r], start[r] + first_step, min(part, taken[r] - first_step))
-                           for r in active if taken[r] > first_step]
-                prefix = [m[0] for m in members] == list(range(len(members))) and all(
-                    n == part for *_, n in members)
-                width = len(members) if prefix else bucket_width(len(members), k)
-                calls.append(_HostCall(False, batch_size, part, width, members, prefix))
-                first_step += part
+            # cut where a row stops, so that each call's rows all take each of its steps; each piece in
+            # powers of two (few distinct lengths)
+            done = 0
+            for stop in sorted(set(taken.values())):
+                members = [r for r in active if taken[r] >= stop]
+                for part in split_steps(stop - done, block_steps):
+                    add(False, batch_size, part, [(r, rows[r], start[r] + done, part) for r in members])
+                    done += part
         waiting = [r for r in range(k) if pos[r] < len(rows[r].order) and not rows[r].is_full(pos[r])]
         if not active and not waiting:
             break
@@ -305,7 +318,7 @@ def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
             augment[:taken, :, col] = row.full_augment[a:z]  # type: ignore[index]
         for n, d in row.full_draws.items():
             draws[n][:taken, col] = d[a:z]
-    if not call.prefix:
+    if call.start is None:
         call.packed["rows"] = packer.add(rows)
     call.packed["idx"] = packer.add(idx)
     if augment is not None:
@@ -322,4 +335,5 @@ def _device_call(call: _HostCall, view: Callable[[int], torch.Tensor]) -> Call:
         idx=view(p["idx"]),
         augment=view(p["augment"]) if "augment" in p else None,
         draws={n[len("draws/"):]: view(slot) for n, slot in p.items() if n.startswith("draws/")},
+        start=call.start or 0,
     )

@@ -13,7 +13,7 @@ random numbers from its own generators, in the same order as in
 :func:`hetfl.engine.local.run_stages`, before the round's first step
 (:mod:`hetfl.engine.step_plan`: the plan goes to the device in one copy, and a
 step never waits for the host). A step of some rows computes only those rows
-(a prefix sliced as a view, or rows gathered and scattered back; padding
+(a range of rows sliced as views, or rows gathered and scattered back; padding
 entries compute on a scratch row whose results are never read), so no batch is
 padded and no loss needs masking: a client's result equals the sequential one
 up to floating-point reassociation in batched kernels.
@@ -297,10 +297,10 @@ class VectorizedGroup:
             state, batch.x, batch.y, batch.draws, payload, cstate, extras)
 
     def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
-             augment: torch.Tensor | None, draws: Tensors) -> None:
-        """One step of ``stage`` (the ``index``-th) for the rows ``rows`` (``[width]``; None: the first
-        ``width`` rows) on the samples ``idx`` (``[width, size]``): the adversary's step (if any), then
-        the stage's, written into the group's buffers in place."""
+             augment: torch.Tensor | None, draws: Tensors, start: int = 0) -> None:
+        """One step of ``stage`` (the ``index``-th) for the rows ``rows`` (``[width]``; None: the ``width``
+        rows from ``start``) on the samples ``idx`` (``[width, size]``): the adversary's step (if any),
+        then the stage's, written into the group's buffers in place."""
         b = self.buffers
         width, size = idx.shape
         flat = self.data.batch_at(idx.reshape(-1), None if augment is None else augment.reshape(3, -1))
@@ -308,65 +308,65 @@ class VectorizedGroup:
         batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, flat.y.view(width, size), draws)
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            return t[:width] if rows is None else t.index_select(0, rows)
+            return t[start : start + width] if rows is None else t.index_select(0, rows)
 
         def shared_or_take(tensors: Tensors, dims: dict[str, int | None]) -> Tensors:
             return {n: t if dims[n] is None else take(t) for n, t in tensors.items()}
 
         payload, cstate = shared_or_take(b.payload, b.payload_dims), shared_or_take(b.cstate, b.cstate_dims)
         extras = shared_or_take(b.extras, b.extras_dims)
-        # the rows' states: views of the buffers (a prefix), or gathered copies written back after the step
+        # the rows' states: views of the buffers (a range of rows), or gathered copies written back after
+        # the step
         state = {n: take(t) for n, t in b.state.items()}
         metrics: Tensors = {}
         if stage.adversary is not None:
             _, adv_metrics = self.train(stage.adversary, state, b.adv_opt[index], batch, payload, cstate, extras,
-                                        first, rows, width)
+                                        first, rows, take)
             metrics.update({f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()})
         loss, stage_metrics = self.train(stage, state, b.opt[index], batch, payload, cstate, extras, first, rows,
-                                         width)
+                                         take)
         for key, value in {"": loss, **metrics, **stage_metrics}.items():
             if key not in b.sums:
                 if is_capturing():
                     raise RuntimeError(f"metric {key!r} first appears while a CUDA graph is captured")
                 b.sums[key] = torch.zeros(b.k + 1, device=value.device)
             if rows is None:
-                b.sums[key][:width].add_(value.float())
+                take(b.sums[key]).add_(value.float())
             else:
                 b.sums[key].index_add_(0, rows, value.float())
 
     def train(self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, payload: Tensors, cstate: Tensors,
-              extras: Tensors, first: bool, rows: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Tensors]:
-        """One SGD step of ``stage`` for the rows ``rows`` (None: the first ``width``): the vmapped
-        gradients, then :func:`hetfl.optim.sgd_update_` on all rows at once, in place in ``state`` (and
-        in the group's buffers) and in the stage's optimiser state ``opt``; returns (losses, metrics)."""
+              extras: Tensors, first: bool, rows: torch.Tensor | None,
+              take: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
+        """One SGD step of ``stage`` for the step's rows (``take``: a buffer's rows, as views or, with
+        ``rows``, gathered): the vmapped gradients, then :func:`hetfl.optim.sgd_update_` on all rows at
+        once, in place in ``state`` (and so in the group's buffers) and in the stage's optimiser state
+        ``opt``; returns (losses, metrics)."""
         grads, new_buffers, loss, metrics = self.vmapped_gradients(stage, state, batch, payload, cstate, extras)
         for name, value in new_buffers.items():
             state[name].copy_(value)
         names = list(grads)
-        mine = opt if rows is None else {n: t.index_select(0, rows) for n, t in opt.items()}
-        bufs = [mine[n][:width] for n in names] if mine else []
-        sgd_update_([state[n] for n in names], [grads[n] for n in names], bufs, stage.sgd, first)
+        mine = {n: take(t) for n, t in opt.items()}
+        sgd_update_([state[n] for n in names], [grads[n] for n in names], [mine[n] for n in names] if mine else [],
+                    stage.sgd, first)
         if rows is not None:  # gathered copies: back into the buffers' rows
-            self.write(self.buffers.state, {n: state[n] for n in (*new_buffers, *names)}, rows, width)
-            self.write(opt, mine, rows, width)
+            self.write(self.buffers.state, {n: state[n] for n in (*new_buffers, *names)}, rows)
+            self.write(opt, mine, rows)
         return loss, metrics
 
     @staticmethod
-    def write(full: Tensors, part: Tensors, rows: torch.Tensor | None, width: int) -> None:
-        """``part``'s rows into ``full``'s rows ``rows`` (None: the first ``width``), in place."""
+    def write(full: Tensors, part: Tensors, rows: torch.Tensor) -> None:
+        """``part``'s rows into ``full``'s rows ``rows``, in place."""
         for name, value in part.items():
-            target = full[name]
-            if rows is None:
-                target[:width].copy_(value)
-            else:
-                target.index_copy_(0, rows, value.to(target.dtype))
+            full[name].index_copy_(0, rows, value.to(full[name].dtype))
 
     def body(self, stage: Stage, index: int, call: Call) -> None:
         """All steps of ``call``."""
         for s in range(call.steps):
             rows = None if call.rows is None else call.rows[s]
             augment = None if call.augment is None else call.augment[s]
-            self.step(stage, index, call.first, rows, call.idx[s], augment, {n: d[s] for n, d in call.draws.items()})
+            self.step(stage, index, call.first, rows, call.idx[s], augment, {n: d[s] for n, d in call.draws.items()},
+                      call.start)
 
     # ---------------------------------------------------------------- the round
     def run(self) -> list[LocalResult]:
@@ -460,7 +460,7 @@ class CompiledCall:
             self.inputs = Call(call.first, call.steps, call.width, call.size,
                                None if call.rows is None else call.rows.clone(), call.idx.clone(),
                                None if call.augment is None else call.augment.clone(),
-                               {n: d.clone() for n, d in call.draws.items()})
+                               {n: d.clone() for n, d in call.draws.items()}, call.start)
 
     def reusable(self, template: TemplateContext) -> bool:
         """Whether the round's plain values that the step read are those it was compiled with."""
