@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, cross_entropy
 from hetfl.params import setting
 
 LOCAL, ALPHA = "apfl.local/", "apfl.alpha"
@@ -126,10 +126,10 @@ class APFL(Algorithm):
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         """``f(w) + f(alpha v + (1 - alpha) stopgrad(w))``: the gradients are the three APFL updates."""
-        ce_global = F.cross_entropy(self.model.logits(state, batch.x), batch.y)
+        ce_global = cross_entropy(self.model.logits(state, batch.x), batch.y)
         frozen_w = {n: state[n].detach() for n in self.model.param_names}
         mixed = mixture(self.local(state), frozen_w, state[ALPHA], self.model.param_names, self.model.buffer_names)
-        ce_mixed = F.cross_entropy(self.model.logits(mixed, batch.x), batch.y)
+        ce_mixed = cross_entropy(self.model.logits(mixed, batch.x), batch.y)
         return ce_global + ce_mixed, {"ce": ce_global.detach(), "ce_personal": ce_mixed.detach(),
                                       "alpha": state[ALPHA].detach()}
 

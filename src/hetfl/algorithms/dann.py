@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Tensors, cross_entropy
 from hetfl.params import setting
 from hetfl.rng import method_generator
 
@@ -138,10 +138,10 @@ class DANN(Algorithm):
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, logits = self.model.features_and_logits(state, batch.x)
-        ce = F.cross_entropy(logits, batch.y)
+        ce = cross_entropy(logits, batch.y)
         domain_logits = mlp(state, HEAD, self.layers, gradient_reversal(z, self.lam_at(ctx.round)))
         domains = torch.zeros_like(batch.y) + ctx.extras[DOMAIN]
-        domain_ce = F.cross_entropy(domain_logits, domains)
+        domain_ce = cross_entropy(domain_logits, domains)
         return ce + domain_ce, {"ce": ce.detach(), "domain_ce": domain_ce.detach()}
 
     def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:

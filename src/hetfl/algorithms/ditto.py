@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, cross_entropy
 from hetfl.algorithms.fedprox import proximal_term
 from hetfl.params import setting
 
@@ -69,7 +68,7 @@ class Ditto(Algorithm):
     def personal_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         """``F_i(v) + lam/2 ||v - w^t||^2``, w^t the received global model."""
         v = self.personal(state)
-        ce = F.cross_entropy(self.model.logits(v, batch.x), batch.y)
+        ce = cross_entropy(self.model.logits(v, batch.x), batch.y)
         prox = proximal_term(v, ctx.payload, self.model.param_names)
         return ce + 0.5 * self.hp.lam * prox, {"ce_personal": ce.detach(), "prox": prox.detach()}
 

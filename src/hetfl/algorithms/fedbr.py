@@ -120,6 +120,7 @@ from hetfl.algorithms.base import (
     Stage,
     Tensors,
     Upload,
+    cross_entropy,
     weighted_mean,
 )
 from hetfl.algorithms.fedmix import soft_cross_entropy
@@ -400,7 +401,7 @@ class FedBR(Algorithm):
         """The min step's objective (eq. 3)."""
         x = self.real_inputs(batch)
         z_real, logits = self.model.features_and_logits(state, x)
-        ce = mixup_cross_entropy(logits, batch) if self.hp.mixup else F.cross_entropy(logits, batch.y)
+        ce = mixup_cross_entropy(logits, batch) if self.hp.mixup else cross_entropy(logits, batch.y)
         loss, metrics = ce, {"ce": ce.detach()}
         if not (self.uses_pseudo_ce or self.uses_features):
             return loss, metrics

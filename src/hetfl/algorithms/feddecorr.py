@@ -34,9 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors, cross_entropy
 from hetfl.params import setting
 
 
@@ -81,6 +80,6 @@ class FedDecorr(Algorithm):
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         features, logits = self.model.features_and_logits(state, batch.x)
-        ce = F.cross_entropy(logits, batch.y)
+        ce = cross_entropy(logits, batch.y)
         decorr = decorrelation_loss(features, self.hp.eps, self.hp.form)
         return ce + self.hp.beta * decorr, {"ce": ce.detach(), "decorr": decorr.detach()}

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, cross_entropy
 from hetfl.algorithms.logit_adjust import client_counts
 from hetfl.params import setting
 from hetfl.rng import method_generator
@@ -81,7 +81,7 @@ def simplex_etf(num_classes: int, dim: int, generator: torch.Generator) -> torch
 
 def balanced_softmax_loss(logits: torch.Tensor, labels: torch.Tensor, log_counts: torch.Tensor) -> torch.Tensor:
     """Balanced softmax (Ren et al. 2020): ``CE(logits + log n_c, y)``."""
-    return F.cross_entropy(logits + log_counts.to(logits.dtype), labels)
+    return cross_entropy(logits + log_counts.to(logits.dtype), labels)
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class FedETF(Algorithm):
         if log_counts is not None:
             loss = balanced_softmax_loss(logits, batch.y, log_counts)
             return loss, {"balanced_ce": loss.detach(), "beta": state[BETA].detach()}
-        loss = F.cross_entropy(logits, batch.y)
+        loss = cross_entropy(logits, batch.y)
         return loss, {"ce": loss.detach(), "beta": state[BETA].detach()}
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
@@ -198,7 +198,7 @@ class FedETF(Algorithm):
     def ce_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         """Plain cross-entropy on FedETF's logits (the local adaptation's loss)."""
         z, _ = self.model.features_and_logits(state, batch.x)
-        loss = F.cross_entropy(self.etf_logits(state, z), batch.y)
+        loss = cross_entropy(self.etf_logits(state, z), batch.y)
         return loss, {"ce": loss.detach()}
 
     def finish(self, ctx: ClientContext, local: Tensors, steps: int) -> tuple[Tensors, Tensors]:

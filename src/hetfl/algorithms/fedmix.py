@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad
 
-from hetfl.algorithms.base import SHARED, Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
+from hetfl.algorithms.base import SHARED, Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, cross_entropy
 from hetfl.params import setting
 from hetfl.rng import method_generator
 
@@ -101,7 +101,7 @@ class FedMix(Algorithm):
             return F.cross_entropy(logits, batch.y, reduction="sum"), logits
 
         input_grad, logits = grad(own_loss, has_aux=True)(scaled)
-        ce_own = F.cross_entropy(logits, batch.y)
+        ce_own = cross_entropy(logits, batch.y)
         ce_mean = soft_cross_entropy(logits, y_bar)
         taylor = (input_grad * x_bar).flatten(1).sum(1).mean()
         loss = (1 - lam) * ce_own + lam * ce_mean + lam * taylor

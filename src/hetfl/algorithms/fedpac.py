@@ -120,6 +120,7 @@ from hetfl.algorithms.base import (
     Stage,
     Tensors,
     Upload,
+    cross_entropy,
     weighted_mean,
 )
 from hetfl.algorithms.dp_moments import (
@@ -331,7 +332,7 @@ class FedPAC(Algorithm):
 
     def alignment_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, logits = self.model.features_and_logits(state, batch.x)
-        ce = F.cross_entropy(logits, batch.y)
+        ce = cross_entropy(logits, batch.y)
         align = F.mse_loss(z, ctx.extras["target"][batch.y])  # (1/d) ||f(x) - c_y||^2, batch mean
         weight = self.hp.lam * ctx.extras["align"]
         return ce + weight * align, {"ce": ce.detach(), "alignment": align.detach()}

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, cross_entropy
 from hetfl.params import setting
 
 HEAD = "fedrod.head/"
@@ -91,9 +91,9 @@ class FedRoD(Algorithm):
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, generic = self.model.features_and_logits(state, batch.x)
         shifted = generic + ctx.extras[LOG_PRIOR] if self.hp.balanced else generic
-        bsm = F.cross_entropy(shifted, batch.y)
+        bsm = cross_entropy(shifted, batch.y)
         personal = F.linear(z.detach(), state[HEAD + "classifier.weight"], state.get(HEAD + "classifier.bias"))
-        ce_personal = F.cross_entropy(generic.detach() + personal, batch.y)
+        ce_personal = cross_entropy(generic.detach() + personal, batch.y)
         return bsm + ce_personal, {"bsm": bsm.detach(), "ce_personal": ce_personal.detach()}
 
     def stages(self, ctx: ClientContext) -> list[Stage]:

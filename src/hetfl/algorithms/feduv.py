@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors, cross_entropy
 from hetfl.params import ConfigError, setting
 
 
@@ -155,7 +155,7 @@ class FedUV(Algorithm):
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         features, logits = self.model.features_and_logits(state, batch.x)
-        ce = F.cross_entropy(logits, batch.y)
+        ce = cross_entropy(logits, batch.y)
         lv = variance_loss(logits, self.hp.eps)
         lu = uniformity_loss(features, self.hp.bandwidth, self.hp.normalize, self.hp.sigma_grad)
         loss = ce + self.variance_weight * lv + self.hp.mu * lu

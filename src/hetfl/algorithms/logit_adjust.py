@@ -51,9 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors, cross_entropy
 from hetfl.params import setting
 
 FEDLC_SHIFT = "fedlc.shift"
@@ -80,7 +79,7 @@ def calibration_shift(counts: torch.Tensor, tau: float, min_count: float = 1e-8)
 
 def calibrated_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """FedLC's calibrated loss: mean cross-entropy of ``logits - shift``."""
-    return F.cross_entropy(logits - shift.to(logits.dtype), labels)
+    return cross_entropy(logits - shift.to(logits.dtype), labels)
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def restriction_scale(counts: torch.Tensor, alpha: float, scaling: str = "binary
 
 def restricted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FedRS's local loss: mean cross-entropy of ``logits * scale``."""
-    return F.cross_entropy(logits * scale.to(logits.dtype), labels)
+    return cross_entropy(logits * scale.to(logits.dtype), labels)
 
 
 @dataclass(frozen=True)

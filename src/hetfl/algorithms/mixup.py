@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, DrawFn, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, DrawFn, Stage, Tensors, cross_entropy
 from hetfl.params import setting
 
 PERM, LAM = "mixup.perm", "mixup.lam"
@@ -47,7 +46,7 @@ def mix_inputs(batch: Batch) -> torch.Tensor:
 def mixup_cross_entropy(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """``lam CE(logits, y) + (1 - lam) CE(logits, y[perm])`` (Zhang et al. 2018, eq. 1)."""
     lam, perm = batch.draws[LAM], batch.draws[PERM]
-    return lam * F.cross_entropy(logits, batch.y) + (1 - lam) * F.cross_entropy(logits, batch.y[perm])
+    return lam * cross_entropy(logits, batch.y) + (1 - lam) * cross_entropy(logits, batch.y[perm])
 
 
 @dataclass(frozen=True)

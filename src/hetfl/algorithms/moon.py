@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Tensors, cross_entropy
 from hetfl.params import setting
 
 PREV = "moon.prev/"
@@ -64,7 +64,7 @@ class Moon(Algorithm):
 
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, logits = self.model.features_and_logits(state, batch.x)
-        ce = F.cross_entropy(logits, batch.y)
+        ce = cross_entropy(logits, batch.y)
         if not ctx.state:  # first participation: no previous local model, no term
             return ce, {"ce": ce.detach()}
         z_glob = self.model.reference_features(ctx.payload, batch.x)

@@ -41,9 +41,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    ServerState,
+    Stage,
+    Tensors,
+    Upload,
+    cross_entropy,
+    weighted_mean,
+)
 from hetfl.params import setting
 
 THETA = "pfedme.theta/"
@@ -95,7 +104,7 @@ class PFedMe(Algorithm):
 
         def inner(th: Tensors) -> torch.Tensor:
             own = {n: b.clone() for n, b in buffers.items()}
-            ce = F.cross_entropy(self.model.logits({**th, **own}, batch.x), batch.y)
+            ce = cross_entropy(self.model.logits({**th, **own}, batch.x), batch.y)
             return ce + 0.5 * lam * sum(((th[n] - w[n]) ** 2).sum() for n in th)
 
         theta = {n: t.detach() for n, t in theta.items()}
@@ -113,7 +122,7 @@ class PFedMe(Algorithm):
         lam = self.hp.lam
         # the envelope's value at theta_hat; this forward (a plain one, with the state's buffers)
         # is the step's only update of BatchNorm statistics
-        ce = F.cross_entropy(self.model.logits({**theta_hat, **buffers}, batch.x), batch.y).detach()
+        ce = cross_entropy(self.model.logits({**theta_hat, **buffers}, batch.x), batch.y).detach()
         envelope = ce + 0.5 * lam * sum(((theta_hat[n] - w[n].detach()) ** 2).sum() for n in names)
         # d/dw: lam (w - theta_hat), the envelope's gradient;
         # d/dtheta: (theta - theta_hat) / eta, so that one SGD step lands on theta_hat

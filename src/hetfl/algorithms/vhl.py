@@ -66,7 +66,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, DrawFn, ServerState, Setup, Stage, Tensors
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    DrawFn,
+    ServerState,
+    Setup,
+    Stage,
+    Tensors,
+    cross_entropy,
+)
 from hetfl.algorithms.dann import init_mlp
 from hetfl.params import ConfigError, setting
 from hetfl.rng import method_generator
@@ -232,8 +242,8 @@ class VHL(Algorithm):
         else:
             target_v = y_v
         z, z_v = z_all[:n], z_all[n:]
-        ce = F.cross_entropy(logits_all[:n], batch.y)
-        ce_v = F.cross_entropy(logits_all[n:], target_v)
+        ce = cross_entropy(logits_all[:n], batch.y)
+        ce_v = cross_entropy(logits_all[n:], target_v)
         align = supervised_contrastive_loss(torch.cat([z, z_v.detach()]), torch.cat([batch.y, y_v]),
                                             self.hp.temperature)
         loss = ce + self.hp.alpha * ce_v + self.hp.align_weight * align
