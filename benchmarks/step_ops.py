@@ -1,0 +1,154 @@
+"""How many operations does a vectorised step run? Counted on the CPU, for the GPU.
+
+On a GPU a step of the vectorised executor is a CUDA graph replay whose time, at the small
+batches of federated clients, is set by how many kernels it launches and how many bytes they
+move, not by Python. Every ATen operation that is not a view is a kernel there. This script
+runs one round of the vectorised executor in ``static`` step mode (the CUDA-graph path's logic,
+without the capture) on the CPU under a dispatch-mode counter and reports, per step:
+
+- the operations of the round's calls, split into calls that read their rows as views (a range
+  of rows) and calls that gather them by index (and scatter them back);
+- where they come from: the data (gather, normalisation), autocast's casts, the model's forward
+  and backward, the loss, the SGD update, the bookkeeping (metric sums, state gathers/writes);
+- the steps on the round's critical path (calls run one after another) and the client-steps.
+
+The counts are exact and deterministic (no timing), so runs on two trees compare directly.
+Appends to ``benchmarks/results/step_ops_cpu.{json,md}``.
+
+    python benchmarks/step_ops.py --data ../shared/datasets --model cnn2 --clients 20 --batch-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.schedule import lr_at
+from hetfl.engine.vectorized import VectorizedGroup, train_clients_vectorized
+
+VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.slice",
+         "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.detach", "aten.alias", "aten.reshape",
+         "aten.as_strided", "aten.unbind", "aten.split", "aten.split_with_sizes", "aten.empty", "aten.empty_like",
+         "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+BOOKKEEPING = {"aten.index_select", "aten.index_copy_", "aten.index_add_", "aten.add_", "aten.copy_"}
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts the non-view ATen operations dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kind(op: str) -> str:
+    if op.startswith("aten._foreach_"):
+        return "sgd update"
+    if op == "aten._to_copy":
+        return "casts"
+    if op in BOOKKEEPING:
+        return "bookkeeping"
+    return "model, loss, data"
+
+
+def count_round(overrides: list[str]) -> dict:
+    """One vectorised round of the configuration, counted per call."""
+    exp = Experiment(config.load(None, [*overrides, "runtime.device=cpu", "runtime.progress=false"]))
+    calls: list[dict] = []
+    original = VectorizedGroup.body
+
+    def counted(self, stage, index, call):  # type: ignore[no-untyped-def]
+        counter = StepCounter()
+        with counter:
+            original(self, stage, index, call)
+        calls.append({"steps": call.steps, "width": call.width, "gathered": call.rows is not None,
+                      "ops": counter.ops})
+
+    VectorizedGroup.body = counted  # type: ignore[method-assign]
+    try:
+        server, _, _ = exp.setup_round(exp.initial_server())
+        algo = exp.algorithm
+        ctxs = [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c), algo.init_client_state(c, server),
+                                   server) for c in exp.sample_clients(1)]
+        train_clients_vectorized(algo, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static")
+    finally:
+        VectorizedGroup.body = original  # type: ignore[method-assign]
+    row: dict = {"critical_steps": sum(c["steps"] for c in calls), "client_steps": sum(c["steps"] * c["width"]
+                                                                                        for c in calls),
+                 "calls": len(calls)}
+    for label, gathered in (("views", False), ("gathered", True)):
+        chosen = [c for c in calls if c["gathered"] == gathered]
+        steps = sum(c["steps"] for c in chosen)
+        total: Counter[str] = sum((c["ops"] for c in chosen), Counter())
+        by_kind: Counter[str] = Counter()
+        for op, n in total.items():
+            by_kind[kind(op)] += n
+        row[label] = {"steps": steps, "ops_per_step": round(sum(total.values()) / steps, 1) if steps else None,
+                      "by_kind": {k: round(v / steps, 1) for k, v in sorted(by_kind.items())} if steps else {}}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="../shared/datasets")
+    parser.add_argument("--model", default="cnn2")
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--label", default="", help="what tree this is (e.g. a commit and what it changed)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    base = ["data.dataset=cifar10", f"data.root={args.data}/cifar10-jpeg.tar.gz", "data.partition=dirichlet",
+            "data.alpha=0.1", f"data.num_clients={args.clients}", f"model.name={args.model}",
+            f"train.batch_size={args.batch_size}", f"train.local_epochs={args.epochs}", "train.momentum=0.9",
+            "data.augment=none"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    entry = {"commit": commit, "label": args.label, "command": "python benchmarks/step_ops.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
+        if k not in ("out", "data", "label")), "rows": {}}
+    for precision in args.precisions:
+        entry["rows"][precision] = row = count_round([*base, f"train.precision={precision}"])
+        print(precision, json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "step_ops_cpu.json"
+    entries = json.loads(path.read_text()) if path.exists() else []
+    entries.append(entry)
+    path.write_text(json.dumps(entries, indent=2) + "\n")
+    (out / "step_ops_cpu.md").write_text(render(entries))
+
+
+def render(entries: list[dict]) -> str:
+    lines = ["# Operations per vectorised step (CPU count, for the GPU)", "",
+             "Non-view ATen operations per step of one round in `static` step mode (each one a kernel launch on "
+             "a GPU), for calls that read their rows as views and calls that gather them; `critical` = steps "
+             "run one after another, `client-steps` = steps times rows. benchmarks/step_ops.py.", ""]
+    for e in entries:
+        lines += [f"`{e['command']}` at {e['commit']}{': ' + e['label'] if e.get('label') else ''}", "",
+                  "| precision | critical steps | client-steps | calls | view steps | ops/step (views) | "
+                  "gathered steps | ops/step (gathered) | per step, by kind (views) |", "|---" * 9 + "|"]
+        for precision, r in e["rows"].items():
+            v, g = r["views"], r["gathered"]
+            kinds = ", ".join(f"{k} {n}" for k, n in v["by_kind"].items())
+            lines.append(f"| {precision} | {r['critical_steps']} | {r['client_steps']} | {r['calls']} | {v['steps']} | "
+                         f"{v['ops_per_step'] or '-'} | {g['steps']} | {g['ops_per_step'] or '-'} | {kinds} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
