@@ -13,27 +13,17 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.step_plan import bucket_width, split_steps
 from hetfl.engine.vectorized import ClientPlan, CompiledCall, VectorizedGroup, train_clients_vectorized
 from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
+from tests.helpers.ops import OpCounter
 
 # ops that wait for the device (a value read back to the host) or copy a host value to it
 HOST_OPS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
             "aten.lift_fresh", "aten.lift_fresh_copy"}
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def counted_round(monkeypatch, steps: int, method: str, step_mode: str) -> tuple[Counter[str], int, float]:
