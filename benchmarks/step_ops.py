@@ -10,7 +10,8 @@ without the capture) on the CPU under a dispatch-mode counter and reports, per s
   of rows) and calls that gather them by index (and scatter them back);
 - where they come from: the data (gather, normalisation), autocast's casts, the model's forward
   and backward, the loss, the SGD update, the bookkeeping (metric sums, state gathers/writes);
-- the steps on the round's critical path (calls run one after another) and the client-steps.
+- the steps on the round's critical path (calls run one after another) and the client-steps;
+- the host's planning of the round (median of 5, ms): the GPU waits for it at each round's start.
 
 The counts are exact and deterministic (no timing), so runs on two trees compare directly.
 Appends to ``benchmarks/results/step_ops_cpu.{json,md}``.
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.schedule import lr_at
-from hetfl.engine.vectorized import VectorizedGroup, train_clients_vectorized
+from hetfl.engine.vectorized import ClientPlan, VectorizedGroup, train_clients_vectorized
 
 VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.slice",
          "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.detach", "aten.alias", "aten.reshape",
@@ -64,6 +67,24 @@ def kind(op: str) -> str:
     return "model, loss, data"
 
 
+def plan_ms(exp: Experiment, ctxs: list) -> float:
+    """Median wall time of planning the round (the executor's host work before its first step)."""
+    algo = exp.algorithm
+    plans = []
+    for ctx in ctxs:
+        ctx.extras = algo.begin(ctx)
+        plans.append(ClientPlan(ctx, algo.stages(ctx), algo.start_state(ctx)))
+    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
+    times = []
+    for _ in range(5):
+        group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
+                                drop_last=exp.cfg.train.drop_last, max_grad_norm=0.0, buffers=(), step_mode="static")
+        t0 = time.perf_counter()
+        group.plan()
+        times.append(1000 * (time.perf_counter() - t0))
+    return round(statistics.median(times), 1)
+
+
 def count_round(overrides: list[str]) -> dict:
     """One vectorised round of the configuration, counted per call."""
     exp = Experiment(config.load(None, [*overrides, "runtime.device=cpu", "runtime.progress=false"]))
@@ -81,14 +102,17 @@ def count_round(overrides: list[str]) -> dict:
     try:
         server, _, _ = exp.setup_round(exp.initial_server())
         algo = exp.algorithm
-        ctxs = [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c), algo.init_client_state(c, server),
-                                   server) for c in exp.sample_clients(1)]
-        train_clients_vectorized(algo, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static")
+        def contexts() -> list:
+            return [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c),
+                                       algo.init_client_state(c, server), server) for c in exp.sample_clients(1)]
+
+        train_clients_vectorized(algo, contexts(), exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train,
+                                 step_mode="static")
     finally:
         VectorizedGroup.body = original  # type: ignore[method-assign]
     row: dict = {"critical_steps": sum(c["steps"] for c in calls), "client_steps": sum(c["steps"] * c["width"]
                                                                                         for c in calls),
-                 "calls": len(calls)}
+                 "calls": len(calls), "plan_ms": plan_ms(exp, contexts())}
     for label, gathered in (("views", False), ("gathered", True)):
         chosen = [c for c in calls if c["gathered"] == gathered]
         steps = sum(c["steps"] for c in chosen)
@@ -109,13 +133,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--augment", default="none", choices=("none", "crop_flip"))
     parser.add_argument("--label", default="", help="what tree this is (e.g. a commit and what it changed)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     base = ["data.dataset=cifar10", f"data.root={args.data}/cifar10-jpeg.tar.gz", "data.partition=dirichlet",
             "data.alpha=0.1", f"data.num_clients={args.clients}", f"model.name={args.model}",
             f"train.batch_size={args.batch_size}", f"train.local_epochs={args.epochs}", "train.momentum=0.9",
-            "data.augment=none"]
+            f"data.augment={args.augment}", "runtime.threads=1"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     entry = {"commit": commit, "label": args.label, "command": "python benchmarks/step_ops.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
@@ -139,12 +164,13 @@ def render(entries: list[dict]) -> str:
              "run one after another, `client-steps` = steps times rows. benchmarks/step_ops.py.", ""]
     for e in entries:
         lines += [f"`{e['command']}` at {e['commit']}{': ' + e['label'] if e.get('label') else ''}", "",
-                  "| precision | critical steps | client-steps | calls | view steps | ops/step (views) | "
-                  "gathered steps | ops/step (gathered) | per step, by kind (views) |", "|---" * 9 + "|"]
+                  "| precision | critical steps | client-steps | calls | plan (ms) | view steps | ops/step (views) | "
+                  "gathered steps | ops/step (gathered) | per step, by kind (views) |", "|---" * 10 + "|"]
         for precision, r in e["rows"].items():
             v, g = r["views"], r["gathered"]
             kinds = ", ".join(f"{k} {n}" for k, n in v["by_kind"].items())
-            lines.append(f"| {precision} | {r['critical_steps']} | {r['client_steps']} | {r['calls']} | {v['steps']} | "
+            lines.append(f"| {precision} | {r['critical_steps']} | {r['client_steps']} | {r['calls']} | "
+                         f"{r.get('plan_ms', '-')} | {v['steps']} | "
                          f"{v['ops_per_step'] or '-'} | {g['steps']} | {g['ops_per_step'] or '-'} | {kinds} |")
         lines.append("")
     return "\n".join(lines)

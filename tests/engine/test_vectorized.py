@@ -72,6 +72,21 @@ def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):
     compare_one_round(exp, rounds_before=0)
 
 
+@needs_shared_data
+@pytest.mark.parametrize("augment", ["crop_flip", "flip"])
+def test_augmented_clients_see_the_same_images_as_in_the_sequential_executor(augment):
+    """Crops and flips are drawn with the round's plan, before its first step; each client's batch gets
+    the draws the sequential executor gives it (two epochs: short batches in the middle of the round)."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.num_clients=4", "data.samples_per_client=40", f"data.augment={augment}",
+        "model.name=cnn2", "train.batch_size=16", "train.local_epochs=2", "train.lr=0.01", "train.momentum=0.9",
+        "runtime.progress=false",
+    ]))
+    assert exp.data.augment == augment
+    compare_one_round(exp, rounds_before=0, step_mode="static")
+
+
 def test_runs_with_either_executor_give_the_same_metrics(tmp_path):
     """(FedBR's min-max local game over hundreds of steps amplifies float32 rounding:
     there the two executors agree to ~1e-2 in loss after 500 steps, as two sequential

@@ -35,6 +35,7 @@ of distinct call shapes (and of CUDA graphs) small.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +120,12 @@ class _Row:
     full_idx: torch.Tensor  # [full batches, batch_size]
     full_augment: torch.Tensor | None  # [full batches, 3, batch_size]
     full_draws: Tensors  # each [full batches, ...]
+    runs: list[int] = field(default_factory=list)  # runs[j]: full batches in a row from batch j (0: short or done)
+
+    def __post_init__(self) -> None:
+        self.runs = [0] * (len(self.order) + 1)
+        for j in range(len(self.order) - 1, -1, -1):
+            self.runs[j] = self.runs[j + 1] + 1 if self.order[j][0] == "full" else 0
 
     def batch(self, j: int) -> _HostBatch:
         kind, what = self.order[j]
@@ -129,7 +136,11 @@ class _Row:
                           {n: d[i] for n, d in self.full_draws.items()})
 
     def is_full(self, j: int) -> bool:
-        return j < len(self.order) and self.order[j][0] == "full"
+        return self.run(j) > 0
+
+    def run(self, j: int) -> int:
+        """How many full batches follow one another from batch ``j`` on."""
+        return self.runs[j] if j < len(self.order) else 0
 
     def full_index(self, j: int) -> int:
         return int(self.order[j][1])  # type: ignore[call-overload]
@@ -175,7 +186,7 @@ def plan_round(
     batch_gens: list[torch.Generator],
     augment_gens: list[torch.Generator],
     draw_gens: list[torch.Generator],
-    augment_draws: Callable[[int, torch.Generator], torch.Tensor | None],
+    stage_augment: Callable[[list[torch.Tensor], torch.Generator], torch.Tensor | None],
     global_indices: Callable[[int, torch.Tensor], torch.Tensor],
     device: torch.device,
     block_steps: int = BLOCK_STEPS,
@@ -190,37 +201,36 @@ def plan_round(
         for r in range(k):
             schedule = batch_schedule(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, batch_gens[r])
             rows.append(_row(schedule, global_indices(clients[r], torch.cat(schedule)) if schedule else None,
-                             batch_size, stage, augment_gens[r], draw_gens[r], augment_draws))
+                             batch_size, stage, stage_augment(schedule, augment_gens[r]), draw_gens[r]))
         layouts.append(_layout(rows, k, batch_size, block_steps, packer))
     view = packer.to(device)
     return [StagePlan([_device_call(c, view) for c in calls], steps) for calls, steps in layouts]
 
 
 def _row(schedule: list[torch.Tensor], flat_global: torch.Tensor | None, batch_size: int, stage: Stage,
-         augment_gen: torch.Generator, draw_gen: torch.Generator,
-         augment_draws: Callable[[int, torch.Generator], torch.Tensor | None]) -> _Row:
-    """A client's batches with their draws, each drawn batch by batch in the sequential executor's order."""
+         augment: torch.Tensor | None, draw_gen: torch.Generator) -> _Row:
+    """A client's batches of a stage with their augmentation (``augment``: the stage's ``[3, samples]``,
+    batch after batch) and per-step draws (drawn batch by batch, in the sequential executor's order).
+    The full batches are gathered at once (a round of CCVR's 10 epochs has 7,860)."""
+    sizes = [b.shape[0] for b in schedule]
+    offsets = [0, *itertools.accumulate(sizes)]
+    draws = [stage.draws(draw_gen, n) for n in sizes] if stage.draws is not None else [{}] * len(sizes)
+    full = [j for j, n in enumerate(sizes) if n == batch_size]
+    columns = torch.tensor([offsets[j] for j in full], dtype=torch.long).view(-1, 1) + torch.arange(batch_size)
+    place = {j: i for i, j in enumerate(full)}  # batch -> its row among the full batches
     order: list[tuple[str, object]] = []
-    full_idx, full_aug, full_draws = [], [], []
-    start = 0
-    for local in schedule:
-        n = len(local)
-        idx = flat_global[start : start + n]  # type: ignore[index]
-        start += n
-        augment = augment_draws(n, augment_gen)
-        draws = {} if stage.draws is None else stage.draws(draw_gen, n)
+    for j, n in enumerate(sizes):
         if n == batch_size:
-            order.append(("full", len(full_idx)))
-            full_idx.append(idx)
-            full_aug.append(augment)
-            full_draws.append(draws)
+            order.append(("full", place[j]))
         else:
-            order.append(("short", _HostBatch(idx, augment, draws)))
+            a, z = offsets[j], offsets[j + 1]
+            order.append(("short", _HostBatch(flat_global[a:z], None if augment is None else augment[:, a:z],  # type: ignore[index]
+                                              draws[j])))
     return _Row(
         order,
-        torch.stack(full_idx) if full_idx else torch.zeros(0, batch_size, dtype=torch.long),
-        torch.stack(full_aug) if full_aug and full_aug[0] is not None else None,  # type: ignore[arg-type]
-        {n: torch.stack([d[n] for d in full_draws]) for n in full_draws[0]} if full_draws else {},
+        flat_global[columns] if full else torch.zeros(0, batch_size, dtype=torch.long),  # type: ignore[index]
+        augment[:, columns].transpose(0, 1) if full and augment is not None else None,
+        {n: torch.stack([draws[j][n] for j in full]) for n in draws[full[0]]} if full else {},
     )
 
 
@@ -255,7 +265,7 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
         """One step of each of ``members`` (its next batch), one call per batch size."""
         groups: dict[int, list[int]] = {}
         for r in members:
-            groups.setdefault(len(rows[r].batch(pos[r]).idx), []).append(r)
+            groups.setdefault(rows[r].batch(pos[r]).idx.shape[0], []).append(r)
         for size, group in groups.items():
             add(first, size, 1, [(r, rows[r], pos[r], 1) for r in group])
             for r in group:
@@ -264,17 +274,20 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
     singles([r for r in range(k) if pos[r] < len(rows[r].order)], first=True)
     while True:
         active = [r for r in range(k) if rows[r].is_full(pos[r])]
-        if active:  # a block: while the active rows stay in one width bucket
+        if active:  # a block: while the rows still taking full batches stay in one width bucket
             bucket = bucket_width(len(active), k)
             start = {r: pos[r] for r in active}
-            taken = dict.fromkeys(active, 0)
-            steps, going = 0, active
-            while steps < block_steps and going and bucket_width(len(going), k) == bucket:
-                for r in going:
-                    taken[r] += 1
-                    pos[r] += 1
+            runs = {r: rows[r].run(pos[r]) for r in active}
+            ordered, steps, gone = sorted(runs.values()), 0, 0
+            while steps < block_steps:
+                while gone < len(ordered) and ordered[gone] <= steps:
+                    gone += 1
+                if gone == len(ordered) or bucket_width(len(ordered) - gone, k) != bucket:
+                    break
                 steps += 1
-                going = [r for r in going if rows[r].is_full(pos[r])]
+            taken = {r: min(run, steps) for r, run in runs.items()}
+            for r in active:
+                pos[r] += taken[r]
             # cut where a row stops, so that each call's rows all take each of its steps; each piece in
             # powers of two (few distinct lengths)
             done = 0

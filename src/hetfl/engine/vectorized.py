@@ -274,7 +274,7 @@ class VectorizedGroup:
             self.plans[0].stages if stages is None else stages, self.clients,
             [self.data.client_sizes[c] for c in self.clients], batch_size=self.batch_size,
             drop_last=self.drop_last, batch_gens=self.batch_gens, augment_gens=self.augment_gens,
-            draw_gens=self.draw_gens, augment_draws=self.data.augment_draws,
+            draw_gens=self.draw_gens, stage_augment=self.data.stage_augment,
             global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps)
 
     # ---------------------------------------------------------------- one step
