@@ -4,8 +4,9 @@ One untimed warm-up round (captures the CUDA graphs), then one round under
 ``torch.profiler``. Prints and appends to ``benchmarks/results/profile_<device>.md``:
 graph replays, host synchronisations (``cudaStreamSynchronize``/``cudaDeviceSynchronize``
 and their host time), host-to-device copies, kernels launched outside graphs, the
-round's wall time and the GPU's busy share (kernel time over wall time), and the
-top kernels by GPU time.
+round's wall time and the GPU's busy share (kernel time over wall time), the kernels
+run and GPU time by kind (convolutions, matrix products, layout conversions, pooling,
+indexing, elementwise and reductions), and the top kernels by GPU time.
 
     python benchmarks/profile_round.py --data ../shared/datasets --model cnn2 --clients 20 \\
         --batch-size 64 --variant graph_bf16
@@ -29,6 +30,18 @@ VARIANTS = {
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
 }
+
+
+KINDS = (("layout conversion", ("nchwtonhwc", "nhwctonchw")), ("pooling", ("pool",)),
+         ("convolution", ("conv", "wgrad", "dgrad", "fprop", "implicit")), ("matrix product", ("gemm", "cutlass")),
+         ("indexing", ("index", "gather", "scatter")), ("elementwise", ("elementwise", "multi_tensor", "foreach")),
+         ("reduction", ("reduce",)))
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse kind of a CUDA kernel, from its name."""
+    lowered = name.lower()
+    return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
 
 
 def main() -> None:
@@ -81,8 +94,17 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
         f"| {wall * 1e3:.0f} | {samples / wall:,.0f} | {replays} | {syncs} ({sync_ms:.0f}) | {h2d} | {launches} | "
         f"{min(1.0, gpu_ms / 1e3 / wall):.0%} |", "",
-        "Top kernels by GPU time:", "", "| kernel | calls | GPU ms | share |", "|---|---|---|---|",
+        f"GPU time by kind ({sum(e.count for e in kernels):,} kernels):", "",
+        "| kind | kernels | GPU ms | share |", "|---|---|---|---|",
     ]
+    kinds: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = kinds.setdefault(kernel_kind(e.key), [0, 0.0])
+        entry[0] += e.count
+        entry[1] += e.device_time_total / 1e3
+    for kind, (n, ms) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {kind} | {int(n):,} | {ms:.1f} | {ms / max(gpu_ms, 1e-9):.0%} |")
+    lines += ["", "Top kernels by GPU time:", "", "| kernel | calls | GPU ms | share |", "|---|---|---|---|"]
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]:
         lines.append(f"| `{e.key[:90]}` | {e.count} | {e.device_time_total / 1e3:.1f} | "
                      f"{e.device_time_total / 1e3 / max(gpu_ms, 1e-9):.0%} |")
