@@ -27,8 +27,8 @@ from tests.helpers.executors import (
     round_contexts,
 )
 
-# one epoch: still clients of very different sizes (short last batches,
-# clients that finish early while others take full batches: masked rows)
+# one epoch: still clients of very different sizes (short last batches, clients that finish
+# early while others take full batches: calls of shrinking ranges of rows)
 SMALL = [*SYNTHETIC, "train.local_epochs=1", "train.momentum=0.5"]
 
 
@@ -59,7 +59,9 @@ def test_every_method_static_step_equals_sequential(method, compiled_runs):
 
 def test_static_calls_pad_shrinking_blocks_with_the_scratch_row(compiled_runs):
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.9"]))
-    compare_one_round(exp, step_mode="static")  # 30 clients: widths above 4 rounded to multiples of 4
+    # 30 clients, two epochs: calls of rows that are not consecutive gather them, widths above 4 rounded
+    # up to multiples of 4 with the scratch row
+    compare_one_round(exp, step_mode="static")
     assert compiled_runs["blocks"] > 0 and compiled_runs["padded"] > 0
 
 
