@@ -212,6 +212,7 @@ def _row(schedule: list[torch.Tensor], flat_global: torch.Tensor | None, batch_s
     """A client's batches of a stage with their augmentation (``augment``: the stage's ``[3, samples]``,
     batch after batch) and per-step draws (drawn batch by batch, in the sequential executor's order).
     The full batches are gathered at once (a round of CCVR's 10 epochs has 7,860)."""
+    flat = torch.zeros(0, dtype=torch.long) if flat_global is None else flat_global  # None: no batches
     sizes = [b.shape[0] for b in schedule]
     offsets = [0, *itertools.accumulate(sizes)]
     draws = [stage.draws(draw_gen, n) for n in sizes] if stage.draws is not None else [{}] * len(sizes)
@@ -224,11 +225,10 @@ def _row(schedule: list[torch.Tensor], flat_global: torch.Tensor | None, batch_s
             order.append(("full", place[j]))
         else:
             a, z = offsets[j], offsets[j + 1]
-            order.append(("short", _HostBatch(flat_global[a:z], None if augment is None else augment[:, a:z],  # type: ignore[index]
-                                              draws[j])))
+            order.append(("short", _HostBatch(flat[a:z], None if augment is None else augment[:, a:z], draws[j])))
     return _Row(
         order,
-        flat_global[columns] if full else torch.zeros(0, batch_size, dtype=torch.long),  # type: ignore[index]
+        flat[columns] if full else torch.zeros(0, batch_size, dtype=torch.long),
         augment[:, columns].transpose(0, 1) if full and augment is not None else None,
         {n: torch.stack([draws[j][n] for j in full]) for n in draws[full[0]]} if full else {},
     )
