@@ -150,7 +150,8 @@ def test_the_sgd_update_of_all_rows_is_a_few_multi_tensor_ops_in_place(monkeypat
     new parameters or momentum into the buffers. Four layers cost no more update ops than one."""
     small, deep = prefix_step_ops(monkeypatch, "[32]"), prefix_step_ops(monkeypatch, "[32, 32, 32, 32]")
     for ops in (small, deep):
-        assert sum(n for op, n in ops.items() if op.startswith("aten._foreach_")) == 4  # wd, mul, add, step
+        # weight decay, momentum (mul, add), the step (times the rate held in a tensor, subtracted)
+        assert sum(n for op, n in ops.items() if op.startswith("aten._foreach_")) == 5
         assert ops["aten.copy_"] + ops["aten.index_copy_"] == 0
     update_ops = ("aten.mul", "aten.sub", "aten.add")  # a per-tensor update: one of each per tensor
     grown = {op: deep[op] - small[op] for op in update_ops}

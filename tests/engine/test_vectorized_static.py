@@ -177,6 +177,28 @@ def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_roun
         assert sum(g.replays for g in graphs[:first]) > first * (not recaptured)
 
 
+def test_a_learning_rate_that_changes_every_round_reuses_the_graphs(monkeypatch):
+    """Under the cosine schedule (FedUV's preset) every round trains at another learning rate: the
+    update reads it from a device tensor, so round 2 replays round 1's graphs (a graph that baked the
+    rate in would be captured again every round) and both rounds equal the sequential executor."""
+    graphs: list[StandInGraph] = []
+
+    def capture(self):
+        graphs.append(StandInGraph(self, corrupt=False))
+        self.graph = graphs[-1]
+
+    cache = VectorizedCache()
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox", "train.lr_schedule=cosine",
+                                        "train.rounds=4", "train.weight_decay=1e-3"]))
+    vec, notes, seq = graph_round(monkeypatch, capture, round_=1, cache=cache, exp=exp)
+    assert_same_clients(vec, seq)
+    first = len(graphs)
+    vec, notes, seq = graph_round(monkeypatch, capture, round_=2, cache=cache, exp=exp)
+    assert_same_clients(vec, seq)
+    assert len(graphs) == first and not notes
+    assert all(g.replays >= 1 for g in graphs)
+
+
 def test_running_out_of_memory_halves_the_chunk_and_gives_the_same_clients(monkeypatch):
     real_run = VectorizedGroup.run
     sizes: list[int] = []

@@ -68,10 +68,12 @@ def callable_key(fn: Callable[..., Any] | None) -> Any:
 
 
 def stage_key(stage: Stage | None) -> Any:
+    """What a stage's compiled steps depend on. Not its learning rate: the update reads that from a
+    tensor (:attr:`GroupBuffers.lr`), so a schedule that changes it every round keeps the graphs."""
     if stage is None:
         return None
-    return (stage.name, callable_key(stage.loss), stage.trainable, stage.sgd, stage.epochs, stage.steps,
-            callable_key(stage.grad_transform), callable_key(stage.draws), stage_key(stage.adversary))
+    return (stage.name, callable_key(stage.loss), stage.trainable, replace(stage.sgd, lr=0.0), stage.epochs,
+            stage.steps, callable_key(stage.grad_transform), callable_key(stage.draws), stage_key(stage.adversary))
 
 
 def tensors_key(tensors: Tensors) -> tuple[Any, ...]:
@@ -148,6 +150,10 @@ class GroupBuffers:
         self.opt = [sgd_init({n: self.state[n] for n in s.trainable}, s.sgd) for s in stages]
         self.adv_opt = [sgd_init({n: self.state[n] for n in s.adversary.trainable}, s.adversary.sgd)
                         if s.adversary else {} for s in stages]
+        # each stage's (and its adversary's) learning rate this round, read by the update on the device
+        self.lr = [torch.zeros((), device=device) for _ in stages]
+        self.adv_lr = [torch.zeros((), device=device) for _ in stages]
+        self.load_rates(stages)
         self.sums: dict[str, torch.Tensor] = {"": torch.zeros(self.k + 1, device=device)}  # "" = the loss
 
     def _rows(self, dicts: Sequence[Tensors]) -> Tensors:
@@ -190,6 +196,13 @@ class GroupBuffers:
                 t.zero_()
         for t in self.sums.values():
             t.zero_()
+        self.load_rates(plans[0].stages)
+
+    def load_rates(self, stages: list[Stage]) -> None:
+        for stage, lr, adv_lr in zip(stages, self.lr, self.adv_lr, strict=True):
+            lr.fill_(stage.sgd.lr)
+            if stage.adversary is not None:
+                adv_lr.fill_(stage.adversary.sgd.lr)
 
     def tensors(self, stage_index: int) -> list[Tensors]:
         """What a stage's steps write: the states, its optimiser states and the sums."""
@@ -320,11 +333,11 @@ class VectorizedGroup:
         state = {n: take(t) for n, t in b.state.items()}
         metrics: Tensors = {}
         if stage.adversary is not None:
-            _, adv_metrics = self.train(stage.adversary, state, b.adv_opt[index], batch, payload, cstate, extras,
-                                        first, rows, take)
+            _, adv_metrics = self.train(stage.adversary, state, b.adv_opt[index], b.adv_lr[index], batch, payload,
+                                        cstate, extras, first, rows, take)
             metrics.update({f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()})
-        loss, stage_metrics = self.train(stage, state, b.opt[index], batch, payload, cstate, extras, first, rows,
-                                         take)
+        loss, stage_metrics = self.train(stage, state, b.opt[index], b.lr[index], batch, payload, cstate, extras,
+                                         first, rows, take)
         for key, value in {"": loss, **metrics, **stage_metrics}.items():
             if key not in b.sums:
                 if is_capturing():
@@ -335,20 +348,20 @@ class VectorizedGroup:
             else:
                 b.sums[key].index_add_(0, rows, value.float())
 
-    def train(self, stage: Stage, state: Tensors, opt: Tensors, batch: Batch, payload: Tensors, cstate: Tensors,
-              extras: Tensors, first: bool, rows: torch.Tensor | None,
+    def train(self, stage: Stage, state: Tensors, opt: Tensors, lr: torch.Tensor, batch: Batch, payload: Tensors,
+              cstate: Tensors, extras: Tensors, first: bool, rows: torch.Tensor | None,
               take: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
         """One SGD step of ``stage`` for the step's rows (``take``: a buffer's rows, as views or, with
-        ``rows``, gathered): the vmapped gradients, then :func:`hetfl.optim.sgd_update_` on all rows at
-        once, in place in ``state`` (and so in the group's buffers) and in the stage's optimiser state
-        ``opt``; returns (losses, metrics)."""
+        ``rows``, gathered): the vmapped gradients, then :func:`hetfl.optim.sgd_update_` at the rate
+        ``lr`` (a device tensor) on all rows at once, in place in ``state`` (and so in the group's
+        buffers) and in the stage's optimiser state ``opt``; returns (losses, metrics)."""
         grads, new_buffers, loss, metrics = self.vmapped_gradients(stage, state, batch, payload, cstate, extras)
         for name, value in new_buffers.items():
             state[name].copy_(value)
         names = list(grads)
         mine = {n: take(t) for n, t in opt.items()}
         sgd_update_([state[n] for n in names], [grads[n] for n in names], [mine[n] for n in names] if mine else [],
-                    stage.sgd, first)
+                    stage.sgd, first, lr)
         if rows is not None:  # gathered copies: back into the buffers' rows
             self.write(self.buffers.state, {n: state[n] for n in (*new_buffers, *names)}, rows)
             self.write(opt, mine, rows)
