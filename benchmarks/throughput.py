@@ -11,7 +11,9 @@
     laid out channels-last (``runtime.channels_last = true``: "graph_bf16_cl");
     c/a, c/b and c/d use the fastest of the vectorised variants.
 (d) the ceiling: one model trained with batches as large as all clients'
-    batches of a step together (the same samples, no federation).
+    batches of a step together (the same samples, no federation); on CUDA also
+    (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
+    variants (c/d, the issue's measure, compares the best variant with (d)).
 
 Each is measured on the same round (CIFAR-10 or MNIST under Dirichlet 0.1,
 one local epoch) after one untimed warm-up round: client-samples per second of
@@ -106,8 +108,9 @@ def peer_round(exp: Experiment, batch_size: int, lr: float) -> dict[str, float]:
     return {"train_s": train_s, "eval_s": timed(evaluate), "samples": sum(data.client_sizes)}
 
 
-def ceiling_round(exp: Experiment, batch_size: int, lr: float) -> dict[str, float]:
-    """(d): one model, batches of clients x batch_size samples, the same number of samples."""
+def ceiling_round(exp: Experiment, batch_size: int, lr: float, bf16: bool = False) -> dict[str, float]:
+    """(d): one model, batches of clients x batch_size samples, the same number of samples; ``bf16``:
+    the forward pass under bfloat16 autocast (d')."""
     model = copy.deepcopy(exp.model).train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = exp.data
@@ -119,7 +122,9 @@ def ceiling_round(exp: Experiment, batch_size: int, lr: float) -> dict[str, floa
         for i in range(0, n, big):
             idx = order[i : i + big]
             opt.zero_grad()
-            F.cross_entropy(model(data.prepare(data.train_x[idx])), data.train_y[idx]).backward()
+            with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(data.prepare(data.train_x[idx])), data.train_y[idx])
+            loss.backward()
             opt.step()
 
     train()
@@ -164,6 +169,8 @@ def main() -> None:
                 if not args.skip_peer:
                     res["peer"] = peer_round(exp, bs, 0.01)
                 res["ceiling"] = ceiling_round(exp, bs, 0.01)
+                if device == "cuda":
+                    res["ceiling_bf16"] = ceiling_round(exp, bs, 0.01, bf16=True)
                 rate = {k: v["samples"] / v["train_s"] for k, v in res.items()}
                 whole = {k: v["samples"] / (v["train_s"] + v["eval_s"]) for k, v in res.items()}
                 row = {"model": model, "clients": clients, "batch_size": bs, "train_samples_per_s": rate,
@@ -193,15 +200,18 @@ def render(entries: list[dict], device: str) -> str:
         lines += [f"`{e['command']}` on {e['machine']['device']} ({e['machine']['threads']} threads, torch "
                   f"{e['machine']['torch']}), {e['dataset']}", ""]
         variants = [v for v in COLUMNS if any(v in r["train_samples_per_s"] for r in e["rows"])]
+        bf16 = any("ceiling_bf16" in r["train_samples_per_s"] for r in e["rows"])
         lines += ["| model | clients | batch | " + " | ".join(COLUMNS[v] for v in variants)
-                  + " | best (c) | c/a | c/b | c/d |", "|---" * (len(variants) + 7) + "|"]
+                  + " | best (c) | c/a | c/b | c/d |" + (" c/d' |" if bf16 else ""),
+                  "|---" * (len(variants) + 7 + bf16) + "|"]
         for r in e["rows"]:
             t, w = r["train_samples_per_s"], r["round_samples_per_s"]
             best = max((v for v in VECTORIZED if v in t), key=lambda v: t[v])
             cells = [f"{t[v]:,.0f} ({w[v]:,.0f})" if v in t else "-" for v in variants]
             ca = f"{t[best] / t['peer']:.2f}" if "peer" in t else "-"
+            cd2 = f" {t[best] / t['ceiling_bf16']:.2f} |" if "ceiling_bf16" in t else (" - |" if bf16 else "")
             lines.append(f"| {r['model']} | {r['clients']} | {r['batch_size']} | {' | '.join(cells)} | {best} | "
-                         f"{ca} | {t[best] / t['sequential']:.2f} | {t[best] / t['ceiling']:.2f} |")
+                         f"{ca} | {t[best] / t['sequential']:.2f} | {t[best] / t['ceiling']:.2f} |{cd2}")
         lines.append("")
         if e.get("reading"):
             lines += [e["reading"], ""]
@@ -210,7 +220,8 @@ def render(entries: list[dict], device: str) -> str:
 
 COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c) vectorized",
            "vmap": "(c') vmap on CPU", "graph": "(c) + CUDA graph", "graph_bf16": "(c) + graph, bf16",
-           "graph_bf16_cl": "(c) + graph, bf16, channels-last", "ceiling": "(d) ceiling"}
+           "graph_bf16_cl": "(c) + graph, bf16, channels-last", "ceiling": "(d) ceiling",
+           "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
 VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl")
 
