@@ -16,21 +16,22 @@ that padding entries point at: its results are discarded). Each stage is
    initialises the momentum buffer;
 2. then blocks of at most ``block_steps`` steps, in each of which every client
    whose next batch is full takes it; a client whose next batch is short (the last
-   of an epoch) waits for the block's end, where
-3. the waiting clients take their short batch (one call per size), and the next
-   block starts.
+   of an epoch) stops there, and the block ends where a client reaches a short
+   batch that is not its last, so that
+3. the clients at a short batch take it (one call per size), and the next block
+   starts with every client that still trains in step with the others.
 
 A block is cut into calls where one of its clients stops (each piece in powers of
 two: few distinct lengths), so that every client of a call takes each of its steps.
 A client's own steps stay in its order, so each client's result equals the
 sequential executor's; clients that have finished drop out (the width shrinks).
-The executor orders a group's clients by size, largest first: then in one-epoch
-rounds the clients still training are always consecutive rows, and every call
-reads and writes its rows as views of the stacked buffers (no gather, no scatter,
-no padding; its width is exact). Where the rows are not consecutive (a client
-waiting at its short batch between epochs), a call gathers them by index and
-scatters them back, its width rounded up (:func:`bucket_width`) to keep the number
-of distinct call shapes (and of CUDA graphs) small.
+The executor orders a group's clients by size, largest first, and the clients
+advance in step (3.), so the clients still training are always consecutive rows:
+every block reads and writes its rows as views of the stacked buffers (no gather,
+no scatter, no padding; its width is exact). Rows that are not consecutive (short
+batches of one size from clients that are not neighbours) are gathered by index
+and scattered back, their width rounded up (:func:`bucket_width`) to keep the
+number of distinct call shapes (and of CUDA graphs) small.
 """
 
 from __future__ import annotations
@@ -274,17 +275,11 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
     singles([r for r in range(k) if pos[r] < len(rows[r].order)], first=True)
     while True:
         active = [r for r in range(k) if rows[r].is_full(pos[r])]
-        if active:  # a block: while the rows still taking full batches stay in one width bucket
-            bucket = bucket_width(len(active), k)
+        if active:  # a block, until a row reaches a short batch that is not its last
             start = {r: pos[r] for r in active}
             runs = {r: rows[r].run(pos[r]) for r in active}
-            ordered, steps, gone = sorted(runs.values()), 0, 0
-            while steps < block_steps:
-                while gone < len(ordered) and ordered[gone] <= steps:
-                    gone += 1
-                if gone == len(ordered) or bucket_width(len(ordered) - gone, k) != bucket:
-                    break
-                steps += 1
+            mid_stage = [run for r, run in runs.items() if pos[r] + run < len(rows[r].order) - 1]
+            steps = min([block_steps, max(runs.values()), *mid_stage])
             taken = {r: min(run, steps) for r, run in runs.items()}
             for r in active:
                 pos[r] += taken[r]
