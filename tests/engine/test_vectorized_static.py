@@ -23,38 +23,12 @@ from tests.helpers.executors import (
     SYNTHETIC,
     compare_one_round,
     local_training,
-    methods_by_family,
     round_contexts,
 )
 
 # one epoch: still clients of very different sizes (short last batches, clients that finish
 # early while others take full batches: calls of shrinking ranges of rows)
 SMALL = [*SYNTHETIC, "train.local_epochs=1", "train.momentum=0.5"]
-
-
-@pytest.fixture
-def compiled_runs(monkeypatch):
-    """Counts the compiled calls run (static or graph mode) and the padded ones among them."""
-    counts = {"runs": 0, "padded": 0, "blocks": 0}
-    original = CompiledCall.run
-
-    def counting(self, call):
-        counts["runs"] += 1
-        counts["blocks"] += call.steps > 1
-        counts["padded"] += call.rows is not None and bool((call.rows == self.group.buffers.k).any())
-        return original(self, call)
-
-    monkeypatch.setattr(CompiledCall, "run", counting)
-    return counts
-
-
-@pytest.mark.parametrize("method", methods_by_family(("fedavg", "scaffold", "fedbr", "fedpac", "mixup", "fedmix",
-                                                       "dann")))
-def test_every_method_static_step_equals_sequential(method, compiled_runs):
-    steps = local_training(method)
-    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", *steps]))
-    compare_one_round(exp, step_mode="static")
-    assert compiled_runs["runs"] > 0
 
 
 def test_static_calls_pad_gathered_rows_with_the_scratch_row(compiled_runs, monkeypatch):

@@ -1,0 +1,23 @@
+"""Fixtures of the executor tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetfl.engine.vectorized import CompiledCall
+
+
+@pytest.fixture
+def compiled_runs(monkeypatch):
+    """Counts the compiled calls run in static or graph mode and the padded ones among them."""
+    counts = {"runs": 0, "padded": 0, "blocks": 0}
+    original = CompiledCall.run
+
+    def counting(self, call):
+        counts["runs"] += not self.eager
+        counts["blocks"] += call.steps > 1
+        counts["padded"] += call.rows is not None and bool((call.rows == self.group.buffers.k).any())
+        return original(self, call)
+
+    monkeypatch.setattr(CompiledCall, "run", counting)
+    return counts
