@@ -155,6 +155,42 @@ def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_roun
         assert sum(g.replays for g in graphs[:first]) > first * (not recaptured)
 
 
+def test_a_compiled_call_used_again_is_kept_over_one_used_longer_ago():
+    cache = VectorizedCache(max_calls=3)
+    for key in ("a", "b", "c", "a", "d"):  # "a" used again before "d" arrives: "b" is the least recently used
+        cache.programs.setdefault(key, None)  # type: ignore[arg-type]
+        cache.used(key)
+    assert list(cache.programs) == ["c", "a", "d"] and cache.dropped == 1
+
+
+def test_the_run_keeps_at_most_max_calls_graphs_dropping_the_least_recently_used(monkeypatch):
+    """A run of sampled clients meets new call shapes for many rounds, and each kept graph holds device
+    memory: the cache keeps ``max_calls`` (here 3), drops the least recently used, captures a dropped
+    shape again when it comes back, and the rounds still equal the sequential executor."""
+    graphs: list[StandInGraph] = []
+
+    def capture(self):
+        graphs.append(StandInGraph(self, corrupt=False))
+        self.graph = graphs[-1]
+
+    cache = VectorizedCache(max_calls=3)
+    order: list = []  # every use of a compiled call, in order
+    real_used = cache.used
+    monkeypatch.setattr(cache, "used", lambda key: (order.append(key), real_used(key)))
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
+    for round_ in (1, 2):
+        vec, notes, seq = graph_round(monkeypatch, capture, round_=round_, cache=cache, exp=exp)
+        assert_same_clients(vec, seq)
+        assert not notes and len(cache.programs) == 3
+        last_three = list(dict.fromkeys(reversed(order)))[:3][::-1]
+        assert list(cache.programs) == last_three  # the three most recently used, oldest first
+    shapes = {g.compiled.inputs.shape() for g in graphs}
+    assert cache.dropped == len(graphs) - 3 and len(graphs) > len(shapes)  # dropped shapes were captured again
+    unbounded = VectorizedCache()
+    graph_round(monkeypatch, capture, round_=1, cache=unbounded, exp=exp)
+    assert unbounded.dropped == 0 and len(unbounded.programs) == len(shapes) > 3
+
+
 def test_a_learning_rate_that_changes_every_round_reuses_the_graphs(monkeypatch):
     """Under the cosine schedule (FedUV's preset) every round trains at another learning rate: the
     update reads it from a device tensor, so round 2 replays round 1's graphs (a graph that baked the

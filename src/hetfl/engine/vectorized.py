@@ -20,7 +20,8 @@ up to floating-point reassociation in batched kernels.
 
 Speed on CUDA. Each call shape of the plan (a block of up to 16 steps, a first
 step, a short last batch) is captured once as a CUDA graph and replayed, in
-later rounds too (:class:`CompiledCall`, :class:`VectorizedCache`).
+later rounds too (:class:`CompiledCall`; :class:`VectorizedCache` keeps the
+``MAX_KEPT_CALLS`` most recently used).
 
 Fallback. Clients whose stage structure or per-client tensor shapes differ are
 run in separate groups; a group whose step cannot be vmapped (data-dependent
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -401,8 +403,12 @@ class VectorizedGroup:
         found = programs.get(key)
         if found is not None and found.reusable(self.template):
             found.group = self
+            if self.cache is not None:
+                self.cache.used(key)
             return found
         made = programs[key] = CompiledCall(self, stage, index, call)
+        if self.cache is not None:
+            self.cache.used(key)
         return made
 
     def results(self, steps: list[int]) -> list[LocalResult]:
@@ -423,15 +429,35 @@ class VectorizedGroup:
 STEP_MODES = ("eager", "static", "graph")
 
 
+# compiled calls (CUDA graphs and their static inputs) a run keeps at most: the least recently used go first
+MAX_KEPT_CALLS = 1024
+
+
 @dataclass
 class VectorizedCache:
-    """What the vectorised executor keeps across rounds (the caller holds it): chunk sizes
-    found per group structure, and in graph mode each group's buffers and compiled calls."""
+    """What the vectorised executor keeps across rounds (the caller holds it): in graph mode each
+    group's buffers and compiled calls, at most ``max_calls`` of the latter (the least recently used
+    are dropped first, and captured again if their shape comes back): a run of sampled clients meets
+    new call shapes for many rounds (``benchmarks/graph_shapes.py``), and each graph holds device memory."""
 
     buffers: dict[Any, GroupBuffers] = field(default_factory=dict)
-    programs: dict[Any, CompiledCall] = field(default_factory=dict)
+    programs: OrderedDict[Any, CompiledCall] = field(default_factory=OrderedDict)
     uncapturable: set[Any] = field(default_factory=set)  # stage keys whose capture failed: run eagerly
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
+    max_calls: int = MAX_KEPT_CALLS
+    dropped: int = 0  # compiled calls dropped to keep within max_calls
+
+    def __post_init__(self) -> None:
+        if self.max_calls < 1:
+            raise ValueError(f"max_calls = {self.max_calls!r}: must be at least 1 (the call being run is kept)")
+
+    def used(self, key: Any) -> None:
+        """Mark the compiled call ``key`` as the most recently used, and drop the least recently used
+        ones beyond ``max_calls``."""
+        self.programs.move_to_end(key)
+        while len(self.programs) > self.max_calls:
+            self.programs.popitem(last=False)
+            self.dropped += 1
 
     def drop(self, clients: int) -> None:
         """Forget the buffers and compiled calls of groups of ``clients`` clients."""
