@@ -101,7 +101,7 @@ def main() -> None:
               f"{', '.join(str(m) for m in MARKS if m <= args.rounds)} | new shapes/round (last 50) | "
               f"captures/round, at most {args.max_calls} kept (last 50) |")
     print(header)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     for setting in SETTINGS:
         row = measure(*setting, rounds=args.rounds, seed=args.seed, max_calls=args.max_calls)
         rows.append(row)

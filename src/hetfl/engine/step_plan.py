@@ -36,8 +36,8 @@ rounded up (:func:`bucket_width`), even where the rows are consecutive. Where a
 view starts is part of a compiled call's shape (a CUDA graph reads fixed
 addresses), and short batches of every size at every row would be new shapes, so
 new graphs, in every round of a run with sampled clients: 1,000 Dirichlet clients,
-100 a round, batch 50: 2,490 shapes after 200 rounds and growing by 10 a round;
-gathered, 475 in all by round 100 (``benchmarks/graph_shapes.py``). A gathered
+100 a round, batch 50: 3,314 shapes after 300 rounds and 4.6 more a round;
+gathered, 351, and 0.14 more a round (``benchmarks/graph_shapes.py``). A gathered
 single step costs a copy of its rows' state in and out, once per short batch.
 """
 
