@@ -408,7 +408,11 @@ class VectorizedGroup:
             return found
         made = programs[key] = CompiledCall(self, stage, index, call)
         if self.cache is not None:
+            dropped = self.cache.dropped
             self.cache.used(key)
+            if dropped == 0 < self.cache.dropped and self.log is not None:
+                self.log(f"vectorized: more than {self.cache.max_calls} call shapes met; the least recently used "
+                         "CUDA graphs are dropped (and captured again if their shape returns)")
         return made
 
     def results(self, steps: list[int]) -> list[LocalResult]:
