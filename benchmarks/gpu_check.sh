@@ -2,9 +2,10 @@
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see
 # benchmarks/README.md): "quick" (one call, ~9 min): the throughput table, a profile of one
 # round, k clients' convolutions four ways, CCVR's Table 2 timing; "suite": the test suite with
-# CUDA present (the CUDA-only tests among it). Results under $OUT (or
-# gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
-#   bash benchmarks/gpu_check.sh [quick|suite|all]
+# CUDA present (the CUDA-only tests among it); "memory" (~3 min, not in "all"): device memory and
+# CUDA graphs kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
+# Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
+#   bash benchmarks/gpu_check.sh [quick|suite|memory|all]
 set -uo pipefail
 OUT=${OUT:-gpu-out}; DATA=${DATA:-.gpu-data}; WHAT=${1:-all}
 mkdir -p "$OUT/results"
@@ -26,4 +27,8 @@ fi
 if [[ $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   timeout ${SUITE_S:-280} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \
     2>&1 | tee "$OUT/suite.log" | tail -40
+fi
+if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
+  timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \
+    --set runtime.executor=vectorized --out "$OUT/results/memory_long_cuda" 2>&1 | tail -22
 fi

@@ -11,6 +11,11 @@ every ``--every`` rounds. Writes, under ``benchmarks/results/``:
 * ``<name>.md``: RSS at round 100 and at the last round, their ratio, the least-squares
   slope in kB per round over rounds >= 100, the command, the machine and its load.
 
+On CUDA (``--set runtime.device=cuda``) every sample also records the device memory torch holds
+(allocated and reserved) and, with the vectorised executor, the CUDA graphs the run keeps and has
+dropped: whether a long run of sampled clients keeps its device memory flat, and what a kept graph
+costs (``--set runtime.executor=vectorized``; ``benchmarks/gpu_check.sh memory``).
+
 Diagnosis options: ``--tracemalloc A B`` diffs Python allocations between rounds A and B
 (the top lines go into the markdown); ``--malloc-trim`` calls glibc's ``malloc_trim(0)``
 before each sample, so that memory freed but kept by the allocator (fragmentation) is
@@ -82,12 +87,17 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 class Sampler(Reporter):
     """Samples RSS at the end of every ``every``-th round (and of round 1 and the last);
-    snapshots Python allocations at the two ``trace`` rounds."""
+    snapshots Python allocations at the two ``trace`` rounds. With ``cuda`` (the run's device is CUDA)
+    each sample also holds the device memory and the vectorised executor's kept and dropped graphs
+    (``cache``: the experiment's :class:`~hetfl.engine.vectorized.VectorizedCache`)."""
 
-    def __init__(self, every: int, last: int, trim: bool, trace: tuple[int, int] | None) -> None:
+    def __init__(self, every: int, last: int, trim: bool, trace: tuple[int, int] | None, cuda: bool = False,
+                 cache: Any = None) -> None:
         self.every, self.last, self.trim, self.trace = every, last, trim, trace
+        self.cuda, self.cache = cuda, cache
         self.rows: list[tuple[int, float, float]] = []
         self.parts: list[tuple[float, float]] = []
+        self.device: list[tuple[float, float, int, int]] = []  # CUDA: allocated MB, reserved MB, graphs kept, dropped
         self.snapshots: dict[int, tracemalloc.Snapshot] = {}
         self.t0: float | None = None
 
@@ -106,8 +116,20 @@ class Sampler(Reporter):
                 malloc_trim()
             self.rows.append((r, rss_mb(), time.perf_counter() - (self.t0 or 0.0)))
             self.parts.append(rss_parts_mb())
+            if self.cuda:
+                self.device.append(device_sample(self.cache))
             if r % (self.every * 10) == 0:
                 print(f"round {r}: RSS {self.rows[-1][1]:.1f} MB, {self.rows[-1][2]:.0f} s", flush=True)
+
+
+def device_sample(cache: Any) -> tuple[float, float, int, int]:
+    """CUDA memory torch holds now (allocated, reserved; MB) and the graphs the vectorised executor keeps
+    and has dropped (0 and 0 for another executor)."""
+    import torch
+
+    programs = getattr(cache, "programs", {})
+    graphs = sum(getattr(c, "graph", None) is not None for c in programs.values())
+    return torch.cuda.memory_allocated() / 1e6, torch.cuda.memory_reserved() / 1e6, graphs, getattr(cache, "dropped", 0)
 
 
 def slope_kb_per_round(rows: list[tuple[int, float, float]], start: int) -> float:
@@ -168,12 +190,19 @@ def write_outputs(args: argparse.Namespace, sampler: Sampler, load_before: str, 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = sampler.rows
+    device = sampler.device or [None] * len(rows)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["round", "rss_mb", "rss_anon_mb", "rss_file_mb", "elapsed_s"])
-        writer.writerows((r, f"{m:.2f}", f"{a:.2f}", f"{fb:.2f}", f"{t:.1f}")
-                         for (r, m, t), (a, fb) in zip(rows, sampler.parts, strict=True))
-    plot(rows, out.with_suffix(".png"), args)
+        writer.writerow(["round", "rss_mb", "rss_anon_mb", "rss_file_mb", "elapsed_s",
+                         *(["cuda_allocated_mb", "cuda_reserved_mb", "graphs_kept", "graphs_dropped"]
+                           if sampler.device else [])])
+        writer.writerows((r, f"{m:.2f}", f"{a:.2f}", f"{fb:.2f}", f"{t:.1f}",
+                          *([f"{d[0]:.2f}", f"{d[1]:.2f}", d[2], d[3]] if d else []))
+                         for (r, m, t), (a, fb), d in zip(rows, sampler.parts, device, strict=True))
+    try:
+        plot(rows, out.with_suffix(".png"), args)
+    except ImportError as err:  # matplotlib absent (a bare GPU machine): the numbers still go to the CSV and markdown
+        print(f"no curve: {err}")
     ref = reference_round(args.rounds)
     first, last = rss_at(rows, ref), rows[-1][1]
     slope = slope_kb_per_round(rows, ref)
@@ -202,6 +231,7 @@ def write_outputs(args: argparse.Namespace, sampler: Sampler, load_before: str, 
         f"{sampler.parts[-1][1]:.1f} MB |",
         f"| seconds per round | {seconds:.3f} |",
         f"| malloc_trim(0) before each sample | {'yes' if args.malloc_trim else 'no'} |",
+        *device_rows(sampler, ref),
         "",
         f"Curve: `{out.with_suffix('.png').name}`; samples: `{out.with_suffix('.csv').name}`.",
     ]
@@ -211,6 +241,23 @@ def write_outputs(args: argparse.Namespace, sampler: Sampler, load_before: str, 
     md = out.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def device_rows(sampler: Sampler, ref: int) -> list[str]:
+    """The markdown rows of the CUDA samples (none on the CPU)."""
+    if not sampler.device:
+        return []
+    i = min(range(len(sampler.rows)), key=lambda j: abs(sampler.rows[j][0] - ref))
+    (a0, r0, g0, _), (a1, r1, g1, d1) = sampler.device[i], sampler.device[-1]
+    pts = np.array([(row[0], d[0]) for row, d in zip(sampler.rows, sampler.device, strict=True) if row[0] >= ref])
+    slope = float(np.polyfit(pts[:, 0], pts[:, 1], 1)[0] * 1e3) if len(pts) >= 2 else float("nan")
+    last = sampler.rows[-1][0]
+    return [
+        f"| CUDA allocated / reserved at round {ref} | {a0:.1f} / {r0:.1f} MB |",
+        f"| CUDA allocated / reserved at round {last} | {a1:.1f} / {r1:.1f} MB |",
+        f"| least-squares slope of CUDA allocated over rounds >= {ref} | {slope:+.2f} kB/round |",
+        f"| CUDA graphs kept at round {ref} / {last}; dropped by {last} | {g0} / {g1}; {d1} |",
+    ]
 
 
 def plot(rows: list[tuple[int, float, float]], path: Path, args: argparse.Namespace) -> None:
@@ -251,7 +298,8 @@ def main() -> None:
     load_before = load()
     cfg = config.load(None, overrides(args))
     exp = Experiment(cfg)
-    sampler = Sampler(args.every, args.rounds, args.malloc_trim, tuple(args.tracemalloc or ()) or None)
+    sampler = Sampler(args.every, args.rounds, args.malloc_trim, tuple(args.tracemalloc or ()) or None,
+                      cuda=exp.device.type == "cuda", cache=exp.vectorized_cache)
     with tempfile.TemporaryDirectory() as tmp:
         exp.run(Path(args.run_dir or Path(tmp) / "run"), reporter=sampler)
     diff: list[str] = []
