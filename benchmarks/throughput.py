@@ -32,6 +32,7 @@ import copy
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -145,7 +146,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
+    rows: list[dict] = []
+    save = recorder(args, device, rows)
     for model in args.models:
         for clients in args.clients:
             for bs in args.batch_sizes:
@@ -177,6 +179,12 @@ def main() -> None:
                        "round_samples_per_s": whole, "raw": res}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "raw"}), flush=True)
+                save()
+
+
+def recorder(args: argparse.Namespace, device: str, rows: list[dict]) -> Callable[[], None]:
+    """A function that writes the results recorded so far (this run's entry, holding ``rows``, after the
+    earlier runs' entries): called after every row, so a run cut at a time limit keeps its finished rows."""
     machine = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                "threads": torch.get_num_threads(), "torch": torch.__version__}
     out = Path(args.out)
@@ -187,8 +195,12 @@ def main() -> None:
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if k not in ("out", "data") and v not in (False, None))
     entries.append({"machine": machine, "command": command, "dataset": args.dataset, "rows": rows})
-    stem.with_suffix(".json").write_text(json.dumps(entries, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render(entries, device))
+
+    def save() -> None:
+        stem.with_suffix(".json").write_text(json.dumps(entries, indent=2) + "\n")
+        stem.with_suffix(".md").write_text(render(entries, device))
+
+    return save
 
 
 def render(entries: list[dict], device: str) -> str:
