@@ -49,12 +49,16 @@ class StepCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.cloned = 0  # bytes written by layout copies (aten.clone: a batching rule's .contiguous())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
+        out = func(*args, **(kwargs or {}))
         if name not in VIEWS:
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        if name == "aten.clone":
+            self.cloned += out.nbytes
+        return out
 
 
 def kind(op: str) -> str:
@@ -96,7 +100,7 @@ def count_round(overrides: list[str]) -> dict:
         with counter:
             original(self, stage, index, call)
         calls.append({"steps": call.steps, "width": call.width, "gathered": call.rows is not None,
-                      "ops": counter.ops})
+                      "ops": counter.ops, "cloned": counter.cloned})
 
     VectorizedGroup.body = counted  # type: ignore[method-assign]
     try:
@@ -112,7 +116,8 @@ def count_round(overrides: list[str]) -> dict:
         VectorizedGroup.body = original  # type: ignore[method-assign]
     row: dict = {"critical_steps": sum(c["steps"] for c in calls), "client_steps": sum(c["steps"] * c["width"]
                                                                                         for c in calls),
-                 "calls": len(calls), "plan_ms": plan_ms(exp, contexts())}
+                 "calls": len(calls), "plan_ms": plan_ms(exp, contexts()),
+                 "cloned_mb": round(sum(c["cloned"] for c in calls) / 1e6, 1)}
     for label, gathered in (("views", False), ("gathered", True)):
         chosen = [c for c in calls if c["gathered"] == gathered]
         steps = sum(c["steps"] for c in chosen)
@@ -161,17 +166,20 @@ def render(entries: list[dict]) -> str:
     lines = ["# Operations per vectorised step (CPU count, for the GPU)", "",
              "Non-view ATen operations per step of one round in `static` step mode (each one a kernel launch on "
              "a GPU), for calls that read their rows as views and calls that gather them; `critical` = steps "
-             "run one after another, `client-steps` = steps times rows. benchmarks/step_ops.py.", ""]
+             "run one after another, `client-steps` = steps times rows; `cloned` = MB written by layout copies "
+             "(`aten.clone`, a batching rule making a tensor contiguous) in the whole round (recorded since "
+             "session 14). benchmarks/step_ops.py.", ""]
     for e in entries:
         lines += [f"`{e['command']}` at {e['commit']}{': ' + e['label'] if e.get('label') else ''}", "",
                   "| precision | critical steps | client-steps | calls | plan (ms) | view steps | ops/step (views) | "
-                  "gathered steps | ops/step (gathered) | per step, by kind (views) |", "|---" * 10 + "|"]
+                  "gathered steps | ops/step (gathered) | cloned (MB) | per step, by kind (views) |", "|---" * 11 + "|"]
         for precision, r in e["rows"].items():
             v, g = r["views"], r["gathered"]
             kinds = ", ".join(f"{k} {n}" for k, n in v["by_kind"].items())
             lines.append(f"| {precision} | {r['critical_steps']} | {r['client_steps']} | {r['calls']} | "
                          f"{r.get('plan_ms', '-')} | {v['steps']} | "
-                         f"{v['ops_per_step'] or '-'} | {g['steps']} | {g['ops_per_step'] or '-'} | {kinds} |")
+                         f"{v['ops_per_step'] or '-'} | {g['steps']} | {g['ops_per_step'] or '-'} | "
+                         f"{r.get('cloned_mb', '-')} | {kinds} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetfl.models.base import FLModel, ModelError, check_positive_int, conv_out, image_shape
+from hetfl.models.layers import MaxPool2d
 
 TOKENIZER_WIDTH = 64  # channels between tokenizer convs (the reference's in_planes)
 
@@ -142,7 +143,7 @@ class CCTEncoder(nn.Module):
         for cin, cout in itertools.pairwise(widths):
             conv = nn.Conv2d(cin, cout, kernel_size, stride=stride, padding=padding, bias=False)
             nn.init.kaiming_normal_(conv.weight)
-            convs += [conv, nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1)]
+            convs += [conv, nn.ReLU(), MaxPool2d(3, stride=2, padding=1)]
         self.tokenizer = nn.Sequential(*convs)
         self.positional_emb = nn.Parameter(torch.zeros(1, tokens, embed_dim))
         nn.init.trunc_normal_(self.positional_emb, std=0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
+from hetfl.models.layers import MaxPool2d
 from hetfl.models.resnet import BasicBlock
 
 
@@ -56,12 +57,12 @@ class FedPACCNN(FLModel):
             allowed = f"fedpac_cnn with {n} convs needs images of at least {_fedpac_min_side(n)} px a side"
             raise ModelError("input_shape", (c, h, w), allowed)
         layers: list[nn.Module] = [
-            nn.Conv2d(c, 16, 5, padding=0), nn.LeakyReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5, padding=1), nn.LeakyReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c, 16, 5, padding=0), nn.LeakyReLU(), MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, padding=1), nn.LeakyReLU(), MaxPool2d(2),
         ]  # fmt: skip
         channels = 32
         if n == 3:
-            layers += [nn.Conv2d(32, 64, 3, padding=1), nn.LeakyReLU(), nn.MaxPool2d(2)]
+            layers += [nn.Conv2d(32, 64, 3, padding=1), nn.LeakyReLU(), MaxPool2d(2)]
             channels = 64
         layers += [nn.Flatten(), nn.Linear(channels * sh * sw, 128), nn.LeakyReLU()]
         super().__init__(nn.Sequential(*layers), nn.Linear(128, num_classes))

@@ -32,6 +32,7 @@ import math
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, image_shape, make_norm
+from hetfl.models.layers import MaxPool2d
 
 VGG11_CONFIG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
@@ -57,7 +58,7 @@ class VGG11(FLModel):
         inp = c
         for v in VGG11_CONFIG:
             if v == "M":
-                layers.append(nn.MaxPool2d(2, ceil_mode=True))
+                layers.append(MaxPool2d(2, ceil_mode=True))
                 h, w = math.ceil(h / 2), math.ceil(w / 2)
                 continue
             assert isinstance(v, int)
