@@ -18,6 +18,7 @@ from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.step_plan import bucket_width, split_steps
 from hetfl.engine.vectorized import ClientPlan, CompiledCall, VectorizedGroup, train_clients_vectorized
+from tests.helpers import MNIST, needs_shared_data
 from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
 from tests.helpers.ops import OpCounter
 
@@ -227,3 +228,58 @@ def test_cuda_steps_do_not_synchronise(monkeypatch, step_mode):
     monkeypatch.setattr(CompiledCall, "run", run_strict)
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedavg", "runtime.device=cuda"]))
     compare_one_round(exp, step_mode=step_mode)
+
+
+class Clones(OpCounter):
+    """Also each layout copy's (``aten.clone``: a batching rule's ``.contiguous()``) dtype, shape and bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clones: list[tuple[torch.dtype, tuple[int, ...], int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if str(func.overloadpacket) == "aten.clone":
+            self.clones.append((out.dtype, tuple(out.shape), out.nbytes))
+        return out
+
+
+@needs_shared_data
+@pytest.mark.parametrize("model", ["cnn2", "simple_cnn"])
+def test_a_vmapped_step_of_a_pooling_cnn_copies_no_image_or_activation(monkeypatch, model):
+    """The batch is gathered sample-major, the layout in which a vmapped convolution reads it, and the
+    pooling keeps the layout a convolution leaves (hetfl.models.layers.MaxPool2d): no step copies an
+    image batch or a convolution's activation into another layout. The largest copy is the flattened
+    features the first linear layer reads client-major (a vector per sample)."""
+    counter, per_sample = Clones(), []
+    original = VectorizedGroup.body
+
+    def body_counted(self, stage, index, call):
+        if call.rows is not None:
+            return original(self, stage, index, call)
+        per_sample.append(call.steps * call.width * call.size)
+        with counter:
+            return original(self, stage, index, call)
+
+    monkeypatch.setattr(VectorizedGroup, "body", body_counted)
+    inputs = []
+    gradients = VectorizedGroup.vmapped_gradients
+
+    def recorded(self, stage, state, batch, *rest):
+        inputs.append(batch.x)
+        return gradients(self, stage, state, batch, *rest)
+
+    monkeypatch.setattr(VectorizedGroup, "vmapped_gradients", recorded)
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=48", "data.num_clients=3", f"model.name={model}", "data.augment=crop_flip",
+        "train.batch_size=16", "train.local_steps=3", "runtime.device=cpu", "runtime.progress=false"]))
+    train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                             seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static")
+    assert per_sample and counter.ops["aten.convolution"] > 0
+    # the batch [clients, samples, C, H, W] lies sample-major in memory (with MNIST's one channel a client-major
+    # batch would be read without a copy too; with three it would not)
+    assert all(x.transpose(0, 1).is_contiguous() for x in inputs if x.shape[0] > 1) and len(inputs) > 1
+    features = next(m for m in exp.algorithm.model.module.modules() if isinstance(m, torch.nn.Linear)).in_features
+    largest = max(c[2] for c in counter.clones)
+    assert largest <= 4 * features * 3 * 16, counter.clones  # a step: 3 clients x 16 samples

@@ -318,9 +318,13 @@ class VectorizedGroup:
         then the stage's, written into the group's buffers in place."""
         b = self.buffers
         width, size = idx.shape
-        flat = self.data.batch_at(idx.reshape(-1), None if augment is None else augment.reshape(3, -1))
-        x = flat.x.view(width, size, *flat.x.shape[1:])
-        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, flat.y.view(width, size), draws)
+        # gathered sample-major ([size, width, ...] in memory, seen as [width, size, ...]): a vmapped convolution
+        # of per-client weights reads its input as [samples, clients x channels, H, W], a view of this layout
+        # (a client-major batch is copied into it, forward and backward)
+        flat = self.data.batch_at(idx.t().reshape(-1),
+                                  None if augment is None else augment.transpose(1, 2).reshape(3, -1))
+        x = flat.x.view(size, width, *flat.x.shape[1:]).transpose(0, 1)
+        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, flat.y.view(size, width).t(), draws)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[start : start + width] if rows is None else t.index_select(0, rows)
