@@ -6,7 +6,10 @@ less efficiently than the ceiling's ordinary convolution of one model over all c
 (benchmarks/results/profile_cuda.md: grouped-convolution and layout-conversion kernels are a third of the
 GPU time of a round). This measures, on one device, side by side, the same work four ways:
 
-- ``vmap``: vmap over per-client weights (hetfl's step today), NCHW input;
+- ``vmap``: vmap over per-client weights, NCHW input, PyTorch's pooling (hetfl's step before session 14);
+- ``vmap_layout``: the same with hetfl's step since then: the batch stored sample-major and
+  ``hetfl.models.layers.MaxPool2d`` (no layout copies of the activations; the sample-major copy of the
+  input is made by the timed call here, as the executor's gather makes it);
 - ``vmap_cl``: the same with channels-last input;
 - ``unfold_bmm``: each convolution as im2col (``unfold``) and one batched matrix product over clients
   (``bmm``: k GEMMs in one kernel), the per-client weights kept;
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from hetfl.engine.vectorized import channels_last_for_vmap
+from hetfl.models.layers import MaxPool2d
 
 KERNEL = 5
 
@@ -58,11 +62,16 @@ def encoder_unfold(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Te
     return torch.baddbmm(params["7.bias"][:, None], h, params["7.weight"].transpose(1, 2)).relu()
 
 
-def make_encoder(channels: int, size: int) -> torch.nn.Sequential:
+def make_encoder(channels: int, size: int, pool: type[torch.nn.Module] = torch.nn.MaxPool2d) -> torch.nn.Sequential:
     flat = 64 * ((((size - 4) // 2) - 4) // 2) ** 2
-    return torch.nn.Sequential(torch.nn.Conv2d(channels, 32, KERNEL), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                               torch.nn.Conv2d(32, 64, KERNEL), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+    return torch.nn.Sequential(torch.nn.Conv2d(channels, 32, KERNEL), torch.nn.ReLU(), pool(2),
+                               torch.nn.Conv2d(32, 64, KERNEL), torch.nn.ReLU(), pool(2),
                                torch.nn.Flatten(), torch.nn.Linear(flat, 512), torch.nn.ReLU())
+
+
+def sample_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [k, n, ...] stored as [n, k, ...] (the same values): how the executor gathers a step's batch."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
 
 
 def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.Tensor], dict]]:
@@ -72,6 +81,12 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
         return functional_call(model, params, (x,)).square().mean()
 
     per_client = vmap(grad(one))
+    layout_model = make_encoder(3, 32, MaxPool2d).to(next(model.parameters()).device)
+
+    def one_in_place(params: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(layout_model, params, (x,)).square().mean()
+
+    in_place = vmap(grad(one_in_place))
 
     def unfold(params: dict, x: torch.Tensor) -> dict:
         return grad(lambda p: encoder_unfold(p, x).square().mean(dim=(1, 2)).sum())(params)
@@ -82,7 +97,8 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
 
     compiled = torch.compile(per_client, dynamic=False)
     # the compiled variant last: its first call compiles (tens of seconds), so a time limit cuts it, not the others
-    return {"vmap": per_client, "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)),
+    return {"vmap": per_client, "vmap_layout": lambda p, x: in_place(p, sample_major(x)),
+            "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)),
             "unfold_bmm": unfold, "ceiling": ceiling, "vmap_compiled": compiled}
 
 
@@ -144,7 +160,7 @@ def main() -> None:
     print("|---|---|---|---|")
     times = {}
     for name, fn in ways.items():
-        if name in ("vmap_cl", "unfold_bmm", "vmap_compiled"):
+        if name in ("vmap_layout", "vmap_cl", "unfold_bmm", "vmap_compiled"):
             check(name)
         def step(fn: Callable = fn) -> object:
             with autocast:
