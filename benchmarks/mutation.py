@@ -91,6 +91,7 @@ TARGETS = (
            ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
     Target("moon", "src/hetfl/algorithms/moon.py",
            ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
+    Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
 )
 
 

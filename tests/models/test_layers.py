@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
 
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import MaxPool2d, _foldable
 from tests.helpers.ops import VIEWS, OpCounter
 
-SETTINGS = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, ceil_mode=True)]
+SETTINGS = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, ceil_mode=True),
+            dict(kernel_size=(2, 3), stride=(2, 1))]
+IDS = ["k2", "k3s2p1", "k2ceil", "k2x3s2x1"]
 
 
 def pools(settings: dict) -> tuple[nn.Module, nn.Module]:
@@ -38,7 +40,7 @@ def client_params(clients: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
             torch.randn(clients, 8, 6, 3, 3, generator=g), torch.randn(clients, 10, 8 * 8 * 8, generator=g))
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["k2", "k3s2p1", "k2ceil"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
 def test_values_and_gradients_are_nn_maxpool2ds_bit_for_bit(settings):
     reference, ours = pools(settings)
     x = torch.randn(4, 3, 13, 13, requires_grad=True)
@@ -55,7 +57,17 @@ def test_values_and_gradients_are_nn_maxpool2ds_bit_for_bit(settings):
     assert torch.equal(ours(unbatched), reference(unbatched))
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=["k2", "k3s2p1", "k2ceil"])
+@pytest.mark.parametrize("settings", [dict(kernel_size=2, dilation=2), dict(kernel_size=2, return_indices=True)],
+                         ids=["dilation", "indices"])
+def test_dilation_and_returned_indices_are_pytorchs_own_pooling(settings):
+    reference, ours = pools(settings)
+    x = torch.randn(2, 3, 11, 11)
+    got, want = ours(x), reference(x)
+    for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=IDS)
 def test_vmapped_client_gradients_are_those_of_pytorchs_batching_rule(settings):
     """Per-client weights (clients next to the channels after each convolution), and an input batched
     client-major (the first pooling of ``pool_first``): the same gradients, bit for bit."""
@@ -69,10 +81,14 @@ def test_vmapped_client_gradients_are_those_of_pytorchs_batching_rule(settings):
     def pool_first(pool):
         return lambda w, x: (pool(x) * w).sum()
 
-    w = torch.randn(3, 1, 3, 1, 1)
+    w, odd = torch.randn(3, 1, 3, 1, 1), torch.randn(3, 5, 3, 21, 21)  # odd sizes: ceil_mode matters
     for argnums in (0, 1):
-        want = vmap(grad(pool_first(reference), argnums=argnums))(w, x)
-        assert torch.equal(vmap(grad(pool_first(ours), argnums=argnums))(w, x), want)
+        want = vmap(grad(pool_first(reference), argnums=argnums))(w, odd)
+        assert torch.equal(vmap(grad(pool_first(ours), argnums=argnums))(w, odd), want)
+    for channels in (3, 1):  # a client's input without a sample dim: [C, H, W]
+        images = torch.randn(3, channels, 21, 21)
+        want = vmap(grad(pool_first(reference), argnums=1))(w[:, 0, :channels], images)
+        assert torch.equal(vmap(grad(pool_first(ours), argnums=1))(w[:, 0, :channels], images), want)
 
 
 def test_an_input_shared_by_the_clients_gets_each_clients_gradient():
@@ -99,6 +115,22 @@ def test_second_derivatives_through_the_pooling_are_pytorchs():
         return f
 
     assert torch.equal(grad(penalty(ours))(w0), grad(penalty(reference))(w0))
+    x = x[0]  # one image, [C, H, W]
+    assert torch.equal(grad(penalty(ours))(w0), grad(penalty(reference))(w0))
+
+
+def test_foldable_dims_are_those_that_flatten_as_a_view():
+    t = torch.zeros(4, 3, 5)
+    assert _foldable(t, 0) and _foldable(t, 1)
+    assert not _foldable(t.transpose(0, 1), 0)  # a flatten would copy
+    assert _foldable(torch.zeros(4, 1, 5).transpose(0, 1), 0)  # a dim of size 1 folds whatever its stride
+
+
+def test_a_client_major_input_is_pooled_with_the_clients_folded_into_the_samples_without_a_copy():
+    counter = OpCounter()
+    with counter:
+        vmap(MaxPool2d(2))(torch.randn(3, 4, 2, 8, 8))
+    assert counter.ops["aten.clone"] == 0 and counter.ops["aten.max_pool2d_with_indices"] == 1
 
 
 def copies(pool: nn.Module) -> Counter[str]:

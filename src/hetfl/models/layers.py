@@ -122,5 +122,6 @@ class MaxPool2d(nn.MaxPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.return_indices or _pair(self.dilation) != [1, 1] or not torch.is_grad_enabled():
             return super().forward(x)
-        stride = _pair(self.stride if self.stride else self.kernel_size)
-        return _MaxPool2d.apply(x, _pair(self.kernel_size), stride, _pair(self.padding), self.ceil_mode)[0]
+        # nn.MaxPool2d sets stride = kernel_size where none was given
+        return _MaxPool2d.apply(x, _pair(self.kernel_size), _pair(self.stride), _pair(self.padding),
+                                self.ceil_mode)[0]
