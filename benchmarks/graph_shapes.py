@@ -31,10 +31,10 @@ import torch
 
 from hetfl.algorithms.base import Stage
 from hetfl.data.partition import split_dirichlet
+from hetfl.engine.schedule import sampled_clients
 from hetfl.engine.step_plan import plan_round
 from hetfl.engine.vectorized import MAX_KEPT_CALLS, VectorizedCache
 from hetfl.optim import SGDConfig
-from hetfl.rng import numpy_generator
 
 # (clients, clients per round, batch size, local epochs, Dirichlet alpha): full participation (CCVR's
 # Table 2 and the throughput benchmark's), then sampled federations from small to large
@@ -58,9 +58,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
     distinct, new_late, captures_late, calls_late, calls = [], 0, 0, 0, 0
     late = max(rounds - 50, 0)
     for r in range(1, rounds + 1):
-        every = per_round >= clients
-        chosen = list(range(clients)) if every else \
-            [int(c) for c in numpy_generator(seed, "sample", r).choice(clients, per_round, replace=False)]
+        chosen = sampled_clients(seed, r, clients, per_round)
         chosen.sort(key=lambda c: -sizes[c])  # the executor orders a group's clients largest first
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + c) for c in chosen]
         plan = plan_round([stage], chosen, [sizes[c] for c in chosen], batch_size=batch_size, drop_last=False,

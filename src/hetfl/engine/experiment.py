@@ -66,7 +66,7 @@ from hetfl.engine.rundir import (
     restore_metrics,
     split_lines,
 )
-from hetfl.engine.schedule import lr_at
+from hetfl.engine.schedule import lr_at, sampled_clients
 from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
 from hetfl.engine.summary import (
     Reporter,
@@ -82,7 +82,7 @@ from hetfl.files import atomic_write_bytes, atomic_write_text
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError
-from hetfl.rng import derive_seed, numpy_generator
+from hetfl.rng import derive_seed
 
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -193,11 +193,7 @@ class Experiment:
         return self.algorithm.init_server(state)
 
     def sample_clients(self, round_: int) -> list[int]:
-        n, k = self.cfg.data.num_clients, self.cfg.train.clients_per_round
-        if k == 0 or k >= n:
-            return list(range(n))
-        rng = numpy_generator(self.cfg.seed, "sample", round_)
-        return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+        return sampled_clients(self.cfg.seed, round_, self.cfg.data.num_clients, self.cfg.train.clients_per_round)
 
     def evaluate(self, server: ServerState, clients: dict[int, Tensors], round_: int) -> dict[str, Any]:
         cfg, algo, data = self.cfg, self.algorithm, self.data

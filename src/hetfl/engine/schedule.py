@@ -7,6 +7,7 @@ import math
 import torch
 
 from hetfl.config import RunConfig
+from hetfl.rng import numpy_generator
 
 
 def batch_schedule(
@@ -30,6 +31,15 @@ def batch_schedule(
         perm = torch.randperm(n, generator=generator)
         batches.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_pass))
     return batches[:steps] if steps else batches
+
+
+def sampled_clients(seed: int, round_: int, num_clients: int, per_round: int) -> list[int]:
+    """The clients of a 1-based round, sorted: all of them if ``per_round`` is 0 or at least
+    ``num_clients``, else ``per_round`` drawn without replacement from the round's own stream."""
+    if per_round == 0 or per_round >= num_clients:
+        return list(range(num_clients))
+    rng = numpy_generator(seed, "sample", round_)
+    return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
 
 
 def lr_at(cfg: RunConfig, round_: int) -> float:
