@@ -176,7 +176,7 @@ def test_the_run_keeps_at_most_max_calls_graphs_dropping_the_least_recently_used
     cache = VectorizedCache(max_calls=3)
     order: list = []  # every use of a compiled call, in order
     real_used = cache.used
-    monkeypatch.setattr(cache, "used", lambda key: (order.append(key), real_used(key)))
+    monkeypatch.setattr(cache, "used", lambda key: (order.append(key), real_used(key))[1])
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
     for round_ in (1, 2):
         vec, notes, seq = graph_round(monkeypatch, capture, round_=round_, cache=cache, exp=exp)

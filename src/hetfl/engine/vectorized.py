@@ -405,19 +405,13 @@ class VectorizedGroup:
         programs = self.programs
         key = (self.key, index, stage_key(stage), call.shape())
         found = programs.get(key)
-        if found is not None and found.reusable(self.template):
-            found.group = self
-            if self.cache is not None:
-                self.cache.used(key)
-            return found
-        made = programs[key] = CompiledCall(self, stage, index, call)
-        if self.cache is not None:
-            dropped = self.cache.dropped
-            self.cache.used(key)
-            if dropped == 0 < self.cache.dropped and self.log is not None:
-                self.log(f"vectorized: more than {self.cache.max_calls} call shapes met; the least recently used "
-                         "CUDA graphs are dropped (and captured again if their shape returns)")
-        return made
+        if found is None or not found.reusable(self.template):
+            found = programs[key] = CompiledCall(self, stage, index, call)
+        found.group = self
+        if self.cache is not None and self.cache.used(key) and self.log is not None:
+            self.log(f"vectorized: more than {self.cache.max_calls} call shapes met; the least recently used "
+                     "CUDA graphs are dropped (and captured again if their shape returns)")
+        return found
 
     def results(self, steps: list[int]) -> list[LocalResult]:
         b = self.buffers
@@ -459,13 +453,15 @@ class VectorizedCache:
         if self.max_calls < 1:
             raise ValueError(f"max_calls = {self.max_calls!r}: must be at least 1 (the call being run is kept)")
 
-    def used(self, key: Any) -> None:
+    def used(self, key: Any) -> bool:
         """Mark the compiled call ``key`` as the most recently used, and drop the least recently used
-        ones beyond ``max_calls``."""
+        ones beyond ``max_calls``; true when this drops the run's first."""
         self.programs.move_to_end(key)
+        first = self.dropped == 0
         while len(self.programs) > self.max_calls:
             self.programs.popitem(last=False)
             self.dropped += 1
+        return first and self.dropped > 0
 
     def drop(self, clients: int) -> None:
         """Forget the buffers and compiled calls of groups of ``clients`` clients."""
