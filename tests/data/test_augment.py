@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
-from hetfl.data.augment import apply_crop_flip, augment_params, random_crop_flip, rotate, to_float
+from hetfl.data.augment import (
+    apply_crop_flip,
+    augment_params,
+    crop_starts,
+    gather_crops,
+    pixel_grid,
+    random_crop_flip,
+    rotate,
+    to_float,
+)
 
 
 def images(b: int = 6, c: int = 3, h: int = 8, w: int = 10, seed: int = 0) -> torch.Tensor:
@@ -61,6 +70,29 @@ def test_crop_flip_matches_per_sample_reference(dtype: torch.dtype) -> None:
     out = apply_crop_flip(x, dx, dy, flips, 3)
     assert out.dtype == dtype and out.shape == x.shape
     assert torch.equal(out, reference_crop_flip(x, dx, dy, flips, 3))
+
+
+def test_crop_starts_read_a_flipped_crop_right_to_left() -> None:
+    dx, dy = torch.tensor([0, 3, 8]), torch.tensor([5, 0, 2])
+    starts = crop_starts(dx, dy, torch.tensor([False, True, True]), 10)
+    assert starts.dtype == torch.int64
+    assert starts.tolist() == [[5, 0, 2], [0, 12, 17], [1, -1, -1]]  # first row, first column, column step
+
+
+@pytest.mark.parametrize("lead", [(12,), (4, 3)])
+def test_gather_crops_of_any_index_shape_match_the_per_sample_reference(lead: tuple[int, ...]) -> None:
+    """A batch ``[*S]`` of dataset indices (a vectorised step's ``[samples, clients]``) is cropped and flipped
+    in its gather from the padded dataset: the per-sample reference's values, laid out contiguously as
+    ``[*S, C, H, W]`` (no copy into another layout follows)."""
+    data = images(b=20, h=8, w=10, seed=3)
+    padded = F.pad(data, (2, 2, 2, 2))
+    idx = torch.randint(0, 20, lead, generator=torch.Generator().manual_seed(1))
+    dx, dy, flips = augment_params(idx.numel(), 2, True, torch.Generator().manual_seed(2))
+    starts = crop_starts(dx, dy, flips, 10).view(3, *lead)
+    out = gather_crops(padded, idx, starts, pixel_grid(3, 8, 10, padded.device))
+    assert out.shape == (*lead, 3, 8, 10) and out.is_contiguous()
+    expected = reference_crop_flip(data[idx.reshape(-1)], dx, dy, flips, 2)
+    assert torch.equal(out.reshape(-1, 3, 8, 10), expected)
 
 
 def test_same_seed_same_output() -> None:

@@ -2,7 +2,10 @@
 
 DESIGN.md, property 4: no per-sample Python loops and no DataLoader workers.
 A whole batch ``[B, C, H, W]`` is cropped and flipped by one gather with
-per-sample offsets; rotations are one ``affine_grid`` + ``grid_sample``.
+per-sample offsets; the training loop's batches are cropped in their gather
+from the once-padded dataset itself (:func:`gather_crops`: one kernel with two
+small index computations, where padding, cropping, flipping and a layout copy
+took twelve); rotations are one ``affine_grid`` + ``grid_sample``.
 
 Random numbers are drawn on the CPU from an explicit ``torch.Generator`` and
 then moved to the data's device, so a seed gives the same augmentation on CPU
@@ -53,6 +56,36 @@ def augment_params(
     return dx, dy, flips
 
 
+def crop_starts(dx: Tensor, dy: Tensor, flips: Tensor, width: int) -> Tensor:
+    """Where each crop starts in the padded image and which way it is read: ``[3, *dx.shape]`` int64
+    rows ``(first row, first column, column step)``, from the draws of :func:`augment_params`.
+
+    A flipped crop reads its columns right to left: it starts at column ``dx + width - 1`` with step
+    -1; an unflipped one at ``dx`` with step +1. In this form a batch's crops are one gather
+    (:func:`gather_crops`) with no per-step branching."""
+    flip = flips.long()
+    return torch.stack([dy, dx + flip * (width - 1), 1 - 2 * flip])
+
+
+def gather_crops(padded: Tensor, idx: Tensor, starts: Tensor, grid: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """The crops of images ``idx`` of ``padded`` (``[N, C, H + 2p, W + 2p]``, any dtype) at ``starts``
+    (``[3, *idx.shape]`` from :func:`crop_starts`), as ``[*idx.shape, C, H, W]``: one advanced-indexing
+    gather, whose indices are all adjacent so that the result is laid out channels-first as it is (no
+    copy into another layout). ``grid`` holds ``arange(C)``, ``arange(H)`` and ``arange(W)`` on
+    ``padded``'s device (a caller making many batches keeps them: three kernels fewer per batch).
+    ``idx`` of any shape: a vectorised step gathers ``[samples, clients]`` at once."""
+    channels, height, width = grid
+    lead = idx.shape
+    rows = (starts[0].unsqueeze(-1) + height).view(*lead, 1, -1, 1)
+    cols = torch.addcmul(starts[1].unsqueeze(-1), starts[2].unsqueeze(-1), width).view(*lead, 1, 1, -1)
+    return padded[idx.view(*lead, 1, 1, 1), channels.view(-1, 1, 1), rows, cols]
+
+
+def pixel_grid(c: int, h: int, w: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``arange(c)``, ``arange(h)``, ``arange(w)`` on ``device``: the ``grid`` of :func:`gather_crops`."""
+    return tuple(torch.arange(n, device=device) for n in (c, h, w))  # type: ignore[return-value]
+
+
 def apply_crop_flip(x: Tensor, dx: Tensor, dy: Tensor, flips: Tensor, padding: int) -> Tensor:
     """Crop each image of ``x`` ``[B, C, H, W]`` at ``(dy, dx)`` of its zero-padded copy, then flip where ``flips``.
 
@@ -61,16 +94,10 @@ def apply_crop_flip(x: Tensor, dx: Tensor, dy: Tensor, flips: Tensor, padding: i
     gather (any dtype; ``dx``, ``dy``, ``flips`` of shape ``[B]`` on ``x``'s
     device). ``padding=0`` with zero offsets is a pure flip.
     """
-    b, _, h, w = x.shape
-    if padding > 0:
-        x = F.pad(x, (padding, padding, padding, padding))
-    rows = dy.view(b, 1) + torch.arange(h, device=x.device)  # [B, H]
-    cols = dx.view(b, 1) + torch.arange(w, device=x.device)  # [B, W]
-    cols = torch.where(flips.view(b, 1), cols.flip(1), cols)
-    batch = torch.arange(b, device=x.device).view(b, 1, 1)
-    # advanced indices separated by the channel slice: the result is [B, H, W, C]
-    out = x[batch, :, rows.view(b, h, 1), cols.view(b, 1, w)]
-    return out.permute(0, 3, 1, 2).contiguous()
+    b, c, h, w = x.shape
+    padded = F.pad(x, (padding, padding, padding, padding)) if padding > 0 else x
+    idx = torch.arange(b, device=x.device)
+    return gather_crops(padded, idx, crop_starts(dx, dy, flips, w), pixel_grid(c, h, w, x.device))
 
 
 def random_crop_flip(x: Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> Tensor:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hetfl.algorithms.base import Batch
-from hetfl.data.augment import apply_crop_flip, augment_params, rotate, to_float
+from hetfl.data.augment import augment_params, crop_starts, gather_crops, pixel_grid, rotate, to_float
 from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition
 from hetfl.params import ConfigError
@@ -55,6 +56,15 @@ class FederatedData:
             for idx, perm in zip(self.client_train, partition.label_perm, strict=True):
                 train_y[idx] = torch.as_tensor(np.asarray(perm), dtype=torch.long)[train_y[idx]]
         self.train_x, self.train_y = train_x.to(device), train_y.to(device)
+        # what augmented batches are gathered from: with random crops, the training images zero-padded once
+        # (train_x is then the view of their interior, not a second copy), so that a batch's crops and flips
+        # are one gather from the dataset (hetfl.data.augment.gather_crops)
+        self._crop_source = self.train_x
+        if self.augment == "crop_flip":
+            p = self.padding
+            self._crop_source = F.pad(self.train_x, (p, p, p, p))
+            self.train_x = self._crop_source[..., p:-p, p:-p]
+        self._grid = pixel_grid(*self.info.input_shape, device) if self.augment != "none" else None
         # index lists on the CPU too: a step's batch indices of all its clients are assembled
         # there and moved to the device in one copy (not one small copy per client)
         self.client_train_cpu = self.client_train
@@ -133,15 +143,16 @@ class FederatedData:
         return x
 
     def augment_draws(self, n: int, generator: torch.Generator) -> torch.Tensor | None:
-        """The augmentation parameters of ``n`` samples, drawn on the CPU from ``generator``: ``[3, n]``
-        int64 rows (column offset, row offset, flip), or None without augmentation. The draws (and their
+        """The augmentation of ``n`` samples, drawn on the CPU from ``generator``: ``[3, n]`` int64 rows
+        (where each crop starts in the padded image, and which way its columns run:
+        :func:`~hetfl.data.augment.crop_starts`), or None without augmentation. The draws (and their
         order) are those of :func:`augment_params`."""
         if self.augment == "none":
             return None
         dx, dy, flips = augment_params(n, self.padding, True, generator)
         if self.augment != "crop_flip":  # "flip": the offsets are drawn (same stream) but not used
             dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
-        return torch.stack([dx, dy, flips.long()])
+        return crop_starts(dx, dy, flips, self.info.input_shape[-1])
 
     def stage_augment(self, schedule: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor | None:
         """The augmentation parameters of a stage's batches ``schedule``, in order: ``[3, samples]``, one
@@ -155,13 +166,13 @@ class FederatedData:
         return self.augment_draws(sum(b.shape[0] for b in schedule), generator)
 
     def batch_at(self, idx: torch.Tensor, augment: torch.Tensor | None) -> Batch:
-        """The model inputs and labels of the training samples ``idx`` (global indices, on the device),
-        augmented with ``augment`` (``[3, len(idx)]`` on the device, from :meth:`augment_draws`): device
-        operations only, no host synchronisation."""
-        x = self.train_x[idx]
-        if augment is not None:
-            padding = self.padding if self.augment == "crop_flip" else 0
-            x = apply_crop_flip(x, augment[0], augment[1], augment[2].bool(), padding)
+        """The model inputs and labels of the training samples ``idx`` (global indices on the device, of any
+        shape ``S``: inputs ``[*S, ...]``, labels ``[*S]``), augmented with ``augment`` (``[3, *S]`` on the
+        device, from :meth:`augment_draws`): device operations only, no host synchronisation. Augmented
+        images are cropped and flipped in the gather itself."""
+        if augment is None:
+            return Batch(self.prepare(self.train_x[idx]), self.train_y[idx])
+        x = gather_crops(self._crop_source, idx, augment, self._grid)  # type: ignore[arg-type]
         return Batch(self.prepare(x), self.train_y[idx])
 
     def global_indices(self, client: int, local_idx: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ class Call:
     Device tensors, step-major: ``rows`` ``[steps, width]`` (row indices into the
     stacked states; None: rows ``start..start+width-1`` at every step, which a step
     reads and writes as views, without gathering), ``idx``
-    ``[steps, width, size]`` (indices into the training set), ``augment``
-    ``[steps, 3, width, size]`` (crop offsets and flip, or None) and ``draws``
+    ``[steps, size, width]`` (indices into the training set, sample-major: a step's
+    batch is gathered in the layout a vmapped convolution reads), ``augment``
+    ``[steps, 3, size, width]`` (where the crops start, or None) and ``draws``
     (each ``[steps, width, ...]``: the stage's per-step random numbers).
     """
 
@@ -314,24 +315,24 @@ def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
     full batches ``first .. first + taken - 1`` in its column, one slice each."""
     steps, width, size = call.steps, call.width, call.size
     rows = torch.full((steps, width), k, dtype=torch.long)
-    idx = torch.zeros(steps, width, size, dtype=torch.long)
+    idx = torch.zeros(steps, size, width, dtype=torch.long)
     sample = call.members[0][1].batch(call.members[0][2])
-    augment = None if sample.augment is None else torch.zeros(steps, 3, width, size, dtype=torch.long)
+    augment = None if sample.augment is None else torch.zeros(steps, 3, size, width, dtype=torch.long)
     draws = {n: torch.zeros(steps, width, *d.shape, dtype=d.dtype) for n, d in sample.draws.items()}
     for col, (r, row, first, taken) in enumerate(call.members):
         rows[:taken, col] = r
         if call.steps == 1 and taken == 1:  # a single step (first, or a short batch)
             b = row.batch(first)
-            idx[0, col] = b.idx
+            idx[0, :, col] = b.idx
             if augment is not None:
-                augment[0, :, col] = b.augment
+                augment[0, :, :, col] = b.augment
             for n, d in b.draws.items():
                 draws[n][0, col] = d
             continue
         a, z = row.full_index(first), row.full_index(first) + taken
-        idx[:taken, col] = row.full_idx[a:z]
+        idx[:taken, :, col] = row.full_idx[a:z]
         if augment is not None:
-            augment[:taken, :, col] = row.full_augment[a:z]  # type: ignore[index]
+            augment[:taken, :, :, col] = row.full_augment[a:z]  # type: ignore[index]
         for n, d in row.full_draws.items():
             draws[n][:taken, col] = d[a:z]
     if call.start is None:

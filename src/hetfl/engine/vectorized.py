@@ -314,17 +314,17 @@ class VectorizedGroup:
     def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
              augment: torch.Tensor | None, draws: Tensors, start: int = 0) -> None:
         """One step of ``stage`` (the ``index``-th) for the rows ``rows`` (``[width]``; None: the ``width``
-        rows from ``start``) on the samples ``idx`` (``[width, size]``): the adversary's step (if any),
-        then the stage's, written into the group's buffers in place."""
+        rows from ``start``) on the samples ``idx`` (``[size, width]``, sample-major; ``augment``
+        ``[3, size, width]``): the adversary's step (if any), then the stage's, written into the group's
+        buffers in place."""
         b = self.buffers
-        width, size = idx.shape
+        width = idx.shape[1]
         # gathered sample-major ([size, width, ...] in memory, seen as [width, size, ...]): a vmapped convolution
         # of per-client weights reads its input as [samples, clients x channels, H, W], a view of this layout
         # (a client-major batch is copied into it, forward and backward)
-        flat = self.data.batch_at(idx.t().reshape(-1),
-                                  None if augment is None else augment.transpose(1, 2).reshape(3, -1))
-        x = flat.x.view(size, width, *flat.x.shape[1:]).transpose(0, 1)
-        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, flat.y.view(size, width).t(), draws)
+        sample_major = self.data.batch_at(idx, augment)
+        x = sample_major.x.transpose(0, 1)
+        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, sample_major.y.t(), draws)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[start : start + width] if rows is None else t.index_select(0, rows)

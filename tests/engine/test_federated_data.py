@@ -1,0 +1,67 @@
+"""FederatedData's batches: augmented in their gather from the dataset, equal to the per-sample reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hetfl.data.augment import augment_params, to_float
+from hetfl.data.base import Dataset, DatasetInfo, Split
+from hetfl.data.partition import Partition
+from hetfl.engine.data import FederatedData
+from tests.data.test_augment import reference_crop_flip
+from tests.helpers.ops import VIEWS, OpCounter
+
+MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.5)
+
+
+def federated(augment: str) -> tuple[FederatedData, torch.Tensor]:
+    """30 RGB images of 16 x 16 (padding 2) over two clients, and the raw training images."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (30, 3, 16, 16), dtype=torch.uint8, generator=gen)
+    y = torch.randint(0, 10, (30,), generator=gen)
+    info = DatasetInfo("tiny", tuple(str(i) for i in range(10)), (3, 16, 16), MEAN, STD)
+    dataset = Dataset(info, Split(x.clone(), y), Split(x[:6].clone(), y[:6]))
+    partition = Partition([np.arange(0, 20), np.arange(20, 30)], [np.arange(3), np.arange(3, 6)])
+    return FederatedData(dataset, partition, torch.device("cpu"), augment), x
+
+
+@pytest.mark.parametrize("augment", ["crop_flip", "flip"])
+def test_an_augmented_batch_of_any_shape_equals_the_per_sample_reference(augment: str) -> None:
+    data, raw = federated(augment)
+    padding = data.padding if augment == "crop_flip" else 0
+    assert torch.equal(data.train_x, raw)  # the interior of the padded copy: the same images
+    idx = torch.randint(0, 30, (5, 4), generator=torch.Generator().manual_seed(1))  # [samples, clients]
+    gen = torch.Generator().manual_seed(2)
+    draws = data.augment_draws(idx.numel(), gen).view(3, 5, 4)
+    dx, dy, flips = augment_params(idx.numel(), data.padding, True, torch.Generator().manual_seed(2))
+    if augment == "flip":
+        dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
+    batch = data.batch_at(idx, draws)
+    assert batch.x.shape == (5, 4, 3, 16, 16) and batch.x.is_contiguous() and torch.equal(batch.y, data.train_y[idx])
+    expected = to_float(reference_crop_flip(raw[idx.reshape(-1)], dx, dy, flips, padding), MEAN, STD)
+    assert torch.equal(batch.x.reshape(-1, 3, 16, 16), expected)
+
+
+def test_random_crops_keep_one_padded_copy_of_the_training_images() -> None:
+    data, _ = federated("crop_flip")
+    source = data._crop_source
+    assert source.shape == (30, 3, 20, 20)
+    assert data.train_x.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("augment", ["crop_flip", "flip", "none"])
+def test_a_batch_is_one_gather_then_the_normalisation(augment: str) -> None:
+    """Kernels of one batch: the images' gather (crops and flips included: two index computations), the
+    labels' gather and the four of the uint8 -> float normalisation; no padding, flipping, branching or
+    layout copy per batch."""
+    data, _ = federated(augment)
+    idx = torch.arange(8).view(4, 2)
+    draws = data.augment_draws(8, torch.Generator().manual_seed(0))
+    with OpCounter() as counter:
+        data.batch_at(idx, None if draws is None else draws.view(3, 4, 2))
+    cropping = {"aten.add": 1, "aten.addcmul": 1} if augment != "none" else {}
+    normalise = {"aten._to_copy": 1, "aten.div_": 2, "aten.sub_": 1}
+    assert {op: n for op, n in counter.ops.items() if op not in VIEWS} \
+        == {"aten.index": 2, **cropping, **normalise}
