@@ -1,4 +1,5 @@
-"""hetfl.models.layers.MaxPool2d: nn.MaxPool2d's values and gradients, bit for bit, with fewer copies under vmap."""
+"""hetfl.models.layers: nn.MaxPool2d's and nn.Linear's values and gradients, bit for bit, with fewer copies and
+kernels under vmap (inside client_batching, where the vectorised executor runs its steps)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
 
-from hetfl.models.layers import MaxPool2d, _foldable
+from hetfl.models import layers
+from hetfl.models.layers import Linear, MaxPool2d, _foldable, client_batching
 from tests.helpers.ops import VIEWS, OpCounter
 
 SETTINGS = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, ceil_mode=True),
             dict(kernel_size=(2, 3), stride=(2, 1))]
 IDS = ["k2", "k3s2p1", "k2ceil", "k2x3s2x1"]
+
+
+@pytest.fixture(autouse=True)
+def batching(request):
+    """Every test here runs inside client_batching (the vectorised executor's step), but those about outside it."""
+    if "outside_client_batching" in request.node.name:
+        yield
+        return
+    with client_batching():
+        yield
 
 
 def pools(settings: dict) -> tuple[nn.Module, nn.Module]:
@@ -154,3 +166,128 @@ def test_vmapped_pooling_copies_no_activation():
         return sum(n for op, n in ops.items() if op not in VIEWS)
 
     assert kernels(after) == kernels(before) - 6
+
+
+def linears(bias: bool = True, seed: int = 0) -> tuple[nn.Linear, Linear]:
+    torch.manual_seed(seed)
+    reference = nn.Linear(40, 7, bias=bias)
+    ours = Linear(40, 7, bias=bias)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def forward_backward(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The output and the gradients of the input, weight and bias, under autocast to ``dtype`` if given."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        out = layer(x)
+    out.float().sin().sum().backward()
+    return [out, x.grad, *(p.grad for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_linear_values_and_gradients_are_nn_linears_bit_for_bit(dtype):
+    """Rows of vectors stored row- or column-major (addmm's backward differs between the two), under
+    autocast too: the same values and dtypes as nn.Linear's."""
+    reference, ours = linears()
+    for x in (torch.randn(13, 40), torch.randn(40, 13).t()):
+        for got, want in zip(forward_backward(ours, x, dtype), forward_backward(reference, x, dtype), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_linear_without_a_bias_or_on_other_shapes_is_f_linear():
+    reference, ours = linears(bias=False)
+    x = torch.randn(13, 40)
+    assert all(torch.equal(a, b) for a, b in zip(forward_backward(ours, x), forward_backward(reference, x),
+                                                 strict=True))
+    reference, ours = linears()
+    for x in (torch.randn(40), torch.randn(2, 5, 40)):  # one vector, tokens of sequences
+        assert torch.equal(ours(x), reference(x))
+
+
+def linear_loss(layer: nn.Module):
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, params, (x,)).sin().sum()
+
+    return loss
+
+
+def per_client(clients: int = 5) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"weight": torch.randn(clients, 7, 40, generator=g), "bias": torch.randn(clients, 7, generator=g)}, \
+        torch.randn(clients, 13, 40, generator=g)
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0), (None, 0), (0, None)], ids=["own", "shared-layer", "shared-input"])
+def test_vmapped_linear_gradients_are_those_of_pytorchs_batching_rule(in_dims):
+    """Per-client weights and inputs, one layer for all clients, one input for all: the gradients of the
+    parameters and of the input equal PyTorch's bit for bit."""
+    reference, ours = linears()
+    params, x = per_client()
+    params = params if in_dims[0] == 0 else {n: t[0] for n, t in params.items()}
+    x = x if in_dims[1] == 0 else x[0]
+    for argnums in (0, 1):
+        want = vmap(grad(linear_loss(reference), argnums=argnums), in_dims=in_dims)(params, x)
+        got = vmap(grad(linear_loss(ours), argnums=argnums), in_dims=in_dims)(params, x)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_second_derivatives_through_the_linear_layer_are_pytorchs():
+    """A gradient penalty in the input, per client: differentiates the layer's backward again."""
+    reference, ours = linears()
+    params, x = per_client()
+
+    def penalty(layer):
+        def f(params, x):
+            inner = grad(lambda x: linear_loss(layer)(params, x))(x)
+            return inner.square().sum()
+        return f
+
+    want = vmap(grad(penalty(reference)))(params, x)
+    got = vmap(grad(penalty(ours)))(params, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_vmapped_linear_layer_adds_its_bias_without_scaling_a_copy():
+    """PyTorch's rule for addmm scales the bias by beta = 1 (a kernel per layer and step); ours adds it
+    in place after the batched product: one kernel fewer, the rest the same."""
+    params, x = per_client()
+
+    def ops(layer: nn.Module) -> Counter[str]:
+        with OpCounter() as counter:
+            vmap(grad(linear_loss(layer)))(params, x)
+        return Counter({op: n for op, n in counter.ops.items() if op not in VIEWS})
+
+    reference, ours = linears()
+    before, after = ops(reference), ops(ours)
+    assert before["aten.mul"] == after["aten.mul"] + 1 and after["aten.bmm"] == before["aten.bmm"] == 2
+    assert sum(before.values()) == sum(after.values()) + 1
+
+
+def test_outside_client_batching_the_layers_are_pytorchs_own(monkeypatch):
+    """A sequential step pays no autograd.Function per call: outside client_batching neither layer's
+    Function runs (nor under vmap there); inside, nested or not, both do."""
+    ran: Counter[str] = Counter()
+    for function in (layers._Linear, layers._MaxPool2d):
+        original = function.apply
+        monkeypatch.setattr(function, "apply",
+                            lambda *a, _f=original, _n=function.__name__: (ran.update([_n]), _f(*a))[1])
+    params, x = per_client()
+
+    def both() -> None:
+        Linear(40, 7)(torch.randn(3, 40)).sum().backward()
+        MaxPool2d(2)(torch.randn(2, 3, 8, 8, requires_grad=True)).sum().backward()
+
+    both()
+    vmap(grad(linear_loss(Linear(40, 7))))(params, x)
+    assert not ran
+    with client_batching():
+        with client_batching():
+            pass
+        both()  # still inside after a nested one ended
+    assert ran == {"_Linear": 1, "_MaxPool2d": 1}
+    both()
+    assert ran == {"_Linear": 1, "_MaxPool2d": 1}

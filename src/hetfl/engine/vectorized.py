@@ -46,6 +46,7 @@ from hetfl.engine import step_plan
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, functional_grad, run_stages, step_gradients
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
+from hetfl.models.layers import client_batching
 from hetfl.optim import sgd_init, sgd_update_
 from hetfl.rng import torch_generator
 
@@ -308,8 +309,9 @@ class VectorizedGroup:
                                   buffers=model_buffers, precision=precision)
 
         in_dims = (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
-        return vmap(one, in_dims=in_dims, randomness="error")(
-            state, batch.x, batch.y, batch.draws, payload, cstate, extras)
+        with client_batching():  # hetfl's layers batch the clients without layout copies or extra kernels
+            return vmap(one, in_dims=in_dims, randomness="error")(
+                state, batch.x, batch.y, batch.draws, payload, cstate, extras)
 
     def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
              augment: torch.Tensor | None, draws: Tensors, start: int = 0) -> None:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetfl.models.base import FLModel, ModelError, check_positive_int, conv_out, image_shape
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import Linear, MaxPool2d
 
 TOKENIZER_WIDTH = 64  # channels between tokenizer convs (the reference's in_planes)
 
@@ -226,7 +226,7 @@ class CCT(FLModel):
             conv_layers=conv_layers,
             **probabilities,
         )
-        classifier = nn.Linear(embed_dim, num_classes)
+        classifier = Linear(embed_dim, num_classes)
         super().__init__(encoder, classifier)
         for module in self.modules():
             if isinstance(module, nn.Linear):

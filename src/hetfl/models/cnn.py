@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_bool, check_choice, conv_out, image_shape
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import Linear, MaxPool2d
 
 
 def _conv_pool_size(name: str, input_shape: tuple[int, int, int], padding: int) -> int:
@@ -38,13 +38,13 @@ class SimpleCNN(FLModel):
             nn.Conv2d(c, 6, 5), nn.ReLU(), MaxPool2d(2),
             nn.Conv2d(6, 16, 5), nn.ReLU(), MaxPool2d(2),
             nn.Flatten(),
-            nn.Linear(flat, 120), nn.ReLU(),
-            nn.Linear(120, 84), nn.ReLU(),
+            Linear(flat, 120), nn.ReLU(),
+            Linear(120, 84), nn.ReLU(),
         )  # fmt: skip
         head = None
         if check_bool("projector", projector):
-            head = nn.Sequential(nn.Linear(84, 84), nn.ReLU(), nn.Linear(84, 256))
-        super().__init__(encoder, nn.Linear(256 if head is not None else 84, num_classes), head)
+            head = nn.Sequential(Linear(84, 84), nn.ReLU(), Linear(84, 256))
+        super().__init__(encoder, Linear(256 if head is not None else 84, num_classes), head)
 
 
 class CNN2(FLModel):
@@ -67,6 +67,6 @@ class CNN2(FLModel):
             nn.Conv2d(c, 32, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
             nn.Conv2d(32, 64, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
             nn.Flatten(),
-            nn.Linear(flat, 512), nn.ReLU(),
+            Linear(flat, 512), nn.ReLU(),
         )  # fmt: skip
-        super().__init__(encoder, nn.Linear(512, num_classes))
+        super().__init__(encoder, Linear(512, num_classes))

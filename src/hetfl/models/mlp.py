@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError
+from hetfl.models.layers import Linear
 
 
 class MLP(FLModel):
@@ -32,8 +33,8 @@ class MLP(FLModel):
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(int(s) for s in input_shape)
         for n in hidden:
-            layers += [nn.Linear(width, n), nn.ReLU()]
+            layers += [Linear(width, n), nn.ReLU()]
             width = n
         encoder = layers[0] if len(layers) == 1 else nn.Sequential(*layers)
-        super().__init__(encoder, nn.Linear(width, num_classes))
+        super().__init__(encoder, Linear(width, num_classes))
         self.hidden: tuple[int, ...] = tuple(hidden)

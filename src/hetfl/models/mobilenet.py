@@ -25,6 +25,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from hetfl.models.base import NORMS, FLModel, ModelError, check_choice, check_positive_int, image_shape, make_norm
+from hetfl.models.layers import Linear
 
 # t (expansion), c (output channels), n (blocks), s (stride of the first block); CIFAR strides
 CIFAR_SETTINGS: tuple[tuple[int, int, int, int], ...] = (
@@ -97,5 +98,5 @@ class MobileNetV2(FLModel):
                 inp = out
         layers.append(nn.Sequential(*_conv_norm_act(inp, last, 1, 1, 1, norm, gn_groups)))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        super().__init__(nn.Sequential(*layers), nn.Linear(last, num_classes))
+        super().__init__(nn.Sequential(*layers), Linear(last, num_classes))
         self.width = float(width)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import Linear, MaxPool2d
 from hetfl.models.resnet import BasicBlock
 
 
@@ -64,8 +64,8 @@ class FedPACCNN(FLModel):
         if n == 3:
             layers += [nn.Conv2d(32, 64, 3, padding=1), nn.LeakyReLU(), MaxPool2d(2)]
             channels = 64
-        layers += [nn.Flatten(), nn.Linear(channels * sh * sw, 128), nn.LeakyReLU()]
-        super().__init__(nn.Sequential(*layers), nn.Linear(128, num_classes))
+        layers += [nn.Flatten(), Linear(channels * sh * sw, 128), nn.LeakyReLU()]
+        super().__init__(nn.Sequential(*layers), Linear(128, num_classes))
         self.convs: int = n
 
 
@@ -127,10 +127,10 @@ class FedUVCNN(FLModel):
             inp = out
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         projector = nn.Sequential(
-            nn.Linear(inp, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-            nn.Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(inp, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
         )  # fmt: skip
-        super().__init__(nn.Sequential(*layers), nn.Linear(out_dim, num_classes), projector)
+        super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), projector)
 
 
 class FedUVResNet18(FLModel):
@@ -165,7 +165,7 @@ class FedUVResNet18(FLModel):
             inp = planes
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         projector = nn.Sequential(
-            nn.Linear(512, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-            nn.Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(512, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
         )  # fmt: skip
-        super().__init__(nn.Sequential(*layers), nn.Linear(out_dim, num_classes), projector)
+        super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), projector)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from hetfl.models.base import NORMS, FLModel, check_choice, check_positive_int, image_shape, make_norm
+from hetfl.models.layers import Linear
 
 
 class BasicBlock(nn.Module):
@@ -100,7 +101,7 @@ class ResNet(FLModel):
                 inp = planes * block.expansion
             layers.append(nn.Sequential(*stage))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        super().__init__(nn.Sequential(*layers), nn.Linear(inp, num_classes))
+        super().__init__(nn.Sequential(*layers), Linear(inp, num_classes))
 
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int, *, norm: str = "bn", gn_groups: int = 2) -> ResNet:

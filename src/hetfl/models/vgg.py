@@ -32,7 +32,7 @@ import math
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, image_shape, make_norm
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import Linear, MaxPool2d
 
 VGG11_CONFIG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
@@ -75,6 +75,6 @@ class VGG11(FLModel):
         for _ in range(2):
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
-            layers += [nn.Linear(width, 512), nn.ReLU()]
+            layers += [Linear(width, 512), nn.ReLU()]
             width = 512
-        super().__init__(nn.Sequential(*layers), nn.Linear(512, num_classes))
+        super().__init__(nn.Sequential(*layers), Linear(512, num_classes))
