@@ -8,8 +8,10 @@ without the capture) on the CPU under a dispatch-mode counter and reports, per s
 
 - the operations of the round's calls, split into calls that read their rows as views (a range
   of rows) and calls that gather them by index (and scatter them back);
-- where they come from: the data (gather, normalisation), autocast's casts, the model's forward
-  and backward, the loss, the SGD update, the bookkeeping (metric sums, state gathers/writes);
+- where they come from: the data (gather, crops, normalisation), autocast's casts, the model's
+  forward and backward with the loss, the SGD update, the bookkeeping (metric sums, state
+  gathers/writes) (since session 15; before, "model, loss, data" was one kind, and the bookkeeping
+  was every ``add_``/``copy_``/index op wherever it ran);
 - the steps on the round's critical path (calls run one after another) and the client-steps;
 - the host's planning of the round (median of 5, ms): the GPU waits for it at each round's start.
 
@@ -44,31 +46,38 @@ BOOKKEEPING = {"aten.index_select", "aten.index_copy_", "aten.index_add_", "aten
 
 
 class StepCounter(TorchDispatchMode):
-    """Counts the non-view ATen operations dispatched inside it."""
+    """Counts the non-view ATen operations dispatched inside it, by phase: ``"model"`` inside the vmapped
+    gradients (forward, loss, backward; :meth:`VectorizedGroup.vmapped_gradients`), ``"step"`` around it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: Counter[str] = Counter()
+        self.ops: Counter[tuple[str, str]] = Counter()
+        self.phase = "step"
         self.cloned = 0  # bytes written by layout copies (aten.clone: a batching rule's .contiguous())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
         out = func(*args, **(kwargs or {}))
         if name not in VIEWS:
-            self.ops[name] += 1
+            self.ops[(self.phase, name)] += 1
         if name == "aten.clone":
             self.cloned += out.nbytes
         return out
 
 
-def kind(op: str) -> str:
-    if op.startswith("aten._foreach_"):
-        return "sgd update"
+def kind(phase: str, op: str) -> str:
+    """Where an operation comes from: autocast's casts, the model's forward and backward with the loss
+    (inside the vmapped gradients), the SGD update, the bookkeeping (metric sums, state gathers and writes)
+    or the data (the batch's gather, crops, normalisation)."""
     if op == "aten._to_copy":
         return "casts"
+    if phase == "model":
+        return "model, loss"
+    if op.startswith("aten._foreach_"):
+        return "sgd update"
     if op in BOOKKEEPING:
         return "bookkeeping"
-    return "model, loss, data"
+    return "data"
 
 
 def plan_ms(exp: Experiment, ctxs: list) -> float:
@@ -95,14 +104,26 @@ def count_round(overrides: list[str]) -> dict:
     calls: list[dict] = []
     original = VectorizedGroup.body
 
+    gradients = VectorizedGroup.vmapped_gradients
+    counters: list[StepCounter] = []
+
     def counted(self, stage, index, call):  # type: ignore[no-untyped-def]
         counter = StepCounter()
+        counters.append(counter)
         with counter:
             original(self, stage, index, call)
         calls.append({"steps": call.steps, "width": call.width, "gathered": call.rows is not None,
                       "ops": counter.ops, "cloned": counter.cloned})
 
+    def in_model(self, *args):  # type: ignore[no-untyped-def]
+        counters[-1].phase = "model"
+        try:
+            return gradients(self, *args)
+        finally:
+            counters[-1].phase = "step"
+
     VectorizedGroup.body = counted  # type: ignore[method-assign]
+    VectorizedGroup.vmapped_gradients = in_model  # type: ignore[method-assign]
     try:
         server, _, _ = exp.setup_round(exp.initial_server())
         algo = exp.algorithm
@@ -114,6 +135,7 @@ def count_round(overrides: list[str]) -> dict:
                                  step_mode="static")
     finally:
         VectorizedGroup.body = original  # type: ignore[method-assign]
+        VectorizedGroup.vmapped_gradients = gradients  # type: ignore[method-assign]
     row: dict = {"critical_steps": sum(c["steps"] for c in calls), "client_steps": sum(c["steps"] * c["width"]
                                                                                         for c in calls),
                  "calls": len(calls), "plan_ms": plan_ms(exp, contexts()),
@@ -121,10 +143,10 @@ def count_round(overrides: list[str]) -> dict:
     for label, gathered in (("views", False), ("gathered", True)):
         chosen = [c for c in calls if c["gathered"] == gathered]
         steps = sum(c["steps"] for c in chosen)
-        total: Counter[str] = sum((c["ops"] for c in chosen), Counter())
+        total: Counter[tuple[str, str]] = sum((c["ops"] for c in chosen), Counter())
         by_kind: Counter[str] = Counter()
-        for op, n in total.items():
-            by_kind[kind(op)] += n
+        for (phase, op), n in total.items():
+            by_kind[kind(phase, op)] += n
         row[label] = {"steps": steps, "ops_per_step": round(sum(total.values()) / steps, 1) if steps else None,
                       "by_kind": {k: round(v / steps, 1) for k, v in sorted(by_kind.items())} if steps else {}}
     return row
