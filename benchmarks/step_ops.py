@@ -15,6 +15,9 @@ without the capture) on the CPU under a dispatch-mode counter and reports, per s
 - the steps on the round's critical path (calls run one after another) and the client-steps;
 - the host's planning of the round (median of 5, ms): the GPU waits for it at each round's start.
 
+Batches are gathered from images normalised once, as on a CUDA device with room for them (since
+session 15; ``--raw-images``: each batch normalised, a CPU's path and every earlier tree's).
+
 The counts are exact and deterministic (no timing), so runs on two trees compare directly.
 Appends to ``benchmarks/results/step_ops_cpu.{json,md}``.
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetfl import config
+from hetfl.engine.data import FederatedData
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.vectorized import ClientPlan, VectorizedGroup, train_clients_vectorized
@@ -98,9 +102,15 @@ def plan_ms(exp: Experiment, ctxs: list) -> float:
     return round(statistics.median(times), 1)
 
 
-def count_round(overrides: list[str]) -> dict:
-    """One vectorised round of the configuration, counted per call."""
-    exp = Experiment(config.load(None, [*overrides, "runtime.device=cpu", "runtime.progress=false"]))
+def count_round(overrides: list[str], prepared: bool = True) -> dict:
+    """One vectorised round of the configuration, counted per call; ``prepared``: batches gathered from
+    images normalised once, as on a CUDA device with room for them (hetfl.engine.data.FederatedData)."""
+    room = FederatedData._room_for
+    FederatedData._room_for = lambda self, raw, padding: prepared  # type: ignore[method-assign]
+    try:
+        exp = Experiment(config.load(None, [*overrides, "runtime.device=cpu", "runtime.progress=false"]))
+    finally:
+        FederatedData._room_for = room  # type: ignore[method-assign]
     calls: list[dict] = []
     original = VectorizedGroup.body
 
@@ -161,6 +171,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--augment", default="none", choices=("none", "crop_flip"))
+    parser.add_argument("--raw-images", action="store_true",
+                        help="normalise each batch (a CPU's path) instead of gathering prepared images (a GPU's)")
     parser.add_argument("--label", default="", help="what tree this is (e.g. a commit and what it changed)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -171,9 +183,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     entry = {"commit": commit, "label": args.label, "command": "python benchmarks/step_ops.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
-        if k not in ("out", "data", "label")), "rows": {}}
+        if k not in ("out", "data", "label", "raw_images")) + (" --raw-images" if args.raw_images else ""),
+        "rows": {}}
     for precision in args.precisions:
-        entry["rows"][precision] = row = count_round([*base, f"train.precision={precision}"])
+        overrides = [*base, f"train.precision={precision}"]
+        entry["rows"][precision] = row = count_round(overrides, prepared=not args.raw_images)
         print(precision, json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,9 @@ from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition
 from hetfl.params import ConfigError
 
+# share of a CUDA device's free memory that normalised float copies of the training images may take
+PREPARED_SHARE = 0.25
+
 
 @dataclass
 class ClientTest:
@@ -36,7 +39,10 @@ class ClientTest:
 class FederatedData:
     """A dataset split over clients, held on ``device``."""
 
-    def __init__(self, dataset: Dataset, partition: Partition, device: torch.device, augment: str) -> None:
+    def __init__(self, dataset: Dataset, partition: Partition, device: torch.device, augment: str,
+                 prepared: bool | None = None) -> None:
+        """``prepared``: gather training batches from normalised floats made once (:meth:`_batch_source`);
+        None: where a CUDA device has room for them."""
         self.info = dataset.info
         self.device = device
         self.partition = partition
@@ -56,23 +62,16 @@ class FederatedData:
             for idx, perm in zip(self.client_train, partition.label_perm, strict=True):
                 train_y[idx] = torch.as_tensor(np.asarray(perm), dtype=torch.long)[train_y[idx]]
         self.train_x, self.train_y = train_x.to(device), train_y.to(device)
-        # what augmented batches are gathered from: with random crops, the training images zero-padded once
-        # (train_x is then the view of their interior, not a second copy), so that a batch's crops and flips
-        # are one gather from the dataset (hetfl.data.augment.gather_crops)
-        self._crop_source = self.train_x
-        if self.augment == "crop_flip":
-            p = self.padding
-            self._crop_source = F.pad(self.train_x, (p, p, p, p))
-            self.train_x = self._crop_source[..., p:-p, p:-p]
+        # the per-channel normalisation on the device, made once (a step then copies nothing from the host)
+        self._mean, self._std = (None if v is None else torch.as_tensor(v, dtype=torch.float32).to(device)
+                                 for v in (self.info.mean, self.info.std))
+        self._batch_source(prepared)
         self._grid = pixel_grid(*self.info.input_shape, device) if self.augment != "none" else None
         # index lists on the CPU too: a step's batch indices of all its clients are assembled
         # there and moved to the device in one copy (not one small copy per client)
         self.client_train_cpu = self.client_train
         self.client_train = [idx.to(device) for idx in self.client_train]
         self.transformed = partition.rotation is not None or partition.label_perm is not None
-        # the per-channel normalisation on the device, made once (a step then copies nothing from the host)
-        self._mean, self._std = (None if v is None else torch.as_tensor(v, dtype=torch.float32).to(device)
-                                 for v in (self.info.mean, self.info.std))
         if self.transformed:  # the global test set is the union of the transformed client tests
             self.client_tests = [self._client_test(test_x, test_y, c) for c in range(self.num_clients)]
             self.test_x = torch.cat([t.x for t in self.client_tests])
@@ -83,6 +82,39 @@ class FederatedData:
         self.client_sizes = [len(idx) for idx in self.client_train]
         self.client_test_idx = [torch.as_tensor(np.asarray(i), dtype=torch.long) for i in partition.test]
         self._test_segments: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
+
+    def _batch_source(self, prepared: bool | None) -> None:
+        """What training batches are gathered from (``_source``; ``_interior``: its unpadded images).
+
+        With random crops, the training images zero-padded once (``train_x`` is then the view of their
+        interior, not a second copy), so that a batch's crops and flips are one gather
+        (:func:`~hetfl.data.augment.gather_crops`). ``prepared`` (by default where a CUDA device has room:
+        :data:`PREPARED_SHARE` of its free memory): uint8 images normalised to floats once, the padding
+        too (a zero pixel, as the per-batch normalisation sees it), so that a batch is its gather alone,
+        without the four kernels of the normalisation. The values are the same either way: the
+        normalisation is elementwise, the same kernels on each pixel whatever batch it is in."""
+        raw = self.train_x
+        p = self.padding if self.augment == "crop_flip" else 0
+        if prepared is None:
+            prepared = raw.dtype == torch.uint8 and self._room_for(raw, p)
+        self._prepared = prepared and raw.dtype == torch.uint8
+        source = F.pad(raw, (p, p, p, p)) if p else raw
+        if self._prepared:
+            source = self.prepare(source)
+        elif p:
+            self.train_x = source[..., p:-p, p:-p]
+        self._source = source
+        self._interior = source[..., p:-p, p:-p] if p else source
+
+    def _room_for(self, raw: torch.Tensor, padding: int) -> bool:
+        """Whether normalised float copies of ``raw``'s images, padded by ``padding``, fit in
+        :data:`PREPARED_SHARE` of the device's free memory (CUDA; never on a CPU, whose steps are not
+        bound by kernel launches)."""
+        if self.device.type != "cuda" or raw.dim() != 4:
+            return False
+        n, c, h, w = raw.shape
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return 4 * n * c * (h + 2 * padding) * (w + 2 * padding) <= PREPARED_SHARE * free
 
     def _resolve_augment(self, augment: str) -> str:
         if augment != "auto":
@@ -169,11 +201,11 @@ class FederatedData:
         """The model inputs and labels of the training samples ``idx`` (global indices on the device, of any
         shape ``S``: inputs ``[*S, ...]``, labels ``[*S]``), augmented with ``augment`` (``[3, *S]`` on the
         device, from :meth:`augment_draws`): device operations only, no host synchronisation. Augmented
-        images are cropped and flipped in the gather itself."""
-        if augment is None:
-            return Batch(self.prepare(self.train_x[idx]), self.train_y[idx])
-        x = gather_crops(self._crop_source, idx, augment, self._grid)  # type: ignore[arg-type]
-        return Batch(self.prepare(x), self.train_y[idx])
+        images are cropped and flipped in the gather itself; from prepared images (:meth:`_batch_source`) the
+        gather is the whole batch."""
+        x = self._interior[idx] if augment is None else gather_crops(self._source, idx, augment,
+                                                                     self._grid)  # type: ignore[arg-type]
+        return Batch(x if self._prepared else self.prepare(x), self.train_y[idx])
 
     def global_indices(self, client: int, local_idx: torch.Tensor) -> torch.Tensor:
         """Client ``client``'s samples ``local_idx`` (into its own list) as indices into the training set (CPU)."""
