@@ -196,6 +196,48 @@ def test_linear_values_and_gradients_are_nn_linears_bit_for_bit(dtype):
             assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_a_float64_linear_layer_stays_float64_under_autocast():
+    reference, ours = linears()
+    reference.double(), ours.double()
+    x = torch.randn(13, 40, dtype=torch.float64)
+    for got, want in zip(forward_backward(ours, x, torch.bfloat16), forward_backward(reference, x, torch.bfloat16),
+                         strict=True):
+        assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+
+
+class MatrixProducts(OpCounter):
+    """Also each matrix product's operand shapes and strides, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if str(func.overloadpacket) in ("aten.mm", "aten.addmm", "aten.bmm", "aten.sum"):
+            self.products.append((str(func.overloadpacket), *[(tuple(a.shape), a.stride()) for a in args
+                                                              if isinstance(a, torch.Tensor)]))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+@pytest.mark.parametrize("frozen", ["none", "weight", "bias", "input"])
+def test_linear_backward_runs_pytorchs_products_in_pytorchs_orientation(layout, frozen):
+    """The backward's matrix products are addmm's own (mm_mat1_backward picks its orientation from how the
+    input is stored), and a frozen weight, bias or input costs no product: the same kernels, so the same bits
+    on any device."""
+    traces = []
+    for layer in linears():
+        x = torch.randn(13, 40) if layout == "row-major" else torch.randn(40, 13).t()
+        x.requires_grad_(frozen != "input")
+        for name, p in layer.named_parameters():
+            p.requires_grad_(name != frozen)
+        out = layer(x)
+        with MatrixProducts() as counter:
+            out.backward(torch.ones_like(out))
+        traces.append(counter.products)
+    assert traces[0] == traces[1] and traces[0]
+
+
 def test_linear_without_a_bias_or_on_other_shapes_is_f_linear():
     reference, ours = linears(bias=False)
     x = torch.randn(13, 40)
@@ -227,6 +269,20 @@ def test_vmapped_linear_gradients_are_those_of_pytorchs_batching_rule(in_dims):
     params, x = per_client()
     params = params if in_dims[0] == 0 else {n: t[0] for n, t in params.items()}
     x = x if in_dims[1] == 0 else x[0]
+    for argnums in (0, 1):
+        want = vmap(grad(linear_loss(reference), argnums=argnums), in_dims=in_dims)(params, x)
+        got = vmap(grad(linear_loss(ours), argnums=argnums), in_dims=in_dims)(params, x)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("batched", ["weight", "bias"])
+def test_a_layer_with_only_its_weight_or_its_bias_per_client(batched):
+    """One of the two parameters per client, the other shared: PyTorch's gradients, bit for bit."""
+    reference, ours = linears()
+    params, x = per_client()
+    in_dims = ({n: 0 if n == batched else None for n in params}, 0)
+    params = {n: t if n == batched else t[0] for n, t in params.items()}
     for argnums in (0, 1):
         want = vmap(grad(linear_loss(reference), argnums=argnums), in_dims=in_dims)(params, x)
         got = vmap(grad(linear_loss(ours), argnums=argnums), in_dims=in_dims)(params, x)
@@ -291,3 +347,15 @@ def test_outside_client_batching_the_layers_are_pytorchs_own(monkeypatch):
     assert ran == {"_Linear": 1, "_MaxPool2d": 1}
     both()
     assert ran == {"_Linear": 1, "_MaxPool2d": 1}
+
+
+def test_client_batching_belongs_to_its_thread():
+    """Another thread (a Flower client's, a worker's) is outside the vectorised step's client_batching."""
+    import threading
+
+    seen: list[bool] = []
+    thread = threading.Thread(target=lambda: seen.append(layers._client_batching()))
+    with client_batching():
+        thread.start()
+        thread.join()
+    assert seen == [False]

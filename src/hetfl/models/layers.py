@@ -217,8 +217,6 @@ class Linear(nn.Linear):
         device = x.device.type
         if not torch.is_autocast_enabled(device):
             return _Linear.apply(x, self.weight, self.bias)
-        dtype = torch.get_autocast_dtype(device)
-        cast = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-                for t in (x, self.weight, self.bias)]
-        with torch.autocast(device, enabled=False):
-            return _Linear.apply(*cast)
+        dtype = torch.get_autocast_dtype(device)  # what autocast makes of float32 and half tensors (not float64)
+        return _Linear.apply(*(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                               for t in (x, self.weight, self.bias)))
