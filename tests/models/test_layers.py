@@ -219,7 +219,11 @@ class MatrixProducts(OpCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+INPUTS = {"row-major": lambda: torch.randn(13, 40), "column-major": lambda: torch.randn(40, 13).t(),
+          "one-sample": lambda: torch.randn(1, 40)}  # a short last batch of one: row-major, not column-major
+
+
+@pytest.mark.parametrize("layout", list(INPUTS))
 @pytest.mark.parametrize("frozen", ["none", "weight", "bias", "input"])
 def test_linear_backward_runs_pytorchs_products_in_pytorchs_orientation(layout, frozen):
     """The backward's matrix products are addmm's own (mm_mat1_backward picks its orientation from how the
@@ -227,7 +231,7 @@ def test_linear_backward_runs_pytorchs_products_in_pytorchs_orientation(layout, 
     on any device."""
     traces = []
     for layer in linears():
-        x = torch.randn(13, 40) if layout == "row-major" else torch.randn(40, 13).t()
+        x = INPUTS[layout]()
         x.requires_grad_(frozen != "input")
         for name, p in layer.named_parameters():
             p.requires_grad_(name != frozen)
