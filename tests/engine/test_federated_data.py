@@ -11,6 +11,7 @@ from hetfl.data.base import Dataset, DatasetInfo, Split
 from hetfl.data.partition import Partition
 from hetfl.engine.data import FederatedData
 from tests.data.test_augment import reference_crop_flip
+from tests.helpers import SMALL_MNIST, needs_shared_data
 from tests.helpers.ops import VIEWS, OpCounter
 
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.5)
@@ -103,3 +104,15 @@ def test_on_cuda_images_are_prepared_and_batches_equal_the_cpus() -> None:
     draws = cpu.augment_draws(20, torch.Generator().manual_seed(2)).view(3, 5, 4)
     torch.testing.assert_close(gpu.batch_at(idx.cuda(), draws.cuda()).x.cpu(), cpu.batch_at(idx, draws).x,
                                rtol=1e-6, atol=1e-6)  # CUDA divides by 255 as a product with 1/255
+
+
+@needs_shared_data
+@pytest.mark.parametrize("executor", ["sequential", "vectorized", "flower"])
+def test_flower_nodes_keep_no_prepared_copy(monkeypatch, executor: str) -> None:
+    """Flower's nodes are a process each, several of which may share one GPU: each would hold its own copy."""
+    from hetfl import config
+    from hetfl.engine.experiment import Experiment
+
+    monkeypatch.setattr(FederatedData, "_room_for", lambda self, raw, padding: True)  # as on a roomy GPU
+    exp = Experiment(config.load(None, [*SMALL_MNIST, f"runtime.executor={executor}", "runtime.progress=false"]))
+    assert exp.data._prepared == (executor != "flower")

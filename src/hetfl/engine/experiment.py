@@ -151,7 +151,9 @@ class Experiment:
                               f"must be <= data.num_clients = {cfg.data.num_clients} (0 = all)")
         self.partition = build_partition(cfg, self.dataset)
         resources.check_plan(cfg, [len(idx) for idx in self.partition.train], vmap)
-        self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment)
+        # Flower's nodes are a process each, several of which may share a GPU: no prepared copy of the images each
+        prepared = False if cfg.runtime.executor == "flower" else None
+        self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment, prepared)
         info = self.dataset.info
         resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
         with torch.random.fork_rng(devices=[]):
