@@ -8,8 +8,9 @@ GPU time of a round). This measures, on one device, side by side, the same work 
 
 - ``vmap``: vmap over per-client weights, NCHW input, PyTorch's pooling (hetfl's step before session 14);
 - ``vmap_layout``: the same with hetfl's step since then: the batch stored sample-major and
-  ``hetfl.models.layers.MaxPool2d`` (no layout copies of the activations; the sample-major copy of the
-  input is made by the timed call here, as the executor's gather makes it);
+  ``hetfl.models.layers.MaxPool2d`` and ``Linear`` inside ``client_batching`` (no layout copies of the
+  activations, no scaled copy of the bias; the sample-major copy of the input is made by the timed call
+  here, as the executor's gather makes it);
 - ``vmap_cl``: the same with channels-last input;
 - ``unfold_bmm``: each convolution as im2col (``unfold``) and one batched matrix product over clients
   (``bmm``: k GEMMs in one kernel), the per-client weights kept;
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from hetfl.engine.vectorized import channels_last_for_vmap
-from hetfl.models.layers import MaxPool2d
+from hetfl.models.layers import Linear, MaxPool2d, client_batching
 
 KERNEL = 5
 
@@ -62,11 +63,12 @@ def encoder_unfold(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Te
     return torch.baddbmm(params["7.bias"][:, None], h, params["7.weight"].transpose(1, 2)).relu()
 
 
-def make_encoder(channels: int, size: int, pool: type[torch.nn.Module] = torch.nn.MaxPool2d) -> torch.nn.Sequential:
+def make_encoder(channels: int, size: int, pool: type[torch.nn.Module] = torch.nn.MaxPool2d,
+                 linear: type[torch.nn.Linear] = torch.nn.Linear) -> torch.nn.Sequential:
     flat = 64 * ((((size - 4) // 2) - 4) // 2) ** 2
     return torch.nn.Sequential(torch.nn.Conv2d(channels, 32, KERNEL), torch.nn.ReLU(), pool(2),
                                torch.nn.Conv2d(32, 64, KERNEL), torch.nn.ReLU(), pool(2),
-                               torch.nn.Flatten(), torch.nn.Linear(flat, 512), torch.nn.ReLU())
+                               torch.nn.Flatten(), linear(flat, 512), torch.nn.ReLU())
 
 
 def sample_major(x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +83,14 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
         return functional_call(model, params, (x,)).square().mean()
 
     per_client = vmap(grad(one))
-    layout_model = make_encoder(3, 32, MaxPool2d).to(next(model.parameters()).device)
+    layout_model = make_encoder(3, 32, MaxPool2d, Linear).to(next(model.parameters()).device)
 
     def one_in_place(params: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(layout_model, params, (x,)).square().mean()
 
-    in_place = vmap(grad(one_in_place))
+    def in_place(params: dict, x: torch.Tensor) -> dict:
+        with client_batching():  # hetfl's layers take their batching rules only inside (as in the executor)
+            return vmap(grad(one_in_place))(params, sample_major(x))
 
     def unfold(params: dict, x: torch.Tensor) -> dict:
         return grad(lambda p: encoder_unfold(p, x).square().mean(dim=(1, 2)).sum())(params)
@@ -97,7 +101,7 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
 
     compiled = torch.compile(per_client, dynamic=False)
     # the compiled variant last: its first call compiles (tens of seconds), so a time limit cuts it, not the others
-    return {"vmap": per_client, "vmap_layout": lambda p, x: in_place(p, sample_major(x)),
+    return {"vmap": per_client, "vmap_layout": in_place,
             "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)),
             "unfold_bmm": unfold, "ceiling": ceiling, "vmap_compiled": compiled}
 
