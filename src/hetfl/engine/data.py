@@ -98,13 +98,11 @@ class FederatedData:
         if prepared is None:
             prepared = raw.dtype == torch.uint8 and self._room_for(raw, p)
         self._prepared = prepared and raw.dtype == torch.uint8
-        source = F.pad(raw, (p, p, p, p)) if p else raw
-        if self._prepared:
-            source = self.prepare(source)
-        elif p:
-            self.train_x = source[..., p:-p, p:-p]
-        self._source = source
-        self._interior = source[..., p:-p, p:-p] if p else source
+        padded = F.pad(raw, (p, p, p, p)) if p else raw
+        self._source = self.prepare(padded) if self._prepared else padded
+        self._interior = self._source[..., p:-p, p:-p] if p else self._source
+        if p and not self._prepared:
+            self.train_x = self._interior  # the padded images' interior: the raw images, not a second copy
 
     def _room_for(self, raw: torch.Tensor, padding: int) -> bool:
         """Whether normalised float copies of ``raw``'s images, padded by ``padding``, fit in
