@@ -7,9 +7,12 @@
     trains clients one at a time: see ``vmap_cpu_profile.py``), and (c') the same
     with the clients vmapped anyway (``runtime.vmap_on_cpu``; only on a CPU);
     On CUDA, (c) also runs with its steps captured as CUDA graphs (``runtime.cuda_graph``:
-    "graph"), with that in bfloat16 autocast ("graph_bf16"), and that with image batches
-    laid out channels-last (``runtime.channels_last = true``: "graph_bf16_cl");
-    c/a, c/b and c/d use the fastest of the vectorised variants.
+    "graph"), with that in bfloat16 autocast ("graph_bf16"), each of those with one ordinary
+    convolution per client instead of a grouped one (``runtime.conv_batching = "per_client"``:
+    "graph_pc", "graph_bf16_pc"), and, with ``--variants``, bf16 with image batches laid out
+    channels-last (``runtime.channels_last = true``: "graph_bf16_cl"); on a CPU (c') also runs
+    with per-client convolutions ("vmap_pc"). c/a, c/b and c/d use the fastest of the vectorised
+    variants.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation); on CUDA also
     (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
@@ -143,6 +146,9 @@ def main() -> None:
     parser.add_argument("--augment", default="none", choices=("none", "auto", "crop_flip", "flip"),
                         help="hetfl's data.augment (the peer loop never augments: none compares like with like)")
     parser.add_argument("--no-graph", action="store_true", help="on CUDA, skip the CUDA-graph variants")
+    parser.add_argument("--variants", nargs="+", choices=[*GRAPH_VARIANTS, *CPU_VARIANTS], default=None,
+                        help="the CUDA-graph variants (CUDA) or vmapped variants (CPU) to run besides "
+                             "sequential and vectorized (default: all but graph_bf16_cl)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,12 +165,10 @@ def main() -> None:
                 res = {}
                 variants = {"sequential": ["runtime.executor=sequential"],
                             "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"]}
-                if device == "cpu":
-                    variants["vmap"] = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
-                elif not args.no_graph:
-                    variants["graph"] = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
-                    variants["graph_bf16"] = [*variants["graph"], "train.precision=bf16"]
-                    variants["graph_bf16_cl"] = [*variants["graph_bf16"], "runtime.channels_last=true"]
+                extra = CPU_VARIANTS if device == "cpu" else {} if args.no_graph else GRAPH_VARIANTS
+                for name, keys in extra.items():
+                    if name in (args.variants or [v for v in extra if v != "graph_bf16_cl"]):
+                        variants[name] = keys
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
                     res[name] = hetfl_round(exp)
@@ -232,10 +236,18 @@ def render(entries: list[dict], device: str) -> str:
 
 COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c) vectorized",
            "vmap": "(c') vmap on CPU", "graph": "(c) + CUDA graph", "graph_bf16": "(c) + graph, bf16",
-           "graph_bf16_cl": "(c) + graph, bf16, channels-last", "ceiling": "(d) ceiling",
-           "ceiling_bf16": "(d') ceiling, bf16"}
+           "graph_bf16_cl": "(c) + graph, bf16, channels-last", "graph_pc": "(c) + graph, per-client convs",
+           "graph_bf16_pc": "(c) + graph, bf16, per-client convs", "vmap_pc": "(c') vmap, per-client convs",
+           "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
-VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl")
+VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc")
+_GRAPH = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
+_PER_CLIENT = "runtime.conv_batching=per_client"
+GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16"],
+                  "graph_pc": [*_GRAPH, _PER_CLIENT], "graph_bf16_pc": [*_GRAPH, "train.precision=bf16", _PER_CLIENT],
+                  "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"]}
+_VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
+CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT]}
 
 
 if __name__ == "__main__":

@@ -111,6 +111,11 @@ class RuntimeConfig:
     channels_last: bool = setting(
         False, doc="vectorized on CUDA: image batches laid out channels-last for cuDNN (the same values; off: "
                    "measured 7-15% slower on an H100 with cnn2, benchmarks/results/throughput_cuda.md)")
+    conv_batching: str = setting(
+        "grouped", choices=("grouped", "per_client"),
+        doc="vectorized: how vmap runs a convolution of per-client weights: one grouped convolution (PyTorch's "
+            "rule), or one ordinary convolution per client (the kernels of a sequential step; "
+            "benchmarks/throughput.py measures which is faster on a device)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")

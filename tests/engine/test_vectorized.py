@@ -91,6 +91,51 @@ def test_augmented_clients_see_the_same_images_as_in_the_sequential_executor(aug
     compare_one_round(exp, rounds_before=0, step_mode="static")
 
 
+@needs_shared_data
+@pytest.mark.parametrize(("model", "training"), [
+    ("cnn2", ["data.augment=crop_flip", "train.local_epochs=2"]),
+    pytest.param("resnet18", ["model.options={norm = \"gn\"}", "train.local_steps=2"], marks=pytest.mark.slow)])
+def test_per_client_convolutions_give_the_sequential_clients(model, training):
+    """runtime.conv_batching = "per_client": the clients' batches gathered client-major, each client's
+    convolutions its own (cnn2 with crops and flips over two epochs; ResNet-18's strided and 1x1
+    convolutions with GroupNorm, over two steps: see test_images_with_batchnorm_groupnorm_and_no_norm),
+    eager and as the static steps a CUDA graph captures."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.num_clients=4", "data.samples_per_client=40", f"model.name={model}", *training,
+        "train.batch_size=16", "train.lr=0.01", "train.momentum=0.9",
+        "runtime.progress=false", "runtime.conv_batching=per_client",
+    ]))
+    compare_one_round(exp, rounds_before=0, step_mode=("eager", "static"))
+
+
+@needs_shared_data
+def test_per_client_convolutions_read_each_clients_batch_as_one_contiguous_block(tmp_path, monkeypatch):
+    """The run's setting reaches the vectorised step: its batch is client-major and contiguous (no layout
+    copy before a client's convolution), and the convolutions are hetfl's per-client ones."""
+    from hetfl.engine.vectorized import VectorizedGroup
+    from hetfl.models import layers
+
+    seen, convs = [], []
+    original = VectorizedGroup.vmapped_gradients
+
+    def record(self, stage, state, batch, *rest):  # type: ignore[no-untyped-def]
+        seen.append((batch.x.is_contiguous(), batch.x.shape[:2], batch.y.is_contiguous()))
+        return original(self, stage, state, batch, *rest)
+
+    monkeypatch.setattr(VectorizedGroup, "vmapped_gradients", record)
+    apply = layers._Conv2d.apply
+    monkeypatch.setattr(layers._Conv2d, "apply", lambda *a: (convs.append(1), apply(*a))[1])
+    Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.num_clients=3", "data.samples_per_client=32", "model.name=cnn2", "train.batch_size=16",
+        "train.rounds=1", "train.local_steps=2", "runtime.progress=false", "runtime.executor=vectorized",
+        "runtime.vmap_on_cpu=true", "runtime.conv_batching=per_client",
+    ])).run(tmp_path / "run")
+    assert seen and all(x and y for x, _, y in seen) and seen[0][1] == (3, 16)
+    assert convs
+
+
 def test_runs_with_either_executor_give_the_same_metrics(tmp_path):
     """(FedBR's min-max local game over hundreds of steps amplifies float32 rounding:
     there the two executors agree to ~1e-2 in loss after 500 steps, as two sequential

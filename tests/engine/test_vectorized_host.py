@@ -245,12 +245,14 @@ class Clones(OpCounter):
 
 
 @needs_shared_data
+@pytest.mark.parametrize("conv", ["grouped", "per_client"])
 @pytest.mark.parametrize("model", ["cnn2", "simple_cnn"])
-def test_a_vmapped_step_of_a_pooling_cnn_copies_no_image_or_activation(monkeypatch, model):
-    """The batch is gathered sample-major, the layout in which a vmapped convolution reads it, and the
-    pooling keeps the layout a convolution leaves (hetfl.models.layers.MaxPool2d): no step copies an
-    image batch or a convolution's activation into another layout. The largest copy is the flattened
-    features the first linear layer reads client-major (a vector per sample)."""
+def test_a_vmapped_step_of_a_pooling_cnn_copies_no_image_or_activation(monkeypatch, model, conv):
+    """The batch is gathered in the layout a vmapped convolution reads (sample-major for a grouped
+    convolution, client-major for per-client ones), and the pooling keeps the layout a convolution leaves
+    (hetfl.models.layers.MaxPool2d): no step copies an image batch or a convolution's activation into
+    another layout. The largest copy is the flattened features the first linear layer reads client-major (a
+    vector per sample); per-client convolutions stack their outputs (a concatenation, not a layout copy)."""
     counter, per_sample = Clones(), []
     original = VectorizedGroup.body
 
@@ -275,11 +277,13 @@ def test_a_vmapped_step_of_a_pooling_cnn_copies_no_image_or_activation(monkeypat
         "data.samples_per_client=48", "data.num_clients=3", f"model.name={model}", "data.augment=crop_flip",
         "train.batch_size=16", "train.local_steps=3", "runtime.device=cpu", "runtime.progress=false"]))
     train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
-                             seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static")
+                             seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static", conv_batching=conv)
     assert per_sample and counter.ops["aten.convolution"] > 0
-    # the batch [clients, samples, C, H, W] lies sample-major in memory (with MNIST's one channel a client-major
-    # batch would be read without a copy too; with three it would not)
-    assert all(x.transpose(0, 1).is_contiguous() for x in inputs if x.shape[0] > 1) and len(inputs) > 1
+    # the batch [clients, samples, C, H, W] lies sample-major in memory for a grouped convolution (with MNIST's
+    # one channel a client-major batch would be read without a copy too; with three it would not), client-major
+    # for per-client ones
+    layout = (lambda x: x.transpose(0, 1).is_contiguous()) if conv == "grouped" else (lambda x: x.is_contiguous())
+    assert all(layout(x) for x in inputs if x.shape[0] > 1) and len(inputs) > 1
     features = next(m for m in exp.algorithm.model.module.modules() if isinstance(m, torch.nn.Linear)).in_features
-    largest = max(c[2] for c in counter.clones)
+    largest = max((c[2] for c in counter.clones), default=0)
     assert largest <= 4 * features * 3 * 16, counter.clones  # a step: 3 clients x 16 samples

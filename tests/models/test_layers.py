@@ -1,5 +1,5 @@
-"""hetfl.models.layers: nn.MaxPool2d's and nn.Linear's values and gradients, bit for bit, with fewer copies and
-kernels under vmap (inside client_batching, where the vectorised executor runs its steps)."""
+"""hetfl.models.layers: nn.MaxPool2d's, nn.Linear's and nn.Conv2d's values and gradients, bit for bit, with fewer
+copies and kernels under vmap (inside client_batching, where the vectorised executor runs its steps)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 from hetfl.models import layers
-from hetfl.models.layers import Linear, MaxPool2d, _foldable, client_batching
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d, _foldable, client_batching
 from tests.helpers.ops import VIEWS, OpCounter
 
 SETTINGS = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, ceil_mode=True),
@@ -363,3 +363,173 @@ def test_client_batching_belongs_to_its_thread():
         thread.start()
         thread.join()
     assert seen == [False]
+
+
+# ---------------------------------------------------------------- Conv2d: one ordinary convolution per client
+CONVS = [dict(in_channels=4, out_channels=6, kernel_size=3),
+         dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, bias=False),
+         dict(in_channels=4, out_channels=6, kernel_size=(3, 2), stride=(1, 2), padding=(2, 0), dilation=(2, 1)),
+         dict(in_channels=4, out_channels=8, kernel_size=3, padding=1, groups=2),
+         dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4, bias=False)]
+CONV_IDS = ["k3", "s2p1-nobias", "k3x2-dilated", "groups2", "depthwise"]
+
+
+def conv_pair(settings: dict) -> tuple[nn.Conv2d, Conv2d]:
+    torch.manual_seed(5)
+    reference = nn.Conv2d(**settings)
+    ours = Conv2d(**settings)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def conv_loss(layer: nn.Module):
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, params, (x,)).sin().sum()
+
+    return loss
+
+
+def client_convs(layer: nn.Module, clients: int = 3) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    params = {n: torch.randn(clients, *p.shape, generator=g) for n, p in layer.named_parameters()}
+    return params, torch.randn(clients, 5, layer.in_channels, 9, 8, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("settings", CONVS, ids=CONV_IDS)
+def test_per_client_conv_values_and_gradients_are_nn_conv2ds_bit_for_bit(settings, dtype):
+    """Unbatched (a client's own step): the kernels of nn.Conv2d, so its values and gradients, under autocast
+    too."""
+    reference, ours = conv_pair(settings)
+    x = torch.randn(5, 4, 9, 8)
+    with client_batching("per_client"):
+        got = forward_backward(ours, x, dtype)
+    for a, b in zip(got, forward_backward(reference, x, dtype), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("settings", CONVS, ids=CONV_IDS)
+def test_per_client_convs_under_vmap_give_each_client_its_own_steps_gradients_bit_for_bit(settings):
+    """The point of "per_client": each client's gradients are those of its own sequential step, bit for bit
+    (a grouped convolution sums in another order), and equal PyTorch's grouped rule to rounding."""
+    reference, ours = conv_pair(settings)
+    params, x = client_convs(reference)
+    with client_batching("per_client"):
+        got = vmap(grad(conv_loss(ours), argnums=(0, 1)))(params, x)
+    for c in range(x.shape[0]):
+        own = grad(conv_loss(reference), argnums=(0, 1))({n: t[c] for n, t in params.items()}, x[c])
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(own), strict=True):
+            assert torch.equal(a[c], b)
+    grouped = vmap(grad(conv_loss(reference), argnums=(0, 1)))(params, x)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(grouped), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # gradients of order 10: float32 rounding
+
+
+@pytest.mark.parametrize(("weight", "bias", "x"), [(None, None, 0), (0, 0, None), (0, None, 0), (None, 0, 0)],
+                         ids=["shared-layer", "shared-input", "own-weight-shared-bias", "shared-weight-own-bias"])
+def test_per_client_convs_where_some_tensors_are_shared_by_the_clients(weight, bias, x):
+    """A layer every client shares (a global model in the payload), an input every client shares, one
+    parameter per client and the other shared: each client's gradients of every tensor, as PyTorch's rule
+    gives them."""
+    reference, ours = conv_pair(CONVS[0])
+    params, inputs = client_convs(reference)
+    params = {"weight": params["weight"] if weight == 0 else params["weight"][0],
+              "bias": params["bias"] if bias == 0 else params["bias"][0]}
+    inputs = inputs if x == 0 else inputs[0]
+    in_dims = ({"weight": weight, "bias": bias}, x)
+    want = vmap(grad(conv_loss(reference), argnums=(0, 1)), in_dims=in_dims)(params, inputs)
+    with client_batching("per_client"):
+        got = vmap(grad(conv_loss(ours), argnums=(0, 1)), in_dims=in_dims)(params, inputs)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_second_derivatives_through_per_client_convs_are_pytorchs():
+    """Differentiating the convolution's backward again (a gradient penalty, a Hessian-vector product), per
+    client: PyTorch's double-backward formula; and exact in float64 (gradgradcheck)."""
+    reference, ours = conv_pair(CONVS[3])
+    params, x = client_convs(reference)
+
+    def penalty(layer):
+        def f(params, x):
+            return grad(lambda x: conv_loss(layer)(params, x))(x).square().sum()
+        return f
+
+    want = vmap(grad(penalty(reference)))(params, x)
+    with client_batching("per_client"):
+        got = vmap(grad(penalty(ours)))(params, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    x64 = torch.randn(2, 4, 7, 6, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    b64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    settings = ([2, 1], [1, 0], [1, 1], 2)
+    conv = lambda x, w, b: layers._Conv2d.apply(x, w, b, settings)
+    assert torch.autograd.gradgradcheck(conv, (x64, w64, b64))
+
+
+class Convolutions(OpCounter):
+    """Also the ``groups`` of each convolution, forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name == "aten.convolution":
+            self.groups.append((name, args[8]))
+        elif name == "aten.convolution_backward":
+            self.groups.append((name, args[9]))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("mode", ["grouped", "per_client"])
+def test_the_conv_batching_mode_picks_one_grouped_or_one_ordinary_convolution_per_client(mode):
+    reference, ours = conv_pair(CONVS[3])  # groups = 2
+    params, x = client_convs(reference, clients=3)
+    with client_batching(mode), Convolutions() as counter:
+        vmap(grad(conv_loss(ours)))(params, x)
+    if mode == "grouped":
+        assert counter.groups == [("aten.convolution", 6), ("aten.convolution_backward", 6)]
+    else:
+        assert counter.groups == [("aten.convolution", 2)] * 3 + [("aten.convolution_backward", 2)] * 3
+
+
+def test_convs_with_padding_by_name_or_not_zeros_are_pytorchs_own(monkeypatch):
+    calls: list[int] = []
+    original = layers._Conv2d.apply
+    monkeypatch.setattr(layers._Conv2d, "apply", lambda *a: (calls.append(1), original(*a))[1])
+    x = torch.randn(2, 4, 9, 8)
+    with client_batching("per_client"):
+        for settings in (dict(padding="same"), dict(padding=1, padding_mode="reflect")):
+            reference, ours = conv_pair({**CONVS[0], **settings})
+            assert torch.equal(ours(x), reference(x))
+        assert not calls
+        conv_pair(CONVS[0])[1](x)
+    assert calls == [1]
+
+
+def test_conv_batching_outside_per_client_mode_is_pytorchs_own_conv(monkeypatch):
+    """In the grouped mode, and outside client_batching, no Function runs: nn.Conv2d's forward as it is."""
+    calls: list[int] = []
+    original = layers._Conv2d.apply
+    monkeypatch.setattr(layers._Conv2d, "apply", lambda *a: (calls.append(1), original(*a))[1])
+    reference, ours = conv_pair(CONVS[0])
+    params, x = client_convs(reference)
+    with client_batching("grouped"):
+        vmap(grad(conv_loss(ours)))(params, x)
+        assert not calls
+        with client_batching("per_client"):
+            vmap(grad(conv_loss(ours)))(params, x)
+        assert len(calls) == 1 + 3  # the batched call, then one per client
+        vmap(grad(conv_loss(ours)))(params, x)  # the outer mode is back
+    ours(x[0])
+    assert len(calls) == 4
+
+
+def test_an_unknown_conv_batching_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"conv = 'loop': must be one of \('grouped', 'per_client'\)"), \
+            client_batching("loop"):
+        pass

@@ -585,7 +585,8 @@ class Experiment:
                                                step_mode="graph" if graph else "eager",
                                                log=lambda message: self.note(message, reporter),
                                                memo=self.chunk_sizes, cache=self.vectorized_cache,
-                                               channels_last=cfg.runtime.channels_last and on_cuda)
+                                               channels_last=cfg.runtime.channels_last and on_cuda,
+                                               conv_batching=cfg.runtime.conv_batching)
             for _ in results:
                 reporter.client_done()
             return results

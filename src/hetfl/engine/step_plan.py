@@ -65,9 +65,12 @@ class Call:
     stacked states; None: rows ``start..start+width-1`` at every step, which a step
     reads and writes as views, without gathering), ``idx``
     ``[steps, size, width]`` (indices into the training set, sample-major: a step's
-    batch is gathered in the layout a vmapped convolution reads), ``augment``
-    ``[steps, 3, size, width]`` (where the crops start, or None) and ``draws``
-    (each ``[steps, width, ...]``: the stage's per-step random numbers).
+    batch is gathered in the layout a grouped convolution reads; client-major,
+    ``[steps, width, size]``, in a plan made with ``client_major``: each client's
+    batch one block, as its own convolutions read it), ``augment``
+    ``[steps, 3, size, width]`` (where the crops start, or None; ``[steps, 3, width,
+    size]`` client-major) and ``draws`` (each ``[steps, width, ...]``: the stage's
+    per-step random numbers).
     """
 
     first: bool
@@ -199,9 +202,11 @@ def plan_round(
     global_indices: Callable[[int, torch.Tensor], torch.Tensor],
     device: torch.device,
     block_steps: int = BLOCK_STEPS,
+    client_major: bool = False,
 ) -> list[StagePlan]:
     """Every stage's calls for the clients ``clients`` (rows ``0..k-1``; ``sizes``: their sample counts),
-    drawn from their generators in the sequential executor's order and moved to ``device`` at once."""
+    drawn from their generators in the sequential executor's order and moved to ``device`` at once;
+    the batches' indices laid out client-major with ``client_major`` (:class:`Call`)."""
     k = len(clients)
     packer = _Packer()
     layouts = []
@@ -211,7 +216,7 @@ def plan_round(
             schedule = batch_schedule(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, batch_gens[r])
             rows.append(_row(schedule, global_indices(clients[r], torch.cat(schedule)) if schedule else None,
                              batch_size, stage, stage_augment(schedule, augment_gens[r]), draw_gens[r]))
-        layouts.append(_layout(rows, k, batch_size, block_steps, packer))
+        layouts.append(_layout(rows, k, batch_size, block_steps, packer, client_major))
     view = packer.to(device)
     return [StagePlan([_device_call(c, view) for c in calls], steps) for calls, steps in layouts]
 
@@ -257,7 +262,7 @@ class _HostCall:
     packed: dict[str, int] = field(default_factory=dict)
 
 
-def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer: _Packer):
+def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer: _Packer, client_major: bool):
     """The calls of one stage (see the module docstring), packed into ``packer``."""
     pos = [0] * k
     calls: list[_HostCall] = []
@@ -305,14 +310,15 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
             break
         singles(waiting, first=False)
     for call in calls:
-        _pack(call, k, packer)
+        _pack(call, k, packer, client_major)
     return calls, pos
 
 
-def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
+def _pack(call: _HostCall, k: int, packer: _Packer, client_major: bool) -> None:
     """The call's rows, indices, augmentation and draws as step-major tensors, padded to its width
     with the scratch row ``k`` (sample 0, zero offsets, zero draws). A block's member takes its
-    full batches ``first .. first + taken - 1`` in its column, one slice each."""
+    full batches ``first .. first + taken - 1`` in its column, one slice each; ``client_major``: the
+    indices and augmentation stored with the column before the sample (:class:`Call`)."""
     steps, width, size = call.steps, call.width, call.size
     rows = torch.full((steps, width), k, dtype=torch.long)
     idx = torch.zeros(steps, size, width, dtype=torch.long)
@@ -335,6 +341,9 @@ def _pack(call: _HostCall, k: int, packer: _Packer) -> None:
             augment[:taken, :, :, col] = row.full_augment[a:z]  # type: ignore[index]
         for n, d in row.full_draws.items():
             draws[n][:taken, col] = d[a:z]
+    if client_major:  # the host copies once here, so that no step copies (or gathers by) a transposed index
+        idx = idx.transpose(1, 2).contiguous()
+        augment = None if augment is None else augment.transpose(2, 3).contiguous()
     if call.start is None:
         call.packed["rows"] = packer.add(rows)
     call.packed["idx"] = packer.add(idx)

@@ -46,7 +46,7 @@ from hetfl.engine import step_plan
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, functional_grad, run_stages, step_gradients
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
-from hetfl.models.layers import client_batching
+from hetfl.models.layers import CONV_BATCHING, client_batching
 from hetfl.optim import sgd_init, sgd_update_
 from hetfl.rng import torch_generator
 
@@ -224,6 +224,12 @@ def channels_last_for_vmap(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
 
 
+def client_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """Images ``[clients, batch, C, H, W]`` with each client's ``[batch, C, H, W]`` stored channels-last
+    (what per-client convolutions read in cuDNN's preferred layout); the same logical tensor."""
+    return x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+
+
 class VectorizedGroup:
     """Clients with one stage structure and tensor shapes, trained together.
 
@@ -247,16 +253,21 @@ class VectorizedGroup:
         self, plans: list[ClientPlan], data: FederatedData, *, seed: int, batch_size: int, drop_last: bool,
         max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32", step_mode: str = "eager",
         log: Log | None = None, cache: VectorizedCache | None = None, block_steps: int | None = None,
-        channels_last: bool = False,
+        channels_last: bool = False, conv_batching: str = "grouped",
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
         if step_mode == "graph" and data.device.type != "cuda":
             raise ValueError(f"step_mode = 'graph' needs a CUDA device, not {data.device}")
+        if conv_batching not in CONV_BATCHING:
+            raise ValueError(f"conv_batching = {conv_batching!r}: must be one of {CONV_BATCHING}")
         self.plans, self.data, self.model_buffers, self.precision = plans, data, buffers, precision
         self.batch_size, self.drop_last, self.max_grad_norm = batch_size, drop_last, max_grad_norm
         self.step_mode, self.log = step_mode, log
         self.channels_last = channels_last and len(data.info.input_shape) == 3
+        # per-client convolutions read each client's batch as one contiguous block: batches gathered
+        # client-major; grouped ones read [samples, clients x channels, H, W]: sample-major
+        self.conv_batching, self.client_major = conv_batching, conv_batching == "per_client"
         self.block_steps = step_plan.BLOCK_STEPS if block_steps is None else block_steps
         ctxs = [p.ctx for p in plans]
         self.clients = [c.client_id for c in ctxs]
@@ -291,7 +302,8 @@ class VectorizedGroup:
             [self.data.client_sizes[c] for c in self.clients], batch_size=self.batch_size,
             drop_last=self.drop_last, batch_gens=self.batch_gens, augment_gens=self.augment_gens,
             draw_gens=self.draw_gens, stage_augment=self.data.stage_augment,
-            global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps)
+            global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps,
+            client_major=self.client_major)
 
     # ---------------------------------------------------------------- one step
     def vmapped_gradients(
@@ -309,7 +321,7 @@ class VectorizedGroup:
                                   buffers=model_buffers, precision=precision)
 
         in_dims = (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
-        with client_batching():  # hetfl's layers batch the clients without layout copies or extra kernels
+        with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
             return vmap(one, in_dims=in_dims, randomness="error")(
                 state, batch.x, batch.y, batch.draws, payload, cstate, extras)
 
@@ -317,16 +329,24 @@ class VectorizedGroup:
              augment: torch.Tensor | None, draws: Tensors, start: int = 0) -> None:
         """One step of ``stage`` (the ``index``-th) for the rows ``rows`` (``[width]``; None: the ``width``
         rows from ``start``) on the samples ``idx`` (``[size, width]``, sample-major; ``augment``
-        ``[3, size, width]``): the adversary's step (if any), then the stage's, written into the group's
-        buffers in place."""
+        ``[3, size, width]``; client-major, ``[width, size]`` and ``[3, width, size]``, with per-client
+        convolutions): the adversary's step (if any), then the stage's, written into the group's buffers in
+        place."""
         b = self.buffers
-        width = idx.shape[1]
-        # gathered sample-major ([size, width, ...] in memory, seen as [width, size, ...]): a vmapped convolution
-        # of per-client weights reads its input as [samples, clients x channels, H, W], a view of this layout
-        # (a client-major batch is copied into it, forward and backward)
-        sample_major = self.data.batch_at(idx, augment)
-        x = sample_major.x.transpose(0, 1)
-        batch = Batch(channels_last_for_vmap(x) if self.channels_last else x, sample_major.y.t(), draws)
+        if self.client_major:  # idx [width, size]: each client's batch contiguous, as its own convolutions read it
+            width = idx.shape[0]
+            gathered = self.data.batch_at(idx, augment)
+            x, y = gathered.x, gathered.y
+        else:
+            width = idx.shape[1]
+            # gathered sample-major ([size, width, ...] in memory, seen as [width, size, ...]): a grouped
+            # convolution of per-client weights reads its input as [samples, clients x channels, H, W], a view
+            # of this layout (a client-major batch is copied into it, forward and backward)
+            sample_major = self.data.batch_at(idx, augment)
+            x, y = sample_major.x.transpose(0, 1), sample_major.y.t()
+        if self.channels_last:
+            x = client_channels_last(x) if self.client_major else channels_last_for_vmap(x)
+        batch = Batch(x, y, draws)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[start : start + width] if rows is None else t.index_select(0, rows)
@@ -673,6 +693,7 @@ def train_clients_vectorized(
     memo: dict[Any, int] | None = None,
     cache: VectorizedCache | None = None,
     channels_last: bool = False,
+    conv_batching: str = "grouped",
 ) -> list[LocalResult]:
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
@@ -681,7 +702,8 @@ def train_clients_vectorized(
     is retried in halves. Any chunking gives the same results. ``memo`` (kept by the
     caller across rounds) remembers the chunk size found for each group structure.
     ``step_mode``: see :class:`VectorizedGroup`; ``cache`` (kept by the caller) keeps the
-    compiled calls (CUDA graphs) and their buffers for the next rounds.
+    compiled calls (CUDA graphs) and their buffers for the next rounds; ``conv_batching``: how
+    convolutions of per-client weights are batched (:mod:`hetfl.models.layers`).
     """
     plans = []
     for ctx in ctxs:
@@ -713,7 +735,8 @@ def train_clients_vectorized(
             chunk = members[start : start + size]
             try:
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
-                                      cache=cache, channels_last=channels_last, **settings).run()
+                                      cache=cache, channels_last=channels_last, conv_batching=conv_batching,
+                                      **settings).run()
             except torch.cuda.OutOfMemoryError:
                 if cache is not None:  # free what this chunk size kept: a smaller one is tried next
                     cache.drop(len(chunk))

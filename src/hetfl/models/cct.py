@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetfl.models.base import FLModel, ModelError, check_positive_int, conv_out, image_shape
-from hetfl.models.layers import Linear, MaxPool2d
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d
 
 TOKENIZER_WIDTH = 64  # channels between tokenizer convs (the reference's in_planes)
 
@@ -141,7 +141,7 @@ class CCTEncoder(nn.Module):
         stride, padding = max(1, kernel_size // 2 - 1), max(1, kernel_size // 2)
         convs: list[nn.Module] = []
         for cin, cout in itertools.pairwise(widths):
-            conv = nn.Conv2d(cin, cout, kernel_size, stride=stride, padding=padding, bias=False)
+            conv = Conv2d(cin, cout, kernel_size, stride=stride, padding=padding, bias=False)
             nn.init.kaiming_normal_(conv.weight)
             convs += [conv, nn.ReLU(), MaxPool2d(3, stride=2, padding=1)]
         self.tokenizer = nn.Sequential(*convs)

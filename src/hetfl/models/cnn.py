@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_bool, check_choice, conv_out, image_shape
-from hetfl.models.layers import Linear, MaxPool2d
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d
 
 
 def _conv_pool_size(name: str, input_shape: tuple[int, int, int], padding: int) -> int:
@@ -35,8 +35,8 @@ class SimpleCNN(FLModel):
         c, h, w = image_shape("simple_cnn", input_shape)
         flat = 16 * _conv_pool_size("simple_cnn", (c, h, w), 0)
         encoder = nn.Sequential(
-            nn.Conv2d(c, 6, 5), nn.ReLU(), MaxPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.ReLU(), MaxPool2d(2),
+            Conv2d(c, 6, 5), nn.ReLU(), MaxPool2d(2),
+            Conv2d(6, 16, 5), nn.ReLU(), MaxPool2d(2),
             nn.Flatten(),
             Linear(flat, 120), nn.ReLU(),
             Linear(120, 84), nn.ReLU(),
@@ -64,8 +64,8 @@ class CNN2(FLModel):
         check_choice("padding", padding, (0, 2))
         flat = 64 * _conv_pool_size("cnn2", (c, h, w), padding)
         encoder = nn.Sequential(
-            nn.Conv2d(c, 32, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
+            Conv2d(c, 32, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
+            Conv2d(32, 64, 5, padding=padding), nn.ReLU(), MaxPool2d(2),
             nn.Flatten(),
             Linear(flat, 512), nn.ReLU(),
         )  # fmt: skip

@@ -22,6 +22,17 @@ formulas autograd uses for it, so its values and gradients are ``nn.Linear``'s b
 Both take these paths only inside :func:`client_batching` (the vectorised executor's vmapped step):
 elsewhere they are PyTorch's modules as they are, without an ``autograd.Function``'s Python cost per
 call (a sequential step on a GPU is bound by that host time).
+
+:class:`Conv2d` is ``nn.Conv2d`` with a choice of how per-client weights are batched
+(``client_batching(conv=...)``, the config key ``runtime.conv_batching``): ``"grouped"`` is PyTorch's own
+rule (one grouped convolution, ``groups = clients``); ``"per_client"`` runs one ordinary convolution per
+client, forward and backward, on client-major activations ``[clients, samples, C, H, W]`` (each client's
+slice contiguous), then stacks the results. Grouped convolutions are known to run far below the speed of
+ordinary ones in cuDNN (pytorch/pytorch#70954, #73764; functorch#365), and a CUDA graph makes the extra
+launches of a loop cheap; which is faster on a given device is measured by ``benchmarks/throughput.py``
+and ``benchmarks/conv_kernels.py``. ``"per_client"`` runs the very kernels of a sequential step on the
+same shapes, so each convolution's values and gradients are a sequential step's bit for bit (the rest of
+a vmapped step, its batched products and reductions, still rounds in its own order).
 """
 
 from __future__ import annotations
@@ -38,20 +49,43 @@ from torch import nn
 _state = threading.local()
 
 
+#: how :class:`Conv2d` batches per-client weights inside :func:`client_batching` (module docstring)
+CONV_BATCHING = ("grouped", "per_client")
+
+
 @contextlib.contextmanager
-def client_batching() -> Iterator[None]:
+def client_batching(conv: str = "grouped") -> Iterator[None]:
     """Inside (in this thread): :class:`MaxPool2d` and :class:`Linear` use their batching rules, for a
-    ``vmap`` over clients (module docstring)."""
-    depth = getattr(_state, "depth", 0)
-    _state.depth = depth + 1
+    ``vmap`` over clients, and :class:`Conv2d` batches per-client weights as ``conv`` says (one of
+    :data:`CONV_BATCHING`; module docstring)."""
+    if conv not in CONV_BATCHING:
+        raise ValueError(f"conv = {conv!r}: must be one of {CONV_BATCHING}")
+    depth, before = getattr(_state, "depth", 0), getattr(_state, "conv", "grouped")
+    _state.depth, _state.conv = depth + 1, conv
     try:
         yield
     finally:
-        _state.depth = depth
+        _state.depth, _state.conv = depth, before
 
 
 def _client_batching() -> bool:
     return getattr(_state, "depth", 0) > 0
+
+
+def _per_client_convolutions() -> bool:
+    return _client_batching() and _state.conv == "per_client"
+
+
+def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` as autocast casts a lower-precision op's inputs (float32 and half to its dtype; float64
+    and non-floats left alone), cast outside an ``autograd.Function`` so that their gradients are cast
+    back; unchanged where autocast is off."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
 
 
 def _foldable(t: torch.Tensor, dim: int) -> bool:
@@ -214,9 +248,108 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _client_batching() or self.bias is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        device = x.device.type
-        if not torch.is_autocast_enabled(device):
-            return _Linear.apply(x, self.weight, self.bias)
-        dtype = torch.get_autocast_dtype(device)  # what autocast makes of float32 and half tensors (not float64)
-        return _Linear.apply(*(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-                               for t in (x, self.weight, self.bias)))
+        return _Linear.apply(*_autocast(x, self.weight, self.bias))
+
+
+class _Conv2d(torch.autograd.Function):
+    """``F.conv2d`` (zero padding given as numbers) whose batching rule runs one ordinary convolution per
+    client (:meth:`vmap`); its gradient is :class:`_Conv2dBackward`, batched the same way."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                settings: tuple[list[int], list[int], list[int], int]) -> torch.Tensor:
+        stride, padding, dilation, groups = settings
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, weight, bias, settings = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.settings, ctx.has_bias = settings, bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = (needs[0], needs[1], ctx.has_bias and needs[2])
+        grad_x, grad_weight, grad_bias = _Conv2dBackward.apply(grad, x, weight, ctx.settings, mask)
+        return grad_x, grad_weight, grad_bias, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             settings: tuple) -> tuple:
+        x_dim, weight_dim, bias_dim = in_dims[:3]
+        size = info.batch_size
+        if weight_dim is None and bias_dim is None:  # one layer for every client: their samples as one batch
+            out = _Conv2d.apply(x.movedim(x_dim, 0).flatten(0, 1), weight, bias, settings)
+            return out.unflatten(0, (size, -1)), 0
+        xs, weights = _batch_dim_at(x, x_dim, 0, size), _batch_dim_at(weight, weight_dim, 0, size)
+        biases = None if bias is None else _batch_dim_at(bias, bias_dim, 0, size)
+        return torch.stack([_Conv2d.apply(xs[c], weights[c], None if biases is None else biases[c], settings)
+                            for c in range(size)]), 0
+
+
+class _Conv2dBackward(torch.autograd.Function):
+    """The gradients of :class:`_Conv2d` (``aten.convolution_backward``: input, weight and bias, as
+    ``mask`` asks; None for the others), one ordinary call per client under ``vmap``; differentiable
+    again (``aten._convolution_double_backward``, batched by PyTorch's rule)."""
+
+    @staticmethod
+    def forward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                settings: tuple[list[int], list[int], list[int], int], mask: tuple[bool, bool, bool]) -> tuple:
+        stride, padding, dilation, groups = settings
+        return tuple(torch.ops.aten.convolution_backward(
+            grad, x, weight, [weight.shape[0]] if mask[2] else None, stride, padding, dilation, False, [0, 0],
+            groups, list(mask)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        grad, x, weight, settings, _ = inputs
+        ctx.save_for_backward(grad, x, weight)
+        ctx.settings = settings
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad_grad_x: torch.Tensor | None, grad_grad_weight: torch.Tensor | None,  # type: ignore[override]
+                 grad_grad_bias: torch.Tensor | None) -> tuple:
+        grad, x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.settings
+        needs = ctx.needs_input_grad
+        if not any(needs[:3]) or (grad_grad_x is None and grad_grad_weight is None and grad_grad_bias is None):
+            return None, None, None, None, None
+        # PyTorch's formula for convolution_backward's own derivative (derivatives.yaml): the gradients of
+        # (grad, input, weight)
+        of_grad, of_x, of_weight = torch.ops.aten._convolution_double_backward(
+            grad_grad_x, grad_grad_weight, grad_grad_bias, grad, weight, x, stride, padding, dilation, False,
+            [0, 0], groups, list(needs[:3]))
+        return of_grad, of_x, of_weight, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, settings: tuple,
+             mask: tuple[bool, bool, bool]) -> tuple:
+        size = info.batch_size
+        grad_dim, x_dim, weight_dim = in_dims[:3]
+        if weight_dim is None and not mask[1] and not mask[2]:  # a shared layer's input gradient: one call
+            flat = [_batch_dim_at(t, d, 0, size).flatten(0, 1) for t, d in ((grad, grad_dim), (x, x_dim))]
+            grad_x = _Conv2dBackward.apply(*flat, weight, settings, mask)[0]
+            return (grad_x.unflatten(0, (size, -1)), None, None), (0, None, None)
+        grads, xs, weights = (_batch_dim_at(t, d, 0, size) for t, d in ((grad, grad_dim), (x, x_dim),
+                                                                       (weight, weight_dim)))
+        per_client = [_Conv2dBackward.apply(grads[c], xs[c], weights[c], settings, mask) for c in range(size)]
+        outs = tuple(torch.stack([p[i] for p in per_client]) if mask[i] else None for i in range(3))
+        return outs, tuple(0 if mask[i] else None for i in range(3))
+
+
+class Conv2d(nn.Conv2d):
+    """``nn.Conv2d`` (same arguments, same results) whose per-client weights, inside
+    ``client_batching(conv="per_client")``, are batched as one ordinary convolution per client (module
+    docstring). Elsewhere, and for padding given by name or not zeros, or inputs other than a batch of
+    images, it is PyTorch's module as it is. Under autocast the inputs are cast as autocast casts them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _per_client_convolutions() or x.dim() != 4 or isinstance(self.padding, str) \
+                or self.padding_mode != "zeros":
+            return super().forward(x)
+        settings = (list(self.stride), list(self.padding), list(self.dilation), self.groups)
+        x, weight, bias = _autocast(x, self.weight, self.bias)
+        return _Conv2d.apply(x, weight, bias, settings)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from hetfl.models.base import NORMS, FLModel, ModelError, check_choice, check_positive_int, image_shape, make_norm
-from hetfl.models.layers import Linear
+from hetfl.models.layers import Conv2d, Linear
 
 # t (expansion), c (output channels), n (blocks), s (stride of the first block); CIFAR strides
 CIFAR_SETTINGS: tuple[tuple[int, int, int, int], ...] = (
@@ -48,7 +48,7 @@ def make_divisible(v: float, divisor: int = 8) -> int:
 def _conv_norm_act(
     inp: int, out: int, kernel: int, stride: int, groups: int, norm: str, gn_groups: int
 ) -> list[nn.Module]:
-    conv = nn.Conv2d(inp, out, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False)
+    conv = Conv2d(inp, out, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False)
     return [conv, make_norm(norm, out, gn_groups), nn.ReLU6()]
 
 
@@ -63,7 +63,7 @@ class InvertedResidual(nn.Module):
         if expand != 1:
             layers += _conv_norm_act(inp, hidden, 1, 1, 1, norm, gn_groups)
         layers += _conv_norm_act(hidden, hidden, 3, stride, hidden, norm, gn_groups)
-        layers += [nn.Conv2d(hidden, out, 1, bias=False), make_norm(norm, out, gn_groups)]
+        layers += [Conv2d(hidden, out, 1, bias=False), make_norm(norm, out, gn_groups)]
         self.conv = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:

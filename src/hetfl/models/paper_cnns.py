@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
-from hetfl.models.layers import Linear, MaxPool2d
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d
 from hetfl.models.resnet import BasicBlock
 
 
@@ -57,12 +57,12 @@ class FedPACCNN(FLModel):
             allowed = f"fedpac_cnn with {n} convs needs images of at least {_fedpac_min_side(n)} px a side"
             raise ModelError("input_shape", (c, h, w), allowed)
         layers: list[nn.Module] = [
-            nn.Conv2d(c, 16, 5, padding=0), nn.LeakyReLU(), MaxPool2d(2),
-            nn.Conv2d(16, 32, 5, padding=1), nn.LeakyReLU(), MaxPool2d(2),
+            Conv2d(c, 16, 5, padding=0), nn.LeakyReLU(), MaxPool2d(2),
+            Conv2d(16, 32, 5, padding=1), nn.LeakyReLU(), MaxPool2d(2),
         ]  # fmt: skip
         channels = 32
         if n == 3:
-            layers += [nn.Conv2d(32, 64, 3, padding=1), nn.LeakyReLU(), MaxPool2d(2)]
+            layers += [Conv2d(32, 64, 3, padding=1), nn.LeakyReLU(), MaxPool2d(2)]
             channels = 64
         layers += [nn.Flatten(), Linear(channels * sh * sw, 128), nn.LeakyReLU()]
         super().__init__(nn.Sequential(*layers), Linear(128, num_classes))
@@ -123,7 +123,7 @@ class FedUVCNN(FLModel):
         inp = c
         for channels, kernel, stride in FEDUV_CONVS:
             out = channels * width
-            layers += [nn.Conv2d(inp, out, kernel, stride=stride, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+            layers += [Conv2d(inp, out, kernel, stride=stride, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
             inp = out
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         projector = nn.Sequential(
@@ -157,7 +157,7 @@ class FedUVResNet18(FLModel):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, out_dim: int = 256) -> None:
         c, _, _ = image_shape("feduv_resnet18", input_shape)
         check_positive_int("out_dim", out_dim)
-        layers: list[nn.Module] = [nn.Conv2d(c, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+        layers: list[nn.Module] = [Conv2d(c, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
         inp = 64
         for planes in (64, 128, 256, 512):
             # stride 2 in every stage, the first included: each first block has a 1x1 projection shortcut

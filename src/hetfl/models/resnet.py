@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from hetfl.models.base import NORMS, FLModel, check_choice, check_positive_int, image_shape, make_norm
-from hetfl.models.layers import Linear
+from hetfl.models.layers import Conv2d, Linear
 
 
 class BasicBlock(nn.Module):
@@ -32,9 +32,9 @@ class BasicBlock(nn.Module):
     def __init__(self, inp: int, planes: int, stride: int, norm: str, gn_groups: int) -> None:
         super().__init__()
         out = planes * self.expansion
-        self.conv1 = nn.Conv2d(inp, planes, 3, stride, 1, bias=False)
+        self.conv1 = Conv2d(inp, planes, 3, stride, 1, bias=False)
         self.bn1 = make_norm(norm, planes, gn_groups)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.conv2 = Conv2d(planes, planes, 3, 1, 1, bias=False)
         self.bn2 = make_norm(norm, planes, gn_groups)
         self.relu = nn.ReLU()
         self.shortcut = _shortcut(inp, out, stride, norm, gn_groups)
@@ -53,11 +53,11 @@ class Bottleneck(nn.Module):
     def __init__(self, inp: int, planes: int, stride: int, norm: str, gn_groups: int) -> None:
         super().__init__()
         out = planes * self.expansion
-        self.conv1 = nn.Conv2d(inp, planes, 1, bias=False)
+        self.conv1 = Conv2d(inp, planes, 1, bias=False)
         self.bn1 = make_norm(norm, planes, gn_groups)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.conv2 = Conv2d(planes, planes, 3, stride, 1, bias=False)
         self.bn2 = make_norm(norm, planes, gn_groups)
-        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.conv3 = Conv2d(planes, out, 1, bias=False)
         self.bn3 = make_norm(norm, out, gn_groups)
         self.relu = nn.ReLU()
         self.shortcut = _shortcut(inp, out, stride, norm, gn_groups)
@@ -72,7 +72,7 @@ class Bottleneck(nn.Module):
 def _shortcut(inp: int, out: int, stride: int, norm: str, gn_groups: int) -> nn.Module:
     if stride == 1 and inp == out:
         return nn.Identity()
-    return nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), make_norm(norm, out, gn_groups))
+    return nn.Sequential(Conv2d(inp, out, 1, stride, bias=False), make_norm(norm, out, gn_groups))
 
 
 class ResNet(FLModel):
@@ -92,7 +92,7 @@ class ResNet(FLModel):
         c, _, _ = image_shape(name, input_shape)
         check_choice("norm", norm, NORMS)
         check_positive_int("gn_groups", gn_groups)
-        layers: list[nn.Module] = [nn.Conv2d(c, 64, 3, 1, 1, bias=False), make_norm(norm, 64, gn_groups), nn.ReLU()]
+        layers: list[nn.Module] = [Conv2d(c, 64, 3, 1, 1, bias=False), make_norm(norm, 64, gn_groups), nn.ReLU()]
         inp = 64
         for i, (planes, n) in enumerate(zip((64, 128, 256, 512), num_blocks, strict=True)):
             stage = []

@@ -32,7 +32,7 @@ import math
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, image_shape, make_norm
-from hetfl.models.layers import Linear, MaxPool2d
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d
 
 VGG11_CONFIG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
@@ -62,7 +62,7 @@ class VGG11(FLModel):
                 h, w = math.ceil(h / 2), math.ceil(w / 2)
                 continue
             assert isinstance(v, int)
-            conv = nn.Conv2d(inp, v, 3, padding=1)
+            conv = Conv2d(inp, v, 3, padding=1)
             nn.init.normal_(conv.weight, 0.0, math.sqrt(2.0 / (9 * v)))
             nn.init.zeros_(conv.bias)
             layers.append(conv)
