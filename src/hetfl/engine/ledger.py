@@ -15,11 +15,14 @@ the new ledger, and a release is on disk before its result is used.
 
 How a resumed run accounts. A release identical (same method, round and digest) to one in the ledger
 is a *replay*: seeded noise on the same data gives the same numbers, which reveal nothing new; it is
-not recorded again, and the run's numbers stay those of an uninterrupted run. Any other release is
-appended, and every entry counts: a method reports, with each release, the budget of all the ledger's
-releases of that method up to it, so the reported epsilon is never below what the server received.
-The checkpoint's own list is checked against the ledger when a run resumes: a ledger missing or
-shorter than the checkpoint's releases cannot say what was spent, and the resume is refused.
+not recorded again. Any other release is appended, and every entry counts: a method reports, with each
+release, the budget of the ledger's releases of that method that the server had received by that round
+(:meth:`PrivacyLedger.record`), so by the last round every release in the ledger is counted and the
+reported epsilon is never below what the server received. A replay of an uninterrupted history reports
+what the uninterrupted run did (the run's numbers are its numbers); after an earlier resume that released
+some rounds differently (a client's reply lost the second time), a replay also counts those releases, up
+to its round. The checkpoint's own list is checked against the ledger when a run resumes: a ledger that
+lacks any of the checkpoint's releases cannot say what was spent, and the resume is refused.
 """
 
 from __future__ import annotations
@@ -68,30 +71,43 @@ class PrivacyLedger:
 
     def record(self, method: str, round_: int, release: Release) -> list[float]:
         """Record ``release`` (durably, before the caller uses it) unless it replays one already in the ledger;
-        returns the multipliers of the releases of ``method`` before it in the ledger (what it adds to)."""
+        returns the multipliers of the releases of ``method`` it adds to: every release of ``method`` before it
+        in the ledger, and, for a replay, those after it that belong to rounds up to ``round_`` (made by an
+        earlier resume that released those rounds differently: the server received them). A replay does
+        not count the later rounds of its own history, which it will replay (or, released differently,
+        append) when it gets there."""
         entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest)
-        if entry in self.entries:  # a replay: the very numbers the server already received
-            position = self.entries.index(entry)
-        else:
-            position = len(self.entries)
+        if entry not in self.entries:
             self.entries.append(entry)
             self.write()
-        return [e.multiplier for e in self.entries[:position] if e.method == method]
+            return [e.multiplier for e in self.entries[:-1] if e.method == method]
+        position = self.entries.index(entry)  # a replay: the very numbers the server already received
+        return [e.multiplier for i, e in enumerate(self.entries)
+                if e.method == method and i != position and (i < position or e.round <= round_)]
 
     def after(self, method: str, recorded: int) -> list[Entry]:
-        """The releases of ``method`` after the first ``recorded`` (those a checkpoint accounting for
-        ``recorded`` releases does not know of: made after it, before the run stopped)."""
-        return [e for e in self.entries if e.method == method][recorded:]
+        """The ledger's releases of ``method`` beyond the ``recorded`` a checkpoint accounts for (made after it,
+        before the run stopped): its last ones."""
+        mine = [e for e in self.entries if e.method == method]
+        return mine[min(recorded, len(mine)):]
 
     def check_covers(self, method: str, recorded: list[float]) -> None:
-        """A RunDirError unless the ledger starts with the releases a checkpoint accounts for (``recorded``,
-        the multipliers in its server state): a ledger that lost them cannot say what was spent."""
-        mine = self.multipliers(method)
-        if len(mine) < len(recorded) or any(not math.isclose(a, b, rel_tol=1e-12)
-                                            for a, b in zip(mine, recorded, strict=False)):
+        """A RunDirError unless the ledger holds every release a checkpoint accounts for (``recorded``, the
+        multipliers in its server state; each matched by a release of its own, wherever it lies: a replay
+        after an earlier resume counts releases of that resume): a ledger that lost any of them cannot say
+        what was spent."""
+        unmatched = self.multipliers(method)
+        matched = 0
+        for multiplier in recorded:
+            found = next((i for i, m in enumerate(unmatched) if math.isclose(m, multiplier, rel_tol=1e-12)), None)
+            if found is not None:
+                unmatched.pop(found)
+                matched += 1
+        if matched < len(recorded):
+            held = len(self.multipliers(method))
             raise RunDirError(f"{self.path}: the checkpoint accounts for {len(recorded)} differentially private "
-                              f"release(s) of {method} but the privacy ledger holds {len(mine)} matching ones; "
-                              "without it the budget spent cannot be known, so the run is not resumed "
+                              f"release(s) of {method} but the privacy ledger holds {matched} matching ones (of "
+                              f"{held}); without it the budget spent cannot be known, so the run is not resumed "
                               "(start a new run)")
 
     def write(self) -> None:

@@ -1,0 +1,121 @@
+"""hetfl.engine.ledger: what a release reports it adds to, after resumes that replayed or re-released rounds.
+
+The reproduction (an audit of session 16; failed on 8adeee3): seeded noise, a checkpoint every 3 rounds;
+session 1 releases rounds 1-5 and is killed before round 5's checkpoint; session 2 resumes, round 4 comes out
+different (a client's reply lost), so rounds 4' and 5' are appended, and it is killed again; session 3
+resumes and replays session 1's rounds 4 and 5 exactly. The server received 7 releases; the summary
+reported 5 (epsilon 4.0 where 4.86 was spent)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+from hetfl import config
+from hetfl.engine import rundir
+from hetfl.engine.federation import InProcessFederation
+from hetfl.engine.ledger import PrivacyLedger
+from hetfl.engine.rundir import RunDirError
+from hetfl.privacy import Release, epsilon_spent
+from hetfl.runtimes import set_up
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def release(name: str, multiplier: float = 2.0) -> Release:
+    return Release(multiplier=multiplier, digest=name, noise_source="seed")
+
+
+def test_a_first_release_adds_to_every_earlier_release_of_its_method():
+    ledger = PrivacyLedger()
+    assert ledger.record("ccvr", 1, release("r1", 2.0)) == []
+    assert ledger.record("fedpac", 1, release("p1", 5.0)) == []
+    assert ledger.record("ccvr", 2, release("r2", 3.0)) == [2.0]
+    assert ledger.multipliers("ccvr") == [2.0, 3.0]
+
+
+def test_a_replay_of_an_uninterrupted_history_adds_to_what_the_uninterrupted_run_did():
+    """Session 1 released rounds 1-5; the resumed session replays 4 and 5: each reports what it did then
+    (the run's numbers are the uninterrupted run's), and nothing is written again."""
+    ledger = PrivacyLedger()
+    for r in range(1, 6):
+        ledger.record("ccvr", r, release(f"r{r}", float(r)))
+    assert ledger.record("ccvr", 4, release("r4", 4.0)) == [1.0, 2.0, 3.0]
+    assert ledger.record("ccvr", 5, release("r5", 5.0)) == [1.0, 2.0, 3.0, 4.0]
+    assert len(ledger.entries) == 5
+
+
+def test_a_replay_counts_the_releases_of_an_abandoned_resume_up_to_its_round():
+    """The reproduction's ledger: 1, 2, 3, 4, 5 (session 1), 4', 5' (session 2). Session 3 replays 4, then 5:
+    the server has received 4' and 5' too, so round 4 adds to 1-3 and 4', round 5 to 1-4, 4' and 5': every
+    release the ledger holds counts by the last round."""
+    ledger = PrivacyLedger()
+    for r in range(1, 6):
+        ledger.record("ccvr", r, release(f"r{r}", float(r)))
+    ledger.record("ccvr", 4, release("r4'", 40.0))
+    ledger.record("ccvr", 5, release("r5'", 50.0))
+    assert sorted(ledger.record("ccvr", 4, release("r4", 4.0))) == [1.0, 2.0, 3.0, 40.0]
+    assert sorted(ledger.record("ccvr", 5, release("r5", 5.0))) == [1.0, 2.0, 3.0, 4.0, 40.0, 50.0]
+
+
+def test_the_checkpoints_releases_may_lie_anywhere_in_the_ledger():
+    """A checkpoint of session 3 accounts for 1-4 and 4' (a replay that counted an abandoned release): the
+    ledger covers it though 4' is not its fifth entry; one the ledger lacks is refused."""
+    ledger = PrivacyLedger()
+    for r, z in [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (4, 40.0), (5, 50.0)]:
+        ledger.record("ccvr", r, release(f"r{r}-{z}", z))
+    ledger.check_covers("ccvr", [1.0, 2.0, 3.0, 40.0, 4.0])
+    with pytest.raises(RunDirError, match=r"holds 5 matching ones \(of 7\)"):
+        ledger.check_covers("ccvr", [1.0, 2.0, 3.0, 40.0, 4.0, 6.0])
+    with pytest.raises(RunDirError):
+        ledger.check_covers("ccvr", [1.0, 1.0])
+
+
+TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8, max_samples=60}",
+        "runtime.progress=false", "runtime.threads=1", "runtime.device=cpu"]
+
+
+class Killed(KeyboardInterrupt):
+    pass
+
+
+def session(monkeypatch, cfg, run, *, resume: bool, kill_after: int | None = None,
+            drop_round: int | None = None) -> None:
+    """One process's part of the run: killed right after round ``kill_after``'s metrics line (its release made,
+    its checkpoint not written), one client's reply lost in round ``drop_round``."""
+    append, train = rundir.MetricsLog.append, InProcessFederation.train
+
+    def appended(self, line):
+        append(self, line)
+        if line["round"] == kill_after:
+            raise Killed
+
+    def trained(self, server, clients, sampled, round_, lr, reporter):
+        updates, down = train(self, server, clients, sampled, round_, lr, reporter)
+        return (updates[:-1] if round_ == drop_round else updates), down
+
+    with monkeypatch.context() as m:
+        m.setattr(rundir.MetricsLog, "append", appended)
+        m.setattr(InProcessFederation, "train", trained)
+        with contextlib.suppress(Killed):
+            set_up(cfg).run(run, resume=resume)
+
+
+@pytest.mark.slow
+def test_three_sessions_report_every_release_the_server_received(tmp_path, monkeypatch):
+    cfg = config.load(None, [*TINY, "algorithm.name=fedpac", "model.name=mlp", "algorithm.dp_epsilon=4",
+                             "algorithm.dp_noise_source=seed", "train.rounds=5", "train.local_steps=2",
+                             "runtime.checkpoint_every=3"])
+    run = tmp_path / "run"
+    session(monkeypatch, cfg, run, resume=False, kill_after=5)
+    session(monkeypatch, cfg, run, resume=True, kill_after=5, drop_round=4)
+    session(monkeypatch, cfg, run, resume=True)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2, 3, 4, 5, 4, 5]
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    # FedPAC adds its noise locally: each client's upload is one release of multiplier z (the headline epsilon)
+    spent = epsilon_spent([privacy["noise_multiplier"]] * len(ledger), privacy["delta"])
+    assert privacy["releases"] == 7
+    assert privacy["epsilon"] == pytest.approx(spent, rel=1e-9) and spent > 4.8
