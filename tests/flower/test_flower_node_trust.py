@@ -93,6 +93,20 @@ def test_a_nodes_privacy_floor_wins_over_the_servers_settings():
     assert node.runtime(strict, ctx).algorithm.hp.dp_epsilon == 0.5  # a stricter server setting is kept
 
 
+def test_a_nodes_seeded_noise_never_weakens_the_servers_operating_system_noise():
+    """A floor only strengthens: noise the server's run config could recompute ("seed") in place of the fresh
+    noise the server asked for ("os") would let the server strip this node's noise while its ledger records
+    "os" and its epsilon (an audit's reproduction, failed on 8adeee3: the server recovered the node's exact
+    per-class counts)."""
+    fresh = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4",
+                          "algorithm.ccvr.dp_noise_source=os")
+    step = node.runtime(fresh, context(**{"dp-noise-source": "seed"})).posthoc[0]
+    assert step.hp.dp_noise_source == "os"
+    seeded = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4")
+    assert node.runtime(seeded, context(**{"dp-noise-source": "os"})).posthoc[0].hp.dp_noise_source == "os"
+    assert node.runtime(seeded, context(**{"dp-noise-source": "seed"})).posthoc[0].hp.dp_noise_source == "seed"
+
+
 def test_a_node_that_requires_privacy_refuses_a_method_without_it():
     with pytest.raises(NodeError, match="dp-epsilon"):
         node.runtime(server_config("algorithm.name=fedavg"), context(**{"dp-epsilon": 2.0}))

@@ -133,7 +133,9 @@ def privacy_floor(node_config: Any) -> dict[str, Any]:
 def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
     """``cfg`` with the node's floor applied to each part of the method that releases under differential
     privacy (the trainer's and each post-hoc step's settings with a ``dp_epsilon``): the smaller epsilon and
-    delta of the node's and the server's, the node's noise source. A NodeError when no part can honour it, or
+    delta of the node's and the server's, and fresh noise ("os") where either asks for it (a floor only
+    strengthens: seeded noise in place of the server's "os" could be recomputed from the run config by the
+    server, which records "os"). A NodeError when no part can honour it, or
     when the run has differential privacy off for such a part (the server would not expect noisy replies:
     their form and its calibration differ), so the node's floor is never silently unmet."""
     if not floor:
@@ -155,7 +157,8 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
                             f"{prefix.rstrip('.')} ({prefix}dp_epsilon = inf), so this node does not take part")
         for setting, mine in floor.items():
             theirs = table.get(setting, defaults[setting])
-            table[setting] = mine if setting == "dp_noise_source" else min(float(theirs), mine)
+            table[setting] = (("os" if "os" in (mine, theirs) else mine) if setting == "dp_noise_source"
+                              else min(float(theirs), mine))
             if table[setting] != theirs:
                 log.warning("hetfl node: %s%s = %r (the server's %r): the node's privacy floor", prefix, setting,
                             table[setting], theirs)
