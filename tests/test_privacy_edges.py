@@ -26,7 +26,7 @@ from hetfl import config
 from hetfl.algorithms import build_posthoc
 from hetfl.algorithms.base import ServerState
 from hetfl.cli import main
-from hetfl.privacy import epsilon_spent, noise_multiplier, require_accountant
+from hetfl.privacy import epsilon_spent, epsilon_text, noise_multiplier, require_accountant
 from tests.helpers import initial_state, tiny_setup
 from tests.helpers.runs import interrupted
 
@@ -210,9 +210,17 @@ def test_ccvr_without_secure_aggregation_says_first_what_the_server_sees_per_upl
     first = " ".join(shown.split("hetfl fedavg+ccvr on ")[0].split())  # the notice, as the console wrapped it
     privacy = summary_of(out)["privacy"]
     assert first.startswith("privacy: algorithm.ccvr.dp_epsilon = 4 holds for the SUM"), first
-    assert f"at epsilon {privacy['epsilon_per_upload']:.3g} per upload" in first
+    shown_epsilon = float(first.split("at epsilon ")[1].split()[0])
+    # three digits, rounded up: a guarantee shown never below the one computed (":.3g" showed 33.7155 as 33.7)
+    assert privacy["epsilon_per_upload"] <= shown_epsilon <= privacy["epsilon_per_upload"] * (1 + 1e-2)
     assert privacy["epsilon_per_upload"] > 2 * privacy["epsilon"]  # 4 clients: half the noise per upload
     assert privacy["server_sees"].startswith("each upload (no secure aggregation)")
+
+
+@pytest.mark.parametrize(("epsilon", "text"), [(33.71551, "33.8"), (81.401, "81.5"), (4.0, "4"), (0.0012341, "0.00124"),
+                                               (123456.0, "1.24e+05"), (2.5, "2.5")])
+def test_an_epsilon_is_shown_rounded_up(epsilon, text):
+    assert epsilon_text(epsilon) == text and float(epsilon_text(epsilon)) >= epsilon
 
 
 # ----------------------------------------------------------------- item 3: the accountant's range and cost

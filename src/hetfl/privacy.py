@@ -34,6 +34,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 from importlib import metadata
 
 import torch
@@ -42,6 +43,16 @@ EXTRA_HINT = "pip install 'hetfl[privacy]' (Google's dp-accounting)"
 #: the epsilons and deltas hetfl accepts (inclusive): see the module's docstring
 EPSILON_RANGE = (1e-3, 100.0)
 DELTA_RANGE = (1e-15, 1e-2)
+
+
+def epsilon_text(epsilon: float, digits: int = 3) -> str:
+    """``epsilon`` to ``digits`` significant digits, rounded UP (``33.7155`` -> ``"33.8"``): a guarantee shown
+    is never below the one computed (``:.3g`` rounds to nearest, down half the time)."""
+    if not math.isfinite(epsilon) or epsilon <= 0:
+        return f"{epsilon:g}"
+    exact = Decimal(repr(epsilon))
+    shown = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)
+    return f"{float(shown):.{digits}g}"
 
 
 @dataclass(frozen=True)

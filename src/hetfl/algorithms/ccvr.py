@@ -66,7 +66,7 @@ from hetfl.algorithms.gaussian_stats import (
 )
 from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
 from hetfl.params import ConfigError, setting
-from hetfl.privacy import Release, accountant_name, clip_rows, release_digest, require_accountant
+from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_text, release_digest, require_accountant
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 DP_RELEASES = "ccvr/dp_multipliers"  # server extra: the noise multiplier of each release's sum so far
@@ -283,9 +283,11 @@ class CCVR(PostHoc):
                                               * self.mechanism.releases)["dp_epsilon_per_upload"]
         if self.hp.dp_noise == "local":
             return (f"privacy: without secure aggregation the server sees each client's upload; each is "
-                    f"({per_upload:.3g}, {self.hp.dp_delta:g})-DP on its own (algorithm.ccvr.dp_noise = 'local')")
+                    f"({epsilon_text(per_upload)}, {self.hp.dp_delta:g})-DP on its own "
+                    "(algorithm.ccvr.dp_noise = 'local')")
         return (f"privacy: algorithm.ccvr.dp_epsilon = {self.hp.dp_epsilon:g} holds for the SUM of the uploads only; "
-                f"without secure aggregation the server sees each upload, at epsilon {per_upload:.3g} per upload "
+                f"without secure aggregation the server sees each upload, at epsilon {epsilon_text(per_upload)} "
+                "per upload "
                 "(set runtime.secure_aggregation = true, or algorithm.ccvr.dp_noise = 'local')")
 
     def summed_moments(self, replies: Replies) -> ClassMoments:
