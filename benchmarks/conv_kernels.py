@@ -4,7 +4,7 @@ The vectorised executor runs a round's clients as ``torch.func.vmap`` of one cli
 convolution with per-client weights becomes one grouped convolution (``groups = k``), which cuDNN runs
 less efficiently than the ceiling's ordinary convolution of one model over all clients' batches
 (benchmarks/results/profile_cuda.md: grouped-convolution and layout-conversion kernels are a third of the
-GPU time of a round). This measures, on one device, side by side, the same work four ways:
+GPU time of a round). This measures, on one device, side by side, the same work several ways:
 
 - ``vmap``: vmap over per-client weights, NCHW input, PyTorch's pooling (hetfl's step before session 14);
 - ``vmap_layout``: the same with hetfl's step since then: the batch stored sample-major and
@@ -12,6 +12,9 @@ GPU time of a round). This measures, on one device, side by side, the same work 
   activations, no scaled copy of the bias; the sample-major copy of the input is made by the timed call
   here, as the executor's gather makes it);
 - ``vmap_cl``: the same with channels-last input;
+- ``per_client``: hetfl's step with ``runtime.conv_batching = "per_client"``: ``hetfl.models.layers.Conv2d``
+  runs one ordinary convolution per client (forward and backward) on the client-major batch, inside
+  ``client_batching("per_client")`` (k convolutions where ``vmap`` runs one grouped convolution);
 - ``unfold_bmm``: each convolution as im2col (``unfold``) and one batched matrix product over clients
   (``bmm``: k GEMMs in one kernel), the per-client weights kept;
 - ``vmap_compiled``: ``vmap`` compiled by ``torch.compile`` (Inductor: elementwise ops, pooling and the
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from hetfl.engine.vectorized import channels_last_for_vmap
-from hetfl.models.layers import Linear, MaxPool2d, client_batching
+from hetfl.models.layers import Conv2d, Linear, MaxPool2d, client_batching
 
 KERNEL = 5
 
@@ -64,10 +67,11 @@ def encoder_unfold(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Te
 
 
 def make_encoder(channels: int, size: int, pool: type[torch.nn.Module] = torch.nn.MaxPool2d,
-                 linear: type[torch.nn.Linear] = torch.nn.Linear) -> torch.nn.Sequential:
+                 linear: type[torch.nn.Linear] = torch.nn.Linear,
+                 conv: type[torch.nn.Conv2d] = torch.nn.Conv2d) -> torch.nn.Sequential:
     flat = 64 * ((((size - 4) // 2) - 4) // 2) ** 2
-    return torch.nn.Sequential(torch.nn.Conv2d(channels, 32, KERNEL), torch.nn.ReLU(), pool(2),
-                               torch.nn.Conv2d(32, 64, KERNEL), torch.nn.ReLU(), pool(2),
+    return torch.nn.Sequential(conv(channels, 32, KERNEL), torch.nn.ReLU(), pool(2),
+                               conv(32, 64, KERNEL), torch.nn.ReLU(), pool(2),
                                torch.nn.Flatten(), linear(flat, 512), torch.nn.ReLU())
 
 
@@ -92,6 +96,15 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
         with client_batching():  # hetfl's layers take their batching rules only inside (as in the executor)
             return vmap(grad(one_in_place))(params, sample_major(x))
 
+    per_client_model = make_encoder(3, 32, MaxPool2d, Linear, Conv2d).to(next(model.parameters()).device)
+
+    def one_per_client(params: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(per_client_model, params, (x,)).square().mean()
+
+    def per_client_convs(params: dict, x: torch.Tensor) -> dict:
+        with client_batching("per_client"):  # the batch client-major, as the executor gathers it then
+            return vmap(grad(one_per_client))(params, x)
+
     def unfold(params: dict, x: torch.Tensor) -> dict:
         return grad(lambda p: encoder_unfold(p, x).square().mean(dim=(1, 2)).sum())(params)
 
@@ -102,7 +115,7 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
     compiled = torch.compile(per_client, dynamic=False)
     # the compiled variant last: its first call compiles (tens of seconds), so a time limit cuts it, not the others
     return {"vmap": per_client, "vmap_layout": in_place,
-            "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)),
+            "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)), "per_client": per_client_convs,
             "unfold_bmm": unfold, "ceiling": ceiling, "vmap_compiled": compiled}
 
 
@@ -164,7 +177,7 @@ def main() -> None:
     print("|---|---|---|---|")
     times = {}
     for name, fn in ways.items():
-        if name in ("vmap_layout", "vmap_cl", "unfold_bmm", "vmap_compiled"):
+        if name in ("vmap_layout", "vmap_cl", "per_client", "unfold_bmm", "vmap_compiled"):
             check(name)
         def step(fn: Callable = fn) -> object:
             with autocast:
