@@ -69,7 +69,10 @@ class LoopbackGrid:
                 self.replies[message.metadata.message_id] = Message(Error(code=0, reason="disk full"), reply_to=message)
                 continue
             answers = self.held if node in self.slow else self.replies
-            answer = client_app(message, self.contexts[node])
+            try:
+                answer = client_app(message, self.contexts[node])
+            except Exception as err:  # what Flower's runtime does with a ClientApp's exception: an error reply
+                answer = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message)
             if node in self.tamper and message.metadata.message_type == "train" and not answer.has_error():
                 self.tamper[node](answer.content)
             answers[message.metadata.message_id] = answer
@@ -225,3 +228,36 @@ def test_malformed_replies_below_the_quorum_stop_the_run_with_the_reason(tmp_pat
     with pytest.raises(FlowerRoundError, match=r"round 1, training: 2 of 3 clients answered.*client 2: .*malformed"):
         run_on(grid, [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=0"], tmp_path / "r")
     assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkeypatch):
+    """CCVR calibrates every round with fresh noise (4 releases planned), a checkpoint every 2 rounds; the
+    server is killed at the start of round 4 (round 3 answered, not checkpointed) and resumed, so it asks
+    round 3 again. The node with a privacy floor answers it (its fourth release, the last its noise is
+    calibrated for) and refuses round 4; the server goes on without it there. Nodes without a floor answer all
+    five times (their operators set no bound; the server's ledger counts every release it received)."""
+    overrides = [*SMALL, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4", "algorithm.ccvr.every_round=true",
+                 "algorithm.ccvr.epochs=1", "algorithm.ccvr.dp_noise_source=os", "train.rounds=4",
+                 "train.local_steps=2", "runtime.checkpoint_every=2", "runtime.flower_min_replies=2"]
+    grid = LoopbackGrid(3)
+    floored = grid.contexts[grid.ids[0]]
+    floored.node_config["dp-epsilon"] = 8.0  # the server's 4 is stricter: its calibration, and the count
+    run = tmp_path / "run"
+    original = Experiment.round
+
+    def killed(self, server, clients, round_, reporter):  # type: ignore[no-untyped-def]
+        if round_ == 4:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_on(grid, overrides, run)
+    monkeypatch.setattr(Experiment, "round", original)
+    run_on(grid, overrides, run, resume=True)
+    got = metrics(run)
+    assert [x["round"] for x in got] == [1, 2, 3, 4]
+    assert got[2]["failed_clients"] == [] and got[3]["failed_clients"] == [0], got
+    kept = next(v for k, v in floored.state.items() if k.endswith("private-answers"))
+    assert {r: len(d) for r, d in json.loads(str(kept["json"]))["ccvr"].items()} == {"1": 1, "2": 1, "3": 2}
+    assert not any(k.endswith("private-answers") for k in grid.contexts[grid.ids[1]].state)

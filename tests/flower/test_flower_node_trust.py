@@ -118,3 +118,37 @@ def test_a_bad_node_privacy_setting_is_named(key, value):
     with pytest.raises(NodeError, match=key):
         node.runtime(server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8"),
                      context(**{key: value}))
+
+
+def test_a_nodes_floor_admits_repeats_and_the_planned_answers_and_refuses_more(tmp_path):
+    """A node with a floor answers a round again only with its earlier answer (nothing new), or within the
+    releases its noise is calibrated for; beyond them it refuses and records nothing (an audit's reproduction,
+    failed on 8adeee3: a resumed server's re-asked rounds made a node with dp-epsilon = 2 spend 2.27)."""
+    floor = {"dp_epsilon": 2.0}
+    ctx = context(**{"dp-epsilon": 2.0, "state-dir": str(tmp_path / "state")})
+    answers = node.PrivateAnswers(ctx, header())
+    for round_, digest in [(1, "a"), (2, "b"), (2, "b"), (3, "c")]:
+        answers.admit("ccvr", round_, digest, 4, floor)
+    answers.admit("ccvr", 3, "c2", 4, floor)  # round 3 asked again after a crash: fresh noise, the fourth release
+    answers.admit("fedpac", 1, "x", 1, floor)  # another method counts apart
+    with pytest.raises(NodeError, match=r"covers the 4 release\(s\) of ccvr the run plans; it has answered 4 "
+                                        r"\(round\(s\) 1, 2, 3, 3\), and another answer for round 4"):
+        answers.admit("ccvr", 4, "d", 4, floor)
+    answers.admit("ccvr", 2, "b", 4, floor)  # a repeat is still admitted
+    # a node restarted (a new context) reads the count from its state folder
+    restarted = node.PrivateAnswers(context(**{"state-dir": str(tmp_path / "state")}), header())
+    with pytest.raises(NodeError, match="dp-epsilon = 2"):
+        restarted.admit("ccvr", 4, "d", 4, floor)
+    assert files_under(tmp_path / "state") == ["0123456789abcdef/private_answers.json"]
+
+
+def test_a_node_without_a_floor_or_a_method_without_noise_counts_nothing(tmp_path):
+    class Step:
+        name, mechanism = "ccvr", None
+
+    h = {**header(), "round": 1}
+    node.admit_private_answer(context(**{"dp-epsilon": 2.0}), h, Step(), {"t": torch.ones(2)})
+    ctx = context()
+    node.admit_private_answer(ctx, h, type("Private", (), {"name": "ccvr", "mechanism": object()})(),
+                              {"t": torch.ones(2)})
+    assert not any(k.endswith("private-answers") for k in ctx.state)

@@ -325,6 +325,8 @@ class PrivateReleases:
     multipliers) and implements :meth:`dp_release`; the rest is generic."""
 
     dp_releases_key: ClassVar[str | None] = None
+    #: the tensors of a trainer's upload that carry its noise (what a node with a privacy floor counts)
+    dp_upload_keys: ClassVar[tuple[str, ...]] = ()
 
     def dp_release(self, received: Any) -> Release | None:
         """The release in what the server just received (a step's replies, a round's uploads); None: none."""

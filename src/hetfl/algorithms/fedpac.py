@@ -264,6 +264,7 @@ class FedPAC(Algorithm):
     personalized = True
     model_requires = ("encoder",)  # feature alignment trains the encoder, apart from the classifier
     dp_releases_key = DP_RELEASES
+    dp_upload_keys = (COUNTS, CENTROID_SUMS)
 
     def __init__(self, hyper: FedPACHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
@@ -368,7 +369,7 @@ class FedPAC(Algorithm):
         counts and feature sums the server got, and the digest of what it got (for the run's ledger)."""
         if self.mechanism is None:
             return None
-        named = [(f"{u.client_id}/{k}", u.tensors[k]) for u in received for k in (COUNTS, CENTROID_SUMS)]
+        named = [(f"{u.client_id}/{k}", u.tensors[k]) for u in received for k in self.dp_upload_keys]
         return Release(self.mechanism.sum_multiplier(len(received)), release_digest(named), self.hp.dp_noise_source)
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:

@@ -13,10 +13,17 @@ of the dataset is; default: the config's ``data.root``), ``state-dir`` (a folder
 client's persistent state, needed to resume a deployed run of a stateful method), ``threads``
 (torch CPU threads), and the node's privacy floor: ``dp-epsilon`` and ``dp-delta`` (the most
 this node's differentially private releases may spend: the smaller of the node's and the
-server's setting is used), ``dp-noise-source`` (``os`` or ``seed``: the node's choice wins; a
-node that does not want the server to know its noise sets ``os``). A node with a floor refuses
-a method that releases nothing under differential privacy, or a run with it switched off. The
-server's accounting then bounds what such a node spends from above.
+server's setting is used), ``dp-noise-source`` (``os`` or ``seed``: ``os`` wins where either side
+asks for it; a node that does not want the server to know its noise sets ``os``). A node with a
+floor refuses a method that releases nothing under differential privacy, or a run with it
+switched off. The server's accounting then bounds what such a node spends from above.
+
+A floor is kept over the whole run (:class:`PrivateAnswers`): the node's noise is calibrated for
+the releases the run plans, and a server that resumes after a crash asks some rounds again. The
+node answers a round again only with what it answered before (seeded noise on the same inputs:
+nothing new), or while its answers stay within the planned releases; a further answer would spend
+more than its floor, and the node refuses it (the server goes on without this client, as for a
+failed one). The count lives in Flower's context and, where the node has a state folder, on disk.
 
 What the node does not take from the server: paths. Client state is written only inside the
 node's own ``state-dir``; the run and session names in a message must be plain hexadecimal
@@ -62,10 +69,12 @@ from hetfl.engine import secure_sum
 from hetfl.engine.checkpoint import save_tensors
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.summary import Reporter
+from hetfl.files import atomic_write_text
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
 from hetfl.flower.codec import decode_tensor, from_record, to_record
 from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
+from hetfl.privacy import release_digest
 
 _RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
 #: a run or session name the server may choose: what hetfl's server sends (hexadecimal digests), never a path
@@ -250,6 +259,61 @@ class StateStore:
                 p.unlink(missing_ok=True)
 
 
+class PrivateAnswers:
+    """The differentially private answers a node with a privacy floor gave in one run: per method, each
+    round's answer digests (:func:`hetfl.privacy.release_digest`), kept in ``context.state`` and, where the
+    node has a state folder, in ``<state folder>/<run>/private_answers.json`` (written before the answer
+    leaves the node, so a node restarted after answering still counts it)."""
+
+    FILE = "private_answers.json"
+
+    def __init__(self, context: Context, h: dict[str, Any]) -> None:
+        self.context, self.run = context, plain_name(h, "run")
+        self.key = f"hetfl.{self.run}.private-answers"
+        root = state_root(context, h)
+        self.path = None if root is None else root / self.run / self.FILE
+
+    def _read(self) -> dict[str, dict[str, list[str]]]:
+        kept = self.context.state.get(self.key)
+        if kept is not None:
+            return json.loads(str(kept["json"]))
+        if self.path is not None and self.path.is_file():
+            return json.loads(self.path.read_text())
+        return {}
+
+    def admit(self, method: str, round_: int, digest: str, planned: int, floor: dict[str, Any]) -> None:
+        """Let this answer (``digest``) of ``method`` in round ``round_`` leave the node: a repeat of an answer
+        already given reveals nothing new; another is admitted while the method's answers stay within the
+        ``planned`` releases its noise is calibrated for. A NodeError otherwise (nothing recorded)."""
+        answers = self._read()
+        mine = answers.setdefault(method, {})
+        if digest in mine.get(str(round_), []):
+            return
+        given = sum(len(d) for d in mine.values())
+        if given >= planned:
+            rounds = ", ".join(r for r, d in sorted(mine.items(), key=lambda x: int(x[0])) for _ in d)
+            raise NodeError(f"this node's privacy floor ({_floor_text(floor)}) covers the {planned} release(s) of "
+                            f"{method} the run plans; it has answered {given} (round(s) {rounds}), and another "
+                            f"answer for round {round_} would spend more, so it does not answer")
+        mine.setdefault(str(round_), []).append(digest)
+        text = json.dumps(answers, sort_keys=True)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, text + "\n")
+        self.context.state[self.key] = ConfigRecord({"json": text})
+
+
+def admit_private_answer(context: Context, h: dict[str, Any], method: Any, answer: dict[str, Any]) -> None:
+    """Count ``answer`` (the tensors of ``method``'s reply that carry its noise) against the node's privacy
+    floor (:class:`PrivateAnswers`); nothing for a node without a floor or a method without a mechanism."""
+    floor = privacy_floor(context.node_config)
+    mechanism = getattr(method, "mechanism", None)
+    if not floor or mechanism is None:
+        return
+    digest = release_digest(sorted(answer.items()))
+    PrivateAnswers(context, h).admit(method.name, int(h["round"]), digest, mechanism.releases, floor)
+
+
 def plain_name(h: dict[str, Any], field: str) -> str:
     """The header's ``run`` or ``session``: a NodeError unless it is a plain hexadecimal name (a path such as
     ``../../x`` would take the node's writes and prunes out of its state folder)."""
@@ -336,6 +400,7 @@ def handle_train(message: Message, context: Context) -> Message:
     ctx = exp.client_context(c, round_, float(h["lr"]), payload, state, server_view(message, shared, exp.device))
     result = exp.train_clients([ctx], Reporter())[0]  # the sequential executor's local round
     upload, new_state = exp.algorithm.finish(ctx, result.state, result.steps)
+    admit_private_answer(context, h, exp.algorithm, {k: upload[k] for k in exp.algorithm.dp_upload_keys})
     if new_state:
         store.save(new_state, round_)
     return reply(message, {
@@ -355,6 +420,7 @@ def handle_posthoc(message: Message, context: Context) -> Message:
     model = from_record(message.content[P.MODEL], exp.device)
     features, labels = exp.client_features(model, c)
     query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
+    admit_private_answer(context, h, step, query)
     return reply(message, {P.REPLY: to_record(query)})
 
 
@@ -383,6 +449,7 @@ def handle_secure_query(message: Message, context: Context) -> Message:
              for (name, dtype, stype, shape), a in zip(layout, stored, strict=True)}
     features, labels = exp.client_features(model, c)
     query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
+    admit_private_answer(context, h, step, query)
     # the server's bounds (a node's privacy floor may have changed this node's): the grid the sum is decoded on
     bounds = server_step(str(h["config"]), exp, int(h["step"])).reply_bounds() \
         if privacy_floor(context.node_config) else step.reply_bounds()
