@@ -15,6 +15,10 @@ GPU time of a round). This measures, on one device, side by side, the same work 
 - ``per_client``: hetfl's step with ``runtime.conv_batching = "per_client"``: ``hetfl.models.layers.Conv2d``
   runs one ordinary convolution per client (forward and backward) on the client-major batch, inside
   ``client_batching("per_client")`` (k convolutions where ``vmap`` runs one grouped convolution);
+- ``streams`` (CUDA only): each client's forward and backward as an ordinary unbatched step on one of k
+  CUDA streams, joined after (in the captured graph, k parallel branches): what per-client convolutions
+  could reach if they ran concurrently (pytorch/pytorch#73764 found streams faster than a grouped
+  convolution); the bound of that idea, not something the executor does;
 - ``unfold_bmm``: each convolution as im2col (``unfold``) and one batched matrix product over clients
   (``bmm``: k GEMMs in one kernel), the per-client weights kept;
 - ``vmap_compiled``: ``vmap`` compiled by ``torch.compile`` (Inductor: elementwise ops, pooling and the
@@ -105,6 +109,19 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
         with client_batching("per_client"):  # the batch client-major, as the executor gathers it then
             return vmap(grad(one_per_client))(params, x)
 
+    side = [torch.cuda.Stream() for _ in range(k)] if torch.cuda.is_available() else []
+
+    def streams(params: dict, x: torch.Tensor) -> dict:
+        main = torch.cuda.current_stream()
+        grads = []
+        for c, stream in enumerate(side):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                grads.append(grad(one)({n: p[c] for n, p in params.items()}, x[c]))
+        for stream in side:
+            main.wait_stream(stream)
+        return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}
+
     def unfold(params: dict, x: torch.Tensor) -> dict:
         return grad(lambda p: encoder_unfold(p, x).square().mean(dim=(1, 2)).sum())(params)
 
@@ -116,6 +133,7 @@ def variants(model: torch.nn.Module, k: int) -> dict[str, Callable[[dict, torch.
     # the compiled variant last: its first call compiles (tens of seconds), so a time limit cuts it, not the others
     return {"vmap": per_client, "vmap_layout": in_place,
             "vmap_cl": lambda p, x: per_client(p, channels_last_for_vmap(x)), "per_client": per_client_convs,
+            **({"streams": streams} if side else {}),
             "unfold_bmm": unfold, "ceiling": ceiling, "vmap_compiled": compiled}
 
 
@@ -177,7 +195,7 @@ def main() -> None:
     print("|---|---|---|---|")
     times = {}
     for name, fn in ways.items():
-        if name in ("vmap_layout", "vmap_cl", "per_client", "unfold_bmm", "vmap_compiled"):
+        if name in ("vmap_layout", "vmap_cl", "per_client", "streams", "unfold_bmm", "vmap_compiled"):
             check(name)
         def step(fn: Callable = fn) -> object:
             with autocast:
