@@ -92,6 +92,7 @@ TARGETS = (
     Target("moon", "src/hetfl/algorithms/moon.py",
            ("tests/algorithms/test_baselines.py", "tests/algorithms/test_baselines_mutants.py")),
     Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
+    Target("ledger", "src/hetfl/engine/ledger.py", ("tests/engine/test_ledger.py",)),
 )
 
 

@@ -33,7 +33,30 @@ def test_a_first_release_adds_to_every_earlier_release_of_its_method():
     assert ledger.record("ccvr", 1, release("r1", 2.0)) == []
     assert ledger.record("fedpac", 1, release("p1", 5.0)) == []
     assert ledger.record("ccvr", 2, release("r2", 3.0)) == [2.0]
-    assert ledger.multipliers("ccvr") == [2.0, 3.0]
+    assert ledger.record("ccvr", 3, release("r3", 4.0)) == [2.0, 3.0]
+    assert ledger.multipliers("ccvr") == [2.0, 3.0, 4.0]
+
+
+def test_which_rounds_were_released_and_which_releases_a_checkpoint_does_not_know():
+    ledger = PrivacyLedger()
+    for method, round_, name in [("ccvr", 1, "a"), ("fedpac", 1, "b"), ("ccvr", 2, "c"), ("fedpac", 3, "d")]:
+        ledger.record(method, round_, release(name))
+    assert ledger.released("ccvr", 2) and not ledger.released("ccvr", 3) and not ledger.released("fedpac", 2)
+    assert [e.digest for e in ledger.after("ccvr", 1)] == ["c"]
+    assert [e.digest for e in ledger.after("fedpac", 1)] == ["d"]
+    assert ledger.after("ccvr", 5) == []
+
+
+def test_a_ledger_file_that_cannot_be_read_is_named_and_refused(tmp_path):
+    (tmp_path / "privacy_ledger.json").write_text(json.dumps({"version": 2, "releases": []}))
+    with pytest.raises(RunDirError, match=r"privacy_ledger.json: not a readable privacy ledger \(version 2, "
+                                          r"expected 1\); the budget spent cannot be known, so the run is not "
+                                          r"resumed$"):
+        PrivacyLedger(tmp_path)
+    (tmp_path / "new").mkdir()
+    ledger = PrivacyLedger(tmp_path / "new")  # none yet: an empty ledger, written at its first release
+    ledger.record("ccvr", 1, release("a", 2.5))
+    assert PrivacyLedger(tmp_path / "new").entries == ledger.entries
 
 
 def test_a_replay_of_an_uninterrupted_history_adds_to_what_the_uninterrupted_run_did():
@@ -67,6 +90,9 @@ def test_the_checkpoints_releases_may_lie_anywhere_in_the_ledger():
     for r, z in [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (4, 40.0), (5, 50.0)]:
         ledger.record("ccvr", r, release(f"r{r}-{z}", z))
     ledger.check_covers("ccvr", [1.0, 2.0, 3.0, 40.0, 4.0])
+    with pytest.raises(RunDirError, match=r"holds 0 matching ones \(of 7\); without it the budget spent cannot "
+                                          r"be known, so the run is not resumed \(start a new run\)$"):
+        ledger.check_covers("ccvr", [1.0 + 1e-10])  # a multiplier is matched exactly (float64 both ways)
     with pytest.raises(RunDirError, match=r"holds 5 matching ones \(of 7\)"):
         ledger.check_covers("ccvr", [1.0, 2.0, 3.0, 40.0, 4.0, 6.0])
     with pytest.raises(RunDirError):
