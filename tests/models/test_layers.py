@@ -470,11 +470,13 @@ def test_second_derivatives_through_per_client_convs_are_pytorchs():
 
 
 class Convolutions(OpCounter):
-    """Also the ``groups`` of each convolution, forward and backward."""
+    """Also the ``groups`` of each convolution, forward and backward, and the gradients each backward call
+    computes (its output mask: input, weight, bias)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.groups: list[tuple[str, int]] = []
+        self.masks: list[tuple[bool, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
@@ -482,7 +484,36 @@ class Convolutions(OpCounter):
             self.groups.append((name, args[8]))
         elif name == "aten.convolution_backward":
             self.groups.append((name, args[9]))
+            self.masks.append(tuple(args[10]))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_through_a_shared_frozen_layer_the_input_gradient_is_one_call():
+    """A layer every client shares and nobody trains (a global model's encoder on the clients' batches): the
+    clients' input gradients come from one ordinary call over all their samples, equal to PyTorch's rule."""
+    reference, ours = conv_pair(CONVS[1])
+    params, x = client_convs(reference)
+    shared = {n: t[0] for n, t in params.items()}
+    want = vmap(grad(conv_loss(reference), argnums=1), in_dims=(None, 0))(shared, x)
+    with client_batching("per_client"), Convolutions() as counter:
+        got = vmap(grad(conv_loss(ours), argnums=1), in_dims=(None, 0))(shared, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counter.groups == [("aten.convolution", 1), ("aten.convolution_backward", 1)]
+    assert counter.masks == [(True, False, False)] and got.shape == x.shape
+
+
+def test_a_frozen_bias_or_input_gets_no_gradient_computed():
+    """Per client, the backward computes only the gradients asked for: none for a frozen bias (a fine-tuned
+    encoder's), none for the images."""
+    reference, ours = conv_pair(CONVS[0])
+    params, x = client_convs(reference)
+
+    def loss(weight, x):  # the bias frozen: a constant of the loss
+        return conv_loss(ours)({"weight": weight, "bias": params["bias"][0]}, x)
+
+    with client_batching("per_client"), Convolutions() as counter:
+        vmap(grad(loss))(params["weight"], x)
+    assert counter.masks == [(False, True, False)] * 3
 
 
 @pytest.mark.parametrize("mode", ["grouped", "per_client"])
