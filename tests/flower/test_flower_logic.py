@@ -261,3 +261,31 @@ def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkey
     kept = next(v for k, v in floored.state.items() if k.endswith("private-answers"))
     assert {r: len(d) for r, d in json.loads(str(kept["json"]))["ccvr"].items()} == {"1": 1, "2": 1, "3": 2}
     assert not any(k.endswith("private-answers") for k in grid.contexts[grid.ids[1]].state)
+
+
+def test_a_fedpac_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkeypatch):
+    """FedPAC's uploads carry their noise (counts and feature sums, one release a round: 2 planned); the
+    server is killed at the start of round 2 before any checkpoint and resumed from the start, so it asks
+    round 1 again. The node with a floor answers it with fresh noise (its second release) and refuses round 2."""
+    overrides = [*SMALL, "algorithm.name=fedpac", "algorithm.dp_epsilon=4", "algorithm.dp_noise=local",
+                 "algorithm.dp_noise_source=os", "runtime.checkpoint_every=2", "runtime.flower_min_replies=2"]
+    grid = LoopbackGrid(3)
+    floored = grid.contexts[grid.ids[1]]
+    floored.node_config["dp-epsilon"] = 4.0
+    run = tmp_path / "run"
+    original = Experiment.round
+
+    def killed(self, server, clients, round_, reporter):  # type: ignore[no-untyped-def]
+        if round_ == 2:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_on(grid, overrides, run)
+    monkeypatch.setattr(Experiment, "round", original)
+    run_on(grid, overrides, run, resume=True)
+    got = metrics(run)
+    assert [x["failed_clients"] for x in got] == [[], [1]], got
+    kept = next(v for k, v in floored.state.items() if k.endswith("private-answers"))
+    assert {r: len(d) for r, d in json.loads(str(kept["json"]))["fedpac"].items()} == {"1": 2}
