@@ -500,6 +500,13 @@ def test_through_a_shared_frozen_layer_the_input_gradient_is_one_call():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert counter.groups == [("aten.convolution", 1), ("aten.convolution_backward", 1)]
     assert counter.masks == [(True, False, False)] and got.shape == x.shape
+    # trained (a shared layer without a bias): each client's own weight gradient, per client
+    want = vmap(grad(conv_loss(reference), argnums=(0, 1)), in_dims=(None, 0))(shared, x)
+    with client_batching("per_client"):
+        got = vmap(grad(conv_loss(ours), argnums=(0, 1)), in_dims=(None, 0))(shared, x)
+    assert got[0]["weight"].shape == (x.shape[0], *shared["weight"].shape)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_frozen_bias_or_input_gets_no_gradient_computed():
