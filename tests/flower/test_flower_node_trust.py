@@ -107,6 +107,21 @@ def test_a_nodes_seeded_noise_never_weakens_the_servers_operating_system_noise()
     assert node.runtime(seeded, context(**{"dp-noise-source": "seed"})).posthoc[0].hp.dp_noise_source == "seed"
 
 
+def test_a_nodes_floor_holds_for_its_own_upload_where_the_server_sees_each_upload():
+    """Distributed noise without secure aggregation gives each upload 1/sqrt(clients) of the noise: the server,
+    which sees each upload, faces epsilon 7.6 per upload where the node asked for at most 4. A node with a
+    dp-epsilon floor then adds the whole noise itself (local); under secure aggregation (the server sees the
+    sum only) it keeps its share."""
+    plain = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4")
+    step = node.runtime(plain, context(**{"dp-epsilon": 4.0})).posthoc[0]
+    assert step.hp.dp_noise == "local" and step.hp.dp_epsilon == 4.0
+    assert step.mechanism.guarantee([step.mechanism.sum_multiplier(2)])["dp_epsilon_per_upload"] <= 4.0 + 1e-9
+    secure = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4",
+                           "runtime.secure_aggregation=true", "runtime.secagg_reconstruction_threshold=2")
+    assert node.runtime(secure, context(**{"dp-epsilon": 4.0})).posthoc[0].hp.dp_noise == "distributed"
+    assert node.runtime(plain, context(**{"dp-noise-source": "os"})).posthoc[0].hp.dp_noise == "distributed"
+
+
 def test_a_node_that_requires_privacy_refuses_a_method_without_it():
     with pytest.raises(NodeError, match="dp-epsilon"):
         node.runtime(server_config("algorithm.name=fedavg"), context(**{"dp-epsilon": 2.0}))

@@ -13,8 +13,10 @@ of the dataset is; default: the config's ``data.root``), ``state-dir`` (a folder
 client's persistent state, needed to resume a deployed run of a stateful method), ``threads``
 (torch CPU threads), and the node's privacy floor: ``dp-epsilon`` and ``dp-delta`` (the most
 this node's differentially private releases may spend: the smaller of the node's and the
-server's setting is used), ``dp-noise-source`` (``os`` or ``seed``: ``os`` wins where either side
-asks for it; a node that does not want the server to know its noise sets ``os``). A node with a
+server's setting is used; the whole noise in the node's own upload where the server would see it with
+only a share: distributed noise without secure aggregation), ``dp-noise-source`` (``os`` or ``seed``:
+``os`` wins where either side asks for it; a node that does not want the server to know its noise sets
+``os``). A node with a
 floor refuses a method that releases nothing under differential privacy, or a run with it
 switched off. The server's accounting then bounds what such a node spends from above.
 
@@ -144,7 +146,10 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
     privacy (the trainer's and each post-hoc step's settings with a ``dp_epsilon``): the smaller epsilon and
     delta of the node's and the server's, and fresh noise ("os") where either asks for it (a floor only
     strengthens: seeded noise in place of the server's "os" could be recomputed from the run config by the
-    server, which records "os"). A NodeError when no part can honour it, or
+    server, which records "os"); and, with an epsilon floor, the whole noise in the node's own upload
+    ("local") where the server would see it with only a share of the noise (distributed noise without
+    secure aggregation; the server's sum is then noisier than its accounting assumes: its reported epsilon
+    stays an upper bound). A NodeError when no part can honour it, or
     when the run has differential privacy off for such a part (the server would not expect noisy replies:
     their form and its calibration differ), so the node's floor is never silently unmet."""
     if not floor:
@@ -171,6 +176,13 @@ def with_privacy_floor(cfg: Any, floor: dict[str, Any]) -> Any:
             if table[setting] != theirs:
                 log.warning("hetfl node: %s%s = %r (the server's %r): the node's privacy floor", prefix, setting,
                             table[setting], theirs)
+        noise = table.get("dp_noise", defaults.get("dp_noise"))
+        if "dp_epsilon" in floor and noise == "distributed" and not cfg.runtime.secure_aggregation:
+            # the server sees this upload on its own, which a share of the noise protects far less than the sum
+            table["dp_noise"] = "local"
+            log.warning("hetfl node: %sdp_noise = 'local' (the server's 'distributed'): without secure aggregation "
+                        "the server sees each upload, and the node's dp-epsilon floor holds for its own upload "
+                        "only with the whole noise in it", prefix)
     return replace(cfg, algorithm=replace(cfg.algorithm, params=params))
 
 
