@@ -230,6 +230,28 @@ def test_malformed_replies_below_the_quorum_stop_the_run_with_the_reason(tmp_pat
     assert not (tmp_path / "r" / "summary.json").exists()
 
 
+def killed_then_resumed(grid: LoopbackGrid, overrides: list[str], run: Path, kill_round: int, monkeypatch) -> None:
+    """A run on ``grid`` whose server is killed at the start of round ``kill_round``, then resumed to its end."""
+    original = Experiment.round
+
+    def killed(self, server, clients, round_, reporter):  # type: ignore[no-untyped-def]
+        if round_ == kill_round:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_on(grid, overrides, run)
+    monkeypatch.setattr(Experiment, "round", original)
+    run_on(grid, overrides, run, resume=True)
+
+
+def answers_per_round(context: Context, method: str) -> dict[str, int]:
+    """How many private answers a node gave ``method`` in each round (its floor's count, in its context)."""
+    kept = next(v for k, v in context.state.items() if k.endswith("private-answers"))
+    return {r: len(d) for r, d in json.loads(str(kept["json"]))[method].items()}
+
+
 def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkeypatch):
     """CCVR calibrates every round with fresh noise (4 releases planned), a checkpoint every 2 rounds; the
     server is killed at the start of round 4 (round 3 answered, not checkpointed) and resumed, so it asks
@@ -243,23 +265,11 @@ def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkey
     floored = grid.contexts[grid.ids[0]]
     floored.node_config["dp-epsilon"] = 8.0  # the server's 4 is stricter: its calibration, and the count
     run = tmp_path / "run"
-    original = Experiment.round
-
-    def killed(self, server, clients, round_, reporter):  # type: ignore[no-untyped-def]
-        if round_ == 4:
-            raise KeyboardInterrupt
-        return original(self, server, clients, round_, reporter)
-
-    monkeypatch.setattr(Experiment, "round", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_on(grid, overrides, run)
-    monkeypatch.setattr(Experiment, "round", original)
-    run_on(grid, overrides, run, resume=True)
+    killed_then_resumed(grid, overrides, run, 4, monkeypatch)
     got = metrics(run)
     assert [x["round"] for x in got] == [1, 2, 3, 4]
     assert got[2]["failed_clients"] == [] and got[3]["failed_clients"] == [0], got
-    kept = next(v for k, v in floored.state.items() if k.endswith("private-answers"))
-    assert {r: len(d) for r, d in json.loads(str(kept["json"]))["ccvr"].items()} == {"1": 1, "2": 1, "3": 2}
+    assert answers_per_round(floored, "ccvr") == {"1": 1, "2": 1, "3": 2}
     assert not any(k.endswith("private-answers") for k in grid.contexts[grid.ids[1]].state)
 
 
@@ -273,19 +283,7 @@ def test_a_fedpac_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path,
     floored = grid.contexts[grid.ids[1]]
     floored.node_config["dp-epsilon"] = 4.0
     run = tmp_path / "run"
-    original = Experiment.round
-
-    def killed(self, server, clients, round_, reporter):  # type: ignore[no-untyped-def]
-        if round_ == 2:
-            raise KeyboardInterrupt
-        return original(self, server, clients, round_, reporter)
-
-    monkeypatch.setattr(Experiment, "round", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_on(grid, overrides, run)
-    monkeypatch.setattr(Experiment, "round", original)
-    run_on(grid, overrides, run, resume=True)
+    killed_then_resumed(grid, overrides, run, 2, monkeypatch)
     got = metrics(run)
     assert [x["failed_clients"] for x in got] == [[], [1]], got
-    kept = next(v for k, v in floored.state.items() if k.endswith("private-answers"))
-    assert {r: len(d) for r, d in json.loads(str(kept["json"]))["fedpac"].items()} == {"1": 2}
+    assert answers_per_round(floored, "fedpac") == {"1": 2}

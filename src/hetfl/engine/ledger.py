@@ -96,7 +96,8 @@ class PrivacyLedger:
         multipliers in its server state; each matched by a release of its own, wherever it lies: a replay
         after an earlier resume counts releases of that resume): a ledger that lost any of them cannot say
         what was spent."""
-        unmatched = self.multipliers(method)
+        held = self.multipliers(method)
+        unmatched = list(held)
         matched = 0
         for multiplier in recorded:
             found = next((i for i, m in enumerate(unmatched) if math.isclose(m, multiplier, rel_tol=1e-12)), None)
@@ -104,10 +105,9 @@ class PrivacyLedger:
                 unmatched.pop(found)
                 matched += 1
         if matched < len(recorded):
-            held = len(self.multipliers(method))
             raise RunDirError(f"{self.path}: the checkpoint accounts for {len(recorded)} differentially private "
                               f"release(s) of {method} but the privacy ledger holds {matched} matching ones (of "
-                              f"{held}); without it the budget spent cannot be known, so the run is not resumed "
+                              f"{len(held)}); without it the budget spent cannot be known, so the run is not resumed "
                               "(start a new run)")
 
     def write(self) -> None:
