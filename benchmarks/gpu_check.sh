@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see
-# benchmarks/README.md): "quick" (one call, ~9 min): the throughput table (grouped and per-client
-# convolutions), a profile of one round, k clients' convolutions several ways, CCVR's Table 2 timing; "suite": the test suite with
-# CUDA present (the CUDA-only tests among it); "memory" (~3 min, not in "all"): device memory and
+# benchmarks/README.md): "quick" (one call, ~9.5 min): the throughput table in bf16 (grouped and per-client
+# convolutions), the quick test suite with CUDA present, CCVR's Table 2 timing, k clients' convolutions several
+# ways; "suite": the test suite alone; "profile": a profile of one round; "memory" (~3 min, not in "all"): device memory and
 # CUDA graphs kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
 #   bash benchmarks/gpu_check.sh [quick|suite|memory|all]
@@ -15,18 +15,22 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9 minutes: fits one call of a 15-minute lease
-  timeout 270 python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 --clients 20 \
-    --batch-sizes 64 10 --out "$OUT/results" 2>&1 | tail -8
-  timeout 50 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
-  timeout 90 python3 benchmarks/conv_kernels.py --clients 20 --batch-size 64 --dtype bf16 --check 2>&1 \
-    | tee -a "$OUT/results/conv_kernels_cuda.md" | tail -9
-  timeout 130 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 --budget-s ${CCVR_BUDGET_S:-120} \
-    --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9.5 minutes: one call of a 15-minute lease
+  timeout ${THROUGHPUT_S:-210} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
+    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_pc} --out "$OUT/results" 2>&1 | tail -8
 fi
-if [[ $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
-  timeout ${SUITE_S:-280} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \
+if [[ $WHAT == quick || $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
+  timeout ${SUITE_S:-150} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \
     2>&1 | tee "$OUT/suite.log" | tail -40
+fi
+if [[ $WHAT == quick || $WHAT == all ]]; then
+  timeout 130 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 --budget-s ${CCVR_BUDGET_S:-110} \
+    --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+  timeout 60 python3 benchmarks/conv_kernels.py --clients 20 --batch-size 64 --dtype bf16 --check 2>&1 \
+    | tee -a "$OUT/results/conv_kernels_cuda.md" | tail -9
+fi
+if [[ $WHAT == profile ]]; then
+  timeout 50 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
   timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \

@@ -347,6 +347,7 @@ def test_reproduce_list_labels_estimates_measured_or_rough(capsys, monkeypatch):
 def test_a_sweep_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_path, capsys):
     """A cell its executor refuses (Flower cannot save client models) is exit 2 naming the key before any
     run of the plan starts; it used to run the cells before it first (the sequential cell here)."""
+    pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
     out = tmp_path / "sweep"
     argv = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(out), "--quiet",
             "--grid", "runtime.executor=sequential,flower", *set_args([*TINY, "runtime.save_client_models=[1]"])]
@@ -358,6 +359,7 @@ def test_a_sweep_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_pa
 def test_reproduce_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_path, capsys):
     from tests.helpers.runs import PRESET
 
+    pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
     flower_row = 'metric = "best5:global_acc"\nset = { runtime = { executor = "flower", save_client_models = [1] } }'
     preset = PRESET.replace('metric = "best5:global_acc"', flower_row)
     assert flower_row in preset

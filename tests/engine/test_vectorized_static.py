@@ -23,6 +23,7 @@ from tests.helpers.executors import (
     SYNTHETIC,
     compare_one_round,
     local_training,
+    local_training_on_cuda,
     round_contexts,
 )
 
@@ -316,7 +317,7 @@ def test_cuda_graph_steps_equal_sequential_on_cuda(method):
 def test_every_method_vectorises_on_cuda_as_on_the_cpu(method):
     """No method falls back to sequential clients on a GPU (compare_one_round fails on a
     "falling back" note), and its vmapped clients equal its sequential ones there."""
-    steps = local_training(method)
+    steps = local_training_on_cuda(method)
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "runtime.device=cuda", *steps]))
     compare_one_round(exp, step_mode="eager")
 
