@@ -37,6 +37,9 @@ VARIANTS = {
     "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
+    # the steps compiled by torch.compile: one compile per step shape, in round 1's time
+    "graph_bf16_compiled": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16",
+                            "runtime.compile=true"],
 }
 
 

@@ -10,9 +10,11 @@
     "graph"), with that in bfloat16 autocast ("graph_bf16"), each of those with one ordinary
     convolution per client instead of a grouped one (``runtime.conv_batching = "per_client"``:
     "graph_pc", "graph_bf16_pc"), and, with ``--variants``, bf16 with image batches laid out
-    channels-last (``runtime.channels_last = true``: "graph_bf16_cl"); on a CPU (c') also runs
-    with per-client convolutions ("vmap_pc"). c/a, c/b and c/d use the fastest of the vectorised
-    variants.
+    channels-last (``runtime.channels_last = true``: "graph_bf16_cl") and with the steps compiled by
+    ``torch.compile`` (``runtime.compile = true``: "graph_compiled", "graph_bf16_compiled"; their
+    compiles, one per step shape, happen in the warm-up round, timed apart as ``warmup_s``); on a CPU
+    (c') also runs with per-client convolutions ("vmap_pc") and, with ``--variants``, compiled
+    ("vmap_compiled"). c/a, c/b and c/d use the fastest of the vectorised variants.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation); on CUDA also
     (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
@@ -63,14 +65,17 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def hetfl_round(exp: Experiment) -> dict[str, float]:
-    """(b)/(c): one warm-up round, then one timed round, training and evaluation timed apart."""
+    """(b)/(c): one warm-up round (timed too: the CUDA graphs' captures and torch.compile's compiles
+    happen there), then one timed round, training and evaluation timed apart."""
     server, _, _ = exp.setup_round(exp.initial_server())
     clients: dict = {}
-    server = exp.round(server, clients, 1, Reporter())["_server"]
+    first: dict = {}
+    warmup_s = timed(lambda: first.update(exp.round(server, clients, 1, Reporter())))
+    server = first["_server"]
     out: dict = {}
     train_s = timed(lambda: out.update(exp.round(server, clients, 2, Reporter())))
     eval_s = timed(lambda: exp.evaluate(out["_server"], clients, 2))
-    return {"train_s": train_s, "eval_s": eval_s, "samples": sum(exp.data.client_sizes)}
+    return {"train_s": train_s, "eval_s": eval_s, "warmup_s": warmup_s, "samples": sum(exp.data.client_sizes)}
 
 
 def peer_round(exp: Experiment, batch_size: int, lr: float) -> dict[str, float]:
@@ -148,7 +153,7 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="on CUDA, skip the CUDA-graph variants")
     parser.add_argument("--variants", nargs="+", choices=[*GRAPH_VARIANTS, *CPU_VARIANTS], default=None,
                         help="the CUDA-graph variants (CUDA) or vmapped variants (CPU) to run besides "
-                             "sequential and vectorized (default: all but graph_bf16_cl)")
+                             f"sequential and vectorized (default: all but {', '.join(ON_REQUEST)})")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,7 +172,7 @@ def main() -> None:
                             "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"]}
                 extra = CPU_VARIANTS if device == "cpu" else {} if args.no_graph else GRAPH_VARIANTS
                 for name, keys in extra.items():
-                    if name in (args.variants or [v for v in extra if v != "graph_bf16_cl"]):
+                    if name in (args.variants or [v for v in extra if v not in ON_REQUEST]):
                         variants[name] = keys
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
@@ -238,16 +243,24 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "vmap": "(c') vmap on CPU", "graph": "(c) + CUDA graph", "graph_bf16": "(c) + graph, bf16",
            "graph_bf16_cl": "(c) + graph, bf16, channels-last", "graph_pc": "(c) + graph, per-client convs",
            "graph_bf16_pc": "(c) + graph, bf16, per-client convs", "vmap_pc": "(c') vmap, per-client convs",
+           "graph_compiled": "(c) + graph, compiled", "graph_bf16_compiled": "(c) + graph, bf16, compiled",
+           "vmap_compiled": "(c') vmap, compiled",
            "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
-VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc")
+VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc", "graph_compiled",
+              "graph_bf16_compiled")
 _GRAPH = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
 _PER_CLIENT = "runtime.conv_batching=per_client"
+_COMPILE = "runtime.compile=true"
 GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16"],
                   "graph_pc": [*_GRAPH, _PER_CLIENT], "graph_bf16_pc": [*_GRAPH, "train.precision=bf16", _PER_CLIENT],
-                  "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"]}
+                  "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"],
+                  "graph_compiled": [*_GRAPH, _COMPILE],
+                  "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE]}
 _VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
-CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT]}
+CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE]}
+# run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
+ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled")
 
 
 if __name__ == "__main__":

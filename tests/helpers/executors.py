@@ -47,7 +47,8 @@ def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int =
         vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, round_), exp.data,
                                        seed=exp.cfg.seed, train_cfg=exp.cfg.train, chunk_size=chunk_size,
                                        step_mode=mode, log=notes.append,
-                                       conv_batching=exp.cfg.runtime.conv_batching)
+                                       conv_batching=exp.cfg.runtime.conv_batching,
+                                       compile_steps=exp.cfg.runtime.compile)
         assert not [n for n in notes if "falling back" in n], notes
         assert len(seq) == len(vec)
         for a, b in zip(seq, vec, strict=True):

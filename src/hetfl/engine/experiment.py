@@ -586,7 +586,8 @@ class Experiment:
                                                log=lambda message: self.note(message, reporter),
                                                memo=self.chunk_sizes, cache=self.vectorized_cache,
                                                channels_last=cfg.runtime.channels_last and on_cuda,
-                                               conv_batching=cfg.runtime.conv_batching)
+                                               conv_batching=cfg.runtime.conv_batching,
+                                               compile_steps=cfg.runtime.compile)
             for _ in results:
                 reporter.client_done()
             return results

@@ -21,7 +21,9 @@ up to floating-point reassociation in batched kernels.
 Speed on CUDA. Each call shape of the plan (a block of up to 16 steps, a first
 step, a short last batch) is captured once as a CUDA graph and replayed, in
 later rounds too (:class:`CompiledCall`; :class:`VectorizedCache` keeps the
-``MAX_KEPT_CALLS`` most recently used).
+``MAX_KEPT_CALLS`` most recently used). With ``runtime.compile`` each step's gradients
+are compiled by ``torch.compile`` first (:mod:`hetfl.engine.compiled_step`: fewer, fused
+kernels per step).
 
 Fallback. Clients whose stage structure or per-client tensor shapes differ are
 run in separate groups; a group whose step cannot be vmapped (data-dependent
@@ -35,7 +37,7 @@ import contextlib
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from torch.func import vmap
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
 from hetfl.engine import step_plan
+from hetfl.engine.compiled_step import run_compiled
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, functional_grad, run_stages, step_gradients
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
@@ -253,7 +256,7 @@ class VectorizedGroup:
         self, plans: list[ClientPlan], data: FederatedData, *, seed: int, batch_size: int, drop_last: bool,
         max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32", step_mode: str = "eager",
         log: Log | None = None, cache: VectorizedCache | None = None, block_steps: int | None = None,
-        channels_last: bool = False, conv_batching: str = "grouped",
+        channels_last: bool = False, conv_batching: str = "grouped", compile_steps: bool = False,
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
@@ -282,6 +285,12 @@ class VectorizedGroup:
         self.key = (plans[0].key(), len(plans))
         self.buffers = self._buffers()
         self.template.__dict__["shared"] = self.buffers.shared  # what a captured step reads: kept buffers
+        # runtime.compile: the steps' gradients by torch.compile (hetfl.engine.compiled_step), from a plain
+        # copy of the template's values; off while a call's reference runs (CompiledCall.build)
+        self.compile_steps = compile_steps
+        self.base = ClientContext(**{f.name: object.__getattribute__(self.template, f.name)
+                                     for f in fields(ClientContext)})
+        self.uncompilable = self.cache.uncompilable if self.cache is not None else set()
 
     def _buffers(self) -> GroupBuffers:
         if self.cache is not None:
@@ -321,9 +330,30 @@ class VectorizedGroup:
                                   buffers=model_buffers, precision=precision)
 
         in_dims = (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
+        key = stage_key(stage)
+        if self.compile_steps and key not in self.uncompilable:
+            try:
+                return run_compiled(stage, self.base, max_norm, model_buffers, precision, in_dims, state, batch.x,
+                                    batch.y, batch.draws, payload, cstate, extras)
+            except torch.cuda.OutOfMemoryError:  # the chunk is halved (train_clients_vectorized), still compiled
+                raise
+            except Exception as err:  # Dynamo's and Inductor's errors have no common base
+                self.uncompilable.add(key)
+                if self.log is not None:
+                    self.log(f"vectorized: torch.compile could not compile stage {stage.name!r}; running it "
+                             f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
             return vmap(one, in_dims=in_dims, randomness="error")(
                 state, batch.x, batch.y, batch.draws, payload, cstate, extras)
+
+    @contextlib.contextmanager
+    def uncompiled(self) -> Iterator[None]:
+        """Steps run uncompiled inside (a call's reference run: it records the plain values read)."""
+        compile_steps, self.compile_steps = self.compile_steps, False
+        try:
+            yield
+        finally:
+            self.compile_steps = compile_steps
 
     def step(self, stage: Stage, index: int, first: bool, rows: torch.Tensor | None, idx: torch.Tensor,
              augment: torch.Tensor | None, draws: Tensors, start: int = 0) -> None:
@@ -467,6 +497,7 @@ class VectorizedCache:
     buffers: dict[Any, GroupBuffers] = field(default_factory=dict)
     programs: OrderedDict[Any, CompiledCall] = field(default_factory=OrderedDict)
     uncapturable: set[Any] = field(default_factory=set)  # stage keys whose capture failed: run eagerly
+    uncompilable: set[Any] = field(default_factory=set)  # stage keys torch.compile failed on: run uncompiled
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
     max_calls: int = MAX_KEPT_CALLS
     dropped: int = 0  # compiled calls dropped to keep within max_calls
@@ -558,15 +589,22 @@ class CompiledCall:
         group, template = self.group, self.group.template
         template.reads.clear()
         if group.step_mode != "graph" or stage_key(self.stage) in group.uncapturable:
-            group.body(self.stage, self.index, self.inputs)
+            with group.uncompiled():
+                group.body(self.stage, self.index, self.inputs)
             self._built(template)
             return
         tensors = group.buffers.tensors(self.index)
         before = [{n: t.clone() for n, t in d.items()} for d in tensors]
-        with side_stream(group.data.device):
+        with side_stream(group.data.device), group.uncompiled():
             group.body(self.stage, self.index, self.inputs)  # warm-up, and the reference
         self._built(template)
         tensors = group.buffers.tensors(self.index)  # the warm-up may have added a metric's sums
+        if group.compile_steps:
+            # the compiled step's own run is the reference (the graph replays its kernels, which round
+            # otherwise than the uncompiled step's), compiled before the capture, which must not compile
+            restore(tensors, before)
+            with side_stream(group.data.device):
+                group.body(self.stage, self.index, self.inputs)
         reference = [{n: t.clone() for n, t in d.items()} for d in tensors]
         restore(tensors, before)
         try:
@@ -694,6 +732,7 @@ def train_clients_vectorized(
     cache: VectorizedCache | None = None,
     channels_last: bool = False,
     conv_batching: str = "grouped",
+    compile_steps: bool = False,
 ) -> list[LocalResult]:
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
@@ -703,7 +742,8 @@ def train_clients_vectorized(
     caller across rounds) remembers the chunk size found for each group structure.
     ``step_mode``: see :class:`VectorizedGroup`; ``cache`` (kept by the caller) keeps the
     compiled calls (CUDA graphs) and their buffers for the next rounds; ``conv_batching``: how
-    convolutions of per-client weights are batched (:mod:`hetfl.models.layers`).
+    convolutions of per-client weights are batched (:mod:`hetfl.models.layers`); ``compile_steps``: each
+    step's gradients by ``torch.compile`` (:mod:`hetfl.engine.compiled_step`).
     """
     plans = []
     for ctx in ctxs:
@@ -736,7 +776,7 @@ def train_clients_vectorized(
             try:
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
                                       cache=cache, channels_last=channels_last, conv_batching=conv_batching,
-                                      **settings).run()
+                                      compile_steps=compile_steps, **settings).run()
             except torch.cuda.OutOfMemoryError:
                 if cache is not None:  # free what this chunk size kept: a smaller one is tried next
                     cache.drop(len(chunk))

@@ -1,0 +1,118 @@
+"""The vectorised step compiled by ``torch.compile`` (``runtime.compile``): fused kernels per step.
+
+On a GPU, at the small batches of federated clients, a vectorised step's time is its number of
+kernels times their latency: the elementwise ops around each layer, the pooling, the casts of
+bfloat16 autocast and the layout copies that ``vmap``'s batching rules make are each a kernel
+(benchmarks/results/step_ops_cpu.md). Inductor fuses them into a few generated kernels around
+cuDNN's convolutions and cuBLAS's matrix products: ``benchmarks/conv_kernels.py`` measured cnn2's
+encoder step 1.55x faster than plain ``vmap`` on an H100 (1.36x faster than hetfl's own batching
+rules, and faster than one model's step on all the clients' samples together).
+
+What is compiled is exactly the function the eager step runs: ``vmap`` over the clients of
+:func:`hetfl.engine.local.step_gradients` (the loss, its gradient and transform). The SGD update
+and the bookkeeping stay outside, as in the eager step, so a compiled step changes nothing but
+floating-point rounding. hetfl's layers run their plain PyTorch forms here (not their batching
+rules under :func:`hetfl.models.layers.client_batching`, whose ``autograd.Function`` s Dynamo
+cannot trace): what those rules save (layout copies), Inductor fuses.
+
+Compilation. One compile per step shape (clients at once and batch size: Dynamo specialises
+``vmap``'s batch size), seconds each, paid in the first round that meets the shape and kept by
+Dynamo for the process; Inductor's on-disk cache makes a later process's compiles quicker. The
+step reads the round's plain values (round, learning rate...) through :class:`StepContext`, so
+Dynamo guards on (and recompiles for) only those the method reads. A step that cannot be
+compiled (an op Dynamo cannot trace, no C++ compiler for Inductor on a CPU, too many shapes)
+runs uncompiled, with the reason logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.func import vmap
+
+from hetfl.algorithms.base import Batch, ClientContext, Stage, Tensors
+from hetfl.engine.local import functional_grad, step_gradients
+
+# step shapes Dynamo may compile the step for in a process (its default, 8, is a handful of shapes)
+RECOMPILE_LIMIT = 256
+
+
+class StepContext(ClientContext):
+    """The context a compiled step sees: one client's tensors (swapped in inside ``vmap``) and the
+    round's plain values, read from ``base`` only when the step reads them, so that Dynamo guards on
+    only those. A plain object that Dynamo traces (the eager step's
+    :class:`hetfl.engine.vectorized.TemplateContext` records reads with a ``__getattribute__`` hook,
+    which Dynamo cannot trace)."""
+
+    def __init__(self, base: ClientContext, payload: Tensors, state: Tensors, extras: Tensors) -> None:
+        self.base = base
+        self.payload, self.state, self.extras = payload, state, extras
+
+    @property  # type: ignore[override]
+    def client_id(self) -> int:
+        return self.base.client_id
+
+    @property  # type: ignore[override]
+    def round(self) -> int:
+        return self.base.round
+
+    @property  # type: ignore[override]
+    def num_samples(self) -> int:
+        return self.base.num_samples
+
+    @property  # type: ignore[override]
+    def lr(self) -> float:
+        return self.base.lr
+
+    @property  # type: ignore[override]
+    def features(self) -> Any:
+        return self.base.features
+
+    @property  # type: ignore[override]
+    def inputs(self) -> Any:
+        return self.base.inputs
+
+    @property  # type: ignore[override]
+    def shared(self) -> Tensors:
+        return self.base.shared
+
+
+def vmapped_step(stage: Stage, base: ClientContext, max_norm: float, buffers: tuple[str, ...], precision: str,
+                 in_dims: tuple[Any, ...], state: Tensors, x: torch.Tensor, y: torch.Tensor, draws: Tensors,
+                 payload: Tensors, cstate: Tensors, extras: Tensors) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+    """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every client row, vmapped (what
+    :meth:`hetfl.engine.vectorized.VectorizedGroup.vmapped_gradients` runs), as one function of
+    plain arguments for ``torch.compile``: the rows' gradients, model buffers, losses and metrics."""
+
+    def one(state_c, x_c, y_c, draws_c, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
+        ctx = StepContext(base, payload_c, cstate_c, extras_c)
+        return step_gradients(stage, state_c, Batch(x_c, y_c, draws_c), ctx, max_norm, grad_fn=functional_grad,
+                              buffers=buffers, precision=precision)
+
+    return vmap(one, in_dims=in_dims, randomness="error")(state, x, y, draws, payload, cstate, extras)
+
+
+# torch.compile's backend: Inductor (generated fused kernels). The tests trace with "aot_eager" (Dynamo
+# and AOTAutograd, no code generation: seconds less per shape on a CPU), and one test with Inductor.
+BACKEND = "inductor"
+
+
+@functools.cache
+def compiled_vmapped_step(backend: str) -> Callable[..., Any]:
+    """:func:`vmapped_step` under ``torch.compile`` (made once per backend: Dynamo keeps the compiled
+    shapes on the function's code); ``fullgraph``: a step Dynamo would split is refused, not run in pieces."""
+    return torch.compile(vmapped_step, backend=backend, fullgraph=True, dynamic=False)
+
+
+def run_compiled(*args: Any) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+    """:func:`compiled_vmapped_step` of ``args`` (those of :func:`vmapped_step`), compiling its
+    shape on first use; raises what Dynamo or Inductor raise when it cannot be compiled."""
+    import torch._dynamo  # imported on first use: it takes a while
+
+    # the setting's name since torch 2.6 (cache_size_limit before)
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{name: RECOMPILE_LIMIT}):
+        return compiled_vmapped_step(BACKEND)(*args)

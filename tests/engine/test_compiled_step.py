@@ -1,0 +1,162 @@
+"""``runtime.compile``: the vectorised step's gradients by ``torch.compile`` give the sequential clients.
+
+What hetfl adds to ``torch.compile`` (the step as one traceable function, its context, the guards on the
+round's values, compiling before a capture, the fallback) is traced here with the "aot_eager" backend
+(Dynamo and AOTAutograd, no generated code). Inductor's generated kernels take 10-20 s of C++
+compiles per step shape on two cores: one test runs them, on request (``HETFL_TEST_INDUCTOR=1``, set
+by ``benchmarks/gpu_check.sh``; on a CPU it needs a C++ compiler).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from hetfl import config
+from hetfl.algorithms.base import ClientContext
+from hetfl.engine import compiled_step, vectorized
+from hetfl.engine.compiled_step import StepContext
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.local import train_client
+from tests.helpers import MNIST, needs_shared_data
+from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
+
+needs_cpp_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                                        reason="Inductor compiles the CPU kernels with a C++ compiler")
+# Inductor's own code generation: 13 s of C++ compiles on two cores with a cold cache, a twentieth of the
+# whole suite's time budget, for what PyTorch tests itself; benchmarks/gpu_check.sh runs it (set there)
+inductor_on_request = pytest.mark.skipif(os.environ.get("HETFL_TEST_INDUCTOR") != "1",
+                                         reason="Inductor's code generation (13 s of C++ compiles on two cores): "
+                                                "HETFL_TEST_INDUCTOR=1 runs it")
+
+# 10 sampled clients, two full batches of 16 each (every client has 42 samples or more): one step shape
+ONE_SHAPE = [*SYNTHETIC, "train.clients_per_round=10", "train.local_steps=2", "train.momentum=0.5",
+             "runtime.compile=true"]
+
+
+@pytest.fixture(autouse=True)
+def traced_only(monkeypatch, request):
+    """Dynamo and AOTAutograd without Inductor's code generation, except in tests marked ``inductor``."""
+    if "inductor" not in request.keywords:
+        monkeypatch.setattr(compiled_step, "BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """How many steps ran through the compiled function (not the uncompiled fallback)."""
+    calls = {"n": 0}
+    real = vectorized.run_compiled
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        calls["n"] += 1
+        return out
+
+    monkeypatch.setattr(vectorized, "run_compiled", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("method", "modes"), [("fedavg", ("eager", "static")), ("scaffold", ("eager",)),
+                                               ("moon", ("eager",))])
+def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_calls):
+    """Plain SGD, a gradient transform with client state (SCAFFOLD) and extra models (MOON); eager steps,
+    and the static-buffer steps a CUDA graph captures (a call's first run, its reference, uncompiled; the
+    later runs of its shape compiled), against one sequential run."""
+    exp = Experiment(config.load(None, [*ONE_SHAPE, f"algorithm.name={method}"]))
+    notes: list[str] = []
+    compare_one_round(exp, step_mode=modes, notes=notes)
+    assert not [n for n in notes if "could not compile" in n], notes
+    assert compiled_calls["n"] > 0
+
+
+def test_a_compiled_step_reads_this_rounds_values(compiled_calls):
+    """DANN's ramped lambda is a function of the round that the step reads through its context: the
+    compiled step of round 2 (compiled again: Dynamo guards on the value) equals the sequential one,
+    as does round 3's."""
+    exp = Experiment(config.load(None, [*ONE_SHAPE, "algorithm.name=dann", "algorithm.schedule=ganin",
+                                        "algorithm.lam=1.0", "train.rounds=10"]))
+    compare_one_round(exp, rounds_before=1)
+    compare_one_round(exp, rounds_before=2)
+    assert compiled_calls["n"] > 0
+
+
+@needs_shared_data
+def test_compiled_image_steps_give_the_sequential_clients(compiled_calls):
+    """A convolutional model with max pooling and crops and flips (hetfl's layers in their plain forms
+    inside the compiled step)."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.num_clients=20",
+        "train.clients_per_round=4", "model.name=simple_cnn", "train.batch_size=8", "train.local_steps=2",
+        "data.augment=crop_flip", "runtime.compile=true", "runtime.progress=false"]))
+    compare_one_round(exp)
+    assert compiled_calls["n"] > 0
+
+
+@needs_cpp_compiler
+@inductor_on_request
+@pytest.mark.inductor
+def test_inductors_generated_kernels_give_the_sequential_clients(compiled_calls, monkeypatch):
+    """The step compiled by Inductor (C++ kernels on a CPU), not only traced: the MLP's one step shape."""
+    exp = Experiment(config.load(None, [*ONE_SHAPE, "algorithm.name=fedavg"]))
+    notes: list[str] = []
+    compare_one_round(exp, notes=notes)
+    assert not [n for n in notes if "could not compile" in n], notes
+    assert compiled_calls["n"] > 0
+
+
+@needs_shared_data
+def test_compiled_bf16_steps_are_the_sequential_bf16_steps(compiled_calls):
+    """bfloat16 autocast inside the compiled step: the sequential bf16 clients to bf16's precision (the
+    compiled step casts where autocast casts plain layers, not where hetfl's batching rules cast)."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.num_clients=20",
+        "train.clients_per_round=4", "model.name=cnn2", "train.batch_size=8", "train.local_steps=2",
+        "train.precision=bf16", "runtime.compile=true", "runtime.progress=false"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)]
+    vec = vectorized.train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data,
+                                              seed=exp.cfg.seed, train_cfg=exp.cfg.train, compile_steps=True)
+    assert compiled_calls["n"] > 0
+    for a, b in zip(seq, vec, strict=True):
+        for name in a.state:  # bf16 rounds each product to 8 bits of mantissa (tests/engine/test_precision.py)
+            assert (a.state[name] - b.state[name]).abs().max().item() < 2e-2, name
+
+
+def test_a_step_that_cannot_be_compiled_runs_uncompiled_and_says_why_once(monkeypatch):
+    """Dynamo or Inductor refusing a step (here: raising at once) leaves the round's results those of the
+    uncompiled step, with one note naming the stage and the error."""
+    tries = {"n": 0}
+
+    def refuses(*args):  # type: ignore[no-untyped-def]
+        tries["n"] += 1
+        raise RuntimeError("Dynamo cannot trace this\nmore lines")
+
+    monkeypatch.setattr(vectorized, "run_compiled", refuses)
+    exp = Experiment(config.load(None, [*ONE_SHAPE, "algorithm.name=fedavg"]))
+    notes: list[str] = []
+    compare_one_round(exp, notes=notes)
+    refusals = [n for n in notes if "could not compile" in n]
+    assert len(refusals) == 1, notes
+    assert refusals[0].endswith("RuntimeError: Dynamo cannot trace this"), refusals
+    assert tries["n"] == 1
+
+
+def test_off_by_default_the_step_is_not_compiled(monkeypatch):
+    monkeypatch.setattr(vectorized, "run_compiled", lambda *a: pytest.fail("compiled without runtime.compile"))
+    exp = Experiment(config.load(None, [*SYNTHETIC, "train.local_steps=2", "algorithm.name=fedavg"]))
+    assert exp.cfg.runtime.compile is False
+    compare_one_round(exp, step_mode=("eager", "static"))
+
+
+def test_the_compiled_steps_context_reads_its_values_from_the_template_and_its_tensors_from_the_row():
+    base = ClientContext(client_id=3, round=7, num_samples=40, lr=0.05, payload={}, state={},
+                                    shared={"m": torch.ones(1)})
+    payload, state, extras = {"w": torch.zeros(2)}, {"c": torch.ones(2)}, {"e": torch.full((2,), 2.0)}
+    ctx = StepContext(base, payload, state, extras)
+    assert (ctx.client_id, ctx.round, ctx.num_samples, ctx.lr) == (3, 7, 40, 0.05)
+    assert ctx.payload is payload and ctx.state is state and ctx.extras is extras
+    assert ctx.shared is base.shared and ctx.features is None and ctx.inputs is None
