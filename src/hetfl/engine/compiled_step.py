@@ -80,23 +80,25 @@ class StepContext(ClientContext):
         return self.base.shared
 
 
-def vmapped_step(stage: Stage, base: ClientContext, max_norm: float, buffers: tuple[str, ...], precision: str,
-                 in_dims: tuple[Any, ...], state: Tensors, x: torch.Tensor, y: torch.Tensor, draws: Tensors,
-                 payload: Tensors, cstate: Tensors, extras: Tensors) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
-    """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every client row, vmapped (what
-    :meth:`hetfl.engine.vectorized.VectorizedGroup.vmapped_gradients` runs), as one function of
-    plain arguments for ``torch.compile``: the rows' gradients, model buffers, losses and metrics."""
+def vmapped_step(stage: Stage, context: Callable[[Tensors, Tensors, Tensors], ClientContext], max_norm: float,
+                 buffers: tuple[str, ...], precision: str, in_dims: tuple[Any, ...], state: Tensors, x: torch.Tensor,
+                 y: torch.Tensor, draws: Tensors, payload: Tensors, cstate: Tensors,
+                 extras: Tensors) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+    """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every client row, vmapped over the
+    rows of the tensors (``in_dims``): the rows' gradients, model buffers, losses and metrics. Each
+    row's context is ``context(payload, client state, extras)`` of its own tensors: the eager step's
+    template (which records the round's values read), or, compiled, a :class:`StepContext`."""
 
     def one(state_c, x_c, y_c, draws_c, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
-        ctx = StepContext(base, payload_c, cstate_c, extras_c)
+        ctx = context(payload_c, cstate_c, extras_c)
         return step_gradients(stage, state_c, Batch(x_c, y_c, draws_c), ctx, max_norm, grad_fn=functional_grad,
                               buffers=buffers, precision=precision)
 
     return vmap(one, in_dims=in_dims, randomness="error")(state, x, y, draws, payload, cstate, extras)
 
 
-# torch.compile's backend: Inductor (generated fused kernels). The tests trace with "aot_eager" (Dynamo
-# and AOTAutograd, no code generation: seconds less per shape on a CPU), and one test with Inductor.
+# torch.compile's backend: Inductor (generated fused kernels). The tests trace with "aot_eager" (Dynamo and
+# AOTAutograd, no code generation: seconds less per shape on a CPU), and one test with Inductor.
 BACKEND = "inductor"
 
 

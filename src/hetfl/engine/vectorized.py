@@ -35,19 +35,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
-from torch.func import vmap
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
 from hetfl.engine import step_plan
-from hetfl.engine.compiled_step import run_compiled
+from hetfl.engine.compiled_step import StepContext, run_compiled, vmapped_step
 from hetfl.engine.data import FederatedData
-from hetfl.engine.local import LocalResult, functional_grad, run_stages, step_gradients
+from hetfl.engine.local import LocalResult, run_stages
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
 from hetfl.models.layers import CONV_BATCHING, client_batching
 from hetfl.optim import sgd_init, sgd_update_
@@ -288,8 +288,8 @@ class VectorizedGroup:
         # runtime.compile: the steps' gradients by torch.compile (hetfl.engine.compiled_step), from a plain
         # copy of the template's values; off while a call's reference runs (CompiledCall.build)
         self.compile_steps = compile_steps
-        self.base = ClientContext(**{f.name: object.__getattribute__(self.template, f.name)
-                                     for f in fields(ClientContext)})
+        base = ClientContext(**{f.name: object.__getattribute__(self.template, f.name) for f in fields(ClientContext)})
+        self.step_context = functools.partial(StepContext, base)
         self.uncompilable = self.cache.uncompilable if self.cache is not None else set()
 
     def _buffers(self) -> GroupBuffers:
@@ -318,23 +318,17 @@ class VectorizedGroup:
     def vmapped_gradients(
         self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
-        """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every row of ``state``, vmapped:
-        the rows' gradients, updated model buffers, losses and metrics."""
-        template, max_norm, model_buffers, precision = self.template, self.max_grad_norm, self.model_buffers, \
-            self.precision
+        """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every row of ``state``, vmapped
+        (:func:`hetfl.engine.compiled_step.vmapped_step`; compiled with ``runtime.compile``): the rows'
+        gradients, updated model buffers, losses and metrics."""
         b = self.buffers
-
-        def one(state_c, x, y, draws, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
-            ctx = template.with_tensors(payload_c, cstate_c, extras_c)
-            return step_gradients(stage, state_c, Batch(x, y, draws), ctx, max_norm, grad_fn=functional_grad,
-                                  buffers=model_buffers, precision=precision)
-
-        in_dims = (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims)
+        settings = (self.max_grad_norm, self.model_buffers, self.precision,
+                    (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims))
+        tensors = (state, batch.x, batch.y, batch.draws, payload, cstate, extras)
         key = stage_key(stage)
         if self.compile_steps and key not in self.uncompilable:
             try:
-                return run_compiled(stage, self.base, max_norm, model_buffers, precision, in_dims, state, batch.x,
-                                    batch.y, batch.draws, payload, cstate, extras)
+                return run_compiled(stage, self.step_context, *settings, *tensors)
             except torch.cuda.OutOfMemoryError:  # the chunk is halved (train_clients_vectorized), still compiled
                 raise
             except Exception as err:  # Dynamo's and Inductor's errors have no common base
@@ -343,8 +337,7 @@ class VectorizedGroup:
                     self.log(f"vectorized: torch.compile could not compile stage {stage.name!r}; running it "
                              f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
-            return vmap(one, in_dims=in_dims, randomness="error")(
-                state, batch.x, batch.y, batch.draws, payload, cstate, extras)
+            return vmapped_step(stage, self.template.with_tensors, *settings, *tensors)
 
     @contextlib.contextmanager
     def uncompiled(self) -> Iterator[None]:
