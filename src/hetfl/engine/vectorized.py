@@ -260,7 +260,7 @@ class VectorizedGroup:
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
-        if step_mode == "graph" and data.device.type != "cuda":
+        if step_mode == "graph" and not graphs_capturable(data.device):
             raise ValueError(f"step_mode = 'graph' needs a CUDA device, not {data.device}")
         if conv_batching not in CONV_BATCHING:
             raise ValueError(f"conv_batching = {conv_batching!r}: must be one of {CONV_BATCHING}")
@@ -642,6 +642,11 @@ class CompiledCall:
     def note(self, message: str) -> None:
         if self.group.log is not None:
             self.group.log(message)
+
+
+def graphs_capturable(device: torch.device) -> bool:
+    """Whether CUDA graphs can be captured on ``device`` (graph mode's precondition)."""
+    return device.type == "cuda"
 
 
 @contextlib.contextmanager
