@@ -160,3 +160,15 @@ def test_the_compiled_steps_context_reads_its_values_from_the_template_and_its_t
     assert (ctx.client_id, ctx.round, ctx.num_samples, ctx.lr) == (3, 7, 40, 0.05)
     assert ctx.payload is payload and ctx.state is state and ctx.extras is extras
     assert ctx.shared is base.shared and ctx.features is None and ctx.inputs is None
+
+
+def test_compile_without_vmapped_clients_says_it_does_nothing(tmp_path, caplog):
+    """runtime.compile with the sequential executor (or the vectorized one on a CPU, one client at a time)
+    compiles nothing, and says so once."""
+    exp = Experiment(config.load(None, [*SYNTHETIC, "train.local_steps=1", "train.rounds=2", "runtime.compile=true",
+                                        "runtime.executor=sequential"]))
+    with caplog.at_level("WARNING", logger="hetfl"):
+        exp.run(tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if "runtime.compile" in r.getMessage()]
+    assert said == ["runtime.compile compiles the vectorized executor's vmapped steps; these clients are trained "
+                    "one at a time, uncompiled"]

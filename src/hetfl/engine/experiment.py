@@ -577,6 +577,9 @@ class Experiment:
         if cfg.runtime.executor == "vectorized" and not self.vmap_clients:
             self.note("vectorized: clients are trained one at a time on the CPU, which is faster there than vmap "
                       "(set runtime.vmap_on_cpu = true to vmap them anyway)", reporter)
+        if cfg.runtime.compile and not self.vmap_clients:
+            self.note("runtime.compile compiles the vectorized executor's vmapped steps; these clients are trained "
+                      "one at a time, uncompiled", reporter)
         if self.vmap_clients:
             on_cuda = self.data.device.type == "cuda"
             graph = cfg.runtime.cuda_graph and on_cuda
