@@ -28,9 +28,10 @@ def batch_schedule(
     passes = epochs if steps == 0 else math.ceil(steps / per_pass)
     batches: list[torch.Tensor] = []
     for _ in range(passes):
-        perm = torch.randperm(n, generator=generator)
-        batches.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_pass))
-    return batches[:steps] if steps else batches
+        perm = torch.randperm(n, generator=generator)  # every pass draws its permutation, used or not
+        wanted = per_pass if steps == 0 else min(per_pass, steps - len(batches))
+        batches.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(wanted))
+    return batches
 
 
 def sampled_clients(seed: int, round_: int, num_clients: int, per_round: int) -> list[int]:
