@@ -39,8 +39,10 @@ if [[ $WHAT == compile ]]; then  # runtime.compile against graph_bf16 (~8 min: i
   timeout 200 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16_compiled \
     --budget-s 180 --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -4
 fi
-if [[ $WHAT == profile ]]; then
-  timeout 50 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
+if [[ $WHAT == profile ]]; then  # PROFILE_VARIANTS: of profile_round.py's (the eager step: vectorized)
+  for variant in ${PROFILE_VARIANTS:-graph_bf16 vectorized}; do
+    timeout 90 python3 benchmarks/profile_round.py --data "$DATA" --variant "$variant" --out "$OUT/results" 2>&1 | tail -30
+  done
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
   timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \

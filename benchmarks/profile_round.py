@@ -29,6 +29,8 @@ VARIANTS = {
     "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
+    "graph_bf16_compiled": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16",
+                            "runtime.compile=true"],
 }
 
 
