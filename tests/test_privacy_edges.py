@@ -350,3 +350,29 @@ def test_a_run_whose_calibration_is_not_finite_exits_1_without_a_summary(tmp_pat
     err = capsys.readouterr().err
     assert code == 1 and "CCVR's calibration" in err and "not finite" in err, err
     assert not (out / "summary.json").exists()
+
+
+def test_overwriting_a_run_that_made_private_releases_says_they_stay_spent(tmp_path, caplog):
+    """overwrite=True deletes the run's privacy ledger with the run; the releases it recorded were made
+    from the clients' data all the same, and the new run's report counts only its own: said, with the count."""
+    from hetfl import api
+
+    run_dir, keys = tmp_path / "dp", [*TINY, *CCVR_OS, "train.rounds=2"]
+    api.run(None, overrides=keys, out=run_dir)
+    recorded = len(json.loads((run_dir / LEDGER_NAME).read_text())["releases"])
+    assert recorded >= 2
+    with caplog.at_level(logging.WARNING, logger="hetfl"):
+        api.run(None, overrides=keys, out=run_dir, overwrite=True)
+    said = [r.getMessage() for r in caplog.records if "privacy ledger" in r.getMessage()]
+    assert len(said) == 1 and f"recorded {recorded} differentially private release(s)" in said[0], said
+    assert "does not undo them" in said[0]
+
+
+def test_overwriting_a_run_without_private_releases_says_nothing_of_privacy(tmp_path, caplog):
+    from hetfl import api
+
+    run_dir, keys = tmp_path / "plain", [*TINY, "train.rounds=1", "train.local_steps=1"]
+    api.run(None, overrides=keys, out=run_dir)
+    with caplog.at_level(logging.WARNING, logger="hetfl"):
+        api.run(None, overrides=keys, out=run_dir, overwrite=True)
+    assert not [r for r in caplog.records if "privacy" in r.getMessage()]

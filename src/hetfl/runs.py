@@ -10,6 +10,7 @@ above :mod:`hetfl.runtimes` (which runs what it plans) and :mod:`hetfl.console` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from hetfl.console import RichReporter, make_console
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import CHECKPOINT_NAME
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
+from hetfl.engine.ledger import LEDGER_NAME, read_entries
 from hetfl.engine.resolve import resolve_configs
 from hetfl.engine.rundir import RunDirError, foreign_entries, lock_run_dir
 
@@ -224,11 +226,29 @@ def clear_run_dir(run_dir: Path, option: str = "out") -> None:
             raise RunDirError(f"{option} {run_dir}: holds files not written by hetfl ({_shown(foreign)}) beside its "
                               f"run; overwrite=True removes only hetfl's files and deletes nothing while others are "
                               f"there. Move them out, or pick another {option}")
+        ledger = run_dir / LEDGER_NAME
+        if ledger.is_file():
+            warn_spent_releases(run_dir, ledger)
         for p in entries:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
             else:
                 p.unlink()
+
+
+def warn_spent_releases(run_dir: Path, ledger: Path) -> None:
+    """Say, before an overwrite deletes it, how many differentially private releases the run's ledger
+    recorded: they were made from the clients' data, and what they spent stays spent, while the new run's
+    privacy report counts only its own releases."""
+    try:
+        releases = len(read_entries(ledger))
+    except (OSError, ValueError):  # unreadable: say so rather than a count
+        releases = None
+    made = "an unreadable number of" if releases is None else f"{releases}"
+    logging.getLogger("hetfl").warning(
+        "overwrite=True: %s held a run whose privacy ledger recorded %s differentially private release(s) of its "
+        "clients' data; deleting the record does not undo them, and the new run's privacy report counts only its "
+        "own releases", run_dir, made)
 
 
 def _shown(names: Iterable[str], limit: int = 5) -> str:
