@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9.5 minutes: one call of a 15-minute lease
   timeout ${THROUGHPUT_S:-210} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
-    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16} --out "$OUT/results" 2>&1 | tail -8
+    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 vectorized_plain} --out "$OUT/results" 2>&1 | tail -8
 fi
 if [[ $WHAT == quick || $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \

@@ -14,7 +14,9 @@
     ``torch.compile`` (``runtime.compile = true``: "graph_compiled", "graph_bf16_compiled"; their
     compiles, one per step shape, happen in the warm-up round, timed apart as ``warmup_s``); on a CPU
     (c') also runs with per-client convolutions ("vmap_pc") and, with ``--variants``, compiled
-    ("vmap_compiled"). c/a, c/b and c/d use the fastest of the vectorised variants.
+    ("vmap_compiled"). c/a, c/b and c/d use the fastest of the vectorised variants. On request, on
+    CUDA, "vectorized_plain" (on a CPU "vmap_plain"): the eager step without hetfl's batching rules (a
+    measurement of their host overhead, not a setting, and never the "best" variant).
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation); on CUDA also
     (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
@@ -33,11 +35,12 @@ table with the ratios (c)/(a), (c)/(b), (c)/(d) and appends the results to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from hetfl import config
+from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.summary import Reporter
 
@@ -62,6 +66,22 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
     fn()
     sync()
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def plain_layers(on: bool) -> Iterator[None]:
+    """A measurement, not a setting: the vectorised step without hetfl's batching rules (its layers in
+    their plain PyTorch forms under vmap, as before session 14), to tell whether their autograd Functions'
+    host overhead is what slowed the eager step on a GPU since session 11."""
+    if not on:
+        yield
+        return
+    original = vectorized.client_batching
+    vectorized.client_batching = lambda conv="grouped": contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        vectorized.client_batching = original
 
 
 def hetfl_round(exp: Experiment) -> dict[str, float]:
@@ -176,7 +196,8 @@ def main() -> None:
                         variants[name] = keys
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
-                    res[name] = hetfl_round(exp)
+                    with plain_layers(name in PLAIN_LAYERS):
+                        res[name] = hetfl_round(exp)
                 if not args.skip_peer:
                     res["peer"] = peer_round(exp, bs, 0.01)
                 res["ceiling"] = ceiling_round(exp, bs, 0.01)
@@ -244,7 +265,8 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "graph_bf16_cl": "(c) + graph, bf16, channels-last", "graph_pc": "(c) + graph, per-client convs",
            "graph_bf16_pc": "(c) + graph, bf16, per-client convs", "vmap_pc": "(c') vmap, per-client convs",
            "graph_compiled": "(c) + graph, compiled", "graph_bf16_compiled": "(c) + graph, bf16, compiled",
-           "vmap_compiled": "(c') vmap, compiled",
+           "vmap_compiled": "(c') vmap, compiled", "vectorized_plain": "(c) vectorized, plain layers",
+           "vmap_plain": "(c') vmap, plain layers",
            "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
 VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc", "graph_compiled",
@@ -256,11 +278,16 @@ GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16
                   "graph_pc": [*_GRAPH, _PER_CLIENT], "graph_bf16_pc": [*_GRAPH, "train.precision=bf16", _PER_CLIENT],
                   "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"],
                   "graph_compiled": [*_GRAPH, _COMPILE],
+                  "vectorized_plain": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
                   "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE]}
 _VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
-CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE]}
+CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE],
+                "vmap_plain": _VMAP}
 # run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
-ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled")
+ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled", "vectorized_plain",
+              "vmap_plain")
+# run with hetfl's layers in their plain forms inside the vmapped step (plain_layers)
+PLAIN_LAYERS = ("vectorized_plain", "vmap_plain")
 
 
 if __name__ == "__main__":
