@@ -7,7 +7,8 @@ client in every round (CCVR's Table 2) the shapes repeat from round 1 on; with s
 round's clients have other sizes, so new shapes keep appearing. Each new shape costs a capture (an
 eager run, the capture, a checked replay that waits for the device) and device memory for as long as
 the graph is kept (:class:`hetfl.engine.vectorized.VectorizedCache` keeps at most ``max_calls``, the
-least recently used dropped first).
+least recently used dropped first). With ``runtime.compile`` each distinct step shape (rows at once x
+batch size) is also a compile by ``torch.compile`` (seconds each; kept for the process).
 
 The plan depends on the clients' sample counts and the batch size only, not on the device or the
 model, so this runs anywhere in seconds: client sizes from hetfl's Dirichlet split of 50,000 labels in
@@ -54,6 +55,8 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
     sizes = client_sizes(clients, alpha, seed)
     stage = Stage("local", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), epochs=epochs)  # type: ignore[arg-type]
     seen: set = set()
+    step_shapes: set = set()  # what runtime.compile compiles for: rows at once x batch size
+    first_round_step_shapes = 0
     cache = VectorizedCache(max_calls=max_calls)
     distinct, new_late, captures_late, calls_late, calls = [], 0, 0, 0, 0
     late = max(rounds - 50, 0)
@@ -66,6 +69,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
                           global_indices=lambda c, idx: idx, device=torch.device("cpu"))
         for call in plan[0].calls:
             key = (len(chosen), call.shape())
+            step_shapes.add((call.width, call.size))
             calls += 1
             fresh = key not in seen
             seen.add(key)
@@ -77,6 +81,8 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
                 new_late += fresh
                 captures_late += captured
         distinct.append(len(seen))
+        if r == 1:
+            first_round_step_shapes = len(step_shapes)
     return {
         "clients": clients, "per_round": per_round, "batch_size": batch_size, "epochs": epochs, "alpha": alpha,
         "rounds": rounds, "calls_per_round": calls / rounds,
@@ -84,6 +90,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
         "new_shapes_per_round_last50": new_late / min(50, rounds),
         "captures_per_round_last50": captures_late / min(50, rounds),
         "kept_at_end": len(cache.programs), "max_calls": max_calls,
+        "step_shapes_round1": first_round_step_shapes, "step_shapes_at_end": len(step_shapes),
     }
 
 
@@ -97,15 +104,17 @@ def main() -> None:
     rows = []
     header = ("| clients | a round | batch | epochs | alpha | calls/round | distinct shapes after rounds "
               f"{', '.join(str(m) for m in MARKS if m <= args.rounds)} | new shapes/round (last 50) | "
-              f"captures/round, at most {args.max_calls} kept (last 50) |")
+              f"captures/round, at most {args.max_calls} kept (last 50) | step shapes (torch.compile's "
+              "compiles), round 1 / all rounds |")
     print(header)
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     for setting in SETTINGS:
         row = measure(*setting, rounds=args.rounds, seed=args.seed, max_calls=args.max_calls)
         rows.append(row)
         print(f"| {row['clients']} | {row['per_round']} | {row['batch_size']} | {row['epochs']} | {row['alpha']} | "
               f"{row['calls_per_round']:.0f} | {', '.join(str(v) for v in row['distinct_shapes'].values())} | "
-              f"{row['new_shapes_per_round_last50']:.2f} | {row['captures_per_round_last50']:.2f} |", flush=True)
+              f"{row['new_shapes_per_round_last50']:.2f} | {row['captures_per_round_last50']:.2f} | "
+              f"{row['step_shapes_round1']} / {row['step_shapes_at_end']} |", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

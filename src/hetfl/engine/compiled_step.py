@@ -36,8 +36,10 @@ from torch.func import vmap
 from hetfl.algorithms.base import Batch, ClientContext, Stage, Tensors
 from hetfl.engine.local import functional_grad, step_gradients
 
-# step shapes Dynamo may compile the step for in a process (its default, 8, is a handful of shapes)
-RECOMPILE_LIMIT = 256
+# step shapes Dynamo may compile the step for in a process (its default, 8, is a handful of shapes): a
+# full federation meets 18-35 (CCVR's Table 2, the throughput benchmark), 1,000 sampled devices 259 in 300
+# rounds (benchmarks/graph_shapes.py); beyond it the stage runs uncompiled, with the reason logged
+RECOMPILE_LIMIT = 1024
 
 
 class StepContext(ClientContext):
@@ -114,7 +116,8 @@ def run_compiled(*args: Any) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
     shape on first use; raises what Dynamo or Inductor raise when it cannot be compiled."""
     import torch._dynamo  # imported on first use: it takes a while
 
-    # the setting's name since torch 2.6 (cache_size_limit before)
-    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    with torch._dynamo.config.patch(**{name: RECOMPILE_LIMIT}):
+    # the settings' names since torch 2.6 (cache_size_limit before): per function, and over all functions
+    names = ("recompile_limit", "accumulated_recompile_limit") if hasattr(torch._dynamo.config, "recompile_limit") \
+        else ("cache_size_limit", "accumulated_cache_size_limit")
+    with torch._dynamo.config.patch(**dict.fromkeys(names, RECOMPILE_LIMIT)):
         return compiled_vmapped_step(BACKEND)(*args)
