@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hetfl.engine import vectorized
 from hetfl.engine.vectorized import CompiledCall
 
 
@@ -21,3 +22,18 @@ def compiled_runs(monkeypatch):
 
     monkeypatch.setattr(CompiledCall, "run", counting)
     return counts
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """How many steps ran through the compiled function (not the uncompiled fallback)."""
+    calls = {"n": 0}
+    real = vectorized.run_compiled
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        calls["n"] += 1
+        return out
+
+    monkeypatch.setattr(vectorized, "run_compiled", counted)
+    return calls

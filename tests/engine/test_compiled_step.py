@@ -44,21 +44,6 @@ def traced_only(monkeypatch, request):
         monkeypatch.setattr(compiled_step, "BACKEND", "aot_eager")
 
 
-@pytest.fixture
-def compiled_calls(monkeypatch):
-    """How many steps ran through the compiled function (not the uncompiled fallback)."""
-    calls = {"n": 0}
-    real = vectorized.run_compiled
-
-    def counted(*args):  # type: ignore[no-untyped-def]
-        out = real(*args)
-        calls["n"] += 1
-        return out
-
-    monkeypatch.setattr(vectorized, "run_compiled", counted)
-    return calls
-
-
 @pytest.mark.parametrize(("method", "modes"), [("fedavg", ("eager", "static")), ("scaffold", ("eager",)),
                                                ("moon", ("eager",))])
 def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_calls):

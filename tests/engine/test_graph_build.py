@@ -81,22 +81,14 @@ def test_a_replay_that_disagrees_with_its_reference_falls_back_to_eager_steps(re
     assert [n for n in notes if "disagrees with the eager step" in n], notes
 
 
-def test_compiled_steps_in_graph_mode_give_the_sequential_clients(recorded_graphs, monkeypatch):
+def test_compiled_steps_in_graph_mode_give_the_sequential_clients(recorded_graphs, compiled_calls, monkeypatch):
     """runtime.compile in graph mode: a call's first run uncompiled (the values it reads), the compiled
     step's run before the capture as the reference, the replays compiled; traced with aot_eager."""
     monkeypatch.setattr(compiled_step, "BACKEND", "aot_eager")
-    runs = {"n": 0}
-    real = vectorized.run_compiled
-
-    def counted(*args):  # type: ignore[no-untyped-def]
-        runs["n"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(vectorized, "run_compiled", counted)
     exp = Experiment(config.load(None, [*STEPS, "train.local_steps=2", "algorithm.name=fedavg",
                                         "runtime.compile=true"]))
     notes: list[str] = []
     compare_one_round(exp, step_mode="graph", notes=notes)
     assert not [n for n in notes if "disagrees" in n or "could not compile" in n], notes
-    assert runs["n"] > 0 and recorded_graphs.replays
+    assert compiled_calls["n"] > 0 and recorded_graphs.replays
     assert not any(recorded_graphs.compiled_in_capture), "torch.compile compiled while a graph was captured"

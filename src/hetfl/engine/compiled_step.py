@@ -42,6 +42,11 @@ from hetfl.engine.local import functional_grad, step_gradients
 RECOMPILE_LIMIT = 1024
 
 
+def _from_base(name: str) -> property:
+    """A read-only attribute of :class:`StepContext`: the template's value, read when the step reads it."""
+    return property(lambda self: getattr(self.base, name), doc=f"the round's ``{name}`` (``base.{name}``)")
+
+
 class StepContext(ClientContext):
     """The context a compiled step sees: one client's tensors (swapped in inside ``vmap``) and the
     round's plain values, read from ``base`` only when the step reads them, so that Dynamo guards on
@@ -49,37 +54,17 @@ class StepContext(ClientContext):
     :class:`hetfl.engine.vectorized.TemplateContext` records reads with a ``__getattribute__`` hook,
     which Dynamo cannot trace)."""
 
+    client_id = _from_base("client_id")
+    round = _from_base("round")
+    num_samples = _from_base("num_samples")
+    lr = _from_base("lr")
+    features = _from_base("features")
+    inputs = _from_base("inputs")
+    shared = _from_base("shared")
+
     def __init__(self, base: ClientContext, payload: Tensors, state: Tensors, extras: Tensors) -> None:
         self.base = base
         self.payload, self.state, self.extras = payload, state, extras
-
-    @property  # type: ignore[override]
-    def client_id(self) -> int:
-        return self.base.client_id
-
-    @property  # type: ignore[override]
-    def round(self) -> int:
-        return self.base.round
-
-    @property  # type: ignore[override]
-    def num_samples(self) -> int:
-        return self.base.num_samples
-
-    @property  # type: ignore[override]
-    def lr(self) -> float:
-        return self.base.lr
-
-    @property  # type: ignore[override]
-    def features(self) -> Any:
-        return self.base.features
-
-    @property  # type: ignore[override]
-    def inputs(self) -> Any:
-        return self.base.inputs
-
-    @property  # type: ignore[override]
-    def shared(self) -> Tensors:
-        return self.base.shared
 
 
 def vmapped_step(stage: Stage, context: Callable[[Tensors, Tensors, Tensors], ClientContext], max_norm: float,

@@ -325,8 +325,7 @@ class VectorizedGroup:
         settings = (self.max_grad_norm, self.model_buffers, self.precision,
                     (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims))
         tensors = (state, batch.x, batch.y, batch.draws, payload, cstate, extras)
-        key = stage_key(stage)
-        if self.compile_steps and key not in self.uncompilable:
+        if self.compile_steps and (key := stage_key(stage)) not in self.uncompilable:
             try:
                 return run_compiled(stage, self.step_context, *settings, *tensors)
             except torch.cuda.OutOfMemoryError:  # the chunk is halved (train_clients_vectorized), still compiled
