@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hetfl import config
+from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
@@ -150,7 +151,34 @@ def test_runs_with_either_executor_give_the_same_metrics(tmp_path):
         assert a["local_steps"] == b["local_steps"] and a["bytes_up"] == b["bytes_up"]
 
 
-def test_a_step_that_cannot_be_vmapped_falls_back_with_a_reason(tmp_path, monkeypatch):
+def test_a_step_of_one_client_runs_unbatched_and_gives_the_sequential_clients(monkeypatch):
+    """Where one client of a group trains alone (the largest, after the others finished), its steps run
+    the sequential step on its row, not ``vmap`` of one row; every wider step is vmapped; a group of one
+    client (chunk size 1) stays vmapped, so that vmap still vets its step (the test below). Results:
+    the sequential executor's."""
+    widths = {"vmapped": [], "unbatched": 0}
+    vmapped_step, step_gradients = vectorized.vmapped_step, vectorized.step_gradients
+
+    def vmapped(*args, **kwargs):
+        widths["vmapped"].append(args[8].shape[0])  # y: [width, size]
+        return vmapped_step(*args, **kwargs)
+
+    def unbatched(*args, **kwargs):
+        widths["unbatched"] += 1
+        return step_gradients(*args, **kwargs)
+
+    monkeypatch.setattr(vectorized, "vmapped_step", vmapped)
+    monkeypatch.setattr(vectorized, "step_gradients", unbatched)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.5"]))
+    compare_one_round(exp, step_mode=("eager", "static"))
+    assert widths["unbatched"] > 0 and widths["vmapped"] and min(widths["vmapped"]) > 1
+    widths["vmapped"].clear()
+    compare_one_round(exp, chunk_size=1)
+    assert set(widths["vmapped"]) == {1}
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1])
+def test_a_step_that_cannot_be_vmapped_falls_back_with_a_reason(tmp_path, monkeypatch, chunk_size):
     from hetfl.algorithms.fedavg import FedAvg
 
     def loss_with_item(self, state, batch, ctx):
@@ -166,7 +194,7 @@ def test_a_step_that_cannot_be_vmapped_falls_back_with_a_reason(tmp_path, monkey
     notes: list[str] = []
     ctxs = round_contexts(exp, server, {}, 1)
     vec = train_clients_vectorized(exp.algorithm, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train,
-                                   log=notes.append)
+                                   log=notes.append, chunk_size=chunk_size)
     assert any("falling back" in n and "fedavg" in n for n in notes)
     seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
            for ctx in round_contexts(exp, server, {}, 1)]

@@ -4,7 +4,8 @@ The clients' local states are stacked along a leading client axis and every
 local step is ``torch.func.vmap`` of the gradient half of the very step the
 sequential executor runs (:func:`hetfl.engine.local.step_gradients`, with
 ``torch.func.grad``), so each algorithm's loss, gradient transform and adversary
-step run unchanged; the SGD update then runs once for all rows, in place in the
+step run unchanged (a step of a single client of the group runs that step itself,
+unbatched: :meth:`VectorizedGroup.single_client_gradients`); the SGD update then runs once for all rows, in place in the
 stacked buffers, with multi-tensor kernels (:func:`hetfl.optim.sgd_update_`, the
 same arithmetic as the sequential :func:`hetfl.optim.sgd_update`).
 
@@ -47,7 +48,7 @@ from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensor
 from hetfl.engine import step_plan
 from hetfl.engine.compiled_step import StepContext, run_compiled, vmapped_step
 from hetfl.engine.data import FederatedData
-from hetfl.engine.local import LocalResult, run_stages
+from hetfl.engine.local import LocalResult, run_stages, step_gradients
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
 from hetfl.models.layers import CONV_BATCHING, client_batching
 from hetfl.optim import sgd_init, sgd_update_
@@ -320,7 +321,8 @@ class VectorizedGroup:
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
         """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every row of ``state``, vmapped
         (:func:`hetfl.engine.compiled_step.vmapped_step`; compiled with ``runtime.compile``): the rows'
-        gradients, updated model buffers, losses and metrics."""
+        gradients, updated model buffers, losses and metrics. Uncompiled, a step of one row of a group of
+        several runs unbatched (:meth:`single_client_gradients`)."""
         b = self.buffers
         settings = (self.max_grad_norm, self.model_buffers, self.precision,
                     (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims))
@@ -335,8 +337,40 @@ class VectorizedGroup:
                 if self.log is not None:
                     self.log(f"vectorized: torch.compile could not compile stage {stage.name!r}; running it "
                              f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        if batch.y.shape[0] == 1 and b.k > 1:
+            return self.single_client_gradients(stage, state, batch, payload, cstate, extras)
         with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
             return vmapped_step(stage, self.template.with_tensors, *settings, *tensors)
+
+    def single_client_gradients(
+        self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
+    ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+        """:meth:`vmapped_gradients` of a step of one row, unbatched: the sequential executor's
+        :func:`~hetfl.engine.local.step_gradients` (reverse-mode autograd, PyTorch's layers as they
+        are) on the row, returned with a client axis of one.
+
+        A round's largest client often trains alone for a long stretch (CCVR's Table 2 setting:
+        480 of its 1,580 steps one after another). ``vmap`` of one row runs the batched forms of
+        its layers (a batched product then the bias added, the loss's gather and scatter), where
+        the plain layers fuse them (``addmm``, ``nll_loss``): fewer kernels a step, less host work,
+        and the sequential executor's very values. Only in groups of several clients: their
+        stage's first step, all rows at once, ran vmapped, and so proved that the step has no
+        random op and no ``.item()`` (which vmap refuses, and the sequential fallback handles)."""
+        b = self.buffers
+
+        def row(tensors: Tensors, dims: dict[str, int | None] | None = None) -> Tensors:
+            return {n: t if dims is not None and dims[n] is None else t[0] for n, t in tensors.items()}
+
+        ctx = self.template.with_tensors(row(payload, b.payload_dims), row(cstate, b.cstate_dims),
+                                         row(extras, b.extras_dims))
+        grads, new_buffers, loss, metrics = step_gradients(
+            stage, row(state), Batch(batch.x[0], batch.y[0], row(batch.draws)), ctx, self.max_grad_norm,
+            buffers=self.model_buffers, precision=self.precision)
+
+        def batched(tensors: Tensors) -> Tensors:
+            return {n: t.unsqueeze(0) for n, t in tensors.items()}
+
+        return batched(grads), batched(new_buffers), loss.unsqueeze(0), batched(metrics)
 
     @contextlib.contextmanager
     def uncompiled(self) -> Iterator[None]:
