@@ -127,6 +127,9 @@ def main() -> None:
                         help="global accuracy whose first round and wall time are reported (CCVR's FedAvg: 0.5855)")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="seconds for this invocation, shared by the unfinished variants in order")
+    parser.add_argument("--budget-each-s", type=float, default=None,
+                        help="seconds for each variant instead (side by side on one lease: each gets its "
+                             "round 1 and enough rounds for a median)")
     parser.add_argument("--runs", default="runs/ccvr_time", help="run directories (resumed when present)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -136,7 +139,8 @@ def main() -> None:
     results = []
     for name in args.variants:
         run_dir = Path(args.runs) / f"{tag}_{name}"
-        result = run_variant(name, run_dir, [*setting(args), *VARIANTS[name]], deadline - time.perf_counter())
+        budget = deadline - time.perf_counter() if args.budget_each_s is None else args.budget_each_s
+        result = run_variant(name, run_dir, [*setting(args), *VARIANTS[name]], budget)
         reached = time_to(result, args.target)
         result["target_round"], result["target_wall_s"] = reached if reached else (None, None)
         results.append(result)
