@@ -4,8 +4,8 @@
 # CCVR's Table 2 timing, k clients' convolutions several ways, and how far DANN's vectorised clients are from
 # its sequential ones on CUDA (cuda_equality.py); "compile" (~9 min): runtime.compile (steps compiled by
 # torch.compile) against graph_bf16, throughput and CCVR; "suite": the test suite alone; "profile": a profile
-# of one round; "memory" (~3 min, not in "all"): device memory and CUDA graphs kept over 300 rounds of 100
-# sampled clients of 1,000 (vectorised, graph mode).
+# of one round, and of CCVR's first round (its builds by phase); "memory" (~3 min, not in "all"): device
+# memory and CUDA graphs kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
 #   bash benchmarks/gpu_check.sh [quick|suite|compile|profile|memory|all]
 set -uo pipefail
@@ -44,6 +44,9 @@ if [[ $WHAT == profile ]]; then  # PROFILE_VARIANTS: of profile_round.py's (the 
   for variant in ${PROFILE_VARIANTS:-graph_bf16 vectorized}; do
     timeout 90 python3 benchmarks/profile_round.py --data "$DATA" --variant "$variant" --out "$OUT/results" 2>&1 | tail -30
   done
+  # CCVR's shape, round 1 (20 s of its 165 s on an H100 in session 17): where its CUDA graphs' builds go
+  timeout 150 python3 benchmarks/profile_round.py --data "$DATA" --model simple_cnn --clients 10 --local-epochs 10 \
+    --augment crop_flip --variant graph_bf16 --round 1 --out "$OUT/results" 2>&1 | tail -40
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
   timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \

@@ -615,13 +615,13 @@ class CompiledCall:
         group, template = self.group, self.group.template
         template.reads.clear()
         if group.step_mode != "graph" or stage_key(self.stage) in group.uncapturable:
-            with group.uncompiled():
+            with group.uncompiled(), build_phase("first run"):
                 group.body(self.stage, self.index, self.inputs)
             self._built(template)
             return
         tensors = group.buffers.tensors(self.index)
         before = [{n: t.clone() for n, t in d.items()} for d in tensors]
-        with side_stream(group.data.device), group.uncompiled():
+        with side_stream(group.data.device), group.uncompiled(), build_phase("reference"):
             group.body(self.stage, self.index, self.inputs)  # warm-up, and the reference
         self._built(template)
         tensors = group.buffers.tensors(self.index)  # the warm-up may have added a metric's sums
@@ -629,12 +629,13 @@ class CompiledCall:
             # the compiled step's own run is the reference (the graph replays its kernels, which round
             # otherwise than the uncompiled step's), compiled before the capture, which must not compile
             restore(tensors, before)
-            with side_stream(group.data.device):
+            with side_stream(group.data.device), build_phase("compiled reference"):
                 group.body(self.stage, self.index, self.inputs)
         reference = [{n: t.clone() for n, t in d.items()} for d in tensors]
         restore(tensors, before)
         try:
-            self.capture()
+            with build_phase("capture"):
+                self.capture()
         except RuntimeError as err:  # an op that cannot be captured (a host sync, a CPU tensor...)
             restore(tensors, reference)
             self.graph = None
@@ -642,10 +643,11 @@ class CompiledCall:
             self.note(f"vectorized: CUDA graph capture failed for stage {self.stage.name!r}, running it eagerly: "
                       f"{err}")
             return
-        self.graph.replay()
-        worst = max(((got.double() - want[n].double()).abs().max().item()
-                     for d, want in zip(tensors[:3], reference[:3], strict=True) for n, got in d.items()
-                     if got.numel()), default=0.0)
+        with build_phase("check"):
+            self.graph.replay()
+            worst = max(((got.double() - want[n].double()).abs().max().item()
+                         for d, want in zip(tensors[:3], reference[:3], strict=True) for n, got in d.items()
+                         if got.numel()), default=0.0)
         if worst > GRAPH_CHECK_ATOL:
             restore(tensors, reference)
             self.graph = None
@@ -675,6 +677,16 @@ class CompiledCall:
     def note(self, message: str) -> None:
         if self.group.log is not None:
             self.group.log(message)
+
+
+def build_phase(name: str) -> contextlib.AbstractContextManager:
+    """A named range of a compiled call's build (``hetfl.build/<name>``: the first run, the reference,
+    the compiled reference, the capture, the check), which ``torch.profiler`` records and
+    ``benchmarks/profile_round.py --round 1`` adds up: where a run's first round goes."""
+    return torch.profiler.record_function(f"{BUILD_PHASE}/{name}")
+
+
+BUILD_PHASE = "hetfl.build"
 
 
 def graphs_capturable(device: torch.device) -> bool:
