@@ -169,11 +169,14 @@ def test_a_step_of_one_client_runs_unbatched_and_gives_the_sequential_clients(mo
 
     monkeypatch.setattr(vectorized, "vmapped_step", vmapped)
     monkeypatch.setattr(vectorized, "step_gradients", unbatched)
-    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.5"]))
-    compare_one_round(exp, step_mode=("eager", "static"))
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.5",
+                                        "train.clients_per_round=6"]))
+    compare_one_round(exp)
     assert widths["unbatched"] > 0 and widths["vmapped"] and min(widths["vmapped"]) > 1
     widths["vmapped"].clear()
-    compare_one_round(exp, chunk_size=1)
+    server = exp.initial_server()
+    train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                             train_cfg=exp.cfg.train, chunk_size=1)
     assert set(widths["vmapped"]) == {1}
 
 
