@@ -37,6 +37,19 @@ def test_gradient_reversal_is_identity_forward_and_flips_and_scales_the_gradient
     assert torch.count_nonzero(x0.grad) == 0
 
 
+def test_gradient_reversal_scales_the_gradient_with_one_rounding_at_small_lambdas():
+    """At FedBR's lam = 0.01 the reversed gradient is ``-lam g`` rounded once: no cancellation of
+    ``g - (1 + lam) g``, which lost about seven bits (a rounding difference upstream, e.g. a batched
+    matrix product on a GPU against a plain one, came out a hundred times larger)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 64, requires_grad=True)
+    w = torch.randn(256, 64)
+    for lam in (0.01, 1e-4, 0.3):
+        x.grad = None
+        (w * gradient_reversal(x, lam)).sum().backward()
+        assert torch.equal(x.grad, -(lam * w)), lam
+
+
 def test_gradient_reversal_composes_with_torch_func():
     w = torch.randn(4, 3)
     xs = torch.randn(2, 4, 3)

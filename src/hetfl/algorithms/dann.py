@@ -58,10 +58,11 @@ DOMAIN = "dann.domain"  # extras: this client's domain label (a 0-d int64 tensor
 def gradient_reversal(x: torch.Tensor, lam: float | torch.Tensor) -> torch.Tensor:
     """``R_lam``: the identity forward; the gradient is multiplied by ``-lam`` backward (Ganin et al.'s GRL).
 
-    Written with ``detach`` (``x - (1 + lam) (x - sg(x))`` has value ``x`` and
-    derivative ``-lam``), so it composes with ``torch.func.grad`` and ``vmap``
-    without a custom autograd function."""
-    return x - (1.0 + lam) * (x - x.detach())
+    Written with ``detach`` (``sg(x) - lam (x - sg(x))`` has value ``x`` and derivative ``-lam``), so it
+    composes with ``torch.func.grad`` and ``vmap`` without a custom autograd function. The gradient is
+    ``-lam g`` rounded once: the form ``x - (1 + lam) (x - sg(x))`` computed it as ``g - (1 + lam) g``,
+    a cancellation that lost about seven bits at lam = 0.01 (relative errors up to 7e-6, now 8e-8)."""
+    return x.detach() - lam * (x - x.detach())
 
 
 def init_mlp(sizes: list[int], prefix: str, generator: torch.Generator, dtype: torch.dtype,
