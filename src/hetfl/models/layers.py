@@ -14,14 +14,17 @@ every sample alike. The values, indices and gradients are those of ``F.max_pool2
 on the same planes, bit for bit, batched or not); only the copies are gone
 (``tests/models/test_layers.py`` counts them).
 
-:class:`Linear` is ``nn.Linear`` whose batching rule, for per-client weights, is one batched matrix
-product and an in-place bias add: PyTorch's generic rule for ``addmm`` also scales a copy of the bias
-by ``beta = 1``, one more kernel per layer and step. Unbatched, it runs ``addmm`` and the derivative
-formulas autograd uses for it, so its values and gradients are ``nn.Linear``'s bit for bit.
+:class:`Linear` is ``nn.Linear`` computed as a matrix product and then a bias add: for per-client
+weights under ``vmap``, one batched product and one add, where PyTorch's generic rule for ``addmm``
+also scales a copy of the bias by ``beta = 1`` (one more kernel per layer and step). No
+``autograd.Function`` is needed: the two ops' own batching rules and derivatives give those kernels,
+and the values and gradients of ``nn.Linear`` bit for bit (until session 18 this was a custom rule,
+``_Linear``, with the same kernels and bits, and 20% more host time per vmapped step of simple_cnn
+at batch 2 on a CPU: functorch rebuilds an ``autograd.Function`` at each call under ``grad``).
 
 Both take these paths only inside :func:`client_batching` (the vectorised executor's vmapped step):
-elsewhere they are PyTorch's modules as they are, without an ``autograd.Function``'s Python cost per
-call (a sequential step on a GPU is bound by that host time).
+elsewhere they are PyTorch's modules as they are (:class:`MaxPool2d` without an
+``autograd.Function``'s Python cost per call: a sequential step on a GPU is bound by that host time).
 
 :class:`Conv2d` is ``nn.Conv2d`` with a choice of how per-client weights are batched
 (``client_batching(conv=...)``, the config key ``runtime.conv_batching``): ``"grouped"`` is PyTorch's own
@@ -193,62 +196,18 @@ class MaxPool2d(nn.MaxPool2d):
                                 self.ceil_mode)[0]
 
 
-class _Linear(torch.autograd.Function):
-    """``F.linear`` of a 2-D input with a bias (``aten.addmm``) with a lean batching rule (:meth:`vmap`)."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return torch.addmm(bias, x, weight.t())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        x, weight, _ = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.column_major = _column_major(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        """``addmm``'s derivative formulas (PyTorch's ``mm_mat1_backward``, ``mm_mat2_backward`` and the
-        bias's sum): the same products in the same orientation, so the same bits; differentiable again."""
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # an input stored column-major gets its gradient in that order
-            grad_x = weight.t().mm(grad.t()).t() if ctx.column_major else grad.mm(weight)
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad.t().mm(x)
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0)
-        return grad_x, grad_weight, grad_bias
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple:
-        x_dim, weight_dim, bias_dim = in_dims
-        if weight_dim is None and bias_dim is None:  # one layer for every client: their samples as one batch
-            return F.linear(x.movedim(x_dim, 0), weight, bias), 0
-        size = info.batch_size
-        x, weight, bias = (_batch_dim_at(t, d, 0, size) for t, d in ((x, x_dim), (weight, weight_dim),
-                                                                     (bias, bias_dim)))
-        return torch.bmm(x, weight.transpose(1, 2)).add_(bias.unsqueeze(1)), 0
-
-
-def _column_major(x: torch.Tensor) -> bool:
-    """Whether the matrix ``x`` is stored column by column (what ``mm_mat1_backward`` asks)."""
-    try:
-        return x.stride(0) == 1 and x.stride(1) == x.size(0)
-    except RuntimeError:  # a tensor without strides (a batched one in some PyTorch versions): either order
-        return False
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same arguments, same results) with a lean batching rule for per-client weights
-    inside :func:`client_batching` (module docstring). Inputs other than a batch of vectors, and layers
-    without a bias, go to ``F.linear``. Under autocast the inputs are cast as autocast casts them, then
-    multiplied in that precision: what ``nn.Linear`` does."""
+    """``nn.Linear`` (same arguments, same results) that, inside :func:`client_batching`, multiplies and
+    then adds its bias (module docstring): under ``vmap`` with per-client weights, one batched product and
+    one add, where PyTorch's rule for ``addmm`` also scales a copy of the bias. Inputs other than a batch
+    of vectors, and layers without a bias, go to ``F.linear``. Under autocast the bias is taken to the
+    product's precision, as ``nn.Linear``'s ``addmm`` takes it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _client_batching() or self.bias is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        return _Linear.apply(*_autocast(x, self.weight, self.bias))
+        product = F.linear(x, self.weight)
+        return product + self.bias.to(product.dtype)
 
 
 class _Conv2d(torch.autograd.Function):
