@@ -5,9 +5,10 @@ local step is ``torch.func.vmap`` of the gradient half of the very step the
 sequential executor runs (:func:`hetfl.engine.local.step_gradients`, with
 ``torch.func.grad``), so each algorithm's loss, gradient transform and adversary
 step run unchanged (a step of a single client of the group runs that step itself,
-unbatched: :meth:`VectorizedGroup.single_client_gradients`); the SGD update then runs once for all rows, in place in the
-stacked buffers, with multi-tensor kernels (:func:`hetfl.optim.sgd_update_`, the
-same arithmetic as the sequential :func:`hetfl.optim.sgd_update`).
+unbatched: :meth:`VectorizedGroup.single_client_gradients`); the SGD update then
+runs once for all rows, in place in the stacked buffers, with multi-tensor
+kernels (:func:`hetfl.optim.sgd_update_`, the same arithmetic as the sequential
+:func:`hetfl.optim.sgd_update`).
 
 Exactness. Every client draws its batch order, augmentation and per-step
 random numbers from its own generators, in the same order as in

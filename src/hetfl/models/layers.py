@@ -18,9 +18,11 @@ on the same planes, bit for bit, batched or not); only the copies are gone
 weights under ``vmap``, one batched product and one add, where PyTorch's generic rule for ``addmm``
 also scales a copy of the bias by ``beta = 1`` (one more kernel per layer and step). No
 ``autograd.Function`` is needed: the two ops' own batching rules and derivatives give those kernels,
-and the values and gradients of ``nn.Linear`` bit for bit (until session 18 this was a custom rule,
-``_Linear``, with the same kernels and bits, and 20% more host time per vmapped step of simple_cnn
-at batch 2 on a CPU: functorch rebuilds an ``autograd.Function`` at each call under ``grad``).
+and in float32 ``nn.Linear``'s values and gradients bit for bit. Under autocast the product is rounded
+to its precision before the bias is added, where ``addmm`` rounds once. Until session 18 this was a
+custom rule (``_Linear``: the same kernels and bits, and 20% more host time per vmapped step of
+simple_cnn at batch 2 on a CPU, since functorch rebuilds an ``autograd.Function`` at each call
+under ``grad``).
 
 Both take these paths only inside :func:`client_batching` (the vectorised executor's vmapped step):
 elsewhere they are PyTorch's modules as they are (:class:`MaxPool2d` without an
