@@ -334,7 +334,9 @@ class FedPAC(Algorithm):
     def alignment_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         z, logits = self.model.features_and_logits(state, batch.x)
         ce = cross_entropy(logits, batch.y)
-        align = F.mse_loss(z, ctx.extras["target"][batch.y])  # (1/d) ||f(x) - c_y||^2, batch mean
+        # (1/d) ||f(x) - c_y||^2, batch mean; index_select, not target[y] (the same gather): torch.compile
+        # replays a vmapped advanced index as a view that the strides refuse (runtime.compile)
+        align = F.mse_loss(z, ctx.extras["target"].index_select(0, batch.y))
         weight = self.hp.lam * ctx.extras["align"]
         return ce + weight * align, {"ce": ce.detach(), "alignment": align.detach()}
 
