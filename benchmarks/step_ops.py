@@ -150,8 +150,10 @@ def count_round(overrides: list[str], prepared: bool = True) -> dict:
                                                                                         for c in calls),
                  "calls": len(calls), "plan_ms": plan_ms(exp, contexts()),
                  "cloned_mb": round(sum(c["cloned"] for c in calls) / 1e6, 1)}
-    for label, gathered in (("views", False), ("gathered", True)):
-        chosen = [c for c in calls if c["gathered"] == gathered]
+    # since session 18 a view call of one row (one client training alone) runs the step unbatched
+    for label, chosen in (("views", [c for c in calls if not c["gathered"]]),
+                          ("gathered", [c for c in calls if c["gathered"]]),
+                          ("one_row", [c for c in calls if not c["gathered"] and c["width"] == 1])):
         steps = sum(c["steps"] for c in chosen)
         total: Counter[tuple[str, str]] = sum((c["ops"] for c in chosen), Counter())
         by_kind: Counter[str] = Counter()
@@ -208,13 +210,15 @@ def render(entries: list[dict]) -> str:
     for e in entries:
         lines += [f"`{e['command']}` at {e['commit']}{': ' + e['label'] if e.get('label') else ''}", "",
                   "| precision | critical steps | client-steps | calls | plan (ms) | view steps | ops/step (views) | "
-                  "gathered steps | ops/step (gathered) | cloned (MB) | per step, by kind (views) |", "|---" * 11 + "|"]
+                  "of which one row: steps, ops/step | gathered steps | ops/step (gathered) | cloned (MB) | "
+                  "per step, by kind (views) |", "|---" * 12 + "|"]
         for precision, r in e["rows"].items():
-            v, g = r["views"], r["gathered"]
+            v, g, one = r["views"], r["gathered"], r.get("one_row")
             kinds = ", ".join(f"{k} {n}" for k, n in v["by_kind"].items())
+            alone = f"{one['steps']}, {one['ops_per_step'] or '-'}" if one else "-"
             lines.append(f"| {precision} | {r['critical_steps']} | {r['client_steps']} | {r['calls']} | "
                          f"{r.get('plan_ms', '-')} | {v['steps']} | "
-                         f"{v['ops_per_step'] or '-'} | {g['steps']} | {g['ops_per_step'] or '-'} | "
+                         f"{v['ops_per_step'] or '-'} | {alone} | {g['steps']} | {g['ops_per_step'] or '-'} | "
                          f"{r.get('cloned_mb', '-')} | {kinds} |")
         lines.append("")
     return "\n".join(lines)
