@@ -20,9 +20,9 @@ also scales a copy of the bias by ``beta = 1`` (one more kernel per layer and st
 ``autograd.Function`` is needed: the two ops' own batching rules and derivatives give those kernels,
 and in float32 ``nn.Linear``'s values and gradients bit for bit. Under autocast the product is rounded
 to its precision before the bias is added, where ``addmm`` rounds once. Until session 18 this was a
-custom rule (``_Linear``: the same kernels and bits, and 20% more host time per vmapped step of
-simple_cnn at batch 2 on a CPU, since functorch rebuilds an ``autograd.Function`` at each call
-under ``grad``).
+custom rule (``_Linear``: the same kernels and bits, and 18% more host time per vmapped step of
+simple_cnn at batch 2 on a CPU, none measurable at batch 64, since functorch rebuilds an
+``autograd.Function`` at each call under ``grad``; ``benchmarks/results/layer_forms_cpu.md``).
 
 Both take these paths only inside :func:`client_batching` (the vectorised executor's vmapped step):
 elsewhere they are PyTorch's modules as they are (:class:`MaxPool2d` without an
