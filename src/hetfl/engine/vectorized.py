@@ -352,9 +352,10 @@ class VectorizedGroup:
 
         A round's largest client often trains alone for a long stretch (CCVR's Table 2 setting:
         480 of its 1,580 steps one after another). ``vmap`` of one row runs the batched forms of
-        its layers (a batched product then the bias added, the loss's gather and scatter), where
-        the plain layers fuse them (``addmm``, ``nll_loss``): fewer kernels a step, less host work,
-        and the sequential executor's very values. Only in groups of several clients: their
+        its layers (a batched product then the bias added; a convolution then its bias), where the
+        plain layers fuse them (``addmm``; a convolution with its bias): 48 operations of the model
+        and loss a step instead of 57 (``benchmarks/step_ops.py``), less host work, and the
+        sequential executor's very values. Only in groups of several clients: their
         stage's first step, all rows at once, ran vmapped, and so proved that the step has no
         random op and no ``.item()`` (which vmap refuses, and the sequential fallback handles)."""
         b = self.buffers
