@@ -37,6 +37,10 @@ VARIANTS = {
     "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
     "graph": ["runtime.executor=vectorized", "runtime.cuda_graph=true"],
     "graph_bf16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16"],
+    # calls of up to 16 steps, a CUDA graph each (the default until session 19: 4): 51 graphs to build in round 1
+    # instead of 34, from 281 steps run twice in Python instead of 73 (benchmarks/graph_shapes.py)
+    "graph_bf16_b16": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16",
+                       "runtime.graph_steps=16"],
     # the steps compiled by torch.compile: one compile per step shape, in round 1's time
     "graph_bf16_compiled": ["runtime.executor=vectorized", "runtime.cuda_graph=true", "train.precision=bf16",
                             "runtime.compile=true"],
@@ -163,22 +167,26 @@ def main() -> None:
 def render(entries: list[dict], device: str) -> str:
     lines = [f"# CCVR's CIFAR-10 setting: seconds per round and time to accuracy ({device})", "",
              "Wall = the sum of the rounds' own times (training, aggregation, evaluation every round); a variant "
-             "that has not finished shows the rounds done and the 100-round wall projected from its median round.",
+             "that has not finished shows the rounds done and the wall projected from its first round (which builds "
+             "the CUDA graphs) and its median round for the others (before session 19: the median round times the "
+             "rounds).",
              ""]
     for e in entries:
         lines += [f"`{e['command']}` on {e['machine']['device']} ({e['machine']['threads']} threads, torch "
                   f"{e['machine']['torch']})", "",
-                  "| variant | rounds | s/round (median) | of which eval | wall (projected) | first round >= target "
-                  "| wall to target | final acc before CCVR | after CCVR |", "|---" * 9 + "|"]
+                  "| variant | rounds | round 1 (s) | s/round (median) | of which eval | wall (projected) | first "
+                  "round >= target | wall to target | final acc before CCVR | after CCVR |", "|---" * 10 + "|"]
         for r in e["results"]:
             median = r["median_round_s"]
-            projected = "" if r["finished"] or median is None else f" ({median * e['rounds']:.0f} s)"
+            first = r["round_s"][0] if r["round_s"] else None
+            projected = "" if r["finished"] or median is None else \
+                f" ({first + median * (e['rounds'] - 1):.0f} s)"
             wall = f"{r['wall_s']:.1f} s{projected}"
             target = "-" if r["target_round"] is None else str(r["target_round"])
             to_target = "-" if r["target_wall_s"] is None else f"{r['target_wall_s']:.1f} s"
 
-            lines.append(f"| {r['variant']} | {r['rounds_done']}/{e['rounds']} | {seconds(median)} | "
-                         f"{seconds(r['median_eval_s'])} | {wall} | {target} | {to_target} | "
+            lines.append(f"| {r['variant']} | {r['rounds_done']}/{e['rounds']} | {seconds(first)} | "
+                         f"{seconds(median)} | {seconds(r['median_eval_s'])} | {wall} | {target} | {to_target} | "
                          f"{percent(r['final_global_acc_before_ccvr'])} | {percent(r['final_global_acc'])} |")
         lines.append("")
         if e.get("reading"):

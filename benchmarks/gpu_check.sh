@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see benchmarks/README.md):
-# "quick" (one call, ~8 min): the throughput table (graph + bf16), the quick test suite with CUDA present,
-# CCVR's Table 2 timing, k clients' convolutions several ways, and how far DANN's vectorised clients are from
-# its sequential ones on CUDA (cuda_equality.py); "compile" (~9 min): runtime.compile (steps compiled by
+# "quick" (one call, ~9 min): the throughput table (graph + bf16, with calls of 4 steps, the default since
+# session 19, and of 16), the quick test suite with CUDA present, CCVR's Table 2 timing (float32, bf16, bf16 with
+# 16-step calls: round 1 builds the graphs), and how far DANN's vectorised clients are from its sequential ones
+# on CUDA (cuda_equality.py); "kernels": k clients' convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by
 # torch.compile) against graph_bf16, throughput and CCVR; "suite": the test suite alone; "profile": a profile
 # of one round, and of CCVR's first round (its builds by phase); "memory" (~3 min, not in "all"): device
 # memory and CUDA graphs kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
-#   bash benchmarks/gpu_check.sh [quick|suite|compile|profile|memory|all]
+#   bash benchmarks/gpu_check.sh [quick|suite|kernels|compile|profile|memory|all]
 set -uo pipefail
 OUT=${OUT:-gpu-out}; DATA=${DATA:-.gpu-data}; WHAT=${1:-all}
 mkdir -p "$OUT/results"
@@ -19,20 +20,23 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9.5 minutes: one call of a 15-minute lease
   timeout ${THROUGHPUT_S:-210} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
-    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 vectorized_plain} --out "$OUT/results" 2>&1 | tail -8
+    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_b16} --out "$OUT/results" 2>&1 | tail -8
 fi
 if [[ $WHAT == quick || $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \
     2>&1 | tee "$OUT/suite.log" | tail -40
 fi
 if [[ $WHAT == quick || $WHAT == all ]]; then
-  # fp32 beside bf16: at CCVR's widths a step is latency-bound, and bf16 adds 31 casts to its 65 kernels
-  timeout 125 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 \
-    --budget-each-s ${CCVR_BUDGET_S:-55} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
-  timeout 60 python3 benchmarks/conv_kernels.py --clients 20 --batch-size 64 --dtype bf16 --check 2>&1 \
-    | tee -a "$OUT/results/conv_kernels_cuda.md" | tail -9
+  # fp32 beside bf16: at CCVR's widths a step is latency-bound, and bf16 adds 31 casts to its 65 kernels; calls
+  # of 16 steps beside 4 (round 1: 281 steps run twice in Python to build 51 graphs, against 73 for 34)
+  timeout 150 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 graph_bf16_b16 \
+    --budget-each-s ${CCVR_BUDGET_S:-45} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
   timeout 60 python3 benchmarks/cuda_equality.py --methods dann fedavg --steps 1 2 10 2>&1 \
     | tee "$OUT/results/cuda_equality.md" | tail -9
+fi
+if [[ $WHAT == kernels ]]; then
+  timeout 60 python3 benchmarks/conv_kernels.py --clients 20 --batch-size 64 --dtype bf16 --check 2>&1 \
+    | tee -a "$OUT/results/conv_kernels_cuda.md" | tail -9
 fi
 if [[ $WHAT == compile ]]; then  # runtime.compile against graph_bf16 (~8 min: its compiles are in the warm-up)
   timeout ${THROUGHPUT_S:-330} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \

@@ -33,7 +33,7 @@ import torch
 from hetfl.algorithms.base import Stage
 from hetfl.data.partition import split_dirichlet
 from hetfl.engine.schedule import sampled_clients
-from hetfl.engine.step_plan import plan_round
+from hetfl.engine.step_plan import BLOCK_STEPS, plan_round
 from hetfl.engine.vectorized import MAX_KEPT_CALLS, VectorizedCache
 from hetfl.optim import SGDConfig
 
@@ -51,7 +51,7 @@ def client_sizes(clients: int, alpha: float, seed: int) -> list[int]:
 
 
 def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: float, rounds: int, seed: int,
-            max_calls: int) -> dict:
+            max_calls: int, block_steps: int = BLOCK_STEPS) -> dict:
     sizes = client_sizes(clients, alpha, seed)
     stage = Stage("local", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), epochs=epochs)  # type: ignore[arg-type]
     seen: set = set()
@@ -59,6 +59,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
     first_round_step_shapes = 0
     cache = VectorizedCache(max_calls=max_calls)
     distinct, new_late, captures_late, calls_late, calls = [], 0, 0, 0, 0
+    build_steps, build_steps_late, build_steps_round1 = 0, 0, 0  # steps of captured calls: run twice in Python
     late = max(rounds - 50, 0)
     for r in range(1, rounds + 1):
         chosen = sampled_clients(seed, r, clients, per_round)
@@ -66,7 +67,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + r * 1009 + c) for c in chosen]
         plan = plan_round([stage], chosen, [sizes[c] for c in chosen], batch_size=batch_size, drop_last=False,
                           batch_gens=gens, augment_gens=gens, draw_gens=gens, stage_augment=lambda s, g: None,
-                          global_indices=lambda c, idx: idx, device=torch.device("cpu"))
+                          global_indices=lambda c, idx: idx, device=torch.device("cpu"), block_steps=block_steps)
         for call in plan[0].calls:
             key = (len(chosen), call.shape())
             step_shapes.add((call.width, call.size))
@@ -76,21 +77,25 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
             captured = key not in cache.programs
             cache.programs[key] = None  # type: ignore[assignment]
             cache.used(key)
+            build_steps += call.steps * captured
             if r > late:
                 calls_late += 1
                 new_late += fresh
                 captures_late += captured
+                build_steps_late += call.steps * captured
         distinct.append(len(seen))
         if r == 1:
             first_round_step_shapes = len(step_shapes)
+            build_steps_round1 = build_steps
     return {
         "clients": clients, "per_round": per_round, "batch_size": batch_size, "epochs": epochs, "alpha": alpha,
-        "rounds": rounds, "calls_per_round": calls / rounds,
+        "rounds": rounds, "block_steps": block_steps, "calls_per_round": calls / rounds,
         "distinct_shapes": {m: distinct[m - 1] for m in MARKS if m <= rounds},
         "new_shapes_per_round_last50": new_late / min(50, rounds),
         "captures_per_round_last50": captures_late / min(50, rounds),
         "kept_at_end": len(cache.programs), "max_calls": max_calls,
         "step_shapes_round1": first_round_step_shapes, "step_shapes_at_end": len(step_shapes),
+        "build_steps_round1": build_steps_round1, "build_steps_per_round_last50": build_steps_late / min(50, rounds),
     }
 
 
@@ -99,22 +104,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-calls", type=int, default=MAX_KEPT_CALLS)
+    parser.add_argument("--block-steps", type=int, nargs="+", default=[BLOCK_STEPS],
+                        help="most steps of a call (runtime.graph_steps), each value a row per setting")
     parser.add_argument("--out", type=Path, default=None, help="folder for graph_shapes.json (printed only if absent)")
     args = parser.parse_args()
     rows = []
-    header = ("| clients | a round | batch | epochs | alpha | calls/round | distinct shapes after rounds "
+    header = ("| clients | a round | batch | epochs | alpha | steps/call | calls/round | distinct shapes after rounds "
               f"{', '.join(str(m) for m in MARKS if m <= args.rounds)} | new shapes/round (last 50) | "
               f"captures/round, at most {args.max_calls} kept (last 50) | step shapes (torch.compile's "
-              "compiles), round 1 / all rounds |")
+              "compiles), round 1 / all rounds | steps run twice to build graphs: round 1 / a round (last 50) |")
     print(header)
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 12)
     for setting in SETTINGS:
-        row = measure(*setting, rounds=args.rounds, seed=args.seed, max_calls=args.max_calls)
-        rows.append(row)
-        print(f"| {row['clients']} | {row['per_round']} | {row['batch_size']} | {row['epochs']} | {row['alpha']} | "
-              f"{row['calls_per_round']:.0f} | {', '.join(str(v) for v in row['distinct_shapes'].values())} | "
-              f"{row['new_shapes_per_round_last50']:.2f} | {row['captures_per_round_last50']:.2f} | "
-              f"{row['step_shapes_round1']} / {row['step_shapes_at_end']} |", flush=True)
+        for block_steps in args.block_steps:
+            row = measure(*setting, rounds=args.rounds, seed=args.seed, max_calls=args.max_calls,
+                          block_steps=block_steps)
+            rows.append(row)
+            print(f"| {row['clients']} | {row['per_round']} | {row['batch_size']} | {row['epochs']} | {row['alpha']} | "
+                  f"{block_steps} | {row['calls_per_round']:.0f} | "
+                  f"{', '.join(str(v) for v in row['distinct_shapes'].values())} | "
+                  f"{row['new_shapes_per_round_last50']:.2f} | {row['captures_per_round_last50']:.2f} | "
+                  f"{row['step_shapes_round1']} / {row['step_shapes_at_end']} | "
+                  f"{row['build_steps_round1']} / {row['build_steps_per_round_last50']:.1f} |", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -266,11 +266,11 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "graph_bf16_pc": "(c) + graph, bf16, per-client convs", "vmap_pc": "(c') vmap, per-client convs",
            "graph_compiled": "(c) + graph, compiled", "graph_bf16_compiled": "(c) + graph, bf16, compiled",
            "vmap_compiled": "(c') vmap, compiled", "vectorized_plain": "(c) vectorized, plain layers",
-           "vmap_plain": "(c') vmap, plain layers",
+           "vmap_plain": "(c') vmap, plain layers", "graph_bf16_b16": "(c) + graph, bf16, 16 steps a graph",
            "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
 VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc", "graph_compiled",
-              "graph_bf16_compiled")
+              "graph_bf16_compiled", "graph_bf16_b16")
 _GRAPH = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
 _PER_CLIENT = "runtime.conv_batching=per_client"
 _COMPILE = "runtime.compile=true"
@@ -279,13 +279,15 @@ GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16
                   "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"],
                   "graph_compiled": [*_GRAPH, _COMPILE],
                   "vectorized_plain": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
-                  "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE]}
+                  "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE],
+                  # calls of up to 16 steps (the default until session 19: 4), a graph each
+                  "graph_bf16_b16": [*_GRAPH, "train.precision=bf16", "runtime.graph_steps=16"]}
 _VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
 CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE],
                 "vmap_plain": _VMAP}
 # run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
 ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled", "vectorized_plain",
-              "vmap_plain")
+              "vmap_plain", "graph_bf16_b16")
 # run with hetfl's layers in their plain forms inside the vmapped step (plain_layers)
 PLAIN_LAYERS = ("vectorized_plain", "vmap_plain")
 

@@ -108,6 +108,11 @@ class RuntimeConfig:
     cuda_graph: bool = setting(True, doc="vectorized on CUDA: capture each block of steps as a CUDA graph, kept "
                                          "across rounds and checked once against an eager run (falls back to "
                                          "eager steps with a logged reason); ignored on other devices")
+    graph_steps: int = setting(
+        4, ge=1, le=1024,
+        doc="vectorized: most steps of one call (one CUDA graph on CUDA): longer calls launch less often, shorter "
+            "ones are fewer shapes to capture in the first round, each run twice in Python there (the same "
+            "numbers either way; benchmarks/graph_shapes.py counts both)")
     channels_last: bool = setting(
         False, doc="vectorized on CUDA: image batches laid out channels-last for cuDNN (the same values; off: "
                    "measured 7-15% slower on an H100 with cnn2, benchmarks/results/throughput_cuda.md)")

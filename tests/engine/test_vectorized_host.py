@@ -75,8 +75,9 @@ def test_the_old_per_step_host_path_is_what_the_counter_sees(monkeypatch):
 def test_block_widths_and_lengths_come_from_few_shapes():
     assert [bucket_width(w, 20) for w in (1, 4, 5, 6, 19, 20)] == [1, 4, 6, 6, 20, 20]
     assert all(bucket_width(w, 20) >= w and bucket_width(w, 20) - w < 3 for w in range(1, 21))
-    assert split_steps(13) == [8, 4, 1] and split_steps(40) == [16, 16, 8] and split_steps(0) == []
-    assert {len(split_steps(n)) for n in range(1, 17)} <= {1, 2, 3, 4, 5}
+    assert split_steps(13, 16) == [8, 4, 1] and split_steps(40, 16) == [16, 16, 8] and split_steps(0) == []
+    assert split_steps(13, 4) == [4, 4, 4, 1] and split_steps(7, 4) == [4, 2, 1]
+    assert {len(split_steps(n, 16)) for n in range(1, 17)} <= {1, 2, 3, 4, 5}
 
 
 @pytest.mark.parametrize("block_steps", [1, 3, 16])
@@ -88,6 +89,36 @@ def test_any_block_length_gives_the_sequential_clients(monkeypatch, block_steps)
     exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedprox", "train.momentum=0.9",
                                         "runtime.device=cpu"]))
     compare_one_round(exp, step_mode="static")
+
+
+def test_runtime_graph_steps_is_the_most_steps_of_a_call(monkeypatch, tmp_path):
+    """``runtime.graph_steps`` reaches the plan: a run's calls hold at most that many steps (the graphs'
+    length on CUDA), with the same numbers as another length; its default is the planner's."""
+    from hetfl.engine import step_plan
+
+    assert config.RuntimeConfig().graph_steps == step_plan.BLOCK_STEPS
+    longest: dict[int, int] = {}
+    original = VectorizedGroup.plan
+
+    def plan(self, stages=None):
+        made = original(self, stages)
+        longest[self.block_steps] = max([longest.get(self.block_steps, 0),
+                                         *(c.steps for p in made for c in p.calls)])
+        return made
+
+    monkeypatch.setattr(VectorizedGroup, "plan", plan)
+    base = [*SYNTHETIC, "train.rounds=1", "train.clients_per_round=4", "runtime.executor=vectorized",
+            "runtime.vmap_on_cpu=true", "runtime.device=cpu", "train.batch_size=4"]
+    summaries = {steps: Experiment(config.load(None, [*base, f"runtime.graph_steps={steps}"])).run(
+        tmp_path / str(steps)) for steps in (1, 4)}
+    assert longest == {1: 1, 4: 4}
+    assert summaries[1]["final_train_loss"] == summaries[4]["final_train_loss"]
+    assert summaries[1]["final_global_acc"] == summaries[4]["final_global_acc"]
+
+
+def test_runtime_graph_steps_below_one_is_refused_by_name():
+    with pytest.raises(config.ConfigError, match=r"runtime\.graph_steps.*0"):
+        config.load(None, ["runtime.graph_steps=0"])
 
 
 def round_plan(epochs: int):

@@ -590,7 +590,8 @@ class Experiment:
                                                memo=self.chunk_sizes, cache=self.vectorized_cache,
                                                channels_last=cfg.runtime.channels_last and on_cuda,
                                                conv_batching=cfg.runtime.conv_batching,
-                                               compile_steps=cfg.runtime.compile)
+                                               compile_steps=cfg.runtime.compile,
+                                               block_steps=cfg.runtime.graph_steps)
             for _ in results:
                 reporter.client_done()
             return results

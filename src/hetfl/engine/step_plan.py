@@ -53,8 +53,11 @@ import torch
 from hetfl.algorithms.base import Stage, Tensors
 from hetfl.engine.schedule import batch_schedule
 
-# steps of one block; a captured block replays them all at once
-BLOCK_STEPS = 16
+# most steps of one call (runtime.graph_steps): a captured call replays them all at once. Each call shape is
+# captured in the first round that meets it, its steps run twice in Python there (the eager reference and the
+# capture): with 16, CCVR's Table 2 round (51 shapes, 308 calls) runs 281 steps twice to build its graphs, with 4,
+# 73 (34 shapes, 511 calls); benchmarks/graph_shapes.py
+BLOCK_STEPS = 4
 
 
 @dataclass

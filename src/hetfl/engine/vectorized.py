@@ -20,8 +20,8 @@ entries compute on a scratch row whose results are never read), so no batch is
 padded and no loss needs masking: a client's result equals the sequential one
 up to floating-point reassociation in batched kernels.
 
-Speed on CUDA. Each call shape of the plan (a block of up to 16 steps, a first
-step, a short last batch) is captured once as a CUDA graph and replayed, in
+Speed on CUDA. Each call shape of the plan (a block of up to ``runtime.graph_steps``
+steps, a first step, a short last batch) is captured once as a CUDA graph and replayed, in
 later rounds too (:class:`CompiledCall`; :class:`VectorizedCache` keeps the
 ``MAX_KEPT_CALLS`` most recently used). With ``runtime.compile`` each step's gradients
 are compiled by ``torch.compile`` first (:mod:`hetfl.engine.compiled_step`: fewer, fused
@@ -245,7 +245,7 @@ class VectorizedGroup:
 
     - ``"eager"``: each step is a vmapped call, reading the plan's tensors directly;
     - ``"graph"`` (CUDA): each call shape is captured once as a CUDA graph (a block of
-      up to 16 steps in one graph) over static input buffers, checked against an eager
+      up to ``block_steps`` steps in one graph) over static input buffers, checked against an eager
       run of the same call once, and replayed; with ``cache`` the graphs and the buffers
       they read are kept for later rounds;
     - ``"static"``: the graph path's logic (static input buffers, the same checks) without
@@ -778,6 +778,7 @@ def train_clients_vectorized(
     channels_last: bool = False,
     conv_batching: str = "grouped",
     compile_steps: bool = False,
+    block_steps: int | None = None,
 ) -> list[LocalResult]:
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
@@ -788,7 +789,8 @@ def train_clients_vectorized(
     ``step_mode``: see :class:`VectorizedGroup`; ``cache`` (kept by the caller) keeps the
     compiled calls (CUDA graphs) and their buffers for the next rounds; ``conv_batching``: how
     convolutions of per-client weights are batched (:mod:`hetfl.models.layers`); ``compile_steps``: each
-    step's gradients by ``torch.compile`` (:mod:`hetfl.engine.compiled_step`).
+    step's gradients by ``torch.compile`` (:mod:`hetfl.engine.compiled_step`); ``block_steps``: most steps
+    of a call (:mod:`hetfl.engine.step_plan`; default ``step_plan.BLOCK_STEPS``).
     """
     plans = []
     for ctx in ctxs:
@@ -821,7 +823,7 @@ def train_clients_vectorized(
             try:
                 out = VectorizedGroup([plans[i] for i in chunk], data, seed=seed, step_mode=step_mode, log=log,
                                       cache=cache, channels_last=channels_last, conv_batching=conv_batching,
-                                      compile_steps=compile_steps, **settings).run()
+                                      compile_steps=compile_steps, block_steps=block_steps, **settings).run()
             except torch.cuda.OutOfMemoryError:
                 if cache is not None:  # free what this chunk size kept: a smaller one is tried next
                     cache.drop(len(chunk))
