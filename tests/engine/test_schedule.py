@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hetfl.engine.schedule import batch_schedule
+from hetfl.engine.schedule import batch_schedule, batch_schedule_flat
 
 
 def test_epoch_mode_is_one_fresh_permutation_per_epoch_in_batches():
@@ -34,3 +34,19 @@ def test_step_mode_batches_are_the_passes_cut_at_the_step_count(n, batch_size, s
     assert len(got) == steps
     assert all(torch.equal(a, b) for a, b in zip(got, want[:steps], strict=True))
     assert torch.equal(torch.randperm(n, generator=got_gen), torch.randperm(n, generator=want_gen))
+
+
+@pytest.mark.parametrize(("n", "batch_size", "epochs", "steps", "drop_last"),
+                         [(10, 4, 2, 0, False), (10, 4, 2, 0, True), (3, 4, 3, 0, True), (12, 4, 1, 0, False),
+                          (10, 4, 1, 7, False), (10, 4, 1, 7, True), (3, 4, 1, 5, True), (12, 4, 1, 6, False),
+                          (0, 4, 2, 0, False), (9517, 64, 10, 0, False)])
+def test_the_flat_schedule_is_the_batches_one_after_another(n, batch_size, epochs, steps, drop_last):
+    """The vectorised executor's plan reads the schedule flat: the sequential executor's batches, in
+    order, with their sizes, and the generator left where they leave it."""
+    flat_gen, batches_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    flat, sizes = batch_schedule_flat(n, batch_size, epochs, steps, drop_last, flat_gen)
+    batches = batch_schedule(n, batch_size, epochs, steps, drop_last, batches_gen)
+    assert sizes == [len(b) for b in batches]
+    assert flat.dtype == torch.long and torch.equal(flat, torch.cat(batches) if batches else torch.zeros(0).long())
+    assert torch.equal(torch.randint(1 << 30, (4,), generator=flat_gen),
+                       torch.randint(1 << 30, (4,), generator=batches_gen))

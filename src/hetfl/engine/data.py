@@ -13,7 +13,7 @@ personal test split is materialised with its client's transform.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,16 +184,16 @@ class FederatedData:
             dx, dy = torch.zeros_like(dx), torch.zeros_like(dy)
         return crop_starts(dx, dy, flips, self.info.input_shape[-1])
 
-    def stage_augment(self, schedule: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor | None:
-        """The augmentation parameters of a stage's batches ``schedule``, in order: ``[3, samples]``, one
-        :meth:`augment_draws` for all of the stage's samples (batch ``j`` takes the next ``len(schedule[j])``
+    def stage_augment(self, sizes: Sequence[int], generator: torch.Generator) -> torch.Tensor | None:
+        """The augmentation parameters of a stage's batches of ``sizes`` samples, in order: ``[3, samples]``,
+        one :meth:`augment_draws` for all of the stage's samples (batch ``j`` takes the next ``sizes[j]``
         columns), or None without augmentation. Both executors draw a stage's augmentation this way, so a
         batch is augmented alike whether it is drawn just before its stage or with the whole round's
         plan; one draw per stage rather than per batch keeps the plan of a round of thousands of batches
         (CCVR's 10 epochs: 7,860) to milliseconds."""
-        if not schedule:
+        if not sizes:
             return None
-        return self.augment_draws(sum(b.shape[0] for b in schedule), generator)
+        return self.augment_draws(sum(sizes), generator)
 
     def batch_at(self, idx: torch.Tensor, augment: torch.Tensor | None) -> Batch:
         """The model inputs and labels of the training samples ``idx`` (global indices on the device, of any
@@ -218,7 +218,7 @@ class FederatedData:
         """The client's batches for ``schedule`` (a stage's indices into its own samples), augmented with
         draws from ``augment_gen`` (:meth:`stage_augment`, the vectorised executor's draws too); one
         copy to the device per batch."""
-        every = self.stage_augment(schedule, augment_gen)
+        every = self.stage_augment([b.shape[0] for b in schedule], augment_gen)
         augments = [None] * len(schedule) if every is None else every.split([b.shape[0] for b in schedule], dim=1)
         for local_idx, augment in zip(schedule, augments, strict=True):
             idx = self.global_indices(client, local_idx)

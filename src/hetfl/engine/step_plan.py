@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetfl.algorithms.base import Stage, Tensors
-from hetfl.engine.schedule import batch_schedule
+from hetfl.engine.schedule import batch_schedule_flat
 
 # most steps of one call (runtime.graph_steps): a captured call replays them all at once. Each call shape is
 # captured in the first round that meets it, its steps run twice in Python there (the eager reference and the
@@ -201,7 +201,7 @@ def plan_round(
     batch_gens: list[torch.Generator],
     augment_gens: list[torch.Generator],
     draw_gens: list[torch.Generator],
-    stage_augment: Callable[[list[torch.Tensor], torch.Generator], torch.Tensor | None],
+    stage_augment: Callable[[list[int], torch.Generator], torch.Tensor | None],
     global_indices: Callable[[int, torch.Tensor], torch.Tensor],
     device: torch.device,
     block_steps: int = BLOCK_STEPS,
@@ -216,21 +216,22 @@ def plan_round(
     for stage in stages:
         rows = []
         for r in range(k):
-            schedule = batch_schedule(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, batch_gens[r])
-            rows.append(_row(schedule, global_indices(clients[r], torch.cat(schedule)) if schedule else None,
-                             batch_size, stage, stage_augment(schedule, augment_gens[r]), draw_gens[r]))
+            flat, batches = batch_schedule_flat(sizes[r], batch_size, stage.epochs, stage.steps, drop_last,
+                                                batch_gens[r])
+            rows.append(_row(batches, global_indices(clients[r], flat) if batches else None, batch_size, stage,
+                             stage_augment(batches, augment_gens[r]), draw_gens[r]))
         layouts.append(_layout(rows, k, batch_size, block_steps, packer, client_major))
     view = packer.to(device)
     return [StagePlan([_device_call(c, view) for c in calls], steps) for calls, steps in layouts]
 
 
-def _row(schedule: list[torch.Tensor], flat_global: torch.Tensor | None, batch_size: int, stage: Stage,
+def _row(sizes: list[int], flat_global: torch.Tensor | None, batch_size: int, stage: Stage,
          augment: torch.Tensor | None, draw_gen: torch.Generator) -> _Row:
-    """A client's batches of a stage with their augmentation (``augment``: the stage's ``[3, samples]``,
-    batch after batch) and per-step draws (drawn batch by batch, in the sequential executor's order).
-    The full batches are gathered at once (a round of CCVR's 10 epochs has 7,860)."""
+    """A client's batches of a stage (``sizes[j]`` samples each; their global indices ``flat_global``, batch
+    after batch) with their augmentation (``augment``: the stage's ``[3, samples]``, batch after batch) and
+    per-step draws (drawn batch by batch, in the sequential executor's order). The full batches are
+    gathered at once (a round of CCVR's 10 epochs has 7,860)."""
     flat = torch.zeros(0, dtype=torch.long) if flat_global is None else flat_global  # None: no batches
-    sizes = [b.shape[0] for b in schedule]
     offsets = [0, *itertools.accumulate(sizes)]
     draws = [stage.draws(draw_gen, n) for n in sizes] if stage.draws is not None else [{}] * len(sizes)
     full = [j for j, n in enumerate(sizes) if n == batch_size]
@@ -312,41 +313,66 @@ def _layout(rows: list[_Row], k: int, batch_size: int, block_steps: int, packer:
         if not active and not waiting:
             break
         singles(waiting, first=False)
+    full = _FullBatches(rows, batch_size)
     for call in calls:
-        _pack(call, k, packer, client_major)
+        _pack(call, k, packer, client_major, full)
     return calls, pos
 
 
-def _pack(call: _HostCall, k: int, packer: _Packer, client_major: bool) -> None:
+class _FullBatches:
+    """Every row's full batches of a stage, stacked, and a zero batch last (the padding's): a call of
+    full batches then gathers its indices, augmentation and draws with one index each."""
+
+    def __init__(self, rows: list[_Row], batch_size: int) -> None:
+        counts = [row.full_idx.shape[0] for row in rows]
+        self.first = [0, *itertools.accumulate(counts)]  # row r's full batches start at first[r]
+        self.pad = self.first[-1]
+        with_full = [row for row, n in zip(rows, counts, strict=True) if n]
+        self.idx = torch.cat([*(row.full_idx for row in with_full), torch.zeros(1, batch_size, dtype=torch.long)])
+        self.augment = None
+        if with_full and with_full[0].full_augment is not None:
+            self.augment = torch.cat([*(row.full_augment for row in with_full),  # type: ignore[misc]
+                                      torch.zeros(1, 3, batch_size, dtype=torch.long)])
+        names = with_full[0].full_draws if with_full else {}
+        self.draws = {n: torch.cat([*(row.full_draws[n] for row in with_full), torch.zeros_like(d[:1])])
+                      for n, d in names.items()}
+
+
+def _pack(call: _HostCall, k: int, packer: _Packer, client_major: bool, full: _FullBatches) -> None:
     """The call's rows, indices, augmentation and draws as step-major tensors, padded to its width
-    with the scratch row ``k`` (sample 0, zero offsets, zero draws). A block's member takes its
-    full batches ``first .. first + taken - 1`` in its column, one slice each; ``client_major``: the
-    indices and augmentation stored with the column before the sample (:class:`Call`)."""
+    with the scratch row ``k`` (sample 0, zero offsets, zero draws). Every member takes each of the
+    call's steps: a call of full batches gathers member ``(r, first)``'s batches ``first ..
+    first + steps - 1`` from ``full`` (one index per tensor); a call of short batches (one step)
+    copies each member's. ``client_major``: the indices and augmentation stored with the column
+    before the sample (:class:`Call`)."""
     steps, width, size = call.steps, call.width, call.size
-    rows = torch.full((steps, width), k, dtype=torch.long)
-    idx = torch.zeros(steps, size, width, dtype=torch.long)
-    sample = call.members[0][1].batch(call.members[0][2])
-    augment = None if sample.augment is None else torch.zeros(steps, 3, size, width, dtype=torch.long)
-    draws = {n: torch.zeros(steps, width, *d.shape, dtype=d.dtype) for n, d in sample.draws.items()}
-    for col, (r, row, first, taken) in enumerate(call.members):
-        rows[:taken, col] = r
-        if call.steps == 1 and taken == 1:  # a single step (first, or a short batch)
+    padding = [k] * (width - len(call.members))
+    rows = torch.tensor([[r for r, *_ in call.members] + padding] * steps, dtype=torch.long)
+    if size == full.idx.shape[1]:  # full batches: [steps, width] positions in ``full``, the padding at its end
+        at = [full.first[r] + row.full_index(first) for r, row, first, _ in call.members]
+        grid = torch.tensor([[a + step for a in at] + [full.pad] * len(padding) for step in range(steps)],
+                            dtype=torch.long)
+        by_column = full.idx[grid]  # [steps, width, size]
+        idx = by_column if client_major else by_column.transpose(1, 2)
+        augment = None
+        if full.augment is not None:
+            augment = full.augment[grid].permute(0, 2, 1, 3) if client_major else full.augment[grid].permute(0, 2, 3, 1)
+        draws = {n: d[grid] for n, d in full.draws.items()}
+    else:  # short batches: one step
+        idx = torch.zeros(1, size, width, dtype=torch.long)
+        sample = call.members[0][1].batch(call.members[0][2])
+        augment = None if sample.augment is None else torch.zeros(1, 3, size, width, dtype=torch.long)
+        draws = {n: torch.zeros(1, width, *d.shape, dtype=d.dtype) for n, d in sample.draws.items()}
+        for col, (_, row, first, _) in enumerate(call.members):
             b = row.batch(first)
             idx[0, :, col] = b.idx
             if augment is not None:
                 augment[0, :, :, col] = b.augment
             for n, d in b.draws.items():
                 draws[n][0, col] = d
-            continue
-        a, z = row.full_index(first), row.full_index(first) + taken
-        idx[:taken, :, col] = row.full_idx[a:z]
-        if augment is not None:
-            augment[:taken, :, :, col] = row.full_augment[a:z]  # type: ignore[index]
-        for n, d in row.full_draws.items():
-            draws[n][:taken, col] = d[a:z]
-    if client_major:  # the host copies once here, so that no step copies (or gathers by) a transposed index
-        idx = idx.transpose(1, 2).contiguous()
-        augment = None if augment is None else augment.transpose(2, 3).contiguous()
+        if client_major:  # the host copies once here, so that no step copies (or gathers by) a transposed index
+            idx = idx.transpose(1, 2)
+            augment = None if augment is None else augment.transpose(2, 3)
     if call.start is None:
         call.packed["rows"] = packer.add(rows)
     call.packed["idx"] = packer.add(idx)
