@@ -29,8 +29,8 @@ fi
 if [[ $WHAT == quick || $WHAT == all ]]; then
   # fp32 beside bf16: at CCVR's widths a step is latency-bound, and bf16 adds 31 casts to its 65 kernels; calls
   # of 16 steps beside 4 (round 1: 281 steps run twice in Python to build 51 graphs, against 73 for 34)
-  timeout 150 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 graph_bf16_b16 \
-    --budget-each-s ${CCVR_BUDGET_S:-45} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+  timeout 135 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 graph_bf16_b16 \
+    --budget-each-s ${CCVR_BUDGET_S:-40} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
   timeout 60 python3 benchmarks/cuda_equality.py --methods dann fedavg --steps 1 2 10 2>&1 \
     | tee "$OUT/results/cuda_equality.md" | tail -9
 fi

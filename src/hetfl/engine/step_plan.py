@@ -370,7 +370,7 @@ def _pack(call: _HostCall, k: int, packer: _Packer, client_major: bool, full: _F
                 augment[0, :, :, col] = b.augment
             for n, d in b.draws.items():
                 draws[n][0, col] = d
-        if client_major:  # the host copies once here, so that no step copies (or gathers by) a transposed index
+        if client_major:  # packed in this order on the host, so that no step copies (or gathers by) a transposed index
             idx = idx.transpose(1, 2)
             augment = None if augment is None else augment.transpose(2, 3)
     if call.start is None:
