@@ -7,8 +7,9 @@ client in every round (CCVR's Table 2) the shapes repeat from round 1 on; with s
 round's clients have other sizes, so new shapes keep appearing. Each new shape costs a capture (an
 eager run, the capture, a checked replay that waits for the device) and device memory for as long as
 the graph is kept (:class:`hetfl.engine.vectorized.VectorizedCache` keeps at most ``max_calls``, the
-least recently used dropped first). With ``runtime.compile`` each distinct step shape (rows at once x
-batch size) is also a compile by ``torch.compile`` (seconds each; kept for the process).
+least recently used dropped first). With ``runtime.compile`` each distinct step shape of full batches (rows
+at once; since session 19 a client's short last batch of an epoch runs uncompiled) is also a compile by
+``torch.compile`` (seconds each; kept for the process).
 
 The plan depends on the clients' sample counts and the batch size only, not on the device or the
 model, so this runs anywhere in seconds: client sizes from hetfl's Dirichlet split of 50,000 labels in
@@ -55,7 +56,7 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
     sizes = client_sizes(clients, alpha, seed)
     stage = Stage("local", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), epochs=epochs)  # type: ignore[arg-type]
     seen: set = set()
-    step_shapes: set = set()  # what runtime.compile compiles for: rows at once x batch size
+    step_shapes: set = set()  # what runtime.compile compiles for: rows at once, full batches only
     first_round_step_shapes = 0
     cache = VectorizedCache(max_calls=max_calls)
     distinct, new_late, captures_late, calls_late, calls = [], 0, 0, 0, 0
@@ -70,7 +71,8 @@ def measure(clients: int, per_round: int, batch_size: int, epochs: int, alpha: f
                           global_indices=lambda c, idx: idx, device=torch.device("cpu"), block_steps=block_steps)
         for call in plan[0].calls:
             key = (len(chosen), call.shape())
-            step_shapes.add((call.width, call.size))
+            if call.size == batch_size:
+                step_shapes.add((call.width, call.size))
             calls += 1
             fresh = key not in seen
             seen.add(key)
@@ -111,8 +113,9 @@ def main() -> None:
     rows = []
     header = ("| clients | a round | batch | epochs | alpha | steps/call | calls/round | distinct shapes after rounds "
               f"{', '.join(str(m) for m in MARKS if m <= args.rounds)} | new shapes/round (last 50) | "
-              f"captures/round, at most {args.max_calls} kept (last 50) | step shapes (torch.compile's "
-              "compiles), round 1 / all rounds | steps run twice to build graphs: round 1 / a round (last 50) |")
+              f"captures/round, at most {args.max_calls} kept (last 50) | full-batch step shapes "
+              "(torch.compile's compiles), round 1 / all rounds | steps run twice to build graphs: round 1 / "
+              "a round (last 50) |")
     print(header)
     print("|" + "---|" * 12)
     for setting in SETTINGS:

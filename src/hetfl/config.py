@@ -123,8 +123,8 @@ class RuntimeConfig:
             "benchmarks/throughput.py measures which is faster on a device)")
     compile: bool = setting(
         False, doc="vectorized: each step's gradients by torch.compile (Inductor fuses the step's elementwise ops, "
-                   "pooling and layout copies into few kernels; a compile of seconds per step shape, in the "
-                   "first rounds; a step it cannot compile runs uncompiled, with the reason logged)")
+                   "pooling and layout copies into few kernels; a compile of seconds per step shape of full batches, "
+                   "in the first rounds; a step it cannot compile runs uncompiled, with the reason logged)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")

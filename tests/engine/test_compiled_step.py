@@ -61,6 +61,39 @@ def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_call
     assert compiled_calls["n"] > 0
 
 
+def test_only_full_batches_are_compiled(monkeypatch):
+    """A compile per step shape, and each client's short last batch of an epoch is a shape of its own
+    (CCVR's Table 2 round: 19 step shapes, 9 of them one short batch): those few steps run uncompiled,
+    the full batches that recur compiled, and the clients are the sequential ones."""
+    sizes: dict[str, set[int]] = {"compiled": set(), "uncompiled": set()}
+    real_compiled, real_vmapped = vectorized.run_compiled, vectorized.vmapped_step
+
+    def compiled(*args):  # type: ignore[no-untyped-def]
+        sizes["compiled"].add(args[8].shape[1])  # y: [rows, batch size]
+        return real_compiled(*args)
+
+    def vmapped(*args):  # type: ignore[no-untyped-def]
+        sizes["uncompiled"].add(args[8].shape[1])
+        return real_vmapped(*args)
+
+    real_single = vectorized.VectorizedGroup.single_client_gradients
+
+    def single(self, stage, state, batch, *rest):  # type: ignore[no-untyped-def]
+        sizes["uncompiled"].add(batch.y.shape[1])  # one row of several: the sequential step, unbatched
+        return real_single(self, stage, state, batch, *rest)
+
+    monkeypatch.setattr(vectorized, "run_compiled", compiled)
+    monkeypatch.setattr(vectorized, "vmapped_step", vmapped)
+    monkeypatch.setattr(vectorized.VectorizedGroup, "single_client_gradients", single)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "train.clients_per_round=6", "train.local_epochs=1",
+                                        "runtime.compile=true", "algorithm.name=fedavg"]))
+    notes: list[str] = []
+    compare_one_round(exp, step_mode=("eager", "static"), notes=notes)
+    assert not [n for n in notes if "could not compile" in n], notes
+    assert sizes["compiled"] == {16}
+    assert sizes["uncompiled"] - {16}, sizes  # the short batches ran, uncompiled
+
+
 def test_a_compiled_step_reads_this_rounds_values(compiled_calls):
     """DANN's ramped lambda is a function of the round that the step reads through its context: the
     compiled step of round 2 (compiled again: Dynamo guards on the value) equals the sequential one,

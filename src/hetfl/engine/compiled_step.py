@@ -17,11 +17,13 @@ cannot trace): what those rules save (layout copies), Inductor fuses.
 
 Compilation. One compile per step shape (clients at once and batch size: Dynamo specialises
 ``vmap``'s batch size), seconds each, paid in the first round that meets the shape and kept by
-Dynamo for the process; Inductor's on-disk cache makes a later process's compiles quicker. The
-step reads the round's plain values (round, learning rate...) through :class:`StepContext`, so
-Dynamo guards on (and recompiles for) only those the method reads. A step that cannot be
-compiled (an op Dynamo cannot trace, no C++ compiler for Inductor on a CPU, too many shapes)
-runs uncompiled, with the reason logged once.
+Dynamo for the process; Inductor's on-disk cache makes a later process's compiles quicker. Only
+full batches are compiled (:meth:`hetfl.engine.vectorized.VectorizedGroup.compiles`): every
+client's short last batch of an epoch is a size of its own, a step or two a round, and runs
+uncompiled. The step reads the round's plain values (round, learning rate...) through
+:class:`StepContext`, so Dynamo guards on (and recompiles for) only those the method reads. A
+step that cannot be compiled (an op Dynamo cannot trace, no C++ compiler for Inductor on a CPU,
+too many shapes) runs uncompiled, with the reason logged once.
 """
 
 from __future__ import annotations

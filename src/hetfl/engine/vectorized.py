@@ -328,7 +328,7 @@ class VectorizedGroup:
         settings = (self.max_grad_norm, self.model_buffers, self.precision,
                     (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims))
         tensors = (state, batch.x, batch.y, batch.draws, payload, cstate, extras)
-        if self.compile_steps and (key := stage_key(stage)) not in self.uncompilable:
+        if self.compiles(batch.y.shape[1]) and (key := stage_key(stage)) not in self.uncompilable:
             try:
                 return run_compiled(stage, self.step_context, *settings, *tensors)
             except torch.cuda.OutOfMemoryError:  # the chunk is halved (train_clients_vectorized), still compiled
@@ -342,6 +342,13 @@ class VectorizedGroup:
             return self.single_client_gradients(stage, state, batch, payload, cstate, extras)
         with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
             return vmapped_step(stage, self.template.with_tensors, *settings, *tensors)
+
+    def compiles(self, size: int) -> bool:
+        """Whether steps on batches of ``size`` samples are compiled (``runtime.compile``): only full
+        batches. A compile per step shape (rows x batch size), seconds each, and every client's short last
+        batch of an epoch is a size of its own, a step or two a round (CCVR's Table 2 round: 19 step
+        shapes, 9 of them short batches): those run uncompiled."""
+        return self.compile_steps and size == self.batch_size
 
     def single_client_gradients(
         self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
@@ -627,7 +634,7 @@ class CompiledCall:
             group.body(self.stage, self.index, self.inputs)  # warm-up, and the reference
         self._built(template)
         tensors = group.buffers.tensors(self.index)  # the warm-up may have added a metric's sums
-        if group.compile_steps:
+        if group.compiles(self.inputs.size):
             # the compiled step's own run is the reference (the graph replays its kernels, which round
             # otherwise than the uncompiled step's), compiled before the capture, which must not compile
             restore(tensors, before)
