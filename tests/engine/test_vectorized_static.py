@@ -18,7 +18,13 @@ from hetfl.algorithms import available
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
-from hetfl.engine.vectorized import CompiledCall, VectorizedCache, VectorizedGroup, train_clients_vectorized
+from hetfl.engine.vectorized import (
+    ClientPlan,
+    CompiledCall,
+    VectorizedCache,
+    VectorizedGroup,
+    train_clients_vectorized,
+)
 from tests.helpers.executors import (
     SYNTHETIC,
     compare_one_round,
@@ -154,6 +160,100 @@ def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_roun
         assert_same_clients(vec, seq)
         assert (len(graphs) > first) == recaptured, method
         assert sum(g.replays for g in graphs[:first]) > first * (not recaptured)
+
+
+def static_round(exp, round_, cache):
+    """Round ``round_``'s clients (from the initial server) trained vectorised in static mode with ``cache``,
+    and sequentially."""
+    server = exp.initial_server()
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_), exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static", cache=cache)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, round_)]
+    return vec, seq
+
+
+def plan_tensors(stage_plans):
+    return [[(c.shape(), c.rows, c.idx, c.augment, c.draws) for c in p.calls] + [p.steps] for p in stage_plans]
+
+
+def assert_same_plans(a, b) -> None:
+    for x, y in zip(plan_tensors(a), plan_tensors(b), strict=True):
+        for u, v in zip(x, y, strict=True):
+            if isinstance(u, tuple):
+                assert u[0] == v[0]
+                for t, w in zip(u[1:4], v[1:4], strict=True):
+                    assert (t is None and w is None) or torch.equal(t, w)
+                assert u[4].keys() == v[4].keys() and all(torch.equal(u[4][n], v[4][n]) for n in u[4])
+            else:
+                assert u == v
+
+
+def test_the_next_rounds_plan_is_drawn_while_this_round_runs_and_is_that_rounds_plan(monkeypatch):
+    """With every client in every round, each group draws the next round's plan after launching its
+    calls (the device busy, the host otherwise waiting), and the next round takes it instead of planning:
+    it is the plan that round draws itself (mixup: per-step draws too), and the clients are the
+    sequential ones."""
+    drawn: list[int] = []
+    plan = VectorizedGroup.plan
+
+    def counted(self, stages=None, round_=None):
+        drawn.append(self.round if round_ is None else round_)
+        return plan(self, stages, round_)
+
+    monkeypatch.setattr(VectorizedGroup, "plan", counted)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=mixup"]))
+    cache = VectorizedCache()
+    vec, seq = static_round(exp, 1, cache)
+    assert_same_clients(vec, seq)
+    assert drawn == [1, 2] and cache.ahead_tries == 1
+    ((inputs, ahead),) = cache.ahead.values()
+    assert inputs[0] == 2
+    plans = [ClientPlan(c, exp.algorithm.stages(c), exp.algorithm.start_state(c))
+             for c in round_contexts(exp, exp.initial_server(), {}, 2)]
+    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
+    group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
+                            drop_last=False, max_grad_norm=0.0, buffers=(), step_mode="static")
+    assert_same_plans(ahead, plan(group))  # drawn ahead from round 2's generators: round 2's own plan
+    drawn.clear()
+    vec, seq = static_round(exp, 2, cache)
+    assert_same_clients(vec, seq)
+    assert drawn == [3] and cache.ahead_hits == 1  # round 2 took its plan, and drew round 3's
+
+
+def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(monkeypatch):
+    """The same clients, but a plan drawn from other inputs (here: told it was drawn for 16 steps a
+    call): the next round plans itself."""
+    drawn: list[int] = []
+    plan = VectorizedGroup.plan
+
+    def counted(self, stages=None, round_=None):
+        drawn.append(self.round if round_ is None else round_)
+        return plan(self, stages, round_)
+
+    monkeypatch.setattr(VectorizedGroup, "plan", counted)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    cache = VectorizedCache()
+    static_round(exp, 1, cache)
+    ((key, (inputs, ahead)),) = cache.ahead.items()
+    assert inputs[7] == 4  # block_steps
+    cache.ahead[key] = ((*inputs[:7], 16, *inputs[8:]), ahead)
+    drawn.clear()
+    vec, seq = static_round(exp, 2, cache)
+    assert_same_clients(vec, seq)
+    assert drawn == [2] and cache.ahead_hits == 0  # planned itself; and with no plan ahead ever taken, none drawn
+
+
+def test_a_plan_drawn_ahead_for_other_clients_is_not_taken_and_none_is_drawn_again(monkeypatch):
+    """Sampled clients: round 2's group is other clients, so it plans itself; once every plan drawn ahead
+    was missed, none is drawn, and the one left over is dropped when its round has passed."""
+    exp = Experiment(config.load(None, [*SMALL, "train.clients_per_round=6", "algorithm.name=fedavg"]))
+    cache = VectorizedCache()
+    for round_ in (1, 2, 3):
+        vec, seq = static_round(exp, round_, cache)
+        assert_same_clients(vec, seq)
+        assert cache.ahead_tries == 1 and cache.ahead_hits == 0
+    assert not cache.ahead
 
 
 def test_a_compiled_call_used_again_is_kept_over_one_used_longer_ago():

@@ -14,8 +14,10 @@ Exactness. Every client draws its batch order, augmentation and per-step
 random numbers from its own generators, in the same order as in
 :func:`hetfl.engine.local.run_stages`, before the round's first step
 (:mod:`hetfl.engine.step_plan`: the plan goes to the device in one copy, and a
-step never waits for the host). A step of some rows computes only those rows
-(a range of rows sliced as views, or rows gathered and scattered back; padding
+step never waits for the host; with the graphs' cache the next round's plan is
+drawn while the device runs this round's calls, :meth:`VectorizedGroup.plan_ahead`).
+A step of some rows computes only those rows (a range of rows sliced as views, or
+rows gathered and scattered back; padding
 entries compute on a scratch row whose results are never read), so no batch is
 padded and no loss needs masking: a client's result equals the sequential one
 up to floating-point reassociation in batched kernels.
@@ -276,10 +278,8 @@ class VectorizedGroup:
         self.block_steps = step_plan.BLOCK_STEPS if block_steps is None else block_steps
         ctxs = [p.ctx for p in plans]
         self.clients = [c.client_id for c in ctxs]
-        rnd = ctxs[0].round
-        self.batch_gens = [torch_generator(seed, "batches", rnd, c, 0) for c in self.clients]
-        self.augment_gens = [torch_generator(seed, "augment", rnd, c, 0) for c in self.clients]
-        self.draw_gens = [torch_generator(seed, "draws", rnd, c, 0) for c in self.clients]
+        self.seed, self.round = seed, ctxs[0].round
+        self.batch_gens, self.augment_gens, self.draw_gens = self.generators(self.round)
         self.template = TemplateContext.of(ctxs[0])
         self.cache = cache if step_mode != "eager" else None
         self.uncapturable = self.cache.uncapturable if self.cache is not None else set()
@@ -306,15 +306,61 @@ class VectorizedGroup:
             self.cache.buffers[self.key] = made
         return made
 
-    def plan(self, stages: list[Stage] | None = None) -> list[StagePlan]:
-        """The round's calls (all stages unless ``stages``), drawn from the clients' generators."""
+    def generators(self, round_: int) -> tuple[list[torch.Generator], ...]:
+        """The clients' batch, augmentation and draw generators of round ``round_`` (those of
+        :func:`hetfl.engine.local.run_stages`)."""
+        return tuple([torch_generator(self.seed, kind, round_, c, 0) for c in self.clients]
+                     for kind in ("batches", "augment", "draws"))
+
+    def plan(self, stages: list[Stage] | None = None, round_: int | None = None) -> list[StagePlan]:
+        """The round's calls (all stages unless ``stages``), drawn from the clients' generators (fresh ones
+        of round ``round_`` if given: a plan drawn ahead, :meth:`plan_ahead`)."""
+        batch_gens, augment_gens, draw_gens = (self.batch_gens, self.augment_gens, self.draw_gens) \
+            if round_ is None else self.generators(round_)
         return plan_round(
             self.plans[0].stages if stages is None else stages, self.clients,
             [self.data.client_sizes[c] for c in self.clients], batch_size=self.batch_size,
-            drop_last=self.drop_last, batch_gens=self.batch_gens, augment_gens=self.augment_gens,
-            draw_gens=self.draw_gens, stage_augment=self.data.stage_augment,
+            drop_last=self.drop_last, batch_gens=batch_gens, augment_gens=augment_gens,
+            draw_gens=draw_gens, stage_augment=self.data.stage_augment,
             global_indices=self.data.global_indices, device=self.data.device, block_steps=self.block_steps,
             client_major=self.client_major)
+
+    def plan_inputs(self, round_: int) -> tuple[Any, ...]:
+        """What the plan of round ``round_`` of this group's clients is a function of, besides their
+        generators of that round: the stages (their epochs, steps and draw functions, by
+        :func:`stage_key`, as the kept CUDA graphs are), the clients and their sizes, the batching."""
+        return (round_, self.seed, tuple(self.clients), tuple(self.data.client_sizes[c] for c in self.clients),
+                tuple(stage_key(s) for s in self.plans[0].stages), self.batch_size, self.drop_last,
+                self.block_steps, self.client_major, id(self.data))
+
+    def planned_ahead(self) -> list[StagePlan] | None:
+        """This round's plan if the previous round drew it (:meth:`plan_ahead`) from the same inputs."""
+        if self.cache is None:
+            return None
+        for key in [k for k, (inputs, _) in self.cache.ahead.items() if inputs[0] < self.round]:  # never taken
+            del self.cache.ahead[key]
+        found = self.cache.ahead.pop((self.key, tuple(self.clients)), None)
+        if found is None or found[0] != self.plan_inputs(self.round):
+            return None
+        self.cache.ahead_hits += 1
+        return found[1]
+
+    def plan_ahead(self) -> None:
+        """Draw the next round's plan of these clients now, while the device runs this round's calls (the
+        host would otherwise wait for them in :meth:`results`, and the device for the plan at the next
+        round's start: CCVR's Table 2 round takes 46 ms to plan on the development CPU,
+        ``benchmarks/plan_time.py``), and keep it for the next round's group (:meth:`planned_ahead`).
+        With every client in every round (CCVR's Table 2, the throughput benchmark) the next round's
+        group has the same clients and stages and takes it; where its clients or stages differ, it plans
+        afresh, and once a run's plans drawn ahead have all been missed, none is drawn again. A plan is a
+        function of :meth:`plan_inputs` and the round's generators, so one drawn ahead is the plan
+        (tested)."""
+        cache = self.cache
+        if cache is None or (cache.ahead_tries and not cache.ahead_hits):
+            return
+        after = self.round + 1
+        cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after))
+        cache.ahead_tries += 1
 
     # ---------------------------------------------------------------- one step
     def vmapped_gradients(
@@ -479,10 +525,11 @@ class VectorizedGroup:
         k = self.buffers.k
         steps = [0] * k
         stages = self.plans[0].stages
-        for index, (stage, stage_plan) in enumerate(zip(stages, self.plan(), strict=True)):
+        for index, (stage, stage_plan) in enumerate(zip(stages, self.planned_ahead() or self.plan(), strict=True)):
             for call in stage_plan.calls:
                 self.compiled(stage, index, call).run(call)
             steps = [a + b for a, b in zip(steps, stage_plan.steps, strict=True)]
+        self.plan_ahead()  # while the device runs the calls just launched
         return self.results(steps)
 
     def compiled(self, stage: Stage, index: int, call: Call) -> CompiledCall:
@@ -534,6 +581,11 @@ class VectorizedCache:
     uncapturable: set[Any] = field(default_factory=set)  # stage keys whose capture failed: run eagerly
     uncompilable: set[Any] = field(default_factory=set)  # stage keys torch.compile failed on: run uncompiled
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
+    # the next round's plans, drawn while this round's calls run (VectorizedGroup.plan_ahead): by group and
+    # clients, (the plan's inputs, the plan); how many were drawn and how many were taken
+    ahead: dict[Any, tuple[Any, list[StagePlan]]] = field(default_factory=dict)
+    ahead_tries: int = 0
+    ahead_hits: int = 0
     max_calls: int = MAX_KEPT_CALLS
     dropped: int = 0  # compiled calls dropped to keep within max_calls
 
