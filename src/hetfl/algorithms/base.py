@@ -255,17 +255,23 @@ class ServerState:
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` ``[n, classes]`` against integer ``labels`` ``[n]``: what
-    ``F.cross_entropy(logits, labels)`` computes, as the mean negative log-softmax of each label's logit.
+    ``F.cross_entropy(logits, labels)`` computes.
 
-    Its gradient equals F.cross_entropy's to the last bit (the value can differ in the last bit: another
-    summation), and under ``torch.func.vmap`` (the vectorised executor) it runs 10 operations where
-    F.cross_entropy's batching rule, which masks ``ignore_index``, runs 26: tiny kernels, and the number
-    of kernels a step launches is what a small-batch round on a GPU waits on. The local objectives
-    use it; evaluation and the server's own training keep F.cross_entropy. Half-precision logits
-    (bfloat16 autocast) are taken to float32 first, as autocast runs F.cross_entropy."""
+    Inside ``torch.func`` transforms (the vectorised executor's ``vmap`` of ``grad``) and under
+    ``torch.compile``, it is the mean negative log-softmax of each label's logit: its gradient equals
+    F.cross_entropy's to the last bit (the value can differ in the last bit: another summation), and
+    under ``vmap`` it runs 10 operations where F.cross_entropy's batching rule, which masks
+    ``ignore_index``, runs 26: tiny kernels, and the number of kernels a step launches is what a
+    small-batch round on a GPU waits on. Elsewhere (a client's step under plain autograd: the
+    sequential executor's, and the vectorised executor's step of one client alone) it is
+    F.cross_entropy itself, whose fused loss takes 5 of those 10. The local objectives use it;
+    evaluation and the server's own training keep F.cross_entropy. Half-precision logits (bfloat16
+    autocast) are taken to float32 first, as autocast runs F.cross_entropy."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).mean()
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(logits):
+        return -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).mean()
+    return F.cross_entropy(logits, labels)
 
 
 def cross_entropy_loss(model: ModelCaller) -> LossFn:
