@@ -264,9 +264,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ``ignore_index``, runs 26: tiny kernels, and the number of kernels a step launches is what a
     small-batch round on a GPU waits on. Elsewhere (a client's step under plain autograd: the
     sequential executor's, and the vectorised executor's step of one client alone) it is
-    F.cross_entropy itself, whose fused loss takes 5 of those 10. The local objectives use it;
-    evaluation and the server's own training keep F.cross_entropy. Half-precision logits (bfloat16
-    autocast) are taken to float32 first, as autocast runs F.cross_entropy."""
+    F.cross_entropy itself, whose fused loss takes 5 operations (this form: 10). The local objectives
+    use it; evaluation and the server's own training keep F.cross_entropy. Half-precision logits
+    (bfloat16 autocast) are taken to float32 first, as autocast runs F.cross_entropy."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(logits):
