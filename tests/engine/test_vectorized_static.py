@@ -241,19 +241,44 @@ def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(monkeypatch):
     drawn.clear()
     vec, seq = static_round(exp, 2, cache)
     assert_same_clients(vec, seq)
-    assert drawn == [2] and cache.ahead_hits == 0  # planned itself; and with no plan ahead ever taken, none drawn
+    assert drawn == [2, 3] and cache.ahead_hits == 0  # planned itself, and drew round 3's
 
 
 def test_a_plan_drawn_ahead_for_other_clients_is_not_taken_and_none_is_drawn_again(monkeypatch):
-    """Sampled clients: round 2's group is other clients, so it plans itself; once every plan drawn ahead
-    was missed, none is drawn, and the one left over is dropped when its round has passed."""
+    """Sampled clients: each round's group is other clients, so it plans itself; once the plans drawn
+    ahead in two rounds were all missed, none is drawn, and the one left over is dropped when its round
+    has passed."""
     exp = Experiment(config.load(None, [*SMALL, "train.clients_per_round=6", "algorithm.name=fedavg"]))
     cache = VectorizedCache()
-    for round_ in (1, 2, 3):
+    for round_ in (1, 2, 3, 4):
         vec, seq = static_round(exp, round_, cache)
         assert_same_clients(vec, seq)
-        assert cache.ahead_tries == 1 and cache.ahead_hits == 0
+        assert cache.ahead_tries == min(round_, 2) and cache.ahead_hits == 0
     assert not cache.ahead
+
+
+def test_a_method_whose_clients_state_appears_in_round_two_takes_its_plans_from_round_three(monkeypatch):
+    """MOON's clients hold their previous local model from round 2 on (and FedPAC's payload a head): the
+    plan drawn ahead in round 1 is missed, the later ones are taken, and the run is the sequential one."""
+    from hetfl.engine import experiment as experiment_module
+    from hetfl.engine.summary import Reporter
+
+    real = experiment_module.train_clients_vectorized
+    monkeypatch.setattr(experiment_module, "train_clients_vectorized",
+                        lambda *args, **kwargs: real(*args, **{**kwargs, "step_mode": "static"}))
+    base = [*SMALL, "algorithm.name=moon", "train.rounds=4"]
+    finals = {}
+    for executor in ("vectorized", "sequential"):
+        exp = Experiment(config.load(None, [*base, f"runtime.executor={executor}", "runtime.vmap_on_cpu=true"]))
+        server, _, _ = exp.setup_round(exp.initial_server())
+        clients: dict = {}
+        for round_ in (1, 2, 3, 4):
+            server = exp.round(server, clients, round_, Reporter())["_server"]
+        finals[executor] = server.model
+        if executor == "vectorized":
+            assert (exp.vectorized_cache.ahead_tries, exp.vectorized_cache.ahead_hits) == (4, 2)
+    for name, value in finals["sequential"].items():
+        assert torch.allclose(finals["vectorized"][name], value, atol=1e-5), name
 
 
 def test_a_compiled_call_used_again_is_kept_over_one_used_longer_ago():

@@ -352,15 +352,17 @@ class VectorizedGroup:
         ``benchmarks/plan_time.py``), and keep it for the next round's group (:meth:`planned_ahead`).
         With every client in every round (CCVR's Table 2, the throughput benchmark) the next round's
         group has the same clients and stages and takes it; where its clients or stages differ, it plans
-        afresh, and once a run's plans drawn ahead have all been missed, none is drawn again. A plan is a
-        function of :meth:`plan_inputs` and the round's generators, so one drawn ahead is the plan
-        (tested)."""
+        afresh. A method whose clients' state or payload first appears after round 1 (MOON's previous
+        local model, FedPAC's heads) misses once, in round 2; sampled clients miss every round, so once
+        plans drawn ahead in two rounds have all been missed, none is drawn again. A plan is a function
+        of :meth:`plan_inputs` and the round's generators, so one drawn ahead is the plan (tested)."""
         cache = self.cache
-        if cache is None or (cache.ahead_tries and not cache.ahead_hits):
+        if cache is None or (cache.ahead_tries >= 2 and not cache.ahead_hits):
             return
+        if cache.ahead_round != self.round:
+            cache.ahead_tries, cache.ahead_round = cache.ahead_tries + 1, self.round
         after = self.round + 1
         cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after))
-        cache.ahead_tries += 1
 
     # ---------------------------------------------------------------- one step
     def vmapped_gradients(
@@ -582,9 +584,11 @@ class VectorizedCache:
     uncompilable: set[Any] = field(default_factory=set)  # stage keys torch.compile failed on: run uncompiled
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
     # the next round's plans, drawn while this round's calls run (VectorizedGroup.plan_ahead): by group and
-    # clients, (the plan's inputs, the plan); how many were drawn and how many were taken
+    # clients, (the plan's inputs, the plan); in how many rounds plans were drawn (the last: ahead_round), and
+    # how many were taken
     ahead: dict[Any, tuple[Any, list[StagePlan]]] = field(default_factory=dict)
     ahead_tries: int = 0
+    ahead_round: int = -1
     ahead_hits: int = 0
     max_calls: int = MAX_KEPT_CALLS
     dropped: int = 0  # compiled calls dropped to keep within max_calls
