@@ -189,19 +189,25 @@ def assert_same_plans(a, b) -> None:
                 assert u == v
 
 
-def test_the_next_rounds_plan_is_drawn_while_this_round_runs_and_is_that_rounds_plan(monkeypatch):
+@pytest.fixture
+def drawn(monkeypatch):
+    """The rounds whose plans the groups draw (VectorizedGroup.plan), in order."""
+    rounds: list[int] = []
+    plan = VectorizedGroup.plan
+
+    def counted(self, stages=None, round_=None):
+        rounds.append(self.round if round_ is None else round_)
+        return plan(self, stages, round_)
+
+    monkeypatch.setattr(VectorizedGroup, "plan", counted)
+    return rounds
+
+
+def test_the_next_rounds_plan_is_drawn_while_this_round_runs_and_is_that_rounds_plan(drawn):
     """With every client in every round, each group draws the next round's plan after launching its
     calls (the device busy, the host otherwise waiting), and the next round takes it instead of planning:
     it is the plan that round draws itself (mixup: per-step draws too), and the clients are the
     sequential ones."""
-    drawn: list[int] = []
-    plan = VectorizedGroup.plan
-
-    def counted(self, stages=None, round_=None):
-        drawn.append(self.round if round_ is None else round_)
-        return plan(self, stages, round_)
-
-    monkeypatch.setattr(VectorizedGroup, "plan", counted)
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=mixup"]))
     cache = VectorizedCache()
     vec, seq = static_round(exp, 1, cache)
@@ -214,24 +220,16 @@ def test_the_next_rounds_plan_is_drawn_while_this_round_runs_and_is_that_rounds_
     plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
     group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
                             drop_last=False, max_grad_norm=0.0, buffers=(), step_mode="static")
-    assert_same_plans(ahead, plan(group))  # drawn ahead from round 2's generators: round 2's own plan
+    assert_same_plans(ahead, group.plan())  # drawn ahead from round 2's generators: round 2's own plan
     drawn.clear()
     vec, seq = static_round(exp, 2, cache)
     assert_same_clients(vec, seq)
     assert drawn == [3] and cache.ahead_hits == 1  # round 2 took its plan, and drew round 3's
 
 
-def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(monkeypatch):
+def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(drawn):
     """The same clients, but a plan drawn from other inputs (here: told it was drawn for 16 steps a
     call): the next round plans itself."""
-    drawn: list[int] = []
-    plan = VectorizedGroup.plan
-
-    def counted(self, stages=None, round_=None):
-        drawn.append(self.round if round_ is None else round_)
-        return plan(self, stages, round_)
-
-    monkeypatch.setattr(VectorizedGroup, "plan", counted)
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
     cache = VectorizedCache()
     static_round(exp, 1, cache)
