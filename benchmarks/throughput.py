@@ -84,6 +84,22 @@ def plain_layers(on: bool) -> Iterator[None]:
         vectorized.client_batching = original
 
 
+@contextlib.contextmanager
+def no_plans_ahead(on: bool) -> Iterator[None]:
+    """A measurement, not a setting: graph mode without the next round's plan drawn while a round runs
+    (``VectorizedGroup.plan_ahead``, since session 19), so that each round's plan is drawn at its start,
+    the device waiting, as before."""
+    if not on:
+        yield
+        return
+    original = vectorized.VectorizedGroup.plan_ahead
+    vectorized.VectorizedGroup.plan_ahead = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        vectorized.VectorizedGroup.plan_ahead = original  # type: ignore[method-assign]
+
+
 def hetfl_round(exp: Experiment) -> dict[str, float]:
     """(b)/(c): one warm-up round (timed too: the CUDA graphs' captures and torch.compile's compiles
     happen there), then one timed round, training and evaluation timed apart."""
@@ -196,7 +212,7 @@ def main() -> None:
                         variants[name] = keys
                 for name, keys in variants.items():
                     exp = Experiment(config.load(None, [*base, *keys]))
-                    with plain_layers(name in PLAIN_LAYERS):
+                    with plain_layers(name in PLAIN_LAYERS), no_plans_ahead(name in NO_PLANS_AHEAD):
                         res[name] = hetfl_round(exp)
                 if not args.skip_peer:
                     res["peer"] = peer_round(exp, bs, 0.01)
@@ -267,10 +283,11 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "graph_compiled": "(c) + graph, compiled", "graph_bf16_compiled": "(c) + graph, bf16, compiled",
            "vmap_compiled": "(c') vmap, compiled", "vectorized_plain": "(c) vectorized, plain layers",
            "vmap_plain": "(c') vmap, plain layers", "graph_bf16_b16": "(c) + graph, bf16, 16 steps a graph",
+           "graph_bf16_noahead": "(c) + graph, bf16, plan not drawn ahead",
            "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
 VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc", "graph_compiled",
-              "graph_bf16_compiled", "graph_bf16_b16")
+              "graph_bf16_compiled", "graph_bf16_b16", "graph_bf16_noahead")
 _GRAPH = ["runtime.executor=vectorized", "runtime.cuda_graph=true"]
 _PER_CLIENT = "runtime.conv_batching=per_client"
 _COMPILE = "runtime.compile=true"
@@ -281,15 +298,19 @@ GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16
                   "vectorized_plain": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
                   "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE],
                   # calls of up to 16 steps (the default until session 19: 4), a graph each
-                  "graph_bf16_b16": [*_GRAPH, "train.precision=bf16", "runtime.graph_steps=16"]}
+                  "graph_bf16_b16": [*_GRAPH, "train.precision=bf16", "runtime.graph_steps=16"],
+                  # each round's plan drawn at its start (no_plans_ahead), as before session 19
+                  "graph_bf16_noahead": [*_GRAPH, "train.precision=bf16"]}
 _VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
 CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE],
                 "vmap_plain": _VMAP}
 # run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
 ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled", "vectorized_plain",
-              "vmap_plain", "graph_bf16_b16")
+              "vmap_plain", "graph_bf16_b16", "graph_bf16_noahead")
 # run with hetfl's layers in their plain forms inside the vmapped step (plain_layers)
 PLAIN_LAYERS = ("vectorized_plain", "vmap_plain")
+# run without the next round's plan drawn ahead (no_plans_ahead)
+NO_PLANS_AHEAD = ("graph_bf16_noahead",)
 
 
 if __name__ == "__main__":
