@@ -242,6 +242,30 @@ def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(drawn):
     assert drawn == [2, 3] and cache.ahead_hits == 0  # planned itself, and drew round 3's
 
 
+def test_a_plan_ahead_that_runs_out_of_memory_is_left_out_and_the_round_stands(monkeypatch):
+    """Drawing ahead is an optimisation: out of device memory there, the round's results stand (not
+    retried in halves as a round that runs out of memory is) and the next round plans itself."""
+    plan = VectorizedGroup.plan
+
+    def no_room_ahead(self, stages=None, round_=None):
+        if round_ is not None:
+            raise torch.cuda.OutOfMemoryError("no room for the plan ahead")
+        return plan(self, stages, round_)
+
+    monkeypatch.setattr(VectorizedGroup, "plan", no_room_ahead)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    cache = VectorizedCache()
+    notes: list[str] = []
+    server = exp.initial_server()
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                                   train_cfg=exp.cfg.train, step_mode="static", cache=cache, log=notes.append)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)]
+    assert_same_clients(vec, seq)
+    assert not notes and not cache.ahead
+
+
 def test_a_plan_drawn_ahead_for_other_clients_is_not_taken_and_none_is_drawn_again(monkeypatch):
     """Sampled clients: each round's group is other clients, so it plans itself; once the plans drawn
     ahead in two rounds were all missed, none is drawn, and the one left over is dropped when its round

@@ -362,7 +362,10 @@ class VectorizedGroup:
         if cache.ahead_round != self.round:
             cache.ahead_tries, cache.ahead_round = cache.ahead_tries + 1, self.round
         after = self.round + 1
-        cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after))
+        try:
+            cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after))
+        except torch.cuda.OutOfMemoryError:  # a plan ahead is an optimisation: the next round plans itself
+            torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------- one step
     def vmapped_gradients(
