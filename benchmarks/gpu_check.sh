@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see benchmarks/README.md):
 # "quick" (one call, ~9 min): the throughput table (graph + bf16, with calls of 4 steps, the default since
-# session 19, and of 16), the quick test suite with CUDA present, CCVR's Table 2 timing (float32, bf16, bf16 with
-# 16-step calls: round 1 builds the graphs), and how far DANN's vectorised clients are from its sequential ones
-# on CUDA (cuda_equality.py); "kernels": k clients' convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by
-# torch.compile) against graph_bf16, throughput and CCVR; "suite": the test suite alone; "profile": a profile
-# of one round, and of CCVR's first round (its builds by phase); "memory" (~3 min, not in "all"): device
-# memory and CUDA graphs kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
+# session 19, and of 16), the quick test suite with CUDA present (SUITE_ALL=1 SUITE_S=240: the whole suite),
+# CCVR's Table 2 timing (float32, bf16, bf16 with 16-step calls: round 1 builds the graphs), and how far DANN's
+# vectorised clients are from its sequential ones on CUDA (cuda_equality.py); "kernels": k clients'
+# convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by torch.compile) against
+# graph_bf16, throughput and CCVR; "suite": the test suite alone; "profile": a profile of one round, and of
+# CCVR's first round (its builds by phase); "memory" (~3 min, not in "all"): device memory and CUDA graphs
+# kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
 #   bash benchmarks/gpu_check.sh [quick|suite|kernels|compile|profile|memory|all]
 set -uo pipefail
@@ -23,7 +24,9 @@ if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9.5 minutes: one call of 
     --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_b16} --out "$OUT/results" 2>&1 | tail -8
 fi
 if [[ $WHAT == quick || $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
-  HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 -m "not slow" -p no:cacheprovider -q -rf \
+  # SUITE_ALL=1: the whole suite (issue 29's Done-means: pytest -q with CUDA present), slow tests too
+  marks=(-m "not slow"); [[ ${SUITE_ALL:-0} == 1 ]] && marks=()
+  HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 "${marks[@]}" -p no:cacheprovider -q -rf \
     2>&1 | tee "$OUT/suite.log" | tail -40
 fi
 if [[ $WHAT == quick || $WHAT == all ]]; then
