@@ -10,6 +10,8 @@ skipped here); its check and fallback logic is exercised with stand-in graphs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -213,7 +215,7 @@ def test_the_next_rounds_plan_is_drawn_while_this_round_runs_and_is_that_rounds_
     vec, seq = static_round(exp, 1, cache)
     assert_same_clients(vec, seq)
     assert drawn == [1, 2] and cache.ahead_tries == 1
-    ((inputs, ahead),) = cache.ahead.values()
+    ((inputs, ahead, _),) = cache.ahead.values()
     assert inputs[0] == 2
     plans = [ClientPlan(c, exp.algorithm.stages(c), exp.algorithm.start_state(c))
              for c in round_contexts(exp, exp.initial_server(), {}, 2)]
@@ -233,13 +235,43 @@ def test_a_plan_drawn_ahead_from_other_inputs_is_not_taken(drawn):
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
     cache = VectorizedCache()
     static_round(exp, 1, cache)
-    ((key, (inputs, ahead)),) = cache.ahead.items()
+    ((key, (inputs, ahead, stages)),) = cache.ahead.items()
     assert inputs[7] == 4  # block_steps
-    cache.ahead[key] = ((*inputs[:7], 16, *inputs[8:]), ahead)
+    cache.ahead[key] = ((*inputs[:7], 16, *inputs[8:]), ahead, stages)
     drawn.clear()
     vec, seq = static_round(exp, 2, cache)
     assert_same_clients(vec, seq)
     assert drawn == [2, 3] and cache.ahead_hits == 0  # planned itself, and drew round 3's
+
+
+def test_a_plan_drawn_for_a_draw_function_that_holds_other_values_is_not_taken(drawn, monkeypatch):
+    """A method of one's own whose per-step draws read a value made anew each round (here Mixup's weight,
+    held in a new list each round): its draw function is another object each round, keyed by identity
+    (``stage_key``; the plan drawn ahead holds the stages it was drawn for, so that no new object takes
+    an old one's identity), so the next round plans itself, and its clients are the sequential ones."""
+    from hetfl.algorithms.mixup import LAM, mixup_draws
+
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=mixup"]))
+    stages = exp.algorithm.stages
+    this_round: dict = {}  # the round's draw function, one for all its clients (so one group)
+
+    def own_stages(ctx):
+        if this_round.get("round") != ctx.round:
+            weight = [0.25 + 0.5 * (ctx.round % 2)]  # 0.75 in odd rounds, 0.25 in even ones
+            base = mixup_draws(1.0)
+
+            def draw(generator, batch_size):
+                return {**base(generator, batch_size), LAM: torch.tensor(weight[0])}
+
+            this_round.update(round=ctx.round, draw=draw)
+        return [dataclasses.replace(stage, draws=this_round["draw"]) for stage in stages(ctx)]
+
+    monkeypatch.setattr(exp.algorithm, "stages", own_stages)
+    cache = VectorizedCache()
+    for round_ in (1, 2, 3):
+        vec, seq = static_round(exp, round_, cache)
+        assert_same_clients(vec, seq)
+    assert cache.ahead_hits == 0 and drawn.count(2) == 2  # round 2's plan: drawn ahead, then drawn again
 
 
 def test_a_plan_ahead_that_runs_out_of_memory_is_left_out_and_the_round_stands(monkeypatch):

@@ -337,7 +337,7 @@ class VectorizedGroup:
         """This round's plan if the previous round drew it (:meth:`plan_ahead`) from the same inputs."""
         if self.cache is None:
             return None
-        for key in [k for k, (inputs, _) in self.cache.ahead.items() if inputs[0] < self.round]:  # never taken
+        for key in [k for k, (inputs, *_) in self.cache.ahead.items() if inputs[0] < self.round]:  # never taken
             del self.cache.ahead[key]
         found = self.cache.ahead.pop((self.key, tuple(self.clients)), None)
         if found is None or found[0] != self.plan_inputs(self.round):
@@ -362,8 +362,9 @@ class VectorizedGroup:
         if cache.ahead_round != self.round:
             cache.ahead_tries, cache.ahead_round = cache.ahead_tries + 1, self.round
         after = self.round + 1
-        try:
-            cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after))
+        try:  # the entry holds this round's stages, so that the identities in the inputs' keys stay unique
+            cache.ahead[(self.key, tuple(self.clients))] = (self.plan_inputs(after), self.plan(round_=after),
+                                                            self.plans[0].stages)
         except torch.cuda.OutOfMemoryError:  # a plan ahead is an optimisation: the next round plans itself
             torch.cuda.empty_cache()
 
@@ -587,9 +588,9 @@ class VectorizedCache:
     uncompilable: set[Any] = field(default_factory=set)  # stage keys torch.compile failed on: run uncompiled
     pool: Any = None  # the CUDA graphs' shared memory pool (their temporaries never outlive a replay)
     # the next round's plans, drawn while this round's calls run (VectorizedGroup.plan_ahead): by group and
-    # clients, (the plan's inputs, the plan); in how many rounds plans were drawn (the last: ahead_round), and
-    # how many were taken
-    ahead: dict[Any, tuple[Any, list[StagePlan]]] = field(default_factory=dict)
+    # clients, (the plan's inputs, the plan, the stages it was drawn for); in how many rounds plans were drawn
+    # (the last: ahead_round), and how many were taken
+    ahead: dict[Any, tuple[Any, list[StagePlan], list[Stage]]] = field(default_factory=dict)
     ahead_tries: int = 0
     ahead_round: int = -1
     ahead_hits: int = 0
