@@ -40,8 +40,9 @@ import copy
 import json
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -68,36 +69,20 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def plain_layers(on: bool) -> Iterator[None]:
+def plain_layers(on: bool) -> contextlib.AbstractContextManager:
     """A measurement, not a setting: the vectorised step without hetfl's batching rules (its layers in
     their plain PyTorch forms under vmap, as before session 14), to tell whether their autograd Functions'
     host overhead is what slowed the eager step on a GPU since session 11."""
-    if not on:
-        yield
-        return
-    original = vectorized.client_batching
-    vectorized.client_batching = lambda conv="grouped": contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        vectorized.client_batching = original
+    return mock.patch.object(vectorized, "client_batching", lambda conv="grouped": contextlib.nullcontext()) \
+        if on else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def no_plans_ahead(on: bool) -> Iterator[None]:
+def no_plans_ahead(on: bool) -> contextlib.AbstractContextManager:
     """A measurement, not a setting: graph mode without the next round's plan drawn while a round runs
     (``VectorizedGroup.plan_ahead``, since session 19), so that each round's plan is drawn at its start,
     the device waiting, as before."""
-    if not on:
-        yield
-        return
-    original = vectorized.VectorizedGroup.plan_ahead
-    vectorized.VectorizedGroup.plan_ahead = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        vectorized.VectorizedGroup.plan_ahead = original  # type: ignore[method-assign]
+    return mock.patch.object(vectorized.VectorizedGroup, "plan_ahead", lambda self: None) \
+        if on else contextlib.nullcontext()
 
 
 def hetfl_round(exp: Experiment) -> dict[str, float]:

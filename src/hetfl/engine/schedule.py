@@ -19,27 +19,18 @@ def batch_schedule(
     (``steps`` > 0): passes continue until ``steps`` batches were produced.
     ``drop_last`` drops a pass's incomplete final batch, unless the client has
     fewer samples than one batch (then that single batch is kept: a client
-    never trains on nothing).
+    never trains on nothing). The batches of :func:`batch_schedule_flat`, one tensor each.
     """
-    if n == 0:
-        return []
-    keep_partial = not drop_last or n < batch_size
-    per_pass = n // batch_size + (1 if keep_partial and n % batch_size else 0)
-    passes = epochs if steps == 0 else math.ceil(steps / per_pass)
-    batches: list[torch.Tensor] = []
-    for _ in range(passes):
-        perm = torch.randperm(n, generator=generator)  # every pass draws its permutation, used or not
-        wanted = per_pass if steps == 0 else min(per_pass, steps - len(batches))
-        batches.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(wanted))
-    return batches
+    flat, sizes = batch_schedule_flat(n, batch_size, epochs, steps, drop_last, generator)
+    return list(flat.split(sizes)) if sizes else []
 
 
 def batch_schedule_flat(
     n: int, batch_size: int, epochs: int, steps: int, drop_last: bool, generator: torch.Generator
 ) -> tuple[torch.Tensor, list[int]]:
-    """:func:`batch_schedule` as one tensor: every batch's indices, batch after batch, and each batch's
-    size. The same permutations from the same generator (one per pass, used or not), without a tensor per
-    batch: the vectorised executor plans a round's thousands of batches at once (CCVR's 10 epochs: 7,860)."""
+    """Every batch's indices of :func:`batch_schedule`, batch after batch in one tensor, and each batch's
+    size: a fresh permutation per pass (drawn whether used or not), cut into batches. One tensor, not one
+    a batch: the vectorised executor plans a round's thousands of batches at once (CCVR's 10 epochs: 7,860)."""
     if n == 0:
         return torch.zeros(0, dtype=torch.long), []
     keep_partial = not drop_last or n < batch_size
