@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see benchmarks/README.md):
-# "quick" (one call, ~9 min): the throughput table (graph + bf16, with calls of 4 steps, the default since
-# session 19, and of 16), the quick test suite with CUDA present (SUITE_ALL=1 SUITE_S=240: the whole suite),
-# CCVR's Table 2 timing (float32, bf16, bf16 with 16-step calls: round 1 builds the graphs), and how far DANN's
-# vectorised clients are from its sequential ones on CUDA (cuda_equality.py); "kernels": k clients'
-# convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by torch.compile) against
-# graph_bf16, throughput and CCVR; "suite": the test suite alone; "profile": a profile of one round, and of
-# CCVR's first round (its builds by phase); "memory" (~3 min, not in "all"): device memory and CUDA graphs
-# kept over 300 rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
+# "quick" (one call, ~8 min): the throughput table (graph + bf16, with calls of 4 steps, the default since
+# session 19, and of 16), the plain vmap + CUDA-graph reference of the same round and a step's time by width
+# (vmap_reference.py: cnn2's round, and CCVR's simple_cnn at its widths), CCVR's Table 2 timing (float32, bf16,
+# bf16 with 16-step calls: round 1 builds the graphs), and how far DANN's vectorised clients are from its
+# sequential ones on CUDA (cuda_equality.py); "suite" (the next call, ~2 min): the quick test suite with CUDA
+# present (SUITE_ALL=1 SUITE_S=240: the whole suite); "reference": vmap_reference.py alone, both precisions;
+# "kernels": k clients' convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by
+# torch.compile) against graph_bf16, throughput and CCVR; "profile": a profile of one round, and of CCVR's first
+# round (its builds by phase); "memory" (~3 min, not in "all"): device memory and CUDA graphs kept over 300
+# rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
-#   bash benchmarks/gpu_check.sh [quick|suite|kernels|compile|profile|memory|all]
+#   bash benchmarks/gpu_check.sh [quick|suite|reference|kernels|compile|profile|memory|all]
 set -uo pipefail
 OUT=${OUT:-gpu-out}; DATA=${DATA:-.gpu-data}; WHAT=${1:-all}
 mkdir -p "$OUT/results"
@@ -19,11 +21,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-if [[ $WHAT == quick || $WHAT == all ]]; then  # about 9.5 minutes: one call of a 15-minute lease
+if [[ $WHAT == quick || $WHAT == all ]]; then  # quick: about 8 minutes, one call of a 15-minute lease
   timeout ${THROUGHPUT_S:-210} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
     --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_b16} --out "$OUT/results" 2>&1 | tail -8
 fi
-if [[ $WHAT == quick || $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
+if [[ $WHAT == quick || $WHAT == reference || $WHAT == all ]]; then
+  # what a plain vmap + CUDA graph does with the same round (issue 29's prototype), lockstep and shrinking, and
+  # a step's ms by width; CCVR's model at its widths (its rounds are a sum of this curve over ~1,580 steps)
+  precisions=(bf16); [[ $WHAT == reference ]] && precisions=(bf16 fp32)
+  timeout ${REFERENCE_S:-110} python3 benchmarks/vmap_reference.py --data "$DATA" --model cnn2 --clients 20 \
+    --batch-sizes 64 10 --precisions "${precisions[@]}" --out "$OUT/results" 2>&1 | tail -6
+  timeout 45 python3 benchmarks/vmap_reference.py --data "$DATA" --model simple_cnn --clients 10 --batch-sizes 64 \
+    --precisions fp32 bf16 --layouts --out "$OUT/results" 2>&1 | tail -3
+fi
+if [[ $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   # SUITE_ALL=1: the whole suite (issue 29's Done-means: pytest -q with CUDA present), slow tests too
   marks=(-m "not slow"); [[ ${SUITE_ALL:-0} == 1 ]] && marks=()
   HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 "${marks[@]}" -p no:cacheprovider -q -rf \
@@ -32,8 +43,8 @@ fi
 if [[ $WHAT == quick || $WHAT == all ]]; then
   # fp32 beside bf16: at CCVR's widths a step is latency-bound, and bf16 adds 31 casts to its 65 kernels; calls
   # of 16 steps beside 4 (round 1: 281 steps run twice in Python to build 51 graphs, against 73 for 34)
-  timeout 135 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 graph_bf16_b16 \
-    --budget-each-s ${CCVR_BUDGET_S:-40} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+  timeout 115 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph graph_bf16 graph_bf16_b16 \
+    --budget-each-s ${CCVR_BUDGET_S:-32} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
   timeout 60 python3 benchmarks/cuda_equality.py --methods dann fedavg --steps 1 2 10 2>&1 \
     | tee "$OUT/results/cuda_equality.md" | tail -9
 fi
