@@ -15,7 +15,8 @@ SGD with momentum 0.9, the model's own PyTorch modules under ``torch.func``, no 
 
 Both run the round's steps as one CUDA graph (``--no-graph``: eagerly), the parameters of all clients in
 one flat ``[clients, parameters]`` buffer, each step four kernels besides the model's forward, loss and
-backward (gather, concatenation of the gradients, two in-place updates), fp32 or under bf16 autocast.
+backward (gather, concatenation of the gradients, two in-place updates; a convolution's weights, strided
+across clients in that buffer, are copied once a step by vmap's rule), fp32 or under bf16 autocast.
 
 - **widths**: the time of one step at widths 1, 2, 4, ... up to the clients, in a graph of ``--width-steps``
   steps replayed: the curve that decides between the layouts (a shrinking round costs the sum over its steps
@@ -85,7 +86,7 @@ class FlatClients:
     def loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
              weight: torch.Tensor) -> torch.Tensor:
         """One client's mean cross-entropy over the samples weighted 1 (``weight``: 1 or 0 per sample)."""
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
             logits = functional_call(self.model, params, (x,))
         ce = F.cross_entropy(logits.float(), y, reduction="none")
         return (ce * weight).sum() / weight.sum().clamp(min=1)
