@@ -142,8 +142,9 @@ def shrinking_plan(batches: list[list[torch.Tensor]], client_idx: list[torch.Ten
 
 
 def round_fn(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, layout: str,
-             plan: tuple, max_steps: int | None) -> Callable[[], None]:
-    """The round's steps as one function (captured as one CUDA graph by :func:`graphed`)."""
+             plan: tuple, max_steps: int | None) -> Callable[[bool], None]:
+    """The round's steps as one function (captured as one CUDA graph by :func:`graphed`); called with
+    True, only the first step of each width (a warm-up of every shape the round has)."""
     if layout == "lockstep":
         idx, weight, keep, rate = plan
         widths = [idx.shape[1]] * idx.shape[0]
@@ -152,9 +153,11 @@ def round_fn(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, lay
         keep = rate = None
     steps = len(widths) if max_steps is None else min(max_steps, len(widths))
 
-    def run() -> None:
+    def run(warm_up: bool = False) -> None:
         for t in range(steps):
             w = widths[t]
+            if warm_up and t and widths[t - 1] == w:
+                continue
             rows = slice(0, w)
             i = idx[t, :w]
             clients.step(rows, x_all[i], y_all[i], weight[t, :w], None if keep is None else keep[t, :w],
@@ -163,18 +166,19 @@ def round_fn(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, lay
     return run
 
 
-def graphed(fn: Callable[[], None], reset: Callable[[], None], device: torch.device,
+def graphed(fn: Callable[[bool], None], reset: Callable[[], None], device: torch.device,
             use_graph: bool) -> Callable[[], None]:
-    """``fn`` captured as one CUDA graph (after a warm-up run on a side stream), or ``fn`` itself; the
-    state ``reset`` before returning, so the first timed run starts where an untimed one would."""
+    """``fn`` captured as one CUDA graph (after ``fn(True)``, a step of each shape, run on a side stream
+    as a warm-up: cuBLAS's and cuDNN's choices and workspaces), or ``fn`` itself; the state ``reset``
+    before returning, so the first timed run starts where an untimed one would."""
     if device.type != "cuda" or not use_graph:
-        fn()  # warm-up (allocator, cuDNN's algorithm choice)
+        fn(True)
         reset()
         return fn
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        fn(True)
     torch.cuda.current_stream().wait_stream(stream)
     reset()
     graph = torch.cuda.CUDAGraph()
@@ -230,8 +234,8 @@ def width_curve(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, 
         idx = torch.randint(0, len(x_all), (steps, w, batch_size), generator=gen).to(device)
         weight = torch.ones(steps, w, batch_size, device=device)
 
-        def run(idx: torch.Tensor = idx, weight: torch.Tensor = weight, w: int = w) -> None:
-            for t in range(steps):
+        def run(warm_up: bool = False, idx: torch.Tensor = idx, weight: torch.Tensor = weight, w: int = w) -> None:
+            for t in range(1 if warm_up else steps):
                 clients.step(slice(0, w), x_all[idx[t]], y_all[idx[t]], weight[t], None, None)
 
         fn = graphed(run, clients.reset, device, use_graph)
@@ -257,7 +261,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_graph = not args.no_graph
-    lines: list[str] = []
+    write = None if args.check else results_file(args, device)
     for bs in args.batch_sizes:
         exp = Experiment(config.load(None, [
             "data.dataset=cifar10", f"data.root={args.data}/cifar10-jpeg.tar.gz", "data.partition=dirichlet",
@@ -295,9 +299,13 @@ def main() -> None:
                     + " | ".join(f"{row[k]:,.0f}" if k in row else "-" for k in plans) + " | "
                     + ", ".join(f"{w}: {ms:.3f}" for w, ms in curve.items()) + " |")
             print(text, flush=True)
-            lines.append(text)
-    if args.check or not lines:
-        return
+            if write is not None:
+                write(text)
+
+
+def results_file(args: argparse.Namespace, device: torch.device) -> Callable[[str], None]:
+    """A function that appends a row to ``vmap_reference_<device>.md`` (after this run's heading, written
+    with the first row): a run cut at a time limit keeps its finished rows."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     command = (f"python benchmarks/vmap_reference.py --model {args.model} --clients {args.clients} --batch-sizes "
@@ -312,9 +320,15 @@ def main() -> None:
         "width).\n")
     table = ["", f"`{command}` at {commit} on {name} (torch {torch.__version__})", "",
              "| model | clients | batch | precision | critical steps | client-steps | lockstep | shrinking | "
-             "ms/step by width |", "|---|---|---|---|---|---|---|---|---|", *lines, ""]
-    with path.open("a") as f:
-        f.write(head + "\n".join(table))
+             "ms/step by width |", "|---|---|---|---|---|---|---|---|---|"]
+    written = []
+
+    def write(row: str) -> None:
+        with path.open("a") as f:
+            f.write((head + "\n".join(table) + "\n" if not written else "") + row + "\n")
+        written.append(row)
+
+    return write
 
 
 if __name__ == "__main__":
