@@ -12,10 +12,10 @@
   absent; the suite has no test that relies on ``auto`` meaning CUDA.
 
 And one order (:func:`pytest_collection_modifyitems`) for ``pytest -n N``, whose workers take the tests
-two at a time in this order (:func:`pytest_configure`): **long tests first**, so that no worker waits at the
-end for a long test that started last. The tests that wait for Flower's or the README's processes (marked
-``processes``) run one after another on one worker of their own (``-n auto`` adds it: a worker per core and
-one more), whose core is mostly idle while they wait; the other workers compute.
+two at a time in this order (:func:`pytest_configure`): **long tests first, the waiting ones spread among the
+others**, so that no worker waits at the end for a long test that started last, and a worker waiting for
+Flower's or the README's processes (marked ``processes``) overlaps with one that computes, rather than
+with another that waits.
 """
 
 from __future__ import annotations
@@ -33,37 +33,16 @@ from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
 os.environ[AUTO_DEVICE_ENV] = "cpu"
 
 
-#: up to this many workers, the tests that wait for processes share one (:func:`pytest_configure`); with more,
-#: they spread over all (a machine of 16 cores runs the suite in 90 s, and those tests alone take 250 s in a row)
-FEW_WORKERS = 4
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, hand the tests out two at a time (``--maxschedchunk 2``; unless given), in the order
-    below: a worker never queues many tests behind a long one; and ``-n`` of at most :data:`FEW_WORKERS`
-    without ``--dist`` keeps the tests that wait for processes on one worker (``--dist loadgroup``:
-    :func:`pytest_xdist_auto_num_workers`).
-    Nothing without pytest-xdist."""
+    below: a worker never queues many tests behind a long one. Nothing without pytest-xdist."""
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 2
-    workers = getattr(config.option, "numprocesses", None)
-    if getattr(config.option, "dist", "no") == "load" and isinstance(workers, int) and workers <= FEW_WORKERS:
-        config.option.dist = "loadgroup"
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: a worker per core, and one more for the tests that wait for processes (grouped on one
-    worker, ``xdist_group("processes")``), whose core would otherwise idle while they wait. On 2 cores the
-    whole suite took 274-277 s this way against 292-300 s with two workers (session 20,
-    ``benchmarks/results/test_suite.md``; four workers: 306 s). The cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that wait for processes (one ``xdist_group``: one worker runs them all), each followed by an
-    equal share of the other slow tests, then the rest; each group in collection order, so every pytest-xdist
-    worker collects the same list."""
+    """The tests that wait for processes, each followed by an equal share of the other slow tests, then the
+    rest; each group in collection order, so every pytest-xdist worker collects the same list."""
     waiting = [item for item in items if item.get_closest_marker("processes")]
     slow = [item for item in items if item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
     rest = [item for item in items if not item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
@@ -72,8 +51,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for n, item in enumerate(waiting):
         ordered += [item, *slow[n * share : (n + 1) * share]]
     items[:] = [*ordered, *slow[len(waiting) * share :], *rest]
-    for item in waiting:
-        item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture(autouse=True)
