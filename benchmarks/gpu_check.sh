@@ -26,10 +26,11 @@ if [[ $WHAT == quick || $WHAT == all ]]; then  # quick: about 8 minutes, one cal
     --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_b16} --out "$OUT/results" 2>&1 | tail -8
 fi
 if [[ $WHAT == quick || $WHAT == reference || $WHAT == all ]]; then
-  # what a plain vmap + CUDA graph does with the same round (issue 29's prototype), lockstep and shrinking, and
+  # what a plain vmap + CUDA graph does with the same round (issue 29's prototype), lockstep, shrinking and
+  # shrinking with hetfl's layer rules, and
   # a step's ms by width; CCVR's model at its widths (its rounds are a sum of this curve over ~1,580 steps)
   precisions=(bf16); [[ $WHAT == reference ]] && precisions=(bf16 fp32)
-  timeout ${REFERENCE_S:-110} python3 benchmarks/vmap_reference.py --data "$DATA" --model cnn2 --clients 20 \
+  timeout ${REFERENCE_S:-120} python3 benchmarks/vmap_reference.py --data "$DATA" --model cnn2 --clients 20 \
     --batch-sizes 64 10 --precisions "${precisions[@]}" --out "$OUT/results" 2>&1 | tail -6
   timeout 45 python3 benchmarks/vmap_reference.py --data "$DATA" --model simple_cnn --clients 10 --batch-sizes 64 \
     --precisions fp32 bf16 --layouts --out "$OUT/results" 2>&1 | tail -3

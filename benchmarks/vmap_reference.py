@@ -18,6 +18,10 @@ one flat ``[clients, parameters]`` buffer, each step four kernels besides the mo
 backward (gather, concatenation of the gradients, two in-place updates; a convolution's weights, strided
 across clients in that buffer, are copied once a step by vmap's rule), fp32 or under bf16 autocast.
 
+- **shrinking, hetfl's layers**: the same with the step inside ``hetfl.models.layers.client_batching``, as
+  hetfl's executor runs it (its max-pooling that keeps the layout, its linear layers' product then bias):
+  what hetfl's layer rules do to the kernels' time, apart from the rest of hetfl's step.
+
 - **widths**: the time of one step at widths 1, 2, 4, ... up to the clients, in a graph of ``--width-steps``
   steps replayed: the curve that decides between the layouts (a shrinking round costs the sum over its steps
   of this curve at their widths; a lockstep one, its steps times the curve at full width) and tells what a
@@ -34,6 +38,7 @@ do not move). Appends to ``benchmarks/results/vmap_reference_<device>.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import platform
@@ -49,8 +54,12 @@ from torch.func import functional_call, grad, vmap
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
+from hetfl.models.layers import client_batching
 
 LR, MOMENTUM = 0.01, 0.9
+#: the rounds timed: lockstep, shrinking (hetfl's layout), and shrinking with the steps inside hetfl's
+#: ``client_batching`` (its layers' batching rules: max-pooling where the activation lies, a product then the bias)
+LAYOUTS = ("lockstep", "shrinking", "shrinking_layers")
 
 
 def sync(device: torch.device) -> None:
@@ -66,6 +75,7 @@ class FlatClients:
         if list(model.buffers()):
             raise ValueError(f"model {type(model).__name__} has buffers: this reference trains parameters only")
         self.model, self.bf16 = model, bf16
+        self.hetfl_layers = False  # the steps inside hetfl.models.layers.client_batching (its batching rules)
         params = dict(model.named_parameters())
         self.names = list(params)
         self.shapes = [p.shape for p in params.values()]
@@ -96,7 +106,8 @@ class FlatClients:
         """One SGD step (momentum 0.9, lr 0.01, torch.optim.SGD's) of rows ``rows`` on ``x [w, b, ...]``;
         ``keep``/``rate`` (``[w, 1]``, lockstep only): the momentum's factor (1: a finished row's buffer
         kept) and the learning rate (0: its weights kept)."""
-        grads = vmap(grad(self.loss))(self.views(rows), x, y, weight)
+        with client_batching() if self.hetfl_layers else contextlib.nullcontext():
+            grads = vmap(grad(self.loss))(self.views(rows), x, y, weight)
         g = torch.cat([grads[n].flatten(1) for n in self.names], dim=1)
         momentum, flat = self.momentum[rows], self.flat[rows]
         if keep is None:
@@ -145,6 +156,7 @@ def round_fn(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, lay
              plan: tuple, max_steps: int | None) -> Callable[[bool], None]:
     """The round's steps as one function (captured as one CUDA graph by :func:`graphed`); called with
     True, only the first step of each width (a warm-up of every shape the round has)."""
+    clients.hetfl_layers = layout == "shrinking_layers"
     if layout == "lockstep":
         idx, weight, keep, rate = plan
         widths = [idx.shape[1]] * idx.shape[0]
@@ -250,7 +262,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 10])
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=("fp32", "bf16"))
-    parser.add_argument("--layouts", nargs="*", default=["lockstep", "shrinking"], choices=("lockstep", "shrinking"),
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS,
                         help="the rounds to time (none: the width curve alone)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--width-steps", type=int, default=20, help="steps per graph in the width curve (0: none)")
@@ -274,8 +286,9 @@ def main() -> None:
         x_all, y_all = data.prepare(data.train_x), data.train_y
         samples = sum(data.client_sizes) if args.max_steps is None else sum(
             len(p) for b in batches for p in b[: args.max_steps])
-        plans = {"lockstep": lockstep_plan(batches, client_idx, bs, device),
-                 "shrinking": shrinking_plan(batches, client_idx, bs, device)}
+        shrinking = shrinking_plan(batches, client_idx, bs, device)
+        plans = {"lockstep": lockstep_plan(batches, client_idx, bs, device), "shrinking": shrinking,
+                 "shrinking_layers": shrinking}
         for precision in args.precisions:
             clients = FlatClients(exp.model.to(device), data.num_clients, bf16=precision == "bf16")
             if args.check:
@@ -293,6 +306,7 @@ def main() -> None:
                 row[layout] = samples / seconds
             steps = len(plans["shrinking"][0]) if args.max_steps is None else args.max_steps
             client_steps = sum(plans["shrinking"][0][:steps])
+            clients.hetfl_layers = False
             curve = width_curve(clients, x_all, y_all, bs, data.num_clients, args.width_steps, device,
                                 use_graph) if args.width_steps else {}
             text = (f"| {args.model} | {args.clients} | {bs} | {precision} | {steps} | {client_steps} | "
@@ -320,7 +334,7 @@ def results_file(args: argparse.Namespace, device: torch.device) -> Callable[[st
         "width).\n")
     table = ["", f"`{command}` at {commit} on {name} (torch {torch.__version__})", "",
              "| model | clients | batch | precision | critical steps | client-steps | lockstep | shrinking | "
-             "ms/step by width |", "|---|---|---|---|---|---|---|---|---|"]
+             "shrinking, hetfl's layers | ms/step by width (plain) |", "|---|---|---|---|---|---|---|---|---|---|"]
     written = []
 
     def write(row: str) -> None:
