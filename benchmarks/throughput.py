@@ -16,7 +16,8 @@
     (c') also runs with per-client convolutions ("vmap_pc") and, with ``--variants``, compiled
     ("vmap_compiled"). c/a, c/b and c/d use the fastest of the vectorised variants. On request, on
     CUDA, "vectorized_plain" (on a CPU "vmap_plain"): the eager step without hetfl's batching rules (a
-    measurement of their host overhead, not a setting, and never the "best" variant).
+    measurement of their host overhead, not a setting, and never the "best" variant), and
+    "graph_bf16_plain": the same captured, what those rules do to the kernels' time.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation); on CUDA also
     (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
@@ -269,6 +270,7 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "vmap_compiled": "(c') vmap, compiled", "vectorized_plain": "(c) vectorized, plain layers",
            "vmap_plain": "(c') vmap, plain layers", "graph_bf16_b16": "(c) + graph, bf16, 16 steps a graph",
            "graph_bf16_noahead": "(c) + graph, bf16, plan not drawn ahead",
+           "graph_bf16_plain": "(c) + graph, bf16, plain layers",
            "ceiling": "(d) ceiling", "ceiling_bf16": "(d') ceiling, bf16"}
 # the hetfl vectorised variants; (c') is not one: on a CPU the executor does not vmap
 VECTORIZED = ("vectorized", "graph", "graph_bf16", "graph_bf16_cl", "graph_pc", "graph_bf16_pc", "graph_compiled",
@@ -285,15 +287,18 @@ GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16
                   # calls of up to 16 steps (the default until session 19: 4), a graph each
                   "graph_bf16_b16": [*_GRAPH, "train.precision=bf16", "runtime.graph_steps=16"],
                   # each round's plan drawn at its start (no_plans_ahead), as before session 19
-                  "graph_bf16_noahead": [*_GRAPH, "train.precision=bf16"]}
+                  "graph_bf16_noahead": [*_GRAPH, "train.precision=bf16"],
+                  # hetfl's layers in their plain forms (plain_layers), captured: what their batching rules do to
+                  # the kernels' time (vmap_reference.py's "shrinking, hetfl's layers" asks it of the plain step)
+                  "graph_bf16_plain": [*_GRAPH, "train.precision=bf16"]}
 _VMAP = ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]
 CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled": [*_VMAP, _COMPILE],
                 "vmap_plain": _VMAP}
 # run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
 ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled", "vectorized_plain",
-              "vmap_plain", "graph_bf16_b16", "graph_bf16_noahead")
+              "vmap_plain", "graph_bf16_b16", "graph_bf16_noahead", "graph_bf16_plain")
 # run with hetfl's layers in their plain forms inside the vmapped step (plain_layers)
-PLAIN_LAYERS = ("vectorized_plain", "vmap_plain")
+PLAIN_LAYERS = ("vectorized_plain", "vmap_plain", "graph_bf16_plain")
 # run without the next round's plan drawn ahead (no_plans_ahead)
 NO_PLANS_AHEAD = ("graph_bf16_noahead",)
 
