@@ -2,8 +2,8 @@
 # The GPU checks of the vectorised executor, as one script for a lent GPU machine (see benchmarks/README.md):
 # "quick" (one call, ~8 min): the throughput table (graph + bf16, with calls of 4 steps, the default since
 # session 19, and of 16), the plain vmap + CUDA-graph reference of the same round and a step's time by width
-# (vmap_reference.py: cnn2's round, and CCVR's simple_cnn at its widths), CCVR's Table 2 timing (float32, bf16,
-# bf16 with 16-step calls: round 1 builds the graphs), and how far DANN's vectorised clients are from its
+# (vmap_reference.py: cnn2's round, and CCVR's simple_cnn at its widths, its round priced with them), CCVR's
+# Table 2 timing (float32, bf16, bf16 with 16-step calls: round 1 builds the graphs), and how far DANN's vectorised clients are from its
 # sequential ones on CUDA (cuda_equality.py); "suite" (the next call, ~2 min): the quick test suite with CUDA
 # present (SUITE_ALL=1 SUITE_S=240: the whole suite); "reference": vmap_reference.py alone, both precisions;
 # "kernels": k clients' convolutions several ways; "compile" (~9 min): runtime.compile (steps compiled by
@@ -33,7 +33,7 @@ if [[ $WHAT == quick || $WHAT == reference || $WHAT == all ]]; then
   timeout ${REFERENCE_S:-120} python3 benchmarks/vmap_reference.py --data "$DATA" --model cnn2 --clients 20 \
     --batch-sizes 64 10 --precisions "${precisions[@]}" --out "$OUT/results" 2>&1 | tail -6
   timeout 45 python3 benchmarks/vmap_reference.py --data "$DATA" --model simple_cnn --clients 10 --batch-sizes 64 \
-    --precisions fp32 bf16 --layouts --out "$OUT/results" 2>&1 | tail -3
+    --precisions fp32 bf16 --layouts --ccvr --out "$OUT/results" 2>&1 | tail -5
 fi
 if [[ $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   # SUITE_ALL=1: the whole suite (issue 29's Done-means: pytest -q with CUDA present), slow tests too

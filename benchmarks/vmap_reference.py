@@ -28,6 +28,11 @@ across clients in that buffer, are copied once a step by vmap's rule), fp32 or u
   step costs at the widths hetfl's rounds spend their time at (CCVR's largest client trains alone for 480
   of its 1,580 steps).
 
+``--ccvr`` (with ``--model simple_cnn --clients 10 --batch-sizes 64``): CCVR's Table 2 round as hetfl's executor
+lays it out (``VectorizedGroup.plan`` of round 1: its steps by width, one after another) priced with the width
+curve (linear between the widths measured; short batches at the full batch's price): the seconds a round of
+that setting would take at this plain step's speed, beside hetfl's measured round (``ccvr_time_to_accuracy.py``).
+
 ``--check`` (any device, small): the lockstep and shrinking rounds' parameters against each client trained
 alone with ``torch.optim.SGD`` on the same batches (the masking is exact: a finished client's parameters
 do not move). Appends to ``benchmarks/results/vmap_reference_<device>.md``.
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import platform
 import statistics
@@ -255,6 +261,47 @@ def width_curve(clients: FlatClients, x_all: torch.Tensor, y_all: torch.Tensor, 
     return out
 
 
+@functools.cache
+def ccvr_widths(data_root: str, device: torch.device) -> dict[int, int]:
+    """Steps by width, one after another, of round 1 of CCVR's Table 2 setting as hetfl's executor plans it
+    (``ccvr_time_to_accuracy.setting``: 10 clients, Dirichlet 0.1, 10 epochs of batch 64, seed 0)."""
+    from ccvr_time_to_accuracy import setting
+
+    from hetfl.engine.schedule import lr_at
+    from hetfl.engine.vectorized import ClientPlan, VectorizedGroup
+
+    args = argparse.Namespace(data=data_root, alpha=0.1, rounds=1, local_epochs=10, seed=0)
+    exp = Experiment(config.load(None, [*setting(args), f"runtime.device={device.type}"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    algo, plans = exp.algorithm, []
+    for c in exp.sample_clients(1):
+        ctx = exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c),
+                                 algo.init_client_state(c, server), server)
+        ctx.extras = algo.begin(ctx)
+        plans.append(ClientPlan(ctx, algo.stages(ctx), algo.start_state(ctx)))
+    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
+    group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
+                            drop_last=exp.cfg.train.drop_last, max_grad_norm=0.0, buffers=(), step_mode="static")
+    widths: dict[int, int] = {}
+    for stage in group.plan():
+        for call in stage.calls:
+            widths[call.width] = widths.get(call.width, 0) + call.steps
+    return dict(sorted(widths.items()))
+
+
+def priced(widths: dict[int, int], curve: dict[int, float]) -> float:
+    """Seconds of ``widths`` (steps by width) at ``curve``'s ms a step, linear between measured widths."""
+    known = sorted(curve)
+
+    def ms(w: int) -> float:
+        if w in curve:
+            return curve[w]
+        below, above = max(k for k in known if k < w), min(k for k in known if k > w)
+        return curve[below] + (curve[above] - curve[below]) * (w - below) / (above - below)
+
+    return sum(steps * ms(w) for w, steps in widths.items()) / 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="../shared/datasets")
@@ -268,6 +315,7 @@ def main() -> None:
     parser.add_argument("--width-steps", type=int, default=20, help="steps per graph in the width curve (0: none)")
     parser.add_argument("--max-steps", type=int, default=None, help="the rounds' first steps only (a CPU smoke run)")
     parser.add_argument("--no-graph", action="store_true", help="on CUDA, run the steps eagerly")
+    parser.add_argument("--ccvr", action="store_true", help="price CCVR's Table 2 round with the width curve")
     parser.add_argument("--check", action="store_true", help="compare both layouts with clients trained alone")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -315,6 +363,14 @@ def main() -> None:
             print(text, flush=True)
             if write is not None:
                 write(text)
+            if args.ccvr and curve:
+                widths = ccvr_widths(args.data, device)
+                note = (f"CCVR's Table 2 round 1 as hetfl plans it, steps by width {widths} "
+                        f"({sum(widths.values())} one after another), at this {precision} plain step: "
+                        f"{priced(widths, curve):.2f} s a round")
+                print(note, flush=True)
+                if write is not None:
+                    write(f"\n{note}\n")
 
 
 def results_file(args: argparse.Namespace, device: torch.device) -> Callable[[str], None]:
@@ -324,7 +380,9 @@ def results_file(args: argparse.Namespace, device: torch.device) -> Callable[[st
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     command = (f"python benchmarks/vmap_reference.py --model {args.model} --clients {args.clients} --batch-sizes "
                f"{' '.join(map(str, args.batch_sizes))} --precisions {' '.join(args.precisions)}"
-               + (" --no-graph" if args.no_graph else "")
+               + ("" if args.layouts == list(LAYOUTS) else f" --layouts {' '.join(args.layouts)}".rstrip())
+               + (f" --width-steps {args.width_steps}" if args.width_steps != 20 else "")
+               + (" --no-graph" if args.no_graph else "") + (" --ccvr" if args.ccvr else "")
                + (f" --max-steps {args.max_steps}" if args.max_steps else ""))
     path = Path(args.out) / f"vmap_reference_{device.type}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
