@@ -30,10 +30,10 @@ import torch
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
-from hetfl.engine.schedule import lr_at
 from hetfl.engine.vectorized import VectorizedGroup, train_clients_vectorized
 
 sys.path.insert(0, str(Path(__file__).parent))
+from step_ops import first_round_contexts
 from vmap_reference import FlatClients
 
 
@@ -52,17 +52,15 @@ def hetfl_round(exp: Experiment, clients: int) -> tuple[list[float], list[float]
     def timed_gradients(self, *args):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         out = gradients(self, *args)
-        if args[1][next(iter(args[1]))].shape[0] == clients:
+        state = args[1]
+        if next(iter(state.values())).shape[0] == clients:  # the rows stepped: a full-width call
             cores.append(time.perf_counter() - t0)
         return out
 
     VectorizedGroup.body, VectorizedGroup.vmapped_gradients = timed_body, timed_gradients  # type: ignore[method-assign]
     try:
-        server, _, _ = exp.setup_round(exp.initial_server())
-        algo = exp.algorithm
-        ctxs = [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c), algo.init_client_state(c, server),
-                                   server) for c in exp.sample_clients(1)]
-        train_clients_vectorized(algo, ctxs, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="eager")
+        train_clients_vectorized(exp.algorithm, first_round_contexts(exp), exp.data, seed=exp.cfg.seed,
+                                 train_cfg=exp.cfg.train, step_mode="eager")
     finally:
         VectorizedGroup.body, VectorizedGroup.vmapped_gradients = body, gradients  # type: ignore[method-assign]
     return steps, cores

@@ -84,18 +84,36 @@ def kind(phase: str, op: str) -> str:
     return "data"
 
 
-def plan_ms(exp: Experiment, ctxs: list) -> float:
-    """Median wall time of planning the round (the executor's host work before its first step)."""
+def first_round_contexts(exp: Experiment) -> list:
+    """The client contexts of round 1 (its sampled clients) from the initial server, as the engine makes them."""
+    server, _, _ = exp.setup_round(exp.initial_server())
+    algo = exp.algorithm
+    return [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c), algo.init_client_state(c, server),
+                               server) for c in exp.sample_clients(1)]
+
+
+def client_plans(exp: Experiment, ctxs: list) -> list[ClientPlan]:
+    """The vectorised executor's plans of ``ctxs``, largest client first (its row order)."""
     algo = exp.algorithm
     plans = []
     for ctx in ctxs:
         ctx.extras = algo.begin(ctx)
         plans.append(ClientPlan(ctx, algo.stages(ctx), algo.start_state(ctx)))
-    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
+    return sorted(plans, key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
+
+
+def static_group(exp: Experiment, plans: list[ClientPlan]) -> VectorizedGroup:
+    """A group of ``plans`` in ``static`` step mode (a CUDA graph's logic, without the capture)."""
+    return VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
+                           drop_last=exp.cfg.train.drop_last, max_grad_norm=0.0, buffers=(), step_mode="static")
+
+
+def plan_ms(exp: Experiment, ctxs: list) -> float:
+    """Median wall time of planning the round (the executor's host work before its first step)."""
+    plans = client_plans(exp, ctxs)
     times = []
     for _ in range(5):
-        group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
-                                drop_last=exp.cfg.train.drop_last, max_grad_norm=0.0, buffers=(), step_mode="static")
+        group = static_group(exp, plans)
         t0 = time.perf_counter()
         group.plan()
         times.append(1000 * (time.perf_counter() - t0))
@@ -135,20 +153,14 @@ def count_round(overrides: list[str], prepared: bool = True) -> dict:
     VectorizedGroup.body = counted  # type: ignore[method-assign]
     VectorizedGroup.vmapped_gradients = in_model  # type: ignore[method-assign]
     try:
-        server, _, _ = exp.setup_round(exp.initial_server())
-        algo = exp.algorithm
-        def contexts() -> list:
-            return [exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c),
-                                       algo.init_client_state(c, server), server) for c in exp.sample_clients(1)]
-
-        train_clients_vectorized(algo, contexts(), exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train,
-                                 step_mode="static")
+        train_clients_vectorized(exp.algorithm, first_round_contexts(exp), exp.data, seed=exp.cfg.seed,
+                                 train_cfg=exp.cfg.train, step_mode="static")
     finally:
         VectorizedGroup.body = original  # type: ignore[method-assign]
         VectorizedGroup.vmapped_gradients = gradients  # type: ignore[method-assign]
     row: dict = {"critical_steps": sum(c["steps"] for c in calls), "client_steps": sum(c["steps"] * c["width"]
                                                                                         for c in calls),
-                 "calls": len(calls), "plan_ms": plan_ms(exp, contexts()),
+                 "calls": len(calls), "plan_ms": plan_ms(exp, first_round_contexts(exp)),
                  "cloned_mb": round(sum(c["cloned"] for c in calls) / 1e6, 1)}
     # since session 18 a view call of one row (one client training alone) runs the step unbatched
     for label, chosen in (("views", [c for c in calls if not c["gathered"]]),

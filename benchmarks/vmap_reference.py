@@ -266,22 +266,11 @@ def ccvr_widths(data_root: str, device: torch.device) -> dict[int, int]:
     """Steps by width, one after another, of round 1 of CCVR's Table 2 setting as hetfl's executor plans it
     (``ccvr_time_to_accuracy.setting``: 10 clients, Dirichlet 0.1, 10 epochs of batch 64, seed 0)."""
     from ccvr_time_to_accuracy import setting
-
-    from hetfl.engine.schedule import lr_at
-    from hetfl.engine.vectorized import ClientPlan, VectorizedGroup
+    from step_ops import client_plans, first_round_contexts, static_group
 
     args = argparse.Namespace(data=data_root, alpha=0.1, rounds=1, local_epochs=10, seed=0)
     exp = Experiment(config.load(None, [*setting(args), f"runtime.device={device.type}"]))
-    server, _, _ = exp.setup_round(exp.initial_server())
-    algo, plans = exp.algorithm, []
-    for c in exp.sample_clients(1):
-        ctx = exp.client_context(c, 1, lr_at(exp.cfg, 1), algo.payload(server, c),
-                                 algo.init_client_state(c, server), server)
-        ctx.extras = algo.begin(ctx)
-        plans.append(ClientPlan(ctx, algo.stages(ctx), algo.start_state(ctx)))
-    plans.sort(key=lambda p: -exp.data.client_sizes[p.ctx.client_id])
-    group = VectorizedGroup(plans, exp.data, seed=exp.cfg.seed, batch_size=exp.cfg.train.batch_size,
-                            drop_last=exp.cfg.train.drop_last, max_grad_norm=0.0, buffers=(), step_mode="static")
+    group = static_group(exp, client_plans(exp, first_round_contexts(exp)))
     widths: dict[int, int] = {}
     for stage in group.plan():
         for call in stage.calls:
