@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -56,9 +57,9 @@ E2E_CCVR = ("--deselect", "tests/algorithms/test_ccvr.py::test_ccvr_composes_and
 # the private run's end-to-end check (a whole run, resumed); the unit tests of test_ccvr_dp.py cover its formulas
 E2E_CCVR_DP = ("--deselect",
                "tests/algorithms/test_ccvr_dp.py::test_run_reports_its_privacy_and_resumes_to_the_same_budget")
-# the Ray simulation of SecAgg+ (slow); the in-process protocol tests of the same file cover the codec on Flower
-RAY_SECAGG = ("--deselect",
-              "tests/flower/test_flower_secagg.py::test_flower_simulation_with_secagg_gives_the_in_process_secure_numbers")
+# the tests that start processes (the README's SecAgg+ command on Flower's Ray simulation: slow, and it reads the
+# README, which the scratch copy does not hold); the in-process protocol tests of the same file cover the codec
+NO_PROCESSES = ("-m", "not processes")
 
 TARGETS = (
     # the four seed methods
@@ -79,7 +80,7 @@ TARGETS = (
     Target("dp_moments", "src/hetfl/algorithms/dp_moments.py",
            ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py"), E2E_CCVR_DP),
     Target("secure_sum", "src/hetfl/engine/secure_sum.py",
-           ("tests/engine/test_secure_sum.py", "tests/flower/test_flower_secagg.py"), RAY_SECAGG),
+           ("tests/engine/test_secure_sum.py", "tests/flower/test_flower_secagg.py"), NO_PROCESSES),
     # the baselines' update rules
     Target("fedprox", "src/hetfl/algorithms/fedprox.py", ("tests/algorithms/test_baselines.py",)),
     Target("fedavgm", "src/hetfl/algorithms/fedavgm.py", ("tests/algorithms/test_baselines.py",)),
@@ -107,8 +108,23 @@ def extra_tests(target: Target) -> tuple[str, ...]:
     return tuple(t for t in found if t not in target.tests)
 
 
+def check_deselected(target: Target) -> None:
+    """Every ``--deselect FILE::TEST`` of a target names a test that exists: a renamed test would otherwise be
+    run on every mutant (or break mutmut's first, unmutated run) without a word."""
+    args = list(target.pytest_args)
+    for flag, value in itertools.pairwise(args):
+        if flag != "--deselect":
+            continue
+        path, _, name = value.partition("::")
+        source = (REPO / path).read_text(encoding="utf-8") if (REPO / path).exists() else ""
+        if not re.search(rf"^def {re.escape(name.split('[')[0])}\(", source, flags=re.MULTILINE):
+            raise SystemExit(f"{target.name}: --deselect {value}: no such test (renamed?); "
+                             "update benchmarks/mutation.py")
+
+
 def prepare(target: Target, workdir: Path) -> None:
     """A scratch copy of the repository whose pyproject mutates only ``target.source``."""
+    check_deselected(target)
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)

@@ -104,6 +104,19 @@ def test_fedpac_on_the_default_model_exits_2_naming_model_name_and_writes_nothin
     assert not out.exists()
 
 
+def test_the_refusal_of_autos_logistic_regression_names_the_setting_that_gives_it_an_encoder(tmp_path, capsys):
+    """Synthetic's automatic model is ``mlp`` with ``hidden = []``; the error says which ``--set`` gives the
+    mlp its default hidden layers, and that setting runs."""
+    assert main(["run", "--out", str(tmp_path / "refused"), "--set", "algorithm.name=freeze", *QUIET]) == 2
+    err = capsys.readouterr().err.strip()
+    hint = re.search(r'mlp has it with its default options: --set "(model\.options=\{hidden = \[200, 200\]\})"; ', err)
+    assert hint, err
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--set", "algorithm.name=freeze", "--set", hint.group(1),
+                 "--set", "train.local_steps=1", *QUIET]) == 0
+    assert config.load(out / "config.toml").model.options == {"hidden": [200, 200]}
+
+
 def test_compare_refuses_a_method_the_model_cannot_serve_before_its_first_run(tmp_path, capsys):
     """fedavg ran to the end before fedpac was refused at its own set-up; the plan checks every pairing first."""
     out = tmp_path / "cmp"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from hetfl.algorithms.base import MODEL_PARTS, Algorithm, Setup, model_provides
 from hetfl.algorithms.posthoc import PostHoc
-from hetfl.models import MODELS, build_model, param_groups
+from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
 from hetfl.params import ConfigError, build, did_you_mean
 
@@ -204,7 +205,20 @@ def check_model_parts(method: str, model: Any, groups: Mapping[str, Sequence[str
         if not missing:
             continue
         options = f" with model.options = {dict(model.options)}" if model.options else ""
-        fits = ", ".join(models_that_fit(requires, input_shape, num_classes)) or "none"
+        fitting = models_that_fit(requires, input_shape, num_classes)
         need = " and ".join(MODEL_PARTS[part] for part in missing)
-        raise ConfigError("model.name", model.name, f"{who} needs {need}, and {model.name}{options} has none; "
-                                                    f"models that fit this data (with their default options): {fits}")
+        hint = ""
+        if model.options and model.name in fitting:  # the options took the part away (auto's logistic regression)
+            hint = f"{model.name} has it with its default options: --set \"{default_options_setting(model)}\"; "
+        raise ConfigError("model.name", model.name, f"{who} needs {need}, and {model.name}{options} has none; {hint}"
+                                                    f"models that fit this data (with their default options): "
+                                                    f"{', '.join(fitting) or 'none'}")
+
+
+def default_options_setting(model: Any) -> str:
+    """``model.options={...}`` in ``--set`` syntax with the model's defaults for the options ``model`` sets
+    (Synthetic's automatic ``mlp`` is logistic regression, ``hidden = []``: its default is ``[200, 200]``)."""
+    defaults = model_options(model.name)
+    values = {key: defaults.get(key, value) for key, value in dict(model.options).items()}
+    inline = ", ".join(f"{key} = {json.dumps(list(v) if isinstance(v, tuple) else v)}" for key, v in values.items())
+    return f"model.options={{{inline}}}"
