@@ -449,3 +449,30 @@ def test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it(tmp_path, monk
     error = capsys.readouterr().err
     assert "'featnorm'" in error and "--plugin FILE" in error and "resuming" in error
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == before
+
+
+def test_the_comparison_table_shows_the_budget_each_private_row_spent_as_its_server_faces_it():
+    """A private run's accuracy means little without its epsilon: the table's privacy column shows, per row, the
+    largest budget over the seeds, per upload where the server saw each upload (rounded up, never down)."""
+    def private(seed: int, sum_eps: float, upload_eps: float, secure: bool) -> tables.RunRecord:
+        record = _record("fedavg+ccvr", seed, 0.5, algorithm__ccvr__dp_epsilon=4.0)
+        record.summary["privacy"] = {"epsilon": sum_eps, "epsilon_per_upload": upload_eps, "delta": 1e-5,
+                                     "noise": "distributed", "secure_aggregation": secure,
+                                     "covers": "CCVR's per-class statistics"}
+        return record
+
+    rows = tables.table_rows([private(0, 3.99, 33.71, False), private(1, 4.0, 33.72, False),
+                              _record("fedavg", 0, 0.4)], target=None)
+    assert rows[0]["dp_epsilon"] == 33.72 and rows[0]["dp_per_upload"] is True and rows[1]["dp_epsilon"] is None
+    head, body = tables.table_cells(rows, None)
+    column = head.index("privacy: epsilon (delta)")
+    assert [cells[column] for cells in body] == ["33.8 per upload (1e-05)", "none"]
+    assert "It covers: CCVR's per-class statistics." in tables.to_markdown(rows, None).replace("\\'", "'")
+    secure = tables.table_rows([private(0, 3.99, 33.71, True), private(1, 4.0001, 33.7, True)], target=None)
+    head, body = tables.table_cells(secure, None)
+    assert body[0][head.index("privacy: epsilon (delta)")] == "4.01 (1e-05)"  # the sum's, rounded up
+    lost = _record("fedavg+ccvr", 1, 0.5, algorithm__ccvr__dp_epsilon=4.0)  # the same setting, no release recorded
+    (row,) = tables.table_rows([private(0, 3.99, 33.71, True), lost], target=None)
+    assert tables.privacy_cell(row) == "no single budget (a seed made no private release)"
+    unprivate = tables.table_rows([_record("fedavg", 0, 0.4)], target=None)
+    assert "dp_epsilon" not in unprivate[0] and "privacy" not in tables.to_markdown(unprivate, None).lower()

@@ -84,3 +84,19 @@ def test_a_missing_accountant_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting then raises ImportError
     with pytest.raises(ImportError, match=r"differential privacy needs the accountant: .*hetfl\[privacy\]"):
         require_accountant()
+
+
+# ------------------------------------------------------------------ the budget a report shows
+SUM_ONLY = {"epsilon": 4.0, "epsilon_per_upload": 33.7, "delta": 1e-5}
+
+
+@pytest.mark.parametrize(("privacy", "faced"), [
+    ({**SUM_ONLY, "noise": "distributed", "secure_aggregation": False}, (33.7, True)),  # the server saw each upload
+    ({**SUM_ONLY, "noise": "distributed"}, (33.7, True)),  # not said: taken as not secure (the larger epsilon)
+    ({**SUM_ONLY, "noise": "distributed", "secure_aggregation": True}, (4.0, False)),  # it saw the sum only
+    ({"epsilon": 2.0, "epsilon_per_upload": 2.0, "delta": 1e-5, "noise": "local"}, (2.0, False)),
+])
+def test_the_epsilon_a_server_faces_is_the_per_upload_one_unless_it_saw_only_the_sum(privacy, faced):
+    from hetfl.privacy import server_epsilon
+
+    assert server_epsilon(privacy) == faced

@@ -32,10 +32,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from importlib import metadata
+from typing import Any
 
 import torch
 
@@ -53,6 +54,19 @@ def epsilon_text(epsilon: float, digits: int = 3) -> str:
     exact = Decimal(repr(epsilon))
     shown = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1), rounding=ROUND_CEILING)
     return f"{float(shown):.{digits}g}"
+
+
+def server_epsilon(privacy: Mapping[str, Any]) -> tuple[float, bool]:
+    """The epsilon a run's server faces, from ``summary.json``'s ``privacy`` (the metrics line's ``dp_`` keys
+    without the prefix), and whether it is the per-upload one. ``epsilon`` is the guarantee of what the server
+    is meant to see: the sum, for distributed noise. Without secure aggregation the server sees each upload,
+    which carries only its share of the noise: it then faces ``epsilon_per_upload``, far larger. A summary that
+    does not say it had secure aggregation is taken not to have had it (the larger epsilon, never the smaller)."""
+    epsilon = float(privacy["epsilon"])
+    per_upload = privacy.get("epsilon_per_upload")
+    if privacy.get("noise") == "distributed" and not privacy.get("secure_aggregation") and per_upload is not None:
+        return max(epsilon, float(per_upload)), True
+    return epsilon, False
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 
 from hetfl.engine import identity
 from hetfl.params import ConfigError
+from hetfl.privacy import epsilon_text, server_epsilon
 
 #: shown in a key's column for a row whose configuration does not have that key (another method's setting)
 UNSET = "-"
@@ -147,6 +148,22 @@ def _before_steps(runs: list[RunRecord], steps: list[str]) -> dict[str, float | 
     return out
 
 
+def _privacy(runs: list[RunRecord]) -> dict[str, Any]:
+    """A row's differential privacy, from its runs' summaries: ``dp_epsilon``, the largest over seeds of the
+    epsilon the server faces (:func:`hetfl.privacy.server_epsilon`: the per-upload one where the server saw
+    each upload), with ``dp_delta``, ``dp_per_upload`` and what the budget covers (``dp_covers``); all None
+    for a row whose runs made no private release."""
+    private = [r.summary["privacy"] for r in runs if "privacy" in r.summary]
+    if not private:
+        return {"dp_epsilon": None, "dp_delta": None, "dp_per_upload": None, "dp_covers": None}
+    faced = [server_epsilon(p) for p in private]
+    if len(private) < len(runs):  # a seed without the release it was configured for: no single budget holds
+        faced.append((math.inf, False))
+    epsilon, per_upload = max(faced)
+    return {"dp_epsilon": epsilon, "dp_delta": max(float(p["delta"]) for p in private), "dp_per_upload": per_upload,
+            "dp_covers": "; ".join(sorted({str(p.get("covers", "")) for p in private} - {""})) or None}
+
+
 def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str, Any]]:
     """One row per setting (records with equal setting ids; by method label where a record's
     config is unknown), in first-seen order. The keys of :func:`shown_keys` become columns named by
@@ -158,6 +175,7 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
         groups.setdefault(r.setting_id or f"method:{r.method}", []).append(r)
     varying = shown_keys([runs[0].config for runs in groups.values() if runs[0].config])
     steps = posthoc_steps(records)
+    private = any("privacy" in r.summary for r in records)
     rows = []
     for runs in groups.values():
         flat = identity.flatten(runs[0].config)
@@ -175,6 +193,8 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
         })
+        if private:
+            row.update(_privacy(runs))
         if target is not None:
             reached = [rounds_to_target(r.curve(), target) for r in runs]
             hits = [x for x in reached if x is not None]
@@ -220,6 +240,9 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
             "best acc (%)"]
     if target is not None:
         head += [f"rounds to {percent(target):g}%"]
+    private = bool(rows) and "dp_epsilon" in rows[0]
+    if private:
+        head += ["privacy: epsilon (delta)"]
     head += ["time (s)", "setting"]
     body = []
     for row in rows:
@@ -230,17 +253,42 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
         if target is not None:
             rtt = row["rounds_to_target"]
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
+        if private:
+            cells.append(privacy_cell(row))
         cells += [f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
         body.append([str(cell) for cell in cells])
     return head, body
 
 
+def privacy_cell(row: dict[str, Any]) -> str:
+    """A row's budget as the server faces it, rounded up (:func:`hetfl.privacy.epsilon_text`): ``"4 (1e-05)"``,
+    ``"33.8 per upload (1e-05)"`` where the server saw each upload, ``"none"`` for a row without privacy."""
+    if row["dp_epsilon"] is None:
+        return "none"
+    if not math.isfinite(row["dp_epsilon"]):
+        return "no single budget (a seed made no private release)"
+    return f"{epsilon_text(row['dp_epsilon'])}{' per upload' if row['dp_per_upload'] else ''} ({row['dp_delta']:g})"
+
+
+def privacy_line(rows: list[dict[str, Any]]) -> str:
+    """What the privacy column means, for a table that has one ('' otherwise): the budget each private row
+    spent, as its server faces it, and what it covers (a method's private statistics, not everything sent)."""
+    covers = sorted({row["dp_covers"] for row in rows if row.get("dp_covers")})
+    if not covers:
+        return ""
+    return ("Privacy: the (epsilon, delta) differential-privacy budget each private row's releases spent, the "
+            "largest over its seeds, as its server faces it (per upload where it saw each client's upload, "
+            "without secure aggregation), rounded up. It covers: " + "; ".join(covers) + ".")
+
+
 def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
-    """The table as Markdown (every cell escaped: :func:`markdown_text`), followed by :func:`differences_line`."""
+    """The table as Markdown (every cell escaped: :func:`markdown_text`), followed by :func:`differences_line`
+    and, for a table with private rows, :func:`privacy_line`."""
     head, body = table_cells(rows, target)
     lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
-    return "\n".join(lines) + "\n\n" + markdown_text(differences_line(rows)) + "\n"
+    notes = [markdown_text(line) for line in (differences_line(rows), privacy_line(rows)) if line]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
 def _before_cell(row: dict[str, Any], step: str) -> str:

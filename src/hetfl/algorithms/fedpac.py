@@ -407,7 +407,8 @@ class FedPAC(Algorithm):
         if self.mechanism is None or DP_RELEASES not in server.extra:
             return {}
         return {**self.mechanism.guarantee(server.extra[DP_RELEASES].tolist()), "dp_accountant": accountant_name(),
-                "dp_summed_clients": len(uploads), "dp_covers": DP_COVERS}
+                "dp_summed_clients": len(uploads), "dp_secure_aggregation": False,  # never: the server sees each
+                "dp_covers": DP_COVERS}
 
     # ----------------------------------------------------------- evaluation
     def client_model(self, server: ServerState, client_state: Tensors, client_id: int) -> Tensors:
