@@ -197,6 +197,32 @@ def test_secure_aggregation_needs_an_additive_post_hoc_step_and_thresholds_in_ra
     config.load(None, [*SMALL, "data.num_clients=2", "runtime.secagg_num_shares=3"])  # unchecked while off
 
 
+@pytest.mark.parametrize(("method", "why"), [
+    (["algorithm.name=fedavg"], "'fedavg': it has no post-hoc step"),
+    (["algorithm.name=fedavg+ccvr", "algorithm.ccvr.oracle=all"],
+     "'fedavg+ccvr': its post-hoc steps (ccvr) need each client's reply, not only their sum (CCVR's oracle mode "
+     "uploads raw features)"),
+])
+def test_the_refusal_of_secure_aggregation_names_the_key_its_value_the_method_and_why(method, why):
+    base = [o for o in SMALL if not o.startswith("algorithm.")]
+    with pytest.raises(ConfigError) as err:
+        Experiment(config.load(None, [*base, *method, "runtime.secure_aggregation=true"]))
+    assert str(err.value) == ("runtime.secure_aggregation = True: applies to additive post-hoc steps (e.g. "
+                              f"algorithm.name = 'fedavg+ccvr'); {why}; set it to false")
+
+
+
+def test_the_refusal_names_every_post_hoc_step_that_needs_each_reply():
+    """Two such steps (a plugin may register one beside CCVR's oracle): both are named, comma-separated."""
+    from types import SimpleNamespace
+
+    cfg = config.load(None, [*SMALL, "runtime.secure_aggregation=true"])
+    steps = [SimpleNamespace(name="ccvr", additive=False), SimpleNamespace(name="mine", additive=False)]
+    with pytest.raises(ConfigError, match=r"its post-hoc steps \(ccvr, mine\) need each client's reply"):
+        S.check_config(cfg, steps)
+    S.check_config(cfg, [*steps, SimpleNamespace(name="sums", additive=True)])  # one additive step is enough
+
+
 def _replies(exp: Experiment) -> tuple[object, dict, dict]:
     step = exp.posthoc[0]
     raw = without_feature_transforms(exp.initial_server().model)
