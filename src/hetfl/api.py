@@ -165,7 +165,7 @@ def run(config: ConfigLike = None, *, overrides: Sequence[str] = (), out: str | 
 def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[list[str]], RunConfig], out: Path,
                    target: float | None, *, progress: bool | None, console: Console | None,
                    option: str = "--out", grid: Mapping[str, list[Any]] | None = None,
-                   max_runs: int | None = MAX_RUNS) -> CompareResult:
+                   max_runs: int | None = MAX_RUNS, jobs: int = 1) -> CompareResult:
     """Every method x seed into ``out/<method>-seed<k>`` (with a ``grid``: every method x grid cell x seed
     into ``out/<method>/<cell>/seed<k>``, see :mod:`hetfl.sweeps`), then ``comparison.md`` and
     ``comparison.csv``, one row per method (and cell) (``hetfl compare``, :func:`compare`, :func:`hetfl.sweep`).
@@ -177,9 +177,11 @@ def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[li
     every folder is checked before any run starts: a folder holding a finished run of the same resolved
     configuration is reused, an interrupted one resumed, another configuration is a RunDirError naming
     the keys (``option`` names the argument to change). ``max_runs``: a plan of more runs is refused before
-    any is configured (None: no limit; ``hetfl compare --yes``)."""
+    any is configured (None: no limit; ``hetfl compare --yes``); ``jobs``: runs at once, each in a worker
+    process (:mod:`hetfl.jobs`; 1: one after another in this process)."""
     return with_curves(run_plan(methods, seeds, check_grid(grid), configure, out, target, progress=progress,
-                                console=console, option=option, max_runs=max_runs))  # + curves.png, in comparison.md
+                                console=console, option=option, max_runs=max_runs,
+                                jobs=jobs))  # + curves.png, in comparison.md
 
 
 def _method_list(methods: str | Sequence[str]) -> list[str]:
@@ -204,7 +206,7 @@ def _seed_list(seeds: int | Sequence[int]) -> list[int]:
 
 def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, config: ConfigLike = None,
             overrides: Sequence[str] = (), out: str | os.PathLike[str], target: float | None = None,
-            progress: bool = False, plugins: Sequence[str | os.PathLike[str]] = ()) -> CompareResult:
+            progress: bool = False, plugins: Sequence[str | os.PathLike[str]] = (), jobs: int = 1) -> CompareResult:
     """Run several methods x seeds on one setting and table them, as ``hetfl compare``.
 
     ``methods``: names (or one comma-separated string), each set as ``algorithm.name`` on top of
@@ -212,7 +214,8 @@ def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, 
     ``out``: the folder for the runs (``out/<method>-seed<k>``) and ``comparison.md``/``.csv``;
     ``target``: an accuracy in (0, 1] for the rounds-to-target column. Folders already holding runs
     are reused (finished, same resolved configuration) or resumed (interrupted); another configuration
-    there is a RunDirError naming the differing keys, raised before any run starts.
+    there is a RunDirError naming the differing keys, raised before any run starts. ``jobs``: runs at once,
+    each in a worker process (the same numbers: :mod:`hetfl.jobs`).
 
     Returns a :class:`CompareResult`: ``.rows`` as ``comparison.csv`` (one per setting; accuracies in
     fractions like :attr:`RunResult.final_accuracy`, mean and std over seeds), ``.markdown`` as
@@ -229,19 +232,21 @@ def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, 
     if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
         raise ConfigError("target", target, "must be an accuracy in (0, 1]")
     return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
-                          target, progress=progress, console=make_console() if progress else None, option="out")
+                          target, progress=progress, console=make_console() if progress else None, option="out",
+                          jobs=jobs)
 
 
 def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fedavg",),
           seeds: int | Sequence[int] = (0,), *, config: ConfigLike = None, overrides: Sequence[str] = (),
           out: str | os.PathLike[str], target: float | None = None, progress: bool = False,
-          plugins: Sequence[str | os.PathLike[str]] = (), max_runs: int | None = MAX_RUNS) -> CompareResult:
+          plugins: Sequence[str | os.PathLike[str]] = (), max_runs: int | None = MAX_RUNS,
+          jobs: int = 1) -> CompareResult:
     """Run methods x grid cells x seeds and table them: one row per method and cell (the grid's keys that
     vary a column each), mean ± std over seeds; ``hetfl compare --grid`` from Python.
 
     ``grid``: dotted configuration keys -> lists of values (``{"train.lr": [0.01, 0.1], "data.alpha":
     [0.1, 0.5]}``), Python values as a TOML file would give them; ``methods``, ``seeds``, ``config``,
-    ``overrides``, ``out``, ``target``, ``progress`` and ``plugins`` as :func:`hetfl.compare`. Runs go to
+    ``overrides``, ``out``, ``target``, ``progress``, ``plugins`` and ``jobs`` as :func:`hetfl.compare`. Runs go to
     ``out/<method>/<cell>/seed<k>`` (see :mod:`hetfl.sweeps`); finished runs of the same resolved
     configuration are reused, interrupted ones resumed, another configuration in a folder is a
     RunDirError naming the keys, all decided before any run starts. ``progress=True`` prints the plan's size,
@@ -263,4 +268,4 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
         raise ConfigError("max_runs", max_runs, "must be a number of runs >= 0, or None (no limit)")
     return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
                           target, progress=progress, console=make_console() if progress else None, option="out",
-                          grid=checked, max_runs=max_runs)
+                          grid=checked, max_runs=max_runs, jobs=jobs)

@@ -135,7 +135,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     # planning, the checks of every folder before any run, running and the tables: shared with hetfl.compare()
     result = api.run_comparison(methods, seeds, lambda extra: api.make_config(args.config, [*args.set, *extra]), out,
                             target, progress=False if args.quiet else None, console=console, grid=grid,
-                            **({"max_runs": None} if args.yes else {}))
+                            jobs=args.jobs, **({"max_runs": None} if args.yes else {}))
     console.print(result.markdown)
     curves = f"; curves: {out / 'curves.png'}" if (out / "curves.png").is_file() else ""
     print(f"tables: {out / 'comparison.md'}, {out / 'comparison.csv'}{curves}")
@@ -273,7 +273,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
             reporter.close()
 
     say = lambda message: console.print(Text(message, style="bold"))  # text, never rich markup
-    result = reproduce.reproduce(preset, out, run, args.set, say=say)
+    result = reproduce.reproduce(preset, out, run, args.set, say=say, jobs=args.jobs)
     console.print(reproduce.markdown(result))
     print(f"tables: {out / 'reproduction.md'}, {out / 'reproduction.json'}")
     return 0
@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--sweep", metavar="FILE", help="TOML file with a [grid] table of KEY = [values] (as --grid)")
     cmp.add_argument("--yes", action="store_true", help="run a plan of more than 1000 runs (methods x grid cells x "
                                                         "seeds; refused without it, before anything is planned)")
+    cmp.add_argument("--jobs", type=int, default=1, metavar="N",
+                     help="runs at once, each in its own worker process (default 1: one after another). The same "
+                     "numbers (a CPU run's torch threads are shared out: see hetfl.jobs); a line per run "
+                     "started and finished instead of progress bars")
     cmp.add_argument("--quiet", action="store_true")
     cmp.set_defaults(func=cmd_compare, command_parser=cmp)
 
@@ -368,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a key in every run, e.g. --set data.root=../shared/datasets/cifar10-jpeg.tar.gz")
     rep.add_argument("--out", help="folder for the runs and reproduction.md (default runs/reproduce/NAME)")
+    rep.add_argument("--jobs", type=int, default=1, metavar="N",
+                     help="runs at once, each in its own worker process (default 1: one after another). The same "
+                     "numbers (a CPU run's torch threads are shared out: see hetfl.jobs); a line per run "
+                     "started and finished instead of progress bars")
     rep.add_argument("--quiet", action="store_true")
     add_plugin_arg(rep)
     rep.set_defaults(func=cmd_reproduce, command_parser=rep)
@@ -415,7 +423,7 @@ def interrupted_hint(args: argparse.Namespace, argv: list[str]) -> str:
         return f"continue with `hetfl run --resume {shlex.quote(str(run_dir))}{plugins}`"
     if args.command in ("compare", "reproduce"):
         return (f"run the same command again to continue (`{shlex.join(['hetfl', *argv])}`): it reuses the "
-                "finished runs and resumes the interrupted one")
+                "finished runs and resumes the interrupted ones")
     return "nothing to continue"
 
 

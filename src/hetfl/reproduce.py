@@ -52,8 +52,9 @@ from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
 from hetfl.engine.resolve import resolve_configs
+from hetfl.jobs import Job, check_jobs, check_shippable, run_jobs, trained_folder
 from hetfl.params import ConfigError
-from hetfl.sweeps import RunCounter, planned_run, posthoc_only, trained_folder, training_key, training_sources
+from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
 from hetfl.tables import markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -226,6 +227,7 @@ def reproduce(
     resolve: Callable[[list[config_mod.RunConfig]], list[config_mod.RunConfig]] | None = None,
     say: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Run (or reuse) every distinct run of ``preset`` under ``out`` with ``run(cfg, run_dir, resume)``
     (``run(cfg, run_dir, False, trained=FOLDER)`` for a new run that calibrates the model an earlier run of
@@ -236,9 +238,13 @@ def reproduce(
     any run: a folder holding the same run is reused (finished) or resumed (``resume=True``); one
     holding another configuration is a RunDirError naming the differing keys. Before each run that
     computes, ``say`` gets ``run k of n (column, method, seed s): about M min left``
-    (:class:`hetfl.sweeps.RunCounter`; before any run has finished, the preset's estimate, labelled rough)."""
+    (:class:`hetfl.sweeps.RunCounter`; before any run has finished, the preset's estimate, labelled rough).
+    ``jobs`` > 1: that many runs at once, each in a worker process (:mod:`hetfl.jobs`; ``run`` is not called
+    then: a worker runs each as :func:`hetfl.runs.execute` does, and ``say`` gets a line as each starts and ends)."""
     specs = run_specs(preset)
     configs = {spec: build_config(preset, spec, user_set or []) for spec in set(specs.values())}
+    if check_jobs(jobs) > 1:
+        check_shippable(cfg.algorithm.name for cfg in configs.values())
     for cfg in configs.values():  # the executor's own checks (Flower installed, ...) before the first run
         runtimes.check_runtime(cfg)
     order = sorted(configs, key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))
@@ -249,7 +255,13 @@ def reproduce(
     sources = {order[i]: order[j] for i, j in training_sources([training_key(cfg) for cfg in resolved]).items()}
     counter = run_counter(preset, [(spec, configs[spec], folder[spec], states[spec], sources.get(spec))
                                    for spec in order], say, clock)
-    for i, spec in enumerate(order):
+    if jobs > 1:
+        todo = [spec for spec in order if states[spec] != "finished"]
+        index = {spec: k for k, spec in enumerate(todo)}
+        run_jobs([Job(spec_label(spec), config_mod.to_tree(configs[spec]), folder[spec], states[spec],
+                      counter.runs[order.index(spec)].cost, folder[sources[spec]] if spec in sources else None,
+                      index.get(sources[spec]) if spec in sources else None) for spec in todo], jobs, say)
+    for i, spec in enumerate(order if jobs == 1 else ()):
         if states[spec] == "finished":
             continue
         counter.start(i)

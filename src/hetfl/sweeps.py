@@ -49,13 +49,14 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from hetfl import config as config_mod
+from hetfl import jobs as jobs_mod
 from hetfl import runs, runtimes, tables
 from hetfl.algorithms import hyperparameters
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
-from hetfl.engine.checkpoint import TRAINED_NAME
 from hetfl.engine.experiment import keeps_trained_model
 from hetfl.files import atomic_write_text
+from hetfl.jobs import format_duration, trained_folder
 from hetfl.params import ConfigError
 from hetfl.runs import CompareResult, RunResult
 
@@ -337,15 +338,6 @@ def rounds_done(run_dir: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
 
-def format_duration(seconds: float) -> str:
-    """``40 s``, ``12 min``, ``2.5 h``."""
-    if seconds < 90:
-        return f"{max(seconds, 1):.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 @dataclass
 class PlannedRun:
     """One run of a plan, for the counter: what it is, its work still to do, and how it stands."""
@@ -570,33 +562,33 @@ def posthoc_only(planned: PlannedRun, cfg: RunConfig, source: int) -> PlannedRun
 def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
              configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
              progress: bool | None, console: Console | None, option: str = "--out",
-             clock: Callable[[], float] = time.monotonic, max_runs: int | None = MAX_RUNS) -> CompareResult:
+             clock: Callable[[], float] = time.monotonic, max_runs: int | None = MAX_RUNS,
+             jobs: int = 1) -> CompareResult:
     """Every method x cell x seed into its folder (:func:`run_dir_for`), then ``comparison.md``/``.csv``
     with one row per method and cell: the machinery of :func:`hetfl.api.run_comparison`, which
     ``hetfl compare``, :func:`hetfl.compare` and :func:`hetfl.sweep` call. ``grid``: checked by :func:`check_grid`;
     ``clock``: the counter's time source (tests give a fake one). The plan is counted and said first, and
-    refused above ``max_runs`` runs (None: no limit) before any run is configured (:func:`check_plan_size`)."""
+    refused above ``max_runs`` runs (None: no limit) before any run is configured (:func:`check_plan_size`).
+    ``jobs`` > 1: that many runs at once, each in a worker process (:mod:`hetfl.jobs`: the same numbers, lines
+    instead of progress bars)."""
     check_output_dir(out, option)
     say = None if console is None else _printer(console)
     what = describe_plan(methods, seeds, grid)
     if say is not None:
         say(f"plan: {what}")
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
+    if jobs_mod.check_jobs(jobs, "--jobs" if option == "--out" else "jobs") > 1:
+        jobs_mod.check_shippable(methods, "--jobs" if option == "--out" else "jobs")
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     sources = training_sources([c.training for c in checked])
-    counter = RunCounter([c.planned for c in checked], say, clock)
+    if jobs > 1:
+        statuses = _run_parallel(list(plan_items(methods, seeds, grid, configure, out, progress)), checked, sources,
+                                 jobs, say, console)
+    else:
+        statuses = _run_in_turn(plan_items(methods, seeds, grid, configure, out, progress), checked, sources,
+                                say, console, clock)
     results, records = [], []
-    for i, (item, check) in enumerate(zip(plan_items(methods, seeds, grid, configure, out, progress), checked,
-                                          strict=True)):
-        trained = trained_folder(check.state, checked[sources[i]].run_dir if i in sources else None)
-        if trained is not None:
-            counter.runs[i] = posthoc_only(check.planned, item.cfg, sources[i])
-        if check.state != "finished":
-            counter.start(i)
-        _write_cell_file(item)
-        status = runs.execute(item.cfg, item.run_dir, check.state, console,
-                              on_round=lambda _line, i=i: counter.round_done(i), trained=trained)
-        counter.done(i)
+    for item, status in zip(plan_items(methods, seeds, grid, configure, out, progress), statuses, strict=True):
         result = RunResult.load(item.run_dir, status=status)
         results.append(result)
         records.append(result.record(item.method))
@@ -607,13 +599,45 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     return CompareResult(out, results, rows, markdown, target)
 
 
-def trained_folder(state: str, source: Path | None) -> Path | None:
-    """The folder a run in ``state`` takes its training from: ``source`` (the folder of the first run of its
-    training, :func:`training_sources`) for a new run, when that run kept its trained model
-    (``trained.safetensors``: it ran earlier in this plan, or in an earlier invocation); else None."""
-    if state != "new" or source is None or not (source / TRAINED_NAME).is_file():
-        return None
-    return source
+def _run_in_turn(items: Iterator[PlanItem], checked: list[CheckedRun], sources: dict[int, int],
+                 say: Callable[[str], None] | None, console: Console | None,
+                 clock: Callable[[], float]) -> list[str]:
+    """The plan's runs one after another in this process (progress bars, the run counter): their statuses."""
+    counter = RunCounter([c.planned for c in checked], say, clock)
+    statuses = []
+    for i, (item, check) in enumerate(zip(items, checked, strict=True)):
+        trained = trained_folder(check.state, checked[sources[i]].run_dir if i in sources else None)
+        if trained is not None:
+            counter.runs[i] = posthoc_only(check.planned, item.cfg, sources[i])
+        if check.state != "finished":
+            counter.start(i)
+        _write_cell_file(item)
+        statuses.append(runs.execute(item.cfg, item.run_dir, check.state, console,
+                                     on_round=lambda _line, i=i: counter.round_done(i), trained=trained))
+        counter.done(i)
+    return statuses
+
+
+def _run_parallel(items: list[PlanItem], checked: list[CheckedRun], sources: dict[int, int], workers: int,
+                  say: Callable[[str], None] | None, console: Console | None) -> list[str]:
+    """The plan's runs that compute, ``workers`` at once (:func:`hetfl.jobs.run_jobs`); finished ones reused."""
+    todo = [i for i, check in enumerate(checked) if check.state != "finished"]
+    index = {i: k for k, i in enumerate(todo)}
+    plan = []
+    for item in items:
+        _write_cell_file(item)
+    for i in todo:
+        item, check = items[i], checked[i]
+        source = checked[sources[i]].run_dir if i in sources else None
+        cost = posthoc_only(check.planned, item.cfg, sources[i]).cost if source and check.state == "new" else \
+            check.planned.cost
+        plan.append(jobs_mod.Job(item.label, config_mod.to_tree(item.cfg), item.run_dir, check.state, cost, source,
+                                 index.get(sources[i]) if i in sources else None))
+    for check in checked:
+        if check.state == "finished" and console is not None:
+            console.print(f"{check.run_dir}: finished earlier, reusing (same configuration)")
+    done = jobs_mod.run_jobs(plan, workers, say)
+    return ["reused" if check.state == "finished" else done[index[i]] for i, check in enumerate(checked)]
 
 
 def _printer(console: Console) -> Callable[[str], None]:

@@ -91,6 +91,11 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return getattr(importlib.import_module(module), cls)
 
 
+#: plug-in files imported by :func:`load_plugin`: module name -> absolute path (what another process loads
+#: to know the same methods: ``hetfl compare --jobs``)
+_PLUGIN_FILES: dict[str, str] = {}
+
+
 def load_plugin(path: str) -> None:
     """Import a Python file that registers methods (``hetfl run --plugin FILE``)."""
     file = Path(path)
@@ -100,6 +105,19 @@ def load_plugin(path: str) -> None:
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
+    _PLUGIN_FILES[spec.name] = str(file.resolve())  # type: ignore[union-attr]
+
+
+def plugin_files() -> list[str]:
+    """The plug-in files this process has loaded, in load order."""
+    return list(_PLUGIN_FILES.values())
+
+
+def registered_outside_files(full_names: Iterable[str]) -> list[str]:
+    """The methods among ``full_names`` (``trainer+step``) registered by code that no plug-in file holds (a
+    notebook, a script's ``__main__``): another process cannot know them."""
+    trainers = {name.split("+")[0] for name in full_names}
+    return sorted(n for n in trainers if n in _CLASSES and _CLASSES[n].__module__ not in _PLUGIN_FILES)
 
 
 def parse_name(full_name: str) -> tuple[str, list[str]]:

@@ -1,0 +1,174 @@
+"""Several runs of a plan at once (``hetfl compare --jobs``, ``hetfl reproduce --jobs``, :mod:`hetfl.jobs`):
+the same numbers as one after another, dependencies kept, a failure stops the plan and names the run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import hetfl
+from hetfl import jobs, reproduce
+from hetfl.algorithms import _CLASSES, register
+from hetfl.algorithms.fedavg import FedAvg
+from hetfl.cli import main
+from hetfl.engine.checkpoint import TRAINED_NAME
+from hetfl.params import ConfigError
+from tests.helpers.runs import TINY
+
+TIMES = ("round_time_s", "eval_time_s", "wall_time_s")
+
+
+def lines(run_dir: Path) -> list[dict]:
+    """A run's metrics lines without their times."""
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMES}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.processes
+def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path):
+    one = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "one")
+    two = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "two", jobs=2)
+    for run in ("fedavg-seed0", "fedavg-seed1", "fedprox-seed0", "fedprox-seed1"):
+        assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), run
+    assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
+        [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
+    assert [r.status for r in two.runs] == ["ran"] * 4
+    again = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "two", jobs=2)
+    assert [r.status for r in again.runs] == ["reused"] * 4  # nothing to compute: no worker is started
+
+
+# ----------------------------------------------------------------- the scheduler, with a worker that only waits
+def waiting_worker(tree: dict, run_dir: str, state: str, trained: str | None) -> tuple[str, float, str | None]:
+    """Stands for a run: writes when it starts and ends (and what it calibrates), waits ``tree["wait"]`` s, and
+    fails when asked to."""
+    folder = Path(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "started").write_text(f"{time.time()!r} {trained}")
+    time.sleep(tree["wait"])
+    if tree.get("fail"):
+        return "failed", tree["wait"], "ValueError: the features overflowed"
+    (folder / TRAINED_NAME).write_text("model")
+    (folder / "ended").write_text(repr(time.time()))
+    return "ran", tree["wait"], None
+
+
+def job(tmp_path: Path, name: str, wait: float, **kw) -> jobs.Job:
+    return jobs.Job(name, {"wait": wait, "fail": kw.pop("fail", False)}, tmp_path / name, "new", **kw)
+
+
+def test_a_run_that_calibrates_another_runs_training_starts_once_that_run_has_ended(tmp_path):
+    plan = [job(tmp_path, "trains", 1.5), job(tmp_path, "other", 0.1),
+            job(tmp_path, "calibrates", 0.1, source=tmp_path / "trains", after=0)]
+    said: list[str] = []
+    assert jobs.run_jobs(plan, 2, said.append, worker=waiting_worker, threads=2) == {0: "ran", 1: "ran", 2: "ran"}
+    started, trained = (tmp_path / "calibrates" / "started").read_text().split()
+    assert float(started) >= float((tmp_path / "trains" / "ended").read_text())  # not before, though a worker was free
+    assert trained == str(tmp_path / "trains")  # and on that run's kept model
+    assert said[0] == "run 1 of 3 (trains): started" and said[1] == "run 2 of 3 (other): started"
+    assert any(line.startswith("run 3 of 3 (calibrates; post-hoc steps only, on ") for line in said)
+    assert said[-1].startswith("run 3 of 3 (calibrates): ran in") and said[-1].endswith("none left")
+
+
+def test_a_failed_run_stops_the_plan_naming_its_folder_and_its_cause(tmp_path):
+    plan = [job(tmp_path, "long", 30.0), job(tmp_path, "fails", 0.2, fail=True), job(tmp_path, "never", 0.1)]
+    begun = time.monotonic()
+    with pytest.raises(jobs.RunFailed) as err:
+        jobs.run_jobs(plan, 2, worker=waiting_worker, threads=2)
+    assert time.monotonic() - begun < 20  # the long run was stopped, not waited for
+    assert str(err.value).startswith(f"run 2 of 3 (fails) in {tmp_path / 'fails'} failed: ValueError: the features "
+                                     "overflowed. The other runs were stopped; run the same command again")
+    assert not (tmp_path / "long" / "ended").exists() and not (tmp_path / "never").exists()
+
+
+# ----------------------------------------------------------------- refused before anything runs
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_jobs_must_be_a_number_of_runs_at_once(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"^jobs = .*: must be a number of runs at once >= 1"):
+        hetfl.compare(["fedavg"], overrides=TINY, out=tmp_path / "cmp", jobs=value)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_command_line_refuses_jobs_0_naming_the_option(tmp_path, capsys):
+    assert main(["compare", "--methods", "fedavg", "--seeds", "0", "--jobs", "0", "--out", str(tmp_path / "c"),
+                 "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("hetfl: error: --jobs = 0: must be a number of runs at once >= 1")
+
+
+def test_a_method_registered_outside_a_plugin_file_is_refused_with_jobs(tmp_path):
+    """A worker process cannot import a method a notebook registered; one in a --plugin file it can."""
+    class Notebook(FedAvg):
+        name = "notebook_method"
+
+    register(Notebook)
+    try:
+        with pytest.raises(ConfigError, match="notebook_method were registered in this process, not by a plug-in "
+                                              "file.*--plugin FILE"):
+            hetfl.compare(["notebook_method"], overrides=TINY, out=tmp_path / "cmp", jobs=2)
+        assert not (tmp_path / "cmp").exists()
+        hetfl.compare(["notebook_method"], overrides=TINY, out=tmp_path / "cmp", jobs=1)  # in this process: fine
+    finally:
+        _CLASSES.pop("notebook_method")
+
+
+@pytest.mark.processes
+def test_a_plugin_files_method_runs_in_the_workers(tmp_path):
+    plugin = tmp_path / "mine.py"
+    plugin.write_text("from hetfl.algorithms import register\nfrom hetfl.algorithms.fedavg import FedAvg\n\n\n"
+                      "@register\nclass Mine(FedAvg):\n    name = 'mine_from_file'\n")
+    try:
+        table = hetfl.compare(["mine_from_file", "fedavg"], overrides=TINY, out=tmp_path / "cmp", jobs=2,
+                              plugins=[plugin])
+        assert [r.status for r in table.runs] == ["ran", "ran"] and table.rows[0]["method"] == "mine_from_file"
+        assert lines(tmp_path / "cmp" / "mine_from_file-seed0") == lines(tmp_path / "cmp" / "fedavg-seed0")
+    finally:
+        _CLASSES.pop("mine_from_file", None)
+
+
+# ----------------------------------------------------------------- a preset
+ORACLE_PRESET = """
+[preset]
+title = "toy"
+paper = "nobody"
+metric = "final_global_acc"
+seeds = [0]
+[base.data]
+partition = "iid"
+num_clients = 4
+options = { num_devices = 8, max_samples = 60 }
+[base.train]
+rounds = 2
+local_steps = 2
+[base.runtime]
+threads = 1
+[[columns]]
+id = "c"
+label = "C"
+[[rows]]
+label = "FedAvg + CCVR"
+algorithm = "fedavg+ccvr"
+set = { "algorithm.ccvr.epochs" = 2 }
+[[rows]]
+label = "FedAvg + oracle"
+algorithm = "fedavg+ccvr"
+set = { "algorithm.ccvr.oracle" = "all", "algorithm.ccvr.epochs" = 2 }
+[[rows]]
+label = "FedProx"
+algorithm = "fedprox"
+"""
+
+
+@pytest.mark.processes
+def test_reproduce_with_two_jobs_gives_the_table_of_one_after_another(tmp_path, capsys):
+    """The oracle row calibrates the CCVR run's training in both; the tables are equal."""
+    path = tmp_path / "toy.toml"
+    path.write_text(ORACLE_PRESET)
+    assert main(["reproduce", str(path), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    assert main(["reproduce", str(path), "--out", str(tmp_path / "two"), "--quiet", "--jobs", "2"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(c, fedavg+ccvr (ccvr.epochs=2, ccvr.oracle=all), seed 0; post-hoc steps only, on" in printed
+    one, two = (json.loads((tmp_path / d / "reproduction.json").read_text())["table"] for d in ("one", "two"))
+    assert one == two and set(one) == {"FedAvg + CCVR", "FedAvg + oracle", "FedProx"}
+    assert reproduce.load_preset(str(path)).name == "toy"
