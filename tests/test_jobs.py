@@ -4,6 +4,7 @@ the same numbers as one after another, dependencies kept, a failure stops the pl
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -28,16 +29,19 @@ def lines(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.processes
-def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path):
-    one = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "one")
-    two = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "two", jobs=2)
-    for run in ("fedavg-seed0", "fedavg-seed1", "fedprox-seed0", "fedprox-seed1"):
+def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path, monkeypatch):
+    one = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "one")
+    two = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2)
+    for run in ("fedavg-seed1", "scaffold-seed1"):
         assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), run
+    assert lines(tmp_path / "two" / "fedavg-seed1") != lines(tmp_path / "two" / "scaffold-seed1")  # two runs apart
     assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
         [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
-    assert [r.status for r in two.runs] == ["ran"] * 4
-    again = hetfl.compare(["fedavg", "fedprox"], seeds=[0, 1], overrides=TINY, out=tmp_path / "two", jobs=2)
-    assert [r.status for r in again.runs] == ["reused"] * 4  # nothing to compute: no worker is started
+    assert [r.status for r in two.runs] == ["ran"] * 2
+    started = []
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: started.append(a))
+    again = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2)
+    assert [r.status for r in again.runs] == ["reused"] * 2 and started == []  # nothing to compute: no worker
 
 
 # ----------------------------------------------------------------- the scheduler, with a worker that only waits
@@ -60,7 +64,7 @@ def job(tmp_path: Path, name: str, wait: float, **kw) -> jobs.Job:
 
 
 def test_a_run_that_calibrates_another_runs_training_starts_once_that_run_has_ended(tmp_path):
-    plan = [job(tmp_path, "trains", 1.5), job(tmp_path, "other", 0.1),
+    plan = [job(tmp_path, "trains", 1.0), job(tmp_path, "other", 0.1),
             job(tmp_path, "calibrates", 0.1, source=tmp_path / "trains", after=0)]
     said: list[str] = []
     assert jobs.run_jobs(plan, 2, said.append, worker=waiting_worker, threads=2) == {0: "ran", 1: "ran", 2: "ran"}

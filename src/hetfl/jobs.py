@@ -136,6 +136,8 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
     workers are stopped."""
     from hetfl.engine.threads import PROCESS_THREADS
 
+    if not jobs:  # every run of the plan finished earlier: no worker to start
+        return {}
     count = max(1, (PROCESS_THREADS if threads is None else threads) // workers)
     statuses: dict[int, str] = {}
     finished: queue.Queue = queue.Queue()
