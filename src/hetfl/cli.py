@@ -225,7 +225,7 @@ def posthoc_table() -> Table:
 def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
     from hetfl.analysis.run import analyze_run
 
-    index = analyze_run(args.run_dir, args.only or None, device=args.device, probe=args.probe)
+    index = analyze_run(args.run_dir, args.only or None, device=args.device, probe=args.probe, option="--probe")
     table = Table(title=f"analyses of {args.run_dir} (round {index['round']})")
     table.add_column("analysis")
     table.add_column("files or reason skipped")

@@ -42,3 +42,15 @@ def test_analyze_bad_input_is_a_clear_error(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["run", *RUN[:-2], "--out", str(run_dir), "--quiet"]) == 0
     assert main(["analyze", str(run_dir), "--only", "colour"]) == 2
+    capsys.readouterr()
+    for probe in ("0", "-5", "1"):  # -5 used to take all test samples but 5, 0 to end in a traceback
+        assert main(["analyze", str(run_dir), "--probe", probe]) == 2
+        assert capsys.readouterr().err.strip() == (f"hetfl: error: --probe = {probe}: must be a number of test samples "
+                                                   ">= 2 (the analyses compare the probe samples' features)")
+    assert not (run_dir / "analysis").exists()
+    from hetfl.analysis.run import RunAnalysis, analyze_run
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^probe = 1\.5: must be a number of test samples >= 2"):
+        analyze_run(run_dir, probe=1.5)
+    assert RunAnalysis(run_dir, probe=2).probe_x.shape[0] == 2

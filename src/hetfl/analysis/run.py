@@ -93,6 +93,7 @@ class RunAnalysis:
 
     def __init__(self, run_dir: str | Path, *, device: str = "cpu", probe: int = 512, seed: int = 0) -> None:
         self.run_dir = Path(run_dir)
+        check_probe(probe)
         if not (self.run_dir / CONFIG_NAME).is_file():
             raise AnalysisError(f"{self.run_dir}: no {CONFIG_NAME}; is this a hetfl run directory?")
         cfg = config_mod.load(self.run_dir / CONFIG_NAME, [f"runtime.device={device}", "runtime.progress=false"])
@@ -236,13 +237,25 @@ class RunAnalysis:
                          context=self.context(self.round), what=what)
 
 
+def check_probe(probe: Any, option: str = "probe") -> int:
+    """``probe`` as a number of test samples: at least 2 (CKA, spectra and t-SNE compare samples' features),
+    else a ConfigError naming ``option`` (a negative number used to take all but that many, 0 a traceback)."""
+    if isinstance(probe, bool) or not isinstance(probe, int) or probe < 2:
+        raise ConfigError(option, probe, "must be a number of test samples >= 2 (the analyses compare the probe "
+                                         "samples' features)")
+    return probe
+
+
 def analyze_run(
-    run_dir: str | Path, only: Sequence[str] | None = None, *, device: str = "cpu", probe: int = 512
+    run_dir: str | Path, only: Sequence[str] | None = None, *, device: str = "cpu", probe: int = 512,
+    option: str = "probe",
 ) -> dict[str, Any]:
-    """Run the analyses ``only`` (default: all) on ``run_dir``; returns and writes ``analysis/index.json``."""
+    """Run the analyses ``only`` (default: all) on ``run_dir``; returns and writes ``analysis/index.json``.
+    ``probe``: test samples fed through the models (:func:`check_probe`; ``option`` names it in the error)."""
     unknown = [a for a in (only or ()) if a not in ANALYSES]
     if unknown:
         raise AnalysisError(f"unknown analysis {unknown[0]!r}; allowed: {', '.join(ANALYSES)}")
+    check_probe(probe, option)
     run = RunAnalysis(run_dir, device=device, probe=probe)
     run.out.mkdir(exist_ok=True)
     index: dict[str, Any] = {"round": run.round, "local_models_round": run.local_round,
