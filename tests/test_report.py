@@ -66,7 +66,18 @@ def test_the_page_renders_in_headless_chromium(report, tmp_path):
 
 def test_report_on_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
-    assert "no config.toml" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (f"hetfl: error: {tmp_path}: no config.toml, so no hetfl run, and no run "
+                                               "folder under it; give run directories written by hetfl run, or the "
+                                               "--out folder of hetfl compare")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_folder_of_runs_stands_for_the_runs_under_it(report, tmp_path):
+    """``hetfl report runs/cmp`` (the --out of hetfl compare) reports what ``hetfl report runs/cmp/*/`` does."""
+    assert main(["report", str(report.parent), "--out", str(tmp_path / "r"), "--target", "0.5", "--title",
+                 "Two methods"]) == 0
+    table = lambda folder: (folder / "report.md").read_text().split("## Curves")[0]
+    assert table(tmp_path / "r") == table(report) and "4 run(s), 2 setting(s)." in table(report)
 
 
 # A note with characters HTML and Markdown must escape, given to a fake analysis that reuses a real figure.

@@ -79,14 +79,28 @@ class Run:
         return int(self.config.get("seed", 0))
 
 
+def expand_run_dirs(paths: list[Path]) -> list[Path]:
+    """Each path that holds a run (its ``config.toml``) as it is; a folder that holds none stands for the run
+    folders under it, in sorted order (the ``--out`` of ``hetfl compare`` or ``hetfl reproduce``: ``hetfl report
+    runs/cmp`` as ``hetfl report runs/cmp/*/``); a path with neither is a ReportError."""
+    expanded: list[Path] = []
+    for path in paths:
+        if (path / CONFIG_NAME).is_file():
+            expanded.append(path)
+            continue
+        found = sorted(p.parent for p in path.rglob(CONFIG_NAME)) if path.is_dir() else []
+        if not found:
+            raise ReportError(f"{path}: no {CONFIG_NAME}, so no hetfl run, and no run folder under it; give run "
+                              "directories written by hetfl run, or the --out folder of hetfl compare")
+        expanded += found
+    return expanded
+
+
 def read_runs(run_dirs: list[Path]) -> list[Run]:
-    """The runs, each given once: two folders holding the same run (equal run ids) are an error,
-    as a row's "seeds" would count one seed twice."""
+    """The runs, each given once (:func:`expand_run_dirs`: a folder of runs stands for them): two folders
+    holding the same run (equal run ids) are an error, as a row's "seeds" would count one seed twice."""
     runs: list[Run] = []
-    for path in run_dirs:
-        if not (path / CONFIG_NAME).is_file():
-            raise ReportError(f"{path}: no {CONFIG_NAME}, so no hetfl run; give run directories written by "
-                              "hetfl run or hetfl compare")
+    for path in expand_run_dirs(run_dirs):
         for name in (SUMMARY_NAME, METRICS_NAME):
             if not (path / name).is_file():
                 raise ReportError(f"{path}: no {name}: the run has not finished; continue it with "
