@@ -577,8 +577,9 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     if say is not None:
         say(f"plan: {what}")
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
-    if jobs_mod.check_jobs(jobs, "--jobs" if option == "--out" else "jobs") > 1:
-        jobs_mod.check_shippable(methods, "--jobs" if option == "--out" else "jobs")
+    jobs_option = "--jobs" if option == "--out" else "jobs"  # the command line's name, or the API's
+    if jobs_mod.check_jobs(jobs, jobs_option) > 1:
+        jobs_mod.check_shippable(methods, jobs_option)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     sources = training_sources([c.training for c in checked])
     if jobs > 1:
