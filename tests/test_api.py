@@ -333,3 +333,11 @@ def test_the_api_is_served_lazily_and_import_hetfl_stays_cheap():
             "from hetfl import compare, run; assert callable(compare) and callable(run); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("out", [None, "", 3])
+def test_compare_and_sweep_need_a_folder_named_out(out):
+    """Not pathlib's TypeError: the API's own error, naming out."""
+    for call in (lambda: hetfl.compare(["fedavg"], out=out), lambda: hetfl.sweep({"train.lr": [0.1]}, out=out)):
+        with pytest.raises(ConfigError, match=r"^out = .*: must be a folder path for the runs and comparison\.md"):
+            call()

@@ -76,6 +76,23 @@ def test_a_run_that_calibrates_another_runs_training_starts_once_that_run_has_en
     assert said[-1].startswith("run 3 of 3 (calibrates): ran in") and said[-1].endswith("none left")
 
 
+def test_never_more_workers_than_runs_to_compute(tmp_path, monkeypatch):
+    """``--jobs 1024`` for two runs starts two processes, not 1024."""
+    import multiprocessing.pool
+
+    sizes = []
+    real = multiprocessing.pool.Pool.__init__
+    def recording(self, processes=None, *args, **kwargs):
+        sizes.append(processes)
+        if processes > 2:
+            raise AssertionError(f"{processes} worker processes for 2 runs")  # before starting any
+        real(self, processes, *args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "__init__", recording)
+    plan = [job(tmp_path, "a", 0.0), job(tmp_path, "b", 0.0)]
+    assert jobs.run_jobs(plan, 1024, worker=waiting_worker, threads=2) == {0: "ran", 1: "ran"} and sizes == [2]
+
+
 def test_a_failed_run_stops_the_plan_naming_its_folder_and_its_cause(tmp_path):
     plan = [job(tmp_path, "long", 30.0), job(tmp_path, "fails", 0.2, fail=True), job(tmp_path, "never", 0.1)]
     begun = time.monotonic()
@@ -88,9 +105,9 @@ def test_a_failed_run_stops_the_plan_naming_its_folder_and_its_cause(tmp_path):
 
 
 # ----------------------------------------------------------------- refused before anything runs
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", 1025, 10**6])
 def test_jobs_must_be_a_number_of_runs_at_once(tmp_path, value):
-    with pytest.raises(ConfigError, match=r"^jobs = .*: must be a number of runs at once >= 1"):
+    with pytest.raises(ConfigError, match=r"^jobs = .*: must be a number of runs at once from 1 to 1024"):
         hetfl.compare(["fedavg"], overrides=TINY, out=tmp_path / "cmp", jobs=value)
     assert not (tmp_path / "cmp").exists()
 
@@ -98,7 +115,8 @@ def test_jobs_must_be_a_number_of_runs_at_once(tmp_path, value):
 def test_the_command_line_refuses_jobs_0_naming_the_option(tmp_path, capsys):
     assert main(["compare", "--methods", "fedavg", "--seeds", "0", "--jobs", "0", "--out", str(tmp_path / "c"),
                  "--quiet"]) == 2
-    assert capsys.readouterr().err.startswith("hetfl: error: --jobs = 0: must be a number of runs at once >= 1")
+    assert capsys.readouterr().err.startswith("hetfl: error: --jobs = 0: must be a number of runs at once from 1 to "
+                                              "1024")
 
 
 def test_a_method_registered_outside_a_plugin_file_is_refused_with_jobs(tmp_path):

@@ -184,6 +184,13 @@ def run_comparison(methods: list[str], seeds: list[int], configure: Callable[[li
                                 jobs=jobs))  # + curves.png, in comparison.md
 
 
+def _folder(out: Any) -> Path:
+    """``out`` of :func:`compare` and :func:`sweep` as a path, else a ConfigError naming it (not a TypeError)."""
+    if not isinstance(out, str | os.PathLike) or not str(out):
+        raise ConfigError("out", out, "must be a folder path for the runs and comparison.md, e.g. 'runs/cmp'")
+    return Path(out)
+
+
 def _method_list(methods: str | Sequence[str]) -> list[str]:
     items = methods.split(",") if isinstance(methods, str) else methods
     if not isinstance(items, Sequence) or not all(isinstance(m, str) for m in items):
@@ -231,7 +238,7 @@ def compare(methods: str | Sequence[str], seeds: int | Sequence[int] = (0,), *, 
     names, seed_list, assignments = _method_list(methods), _seed_list(seeds), _override_list(overrides)
     if target is not None and not (isinstance(target, int | float) and 0 < target <= 1):
         raise ConfigError("target", target, "must be an accuracy in (0, 1]")
-    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
+    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), _folder(out),
                           target, progress=progress, console=make_console() if progress else None, option="out",
                           jobs=jobs)
 
@@ -266,6 +273,6 @@ def sweep(grid: Mapping[str, Sequence[Any]], methods: str | Sequence[str] = ("fe
         raise ConfigError("target", target, "must be an accuracy in (0, 1]")
     if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 0):
         raise ConfigError("max_runs", max_runs, "must be a number of runs >= 0, or None (no limit)")
-    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), Path(out),
+    return run_comparison(names, seed_list, lambda extra: make_config(config, [*assignments, *extra]), _folder(out),
                           target, progress=progress, console=make_console() if progress else None, option="out",
                           grid=checked, max_runs=max_runs, jobs=jobs)

@@ -59,10 +59,15 @@ class RunFailed(RuntimeError):
     """A run of a parallel plan failed: the error names its folder and the cause the worker reported."""
 
 
+#: most runs at once (as ``runtime.threads``' bound): a typo such as ``--jobs 1000000`` is refused, not obeyed
+MAX_JOBS = 1024
+
+
 def check_jobs(jobs: Any, option: str = "--jobs") -> int:
-    """``jobs`` as a number of runs at once (>= 1), else a ConfigError naming ``option``."""
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(option, jobs, "must be a number of runs at once >= 1 (1: one after another)")
+    """``jobs`` as a number of runs at once (1 to :data:`MAX_JOBS`), else a ConfigError naming ``option``."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_JOBS:
+        raise ConfigError(option, jobs, f"must be a number of runs at once from 1 to {MAX_JOBS} (1: one after "
+                                        "another)")
     return jobs
 
 
@@ -138,6 +143,7 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
 
     if not jobs:  # every run of the plan finished earlier: no worker to start
         return {}
+    workers = min(workers, len(jobs))  # never more processes than runs to compute
     count = max(1, (PROCESS_THREADS if threads is None else threads) // workers)
     statuses: dict[int, str] = {}
     finished: queue.Queue = queue.Queue()
