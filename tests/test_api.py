@@ -341,3 +341,11 @@ def test_compare_and_sweep_need_a_folder_named_out(out):
     for call in (lambda: hetfl.compare(["fedavg"], out=out), lambda: hetfl.sweep({"train.lr": [0.1]}, out=out)):
         with pytest.raises(ConfigError, match=r"^out = .*: must be a folder path for the runs and comparison\.md"):
             call()
+
+
+def test_an_override_without_a_value_is_named_as_the_apis_argument(tmp_path):
+    for call in (lambda: hetfl.run(None, overrides=["train.rounds"], out=tmp_path / "r"),
+                 lambda: hetfl.compare(["fedavg"], overrides=["train.rounds"], out=tmp_path / "c")):
+        with pytest.raises(ConfigError, match=r"^overrides = 'train.rounds': each override must be a 'KEY=VALUE'"):
+            call()
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()

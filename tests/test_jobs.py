@@ -194,3 +194,12 @@ def test_reproduce_with_two_jobs_gives_the_table_of_one_after_another(tmp_path, 
     one, two = (json.loads((tmp_path / d / "reproduction.json").read_text())["table"] for d in ("one", "two"))
     assert one == two and set(one) == {"FedAvg + CCVR", "FedAvg + oracle", "FedProx"}
     assert reproduce.load_preset(str(path)).name == "toy"
+
+
+def test_the_time_left_counts_what_the_running_runs_have_left(tmp_path):
+    """At 10 s per unit of cost: two runs waiting (10 s each) and one running for 4 s (6 s left), on two workers."""
+    plan = [job(tmp_path, name, 0.0) for name in ("a", "b", "c", "d")]
+    assert jobs._time_left(plan, [2, 3], {1: 96.0}, 10.0, 2, now=100.0) == "about 13 s left"
+    assert jobs._time_left(plan, [], {1: 50.0}, 10.0, 2, now=100.0) == "about 1 s left"  # overdue: at least 1 s
+    assert jobs._time_left(plan, [2], {}, None, 2, now=0.0) == "time left known once a run with work has finished"
+    assert jobs._time_left(plan, [], {}, 10.0, 2, now=0.0) == "none left"

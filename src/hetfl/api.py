@@ -64,7 +64,7 @@ def _override_list(overrides: Sequence[str]) -> list[str]:
     if isinstance(overrides, str) or not isinstance(overrides, Sequence):
         raise ConfigError("overrides", overrides, "must be a list of 'KEY=VALUE' strings, e.g. ['train.lr=0.01']")
     for item in overrides:
-        if not isinstance(item, str):
+        if not isinstance(item, str) or "=" not in item:  # named as the API's argument, not the CLI's --set
             raise ConfigError("overrides", item, "each override must be a 'KEY=VALUE' string, e.g. 'train.lr=0.01'")
     return list(overrides)
 

@@ -148,7 +148,7 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
     statuses: dict[int, str] = {}
     finished: queue.Queue = queue.Queue()
     waiting = list(range(len(jobs)))
-    running: set[int] = set()
+    running: dict[int, float] = {}  # index -> when it started
     spent = done_cost = 0.0
     started_at = clock()
     pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
@@ -159,7 +159,7 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
                 if len(running) >= workers:
                     break
                 waiting.remove(i)
-                running.add(i)
+                running[i] = clock()
                 job = jobs[i]
                 trained = trained_folder(job.state, job.source)
                 pool.apply_async(worker, (job.tree, str(job.run_dir), job.state, None if trained is None else
@@ -169,7 +169,7 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
                     on = f"; post-hoc steps only, on {trained}'s training" if trained is not None else ""
                     say(f"run {i + 1} of {len(jobs)} ({job.label}{on}): started")
             i, (status, seconds, error) = _next(finished)
-            running.discard(i)
+            running.pop(i)
             if error is not None:
                 raise RunFailed(f"run {i + 1} of {len(jobs)} ({jobs[i].label}) in {jobs[i].run_dir} failed: {error}. "
                                 "The other runs were stopped; run the same command again to resume them all")
@@ -177,9 +177,8 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
             spent += seconds
             done_cost += jobs[i].cost
             if say is not None:
-                left = sum(jobs[k].cost for k in (*waiting, *running))
-                eta = (f"about {format_duration(left * spent / done_cost / workers)} left" if done_cost > 0 and left
-                       else "none left" if not left else "time left known once a run with work has finished")
+                eta = _time_left(jobs, waiting, running, spent / done_cost if done_cost > 0 else None, workers,
+                                 clock())
                 say(f"run {i + 1} of {len(jobs)} ({jobs[i].label}): {status} in {format_duration(seconds)}; "
                     f"{len(statuses)} of {len(jobs)} done after {format_duration(clock() - started_at)}, {eta}")
     except BaseException:
@@ -189,6 +188,19 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
     pool.close()
     pool.join()
     return statuses
+
+
+def _time_left(jobs: list[Job], waiting: list[int], running: dict[int, float], rate: float | None, workers: int,
+               now: float) -> str:
+    """The time left: the seconds per unit of cost of the runs done (``rate``) times the cost of the runs waiting,
+    plus what the running ones have left of theirs at that rate, shared over the workers."""
+    if not waiting and not running:
+        return "none left"
+    if rate is None:
+        return "time left known once a run with work has finished"
+    left = sum(jobs[k].cost * rate for k in waiting)
+    left += sum(max(jobs[k].cost * rate - (now - started), 0.0) for k, started in running.items())
+    return f"about {format_duration(left / workers)} left"
 
 
 def _next(finished: queue.Queue) -> tuple[int, tuple[str, float, str | None]]:
