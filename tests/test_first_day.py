@@ -4,6 +4,7 @@ name the real thing, files others can read, piped output that is never cut."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -230,6 +231,25 @@ def test_the_terminal_summary_shows_the_accuracy_before_and_after_ccvr():
     console.print(summary_table(summary))
     text = console.export_text()
     assert "final_global_acc_before_ccvr" in text and "21.00%" in text and "27.50%" in text
+    assert "privacy" not in text  # a run without a private release has no budget row
+
+
+def test_the_terminal_summary_shows_the_budget_the_server_faced():
+    from rich.console import Console
+
+    from hetfl.cli import summary_table
+
+    summary = {"algorithm": "fedavg+ccvr", "final_global_acc": 0.275, "best_global_acc": 0.275, "rounds": 3,
+               "wall_time_s": 1.0, "bytes_up_total": 0, "bytes_down_total": 0,
+               "privacy": {"epsilon": 3.99999, "epsilon_per_upload": 33.7155, "delta": 1e-5, "noise": "distributed",
+                           "secure_aggregation": False}}
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    assert re.search(r"privacy: epsilon \(delta\)\s+│\s+33\.8 per upload \(1e-05\)", console.export_text())
+    summary["privacy"]["secure_aggregation"] = True
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    assert re.search(r"privacy: epsilon \(delta\)\s+│\s+4 \(1e-05\)", console.export_text())  # 3.99999, up
 
 
 def test_the_comparison_table_shows_the_accuracy_before_a_post_hoc_step():

@@ -69,6 +69,12 @@ def server_epsilon(privacy: Mapping[str, Any]) -> tuple[float, bool]:
     return epsilon, False
 
 
+def budget_text(epsilon: float, delta: float, per_upload: bool) -> str:
+    """A budget as hetfl's tables show it: epsilon rounded up (:func:`epsilon_text`), ``per upload`` where that
+    is what the server faced (:func:`server_epsilon`), delta in brackets: ``"33.8 per upload (1e-05)"``."""
+    return f"{epsilon_text(epsilon)}{' per upload' if per_upload else ''} ({delta:g})"
+
+
 @dataclass(frozen=True)
 class Release:
     """One differentially private release, as a run's privacy ledger records it before the server uses it.

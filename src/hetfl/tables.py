@@ -35,7 +35,7 @@ from typing import Any
 
 from hetfl.engine import identity
 from hetfl.params import ConfigError
-from hetfl.privacy import epsilon_text, server_epsilon
+from hetfl.privacy import budget_text, server_epsilon
 
 #: shown in a key's column for a row whose configuration does not have that key (another method's setting)
 UNSET = "-"
@@ -267,7 +267,7 @@ def privacy_cell(row: dict[str, Any]) -> str:
         return "none"
     if not math.isfinite(row["dp_epsilon"]):
         return "no single budget (a seed made no private release)"
-    return f"{epsilon_text(row['dp_epsilon'])}{' per upload' if row['dp_per_upload'] else ''} ({row['dp_delta']:g})"
+    return budget_text(row["dp_epsilon"], row["dp_delta"], row["dp_per_upload"])
 
 
 def privacy_line(rows: list[dict[str, Any]]) -> str:
