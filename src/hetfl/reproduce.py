@@ -258,8 +258,9 @@ def reproduce(
     if jobs > 1:
         todo = [spec for spec in order if states[spec] != "finished"]
         index = {spec: k for k, spec in enumerate(todo)}
-        run_jobs([Job(spec_label(spec), config_mod.to_tree(configs[spec]), folder[spec], states[spec],
-                      counter.runs[order.index(spec)].cost, folder[sources[spec]] if spec in sources else None,
+        cost = {spec: planned.cost for spec, planned in zip(order, counter.runs, strict=True)}
+        run_jobs([Job(spec_label(spec), config_mod.to_tree(configs[spec]), folder[spec], states[spec], cost[spec],
+                      folder[sources[spec]] if spec in sources else None,
                       index.get(sources[spec]) if spec in sources else None) for spec in todo], jobs, say)
     for i, spec in enumerate(order if jobs == 1 else ()):
         if states[spec] == "finished":

@@ -49,14 +49,13 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from hetfl import config as config_mod
-from hetfl import jobs as jobs_mod
 from hetfl import runs, runtimes, tables
 from hetfl.algorithms import hyperparameters
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
 from hetfl.engine.experiment import keeps_trained_model
 from hetfl.files import atomic_write_text
-from hetfl.jobs import format_duration, trained_folder
+from hetfl.jobs import Job, check_jobs, check_shippable, format_duration, run_jobs, trained_folder
 from hetfl.params import ConfigError
 from hetfl.runs import CompareResult, RunResult
 
@@ -578,18 +577,17 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
         say(f"plan: {what}")
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
     jobs_option = "--jobs" if option == "--out" else "jobs"  # the command line's name, or the API's
-    if jobs_mod.check_jobs(jobs, jobs_option) > 1:
-        jobs_mod.check_shippable(methods, jobs_option)
+    if check_jobs(jobs, jobs_option) > 1:
+        check_shippable(methods, jobs_option)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     sources = training_sources([c.training for c in checked])
+    items = list(plan_items(methods, seeds, grid, configure, out, progress))  # configured once more, kept
     if jobs > 1:
-        statuses = _run_parallel(list(plan_items(methods, seeds, grid, configure, out, progress)), checked, sources,
-                                 jobs, say, console)
+        statuses = _run_parallel(items, checked, sources, jobs, say, console)
     else:
-        statuses = _run_in_turn(plan_items(methods, seeds, grid, configure, out, progress), checked, sources,
-                                say, console, clock)
+        statuses = _run_in_turn(items, checked, sources, say, console, clock)
     results, records = [], []
-    for item, status in zip(plan_items(methods, seeds, grid, configure, out, progress), statuses, strict=True):
+    for item, status in zip(items, statuses, strict=True):
         result = RunResult.load(item.run_dir, status=status)
         results.append(result)
         records.append(result.record(item.method))
@@ -600,7 +598,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     return CompareResult(out, results, rows, markdown, target)
 
 
-def _run_in_turn(items: Iterator[PlanItem], checked: list[CheckedRun], sources: dict[int, int],
+def _run_in_turn(items: list[PlanItem], checked: list[CheckedRun], sources: dict[int, int],
                  say: Callable[[str], None] | None, console: Console | None,
                  clock: Callable[[], float]) -> list[str]:
     """The plan's runs one after another in this process (progress bars, the run counter): their statuses."""
@@ -632,12 +630,12 @@ def _run_parallel(items: list[PlanItem], checked: list[CheckedRun], sources: dic
         source = checked[sources[i]].run_dir if i in sources else None
         cost = posthoc_only(check.planned, item.cfg, sources[i]).cost if source and check.state == "new" else \
             check.planned.cost
-        plan.append(jobs_mod.Job(item.label, config_mod.to_tree(item.cfg), item.run_dir, check.state, cost, source,
+        plan.append(Job(item.label, config_mod.to_tree(item.cfg), item.run_dir, check.state, cost, source,
                                  index.get(sources[i]) if i in sources else None))
     for check in checked:
         if check.state == "finished" and console is not None:
             console.print(f"{check.run_dir}: finished earlier, reusing (same configuration)")
-    done = jobs_mod.run_jobs(plan, workers, say)
+    done = run_jobs(plan, workers, say)
     return ["reused" if check.state == "finished" else done[index[i]] for i, check in enumerate(checked)]
 
 
