@@ -334,13 +334,22 @@ def test_reproduce_counts_its_runs_with_the_presets_estimate_as_the_rough_start(
 
 
 def test_reproduce_list_labels_estimates_measured_or_rough(capsys, monkeypatch):
+    """Since session 22 every preset's quick estimate is measured: each row says how; one made rough here
+    (its measurement removed) shows "~N (rough)"."""
+    from dataclasses import replace
+
+    load = reproduce.load_preset
+    monkeypatch.setattr(reproduce, "load_preset", lambda name: replace(load(name), quick_cpu_measured="")
+                        if name == "feduv-table1" else load(name))
     monkeypatch.setenv("COLUMNS", "400")  # one line per preset
     assert main(["reproduce", "--list"]) == 0
     shown = capsys.readouterr().out
-    assert "(rough, not measured)" in shown
-    presets = [reproduce.load_preset(name) for name in reproduce.available()]
-    assert any(p.quick_cpu_measured for p in presets), "at least one quick estimate is measured"
-    assert "(measured)" in shown and "(rough)" in shown
+    assert "(rough, not measured)" in shown  # the GPU minutes: none measured yet
+    rows = {line.split()[1]: line for line in shown.splitlines() if line.startswith("│")}
+    assert "~3 (rough)" in rows.pop("feduv-table1")
+    for name, row in rows.items():
+        measured = load(name).quick_cpu_measured
+        assert measured and f"(measured): {measured}" in row, name
 
 
 # ------------------------------------------------------------------ the runtime's checks in planning

@@ -216,7 +216,11 @@ def test_personalised_evaluation_in_one_vmapped_pass_equals_per_client():
     assert len({len(t.y) for t in tests}) > 1  # unequal test splits: padding and masking are exercised
     got = accuracies_vectorized(exp.caller, states, [t.x for t in tests], [t.y for t in tests], exp.data, 64)
     want = [accuracy_and_loss(exp.caller, s, t.x, t.y, exp.data, 64)[1] for s, t in zip(states, tests, strict=True)]
-    assert got == pytest.approx(want, abs=1e-6)  # float32 means vs exact counts
+    # both the exact fraction (correct / samples): the same numbers whichever way a client was evaluated
+    assert got == want and all(a == round(a * len(t.y)) / len(t.y) for a, t in zip(got, tests, strict=True))
+    reordered = [dict(reversed(list(s.items()))) for s in states]  # one structure whatever the dicts' order
+    mixed = [reordered[0], *states[1:]]
+    assert accuracies_vectorized(exp.caller, mixed, [t.x for t in tests], [t.y for t in tests], exp.data, 64) == got
 
 
 def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_says_so(tmp_path):

@@ -423,6 +423,31 @@ def test_running_out_of_memory_halves_the_chunk_and_gives_the_same_clients(monke
     assert set(sizes) == {3}
 
 
+@pytest.mark.parametrize("free", [None, 10_000])
+def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(monkeypatch, free):
+    """What the executor keeps for a group structure is how many clients fit at once, not how many the group
+    held when first met. MOON's clients with a previous model are one in its second round and three in its
+    third: they then trained one at a time for the rest of the run (and a resumed run, meeting them first as
+    three, trained them together: another rounding). CPU (no limit known), and 7 that fit: 0.7 x 10,000 bytes
+    free / 1,000 a client."""
+    real_run = VectorizedGroup.run
+    sizes: list[int] = []
+
+    def run(self):
+        sizes.append(len(self.plans))
+        return real_run(self)
+
+    monkeypatch.setattr(VectorizedGroup, "run", run)
+    monkeypatch.setattr(vectorized, "free_memory_bytes", lambda device: free)
+    monkeypatch.setattr(vectorized, "probe_client_bytes", lambda plan, data, **kw: 1_000)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    server, memo = exp.initial_server(), {}
+    for round_, clients in ((1, 1), (2, 10)):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_)[:clients], exp.data,
+                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train, memo=memo)
+    assert sizes == ([1, 10] if free is None else [1, 7, 3])
+
+
 def test_one_client_that_does_not_fit_is_an_error(monkeypatch):
     def never_fits(self):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -439,10 +464,10 @@ def test_automatic_chunk_size_from_free_memory(monkeypatch):
     ctxs = round_contexts(exp, exp.initial_server(), {}, 1)
     plans = [vectorized.ClientPlan(c, exp.algorithm.stages(c), exp.algorithm.start_state(c)) for c in ctxs]
     settings = {"batch_size": 16, "drop_last": False, "max_grad_norm": 0.0, "buffers": ()}
-    assert vectorized.auto_chunk_size(plans, exp.data, seed=0, **settings) == len(plans)  # CPU: all
+    assert vectorized.clients_that_fit(plans[0], exp.data, seed=0, **settings) is None  # CPU: no limit
     monkeypatch.setattr(vectorized, "free_memory_bytes", lambda device: 10_000)
     monkeypatch.setattr(vectorized, "probe_client_bytes", lambda plan, data, **kw: 1_000)
-    assert vectorized.auto_chunk_size(plans, exp.data, seed=0, **settings) == 7  # 0.7 * 10,000 / 1,000 bytes
+    assert vectorized.clients_that_fit(plans[0], exp.data, seed=0, **settings) == 7  # 0.7 * 10,000 / 1,000 bytes
 
 
 def test_cuda_graph_on_a_cpu_device_changes_nothing(tmp_path):

@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from hetfl import config as config_mod
 from hetfl.algorithms.base import Tensors
@@ -44,7 +43,7 @@ from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
 from hetfl.analysis.tsne import tsne_embedding
 from hetfl.engine import identity
-from hetfl.engine.checkpoint import load_checkpoint
+from hetfl.engine.checkpoint import load_checkpoint, load_tensors
 from hetfl.engine.experiment import CLIENT_MODELS_DIR, CONFIG_NAME, METRICS_NAME, Experiment
 from hetfl.params import ConfigError
 from hetfl.rng import torch_generator
@@ -63,7 +62,7 @@ def saved_client_models(run_dir: Path, state_names: Sequence[str]) -> tuple[int,
     files = sorted((run_dir / CLIENT_MODELS_DIR).glob("round_*.safetensors"))
     if not files:
         return 0, {}
-    tensors = load_file(files[-1])
+    tensors = load_tensors(files[-1])
     clients: dict[int, Tensors] = {}
     for key, value in tensors.items():
         client, name = key.split("/", 1)

@@ -50,7 +50,7 @@ def accuracy_and_loss(
     if len(y) == 0:
         return correct, float("nan"), float("nan")
     loss = torch.nn.functional.cross_entropy(logits.float(), y).item()
-    return correct, correct.float().mean().item(), loss
+    return correct, int(correct.sum()) / len(y), loss  # the exact fraction, as accuracies_vectorized gives
 
 
 @torch.no_grad()
@@ -64,10 +64,10 @@ def accuracies_vectorized(
 ) -> list[float] | None:
     """Accuracy of each model ``states[i]`` on its own ``(xs[i], ys[i])``, all clients in one
     ``vmap``-ed forward per chunk of samples (the personalised evaluation of a round in a few
-    calls). Shorter test sets are padded and masked. None when the states differ in structure
-    (the caller then evaluates them one by one)."""
+    calls). Shorter test sets are padded and masked. None when the states hold different tensor
+    names (in any order; the caller then evaluates them one by one)."""
     names = tuple(states[0])
-    if any(tuple(s) != names for s in states) or any(len(y) == 0 for y in ys):
+    if any(s.keys() != states[0].keys() for s in states) or any(len(y) == 0 for y in ys):
         return None
     stacked = {n: torch.stack([s[n] for s in states]) for n in names}
     k, longest = len(states), max(len(y) for y in ys)

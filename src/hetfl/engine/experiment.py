@@ -178,7 +178,7 @@ class Experiment:
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
-        self.chunk_sizes: dict = {}  # vectorized: clients at once per group structure, found in round 1
+        self.chunk_sizes: dict = {}  # vectorized: clients that fit at once, per group structure (None: no limit)
         self.vectorized_cache = VectorizedCache()  # vectorized: CUDA graphs and their buffers, across rounds
         self.run_dir: Path | None = None
         self.trained_in: str | None = None  # the run this one took its training from (run(trained=...))

@@ -821,14 +821,13 @@ def probe_client_bytes(plan: ClientPlan, data: FederatedData, *, seed: int, **se
 MEMORY_SHARE = 0.7
 
 
-def auto_chunk_size(plans: list[ClientPlan], data: FederatedData, *, seed: int, **settings: Any) -> int:
-    """Most clients of one group that fit in ``MEMORY_SHARE`` of the free device memory,
-    from a one-client probe (all of them where free memory is not known: the CPU)."""
+def clients_that_fit(plan: ClientPlan, data: FederatedData, *, seed: int, **settings: Any) -> int | None:
+    """Most clients of ``plan``'s group structure that fit in ``MEMORY_SHARE`` of the free device memory,
+    from a one-client probe; None where free memory is not known (the CPU: no limit)."""
     free = free_memory_bytes(data.device)
     if free is None:
-        return len(plans)
-    per_client = probe_client_bytes(plans[0], data, seed=seed, **settings)
-    return max(1, min(len(plans), int(free * MEMORY_SHARE) // per_client))
+        return None
+    return max(1, int(free * MEMORY_SHARE) // probe_client_bytes(plan, data, seed=seed, **settings))
 
 
 def train_clients_vectorized(
@@ -841,7 +840,7 @@ def train_clients_vectorized(
     chunk_size: int = 0,
     step_mode: str = "eager",
     log: Log | None = None,
-    memo: dict[Any, int] | None = None,
+    memo: dict[Any, int | None] | None = None,
     cache: VectorizedCache | None = None,
     channels_last: bool = False,
     conv_batching: str = "grouped",
@@ -851,9 +850,9 @@ def train_clients_vectorized(
     """Local training of all ``ctxs`` (one round), vectorised; results in the order of ``ctxs``.
 
     ``chunk_size`` > 0 trains at most that many clients at once; 0 picks it from the
-    free device memory (:func:`auto_chunk_size`), and a chunk that runs out of memory
+    free device memory (:func:`clients_that_fit`), and a chunk that runs out of memory
     is retried in halves. Any chunking gives the same results. ``memo`` (kept by the
-    caller across rounds) remembers the chunk size found for each group structure.
+    caller across rounds) remembers, for each group structure, how many clients fit at once (None: no limit).
     ``step_mode``: see :class:`VectorizedGroup`; ``cache`` (kept by the caller) keeps the
     compiled calls (CUDA graphs) and their buffers for the next rounds; ``conv_batching``: how
     convolutions of per-client weights are batched (:mod:`hetfl.models.layers`); ``compile_steps``: each
@@ -879,12 +878,12 @@ def train_clients_vectorized(
         members.sort(key=lambda i: -data.client_sizes[plans[i].ctx.client_id])
         if chunk_size:
             size = chunk_size
-        elif key in memo:
-            size = memo[key]
-        else:
-            size = memo[key] = auto_chunk_size([plans[i] for i in members], data, seed=seed, **settings)
-            if size < len(members) and log is not None:
-                log(f"vectorized: {size} of {len(members)} clients at once fit in the free device memory")
+        else:  # what fits is kept by group structure: a later round may bring more of its clients
+            if key not in memo:
+                memo[key] = clients_that_fit(plans[members[0]], data, seed=seed, **settings)
+                if memo[key] is not None and memo[key] < len(members) and log is not None:
+                    log(f"vectorized: {memo[key]} of {len(members)} clients at once fit in the free device memory")
+            size = len(members) if memo[key] is None else min(len(members), memo[key])
         start = 0
         while start < len(members):
             chunk = members[start : start + size]

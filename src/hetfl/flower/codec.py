@@ -38,16 +38,16 @@ def encode_tensor(t: torch.Tensor) -> Array:
 
 
 def decode_tensor(a: Array, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``a`` as a tensor in memory torch allocated for it: aligned as torch aligns its own tensors (a
+    CPU kernel's rounding can depend on the address, :func:`hetfl.engine.checkpoint.load_tensors`), so
+    that a client computes on what it received exactly as on the sender's tensor."""
     if a.stype == NUMPY_STYPE:
-        arr = np.load(io.BytesIO(a.data), allow_pickle=False)
-        t = torch.from_numpy(arr.copy())  # np.load of a buffer is read-only
+        t = torch.tensor(np.load(io.BytesIO(a.data), allow_pickle=False))  # a copy (np.load's is read-only)
     elif a.stype == RAW_STYPE:
         dtype = getattr(torch, a.dtype.removeprefix("torch."))
-        shape = tuple(a.shape)
-        if not a.data:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            t = torch.frombuffer(bytearray(a.data), dtype=torch.uint8).view(dtype).reshape(shape)
+        raw = torch.empty(len(a.data), dtype=torch.uint8)
+        raw.numpy()[:] = np.frombuffer(a.data, dtype=np.uint8)
+        t = raw.view(dtype).reshape(tuple(a.shape))
     else:
         raise ValueError(f"array of unknown serialisation {a.stype!r}")
     return t.to(device)

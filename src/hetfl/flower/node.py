@@ -68,7 +68,7 @@ from hetfl.algorithms import algorithm_class, parse_name, posthoc_class, step_hy
 from hetfl.algorithms.base import SHARED, ServerState
 from hetfl.algorithms.dp_moments import NOISE_SOURCES
 from hetfl.engine import secure_sum
-from hetfl.engine.checkpoint import save_tensors
+from hetfl.engine.checkpoint import load_tensors, save_tensors
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.summary import Reporter
 from hetfl.files import atomic_write_text
@@ -245,9 +245,7 @@ class StateStore:
         usable = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before]
         if not usable:
             return None
-        from safetensors.torch import load_file
-
-        return load_file(str(usable[-1][1]), device=str(self.device))
+        return load_tensors(usable[-1][1], self.device)
 
     def save(self, tensors: dict, version: int) -> None:
         self.context.state[self.key + ".state"] = to_record(tensors)
