@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hetfl import config
+from hetfl.algorithms import available
 from hetfl.algorithms.base import ServerState
 from hetfl.cli import main
 from hetfl.engine.checkpoint import Checkpoint, load_checkpoint, load_tensors, save_checkpoint, save_tensors
@@ -157,20 +158,31 @@ def test_readme_plugin_example_runs(tmp_path):
     assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}
 
 
-# pFedHN generates each client's model by matrix-vector products of the hypernetwork's weights, which a resumed
-# run reads from its checkpoint; a CPU's matrix-vector kernel rounds by the weights' address (64-byte aligned or
-# not), and a safetensors file holds its tensors at 8-byte offsets. Before hetfl.engine.checkpoint copied them
-# into memory torch allocates, this run's round 3 came out 1e-8 from the uninterrupted one (train_loss)
-RESUME_SETTINGS = {"pfedhn": ["data.options={max_samples = 300}", "train.clients_per_round=6",
-                              "model.options={hidden = [16]}", "train.local_steps=6"]}
+# A resume meets client states saved in different rounds: 6 of 30 clients a round, a small MLP, 6 local steps.
+# Found with these settings in session 22, each 1e-8 or less from the uninterrupted run before its fix:
+# - pFedHN (sequential): its generated models are matrix-vector products of hypernetwork weights read from the
+#   checkpoint; a CPU kernel rounds by a tensor's address, and a safetensors file holds tensors at 8-byte offsets
+#   (hetfl.engine.checkpoint.load_tensors);
+# - MOON and FedPAC (vmapped): the executor kept, per group structure, the size of the group when first met (the
+#   clients with a previous model: one in round 2), so the uninterrupted run trained them one at a time from
+#   then on, the resumed run together (vectorized.clients_that_fit);
+# - Local (vmapped): a safetensors file lists its tensors sorted by name, so resumed states had another order
+#   than new ones, which the batched evaluation refused: each model evaluated alone, its accuracy a float32 mean.
+# Whether a cause shows here depends on incidentals (the header's length moves every tensor's offset in the file;
+# exact accuracies on both paths hide the second order), so each has its own test below as well.
+RESUME = ["train.rounds=4", "data.options={max_samples = 300}", "train.clients_per_round=6",
+          "model.options={hidden = [16]}", "train.local_steps=6"]
+EXECUTORS = {"sequential": [], "vmapped": ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]}
+METHOD_SETTINGS = {"fedetf": ["algorithm.pers_cycles=1"],  # its personalisation before each evaluation: 2 epochs
+                   "fedavg+ccvr(every round)": ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.every_round=true"]}
 
 
-@pytest.mark.parametrize("method", ["scaffold", "moon", "feddyn", "fedavgm", "local", "fedbr", "fedmix", "mixup",
-                                    "pfedhn"])
-def test_interrupted_stateful_methods_resume_exactly(method, tmp_path, monkeypatch):
-    """Client state (control variates, previous models) and server state survive a crash, to the bit."""
-    settings = RESUME_SETTINGS.get(method, ["train.clients_per_round=10"])
-    cfg = quick("train.rounds=4", f"algorithm.name={method}", *settings)
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("method", [*available(), "fedavg+ccvr", "fedavg+ccvr(every round)"])
+def test_every_method_resumes_to_the_bit(method, executor, tmp_path, monkeypatch):
+    """Client state (control variates, previous models, personal heads) and server state survive a crash:
+    the resumed run's metrics are the uninterrupted run's, to the bit."""
+    cfg = quick(*RESUME, f"algorithm.name={method}", *METHOD_SETTINGS.get(method, []), *EXECUTORS[executor])
     Experiment(cfg).run(tmp_path / "full")
     crash_in_round_3_and_resume(cfg, tmp_path / "crashed", monkeypatch)
     assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
@@ -191,20 +203,6 @@ def crash_in_round_3_and_resume(cfg: config.RunConfig, run_dir: Path, monkeypatc
     monkeypatch.setattr(Experiment, "round", original)
     assert len(metrics(run_dir)) == 2
     Experiment(cfg).run(run_dir, resume=True)
-
-
-@pytest.mark.parametrize("method", ["moon", "local", "fedpac"])
-def test_interrupted_vmapped_runs_resume_exactly(method, tmp_path, monkeypatch):
-    """The vectorised executor (vmapped on the CPU) resumes to the bit too. It groups the round's clients by
-    the names of their states' tensors, in order, and the personalised evaluation batches models of one
-    structure: before the checkpoint kept each dict's order (a safetensors file lists its tensors sorted by
-    name), a resumed client's state had another order than a new client's, so the resumed rounds trained
-    other groups (MOON and FedPAC: 1e-8 apart) and evaluated each model alone (Local: accuracies in float32)."""
-    cfg = quick("train.rounds=4", f"algorithm.name={method}", *RESUME_SETTINGS["pfedhn"],
-                "runtime.executor=vectorized", "runtime.vmap_on_cpu=true")
-    Experiment(cfg).run(tmp_path / "full")
-    crash_in_round_3_and_resume(cfg, tmp_path / "crashed", monkeypatch)
-    assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
 
 
 def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
