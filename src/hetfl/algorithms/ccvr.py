@@ -24,9 +24,8 @@ Algorithm 1. A post-hoc step (``X+ccvr``) after any federated training:
 Why sums: the server's pooling is then a plain sum over clients, the one
 operation secure aggregation (Flower's SecAgg+) gives a server that must not see
 any single client's statistics, and the quantity to which differential-privacy
-noise is added. (The uploads here still name the classes a client holds and go
-to the server in the clear; a secure-aggregation round would send every class,
-absent ones as zeros, so that all uploads have one shape.)
+noise is added. Steps 1-2 with those two (not in the paper) are
+:mod:`hetfl.algorithms.ccvr_statistics`; this module draws and calibrates (3-4).
 
 The transform is part of the calibrated model: real features get the same
 ReLU + Tukey before the classifier at inference (``FEATURE_BETA`` in the
@@ -37,7 +36,6 @@ classifier features of another scale than it was trained on.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -45,31 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import HeadTransform, ServerState, Setup, Tensors, register_head_transform
+from hetfl.algorithms.ccvr_statistics import DP_RELEASES, CCVRStatistics, check_finite, floats_per_client
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
-from hetfl.algorithms.dp_moments import (
-    NOISE_MODES,
-    NOISE_SOURCES,
-    MomentsMechanism,
-    check_settings,
-    nearest_psd,
-    noise_generator,
-    nonfinite_bounds,
-)
-from hetfl.algorithms.gaussian_stats import (
-    ClassMoments,
-    ClassStats,
-    NonFiniteStatistics,
-    class_moments,
-    sample_gaussian,
-    stats_from_moments,
-    sum_moments,
-)
-from hetfl.algorithms.posthoc import ClassifierTraining, PostHoc, Replies, SummedReplies, retrain_classifier, stream
+from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
+from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
+from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
 from hetfl.params import ConfigError, setting
-from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_text, release_digest, require_accountant
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
-DP_RELEASES = "ccvr/dp_multipliers"  # server extra: the noise multiplier of each release's sum so far
 
 
 def relu_tukey(features: torch.Tensor, beta: torch.Tensor | float) -> torch.Tensor:
@@ -154,55 +135,20 @@ def virtual_counts(pooled: ClassStats, num_virtual: int, proportional: bool) -> 
     return torch.where(n >= 2, m, torch.zeros_like(m))
 
 
-class CCVR(PostHoc):
+class CCVR(CCVRStatistics):
+    """Algorithm 1: the clients' per-class moments pooled into Gaussians (:class:`CCVRStatistics`, with
+    secure aggregation and differential privacy), virtual features drawn from them, the classifier
+    re-trained on those."""
+
     name = "ccvr"
     Hyper = CCVRHyper
     citation = "Luo et al., NeurIPS 2021"
-    dp_releases_key = DP_RELEASES
 
     def __init__(self, hyper: CCVRHyper, setup: Setup) -> None:
+        if math.isfinite(hyper.dp_epsilon) and hyper.oracle != "none":  # refused at set-up
+            raise ConfigError("algorithm.ccvr.oracle", hyper.oracle, "the oracle uploads the clients' raw "
+                              "features: it cannot be private (algorithm.ccvr.dp_epsilon must stay inf)")
         super().__init__(hyper, setup)
-        self.psd_removed = 0.0  # share of the last noisy covariances' spectrum the PSD repair removed
-        if self.private:  # refused at set-up, before anything is written
-            if hyper.oracle != "none":
-                raise ConfigError("algorithm.ccvr.oracle", hyper.oracle, "the oracle uploads the clients' raw "
-                                  "features: it cannot be private (algorithm.ccvr.dp_epsilon must stay inf)")
-            try:
-                require_accountant()
-            except ImportError as err:
-                raise ConfigError("algorithm.ccvr.dp_epsilon", hyper.dp_epsilon, str(err)) from None
-        if setup is not None:  # built without a federation only to read the step's settings (secure_sum.check_config)
-            self.check_derived_bounds()
-
-    def check_derived_bounds(self) -> None:
-        """The bounds that follow from ``clip_norm`` (the noise's standard deviations, the public reply bounds
-        of secure aggregation) must be finite: a ConfigError naming ``algorithm.ccvr.clip_norm`` otherwise,
-        at set-up (``clip_norm = 1e300`` once overflowed ``C^2`` into NaN covariances and a run that exited 0)."""
-        bounds: dict[str, float] = {}
-        if self.mechanism is not None:
-            bounds.update({f"noise std of {k}": v for k, v in self.mechanism.upload_std().items()})
-        if self.mechanism is not None or self.setup.secure_aggregation:
-            bounds.update({f"reply bound of {k}": v for k, v in self.reply_bounds().items()})
-        bad = nonfinite_bounds(bounds)
-        if bad:
-            raise ConfigError("algorithm.ccvr.clip_norm", self.hp.clip_norm,
-                              f"the derived {', '.join(bad)} are not finite; choose a clip norm near the features' "
-                              "norms (e.g. 10 for MNIST's MLP)")
-
-    @property
-    def private(self) -> bool:
-        """Differential privacy is on (a finite ``dp_epsilon``)."""
-        return math.isfinite(self.hp.dp_epsilon)
-
-    @functools.cached_property
-    def mechanism(self) -> MomentsMechanism | None:
-        """The Gaussian mechanism of the clients' moments (None without differential privacy): the budget
-        of the run's releases (one, or one per round with ``every_round``) over all clients."""
-        if not self.private:
-            return None
-        releases = self.setup.train.rounds if self.hp.every_round else 1
-        return MomentsMechanism(self.hp.dp_epsilon, self.hp.dp_delta, self.hp.clip_norm, self.setup.num_clients,
-                                releases, self.hp.dp_noise)
 
     @property
     def additive(self) -> bool:  # type: ignore[override]
@@ -211,101 +157,11 @@ class CCVR(PostHoc):
 
     def client_query(self, model_state: Tensors, features: torch.Tensor, labels: torch.Tensor, *, client: int,
                      round_: int) -> Tensors:
-        """Algorithm 1, lines 5-9 (eq. 2 in additive form): the client's per-class count, sum of
-        features and sum of outer products (float64), classes it holds only (the oracle uploads the
-        features themselves). Per class held: its index, 1 + d + d^2 floats (the full symmetric
-        ``outer``; its upper triangle, ``ClassMoments.num_floats``, would be enough)."""
+        """Algorithm 1, lines 5-9: the client's per-class moments (eq. 2 in additive form,
+        :meth:`~CCVRStatistics.moments_reply`); the oracle uploads the features themselves."""
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
-        if self.mechanism is not None:  # dense: a private reply must not say which classes the client holds
-            gen = noise_generator(self.hp.dp_noise_source, self.setup.seed, self.name, round_, client)
-            moments = self.mechanism.privatize(features, labels, self.setup.num_classes, gen)
-            return {"counts": moments.counts, "sums": moments.sums, "outer": moments.outer}
-        if self.setup.secure_aggregation:  # bounded for the fixed-point encoding (reply_bounds)
-            features = clip_rows(features.detach().to(torch.float64), self.hp.clip_norm)
-        moments = class_moments(features, labels, self.setup.num_classes)
-        present = moments.counts > 0
-        return {"classes": present.nonzero().flatten(), "counts": moments.counts[present],
-                "sums": moments.sums[present], "outer": moments.outer[present]}
-
-    def dense_reply(self, reply: Tensors) -> Tensors:
-        """A reply as moments of every class, zero for the classes the client does not hold: the same
-        shapes at every client, so that replies can be summed without naming anyone's classes."""
-        if "classes" not in reply:
-            return reply
-        c, dim = self.setup.num_classes, reply["sums"].shape[1]
-        counts = torch.zeros(c, dtype=torch.float64)
-        sums = torch.zeros(c, dim, dtype=torch.float64)
-        outer = torch.zeros(c, dim, dim, dtype=torch.float64)
-        idx = reply["classes"].cpu()
-        counts[idx], sums[idx], outer[idx] = reply["counts"].cpu(), reply["sums"].cpu(), reply["outer"].cpu()
-        return {"counts": counts, "sums": sums, "outer": outer}
-
-    def reply_bounds(self) -> dict[str, float]:
-        """Public bounds on a dense reply's entries: a client holds at most ``N_max`` (the largest
-        client's training set) samples of a class, each of norm at most ``clip_norm`` after clipping;
-        under differential privacy, plus 8 standard deviations of the client's noise."""
-        n_max, clip = float(max(self.setup.client_sizes)), float(self.hp.clip_norm)
-        bounds = {"counts": n_max, "sums": n_max * clip, "outer": n_max * clip * clip}
-        if self.mechanism is not None:
-            std = self.mechanism.upload_std()
-            bounds = {k: v + 8.0 * std[k] for k, v in bounds.items()}
-        return bounds
-
-    def dp_release(self, received: Replies) -> Release | None:
-        """The release the server got in a statistics round under differential privacy: the multiplier of the
-        noise in the sum of the uploads it got, and the digest of what it got (for the run's ledger)."""
-        if self.mechanism is None:
-            return None
-        if isinstance(received, SummedReplies):
-            named = [(f"sum/{k}", received.total[k]) for k in sorted(received.total)]
-            named.append(("clients", torch.tensor(received.clients, dtype=torch.int64)))
-        else:
-            named = [(f"{c}/{k}", received[c][k]) for c in sorted(received) for k in sorted(received[c])]
-        return Release(self.mechanism.sum_multiplier(_summed_clients(received)), release_digest(named),
-                       self.hp.dp_noise_source)
-
-    def server_sees(self) -> str:
-        """What the server receives of the private statistics, in words (``privacy.server_sees``)."""
-        if self.setup.secure_aggregation:
-            return "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces"
-        if self.hp.dp_noise == "local":
-            return "each upload, each carrying the whole noise: epsilon is the guarantee of every upload"
-        return ("each upload (no secure aggregation), with 1/sqrt(clients) of the noise: the guarantee it faces "
-                "is epsilon_per_upload; epsilon holds for the sum alone")
-
-    def privacy_notice(self) -> str | None:
-        """Without secure aggregation, the guarantee a server that sees every upload faces (the run's first
-        line): with distributed noise, far weaker than the headline epsilon, which holds for the sum."""
-        if self.mechanism is None or self.setup.secure_aggregation:
-            return None
-        per_upload = self.mechanism.guarantee([self.mechanism.sum_multiplier(self.setup.num_clients)]
-                                              * self.mechanism.releases)["dp_epsilon_per_upload"]
-        if self.hp.dp_noise == "local":
-            return (f"privacy: without secure aggregation the server sees each client's upload; each is "
-                    f"({epsilon_text(per_upload)}, {self.hp.dp_delta:g})-DP on its own "
-                    "(algorithm.ccvr.dp_noise = 'local')")
-        return (f"privacy: algorithm.ccvr.dp_epsilon = {self.hp.dp_epsilon:g} holds for the SUM of the uploads only; "
-                f"without secure aggregation the server sees each upload, at epsilon {epsilon_text(per_upload)} "
-                "per upload "
-                "(set runtime.secure_aggregation = true, or algorithm.ccvr.dp_noise = 'local')")
-
-    def summed_moments(self, replies: Replies) -> ClassMoments:
-        """The sum of the clients' moments: added here, or (secure aggregation) already summed."""
-        if isinstance(replies, SummedReplies):
-            return _moments(replies.total)
-        return sum_moments([_moments(self.dense_reply(r)) for r in replies.values()])
-
-    def pooled_statistics(self, replies: Replies) -> ClassStats:
-        """Algorithm 1, line 12 (eq. 3-4): the per-class Gaussians from the sum of the clients' moments
-        (under differential privacy, noisy: covariances repaired by :func:`nearest_psd`)."""
-        pooled = stats_from_moments(self.summed_moments(replies))
-        check_finite("the pooled per-class counts, means and covariances",
-                     pooled.counts, pooled.means, pooled.covs)
-        if self.mechanism is not None:
-            pooled.covs, self.psd_removed = nearest_psd(pooled.covs)
-            check_finite("the covariances after the PSD repair", pooled.covs)
-        return pooled
+        return self.moments_reply(features, labels, client=client, round_=round_)
 
     def virtual_features(
         self, replies: Replies, gen: torch.Generator
@@ -348,7 +204,7 @@ class CCVR(PostHoc):
             **self.privacy_info(server, replies),
             "ccvr_virtual_features": sum(len(f) for f in feats),
             "ccvr_classes_without_virtual": self.setup.num_classes - len(feats),
-            "ccvr_floats_per_client": _floats_per_client(replies),
+            "ccvr_floats_per_client": floats_per_client(replies),
         }
         extra = server.extra
         if self.mechanism is not None:
@@ -372,45 +228,3 @@ class CCVR(PostHoc):
         if b is not None:
             model["classifier.bias"] = b
         return ServerState(model=model, extra=extra), info
-
-    def privacy_info(self, server: ServerState, replies: Replies) -> dict:
-        """The budget spent with this release (``MomentsMechanism.guarantee``), the share of the noisy
-        covariances' spectrum the PSD repair removed, and the releases' multipliers (kept in the
-        server state, so that a resumed run accounts for the releases before it)."""
-        if self.mechanism is None:
-            return {}
-        summed = _summed_clients(replies)
-        before = server.extra.get(DP_RELEASES)
-        multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
-        return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
-                "dp_secure_aggregation": self.setup.secure_aggregation,
-                "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates",
-                "dp_psd_removed": self.psd_removed, "dp_summed_clients": summed,
-                "dp_server_sees": self.server_sees(),
-                "_dp_multipliers": multipliers}
-
-
-def check_finite(what: str, *tensors: torch.Tensor) -> None:
-    """A calibration whose statistics are not finite fails loudly (:class:`NonFiniteStatistics`), instead of
-    re-training the classifier on NaN and reporting a ruined model with exit 0."""
-    if all(bool(torch.isfinite(t).all()) for t in tensors):
-        return
-    raise NonFiniteStatistics(f"CCVR's calibration: {what} are not finite (inf or NaN); the features overflowed "
-                              "(check algorithm.ccvr.clip_norm and the training's train_loss in metrics.jsonl); "
-                              "nothing was calibrated")
-
-
-def _summed_clients(replies: Replies) -> int:
-    """How many clients' uploads the server's sum holds."""
-    return len(replies.clients) if isinstance(replies, SummedReplies) else len(replies)
-
-
-def _moments(dense: Tensors) -> ClassMoments:
-    return ClassMoments(dense["counts"].cpu(), dense["sums"].cpu(), dense["outer"].cpu())
-
-
-def _floats_per_client(replies: Replies) -> float:
-    """Floats a client uploads, on average (under secure aggregation: the dense reply every client sends)."""
-    if isinstance(replies, SummedReplies):
-        return float(sum(t.numel() for t in replies.total.values()))
-    return sum(sum(t.numel() for t in r.values()) for r in replies.values()) / max(len(replies), 1)
