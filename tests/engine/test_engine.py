@@ -217,7 +217,8 @@ def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
 
 def test_a_checkpoint_gives_back_every_dict_in_the_order_it_was_saved_in(tmp_path):
     """A safetensors file lists its tensors sorted by name; the checkpoint's metadata keeps the order of the
-    server's dicts, of the clients and of each client's state, which the vectorised executor's grouping reads."""
+    server's dicts, of the clients and of each client's state, as they were in memory (the batched personalised
+    evaluation once refused to batch states of different orders)."""
     def t():
         return torch.zeros(2)
 

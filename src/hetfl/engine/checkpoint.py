@@ -11,9 +11,10 @@ A resumed run is the uninterrupted one to the bit, so a checkpoint gives back
 the state as it was in memory: the values, the order of every dict (a
 safetensors file lists its tensors sorted by name; the order they were saved in
 is kept in the metadata, ``order``), and memory of each tensor's own
-(:func:`load_tensors`). The vectorised executor groups clients by their states'
-names in order, and CPU kernels round by a tensor's address: either difference
-once made resumed rounds 1e-8 apart from uninterrupted ones.
+(:func:`load_tensors`). Code may read a dict's order (the batched personalised
+evaluation once refused states of another order), and CPU kernels round by a
+tensor's address: either difference once made resumed rounds 1e-8 apart from
+uninterrupted ones.
 """
 
 from __future__ import annotations
