@@ -69,13 +69,14 @@ TARGETS = (
     Target("fedpac", "src/hetfl/algorithms/fedpac.py", ("tests/algorithms/test_fedpac.py",)),
     Target("simplex_qp", "src/hetfl/algorithms/simplex_qp.py",
            ("tests/algorithms/test_simplex_qp.py", "tests/algorithms/test_fedpac.py")),
+    # the refusals of budgets and clip norms and the non-finite calibrations are tested in test_privacy_edges.py
     Target("ccvr", "src/hetfl/algorithms/ccvr.py",
-           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py", "tests/algorithms/test_ccvr_dp.py"),
-           (*E2E_CCVR, *E2E_CCVR_DP)),
+           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py", "tests/algorithms/test_ccvr_dp.py",
+            "tests/test_privacy_edges.py"), (*E2E_CCVR, *E2E_CCVR_DP)),
     # CCVR's uploads and pooling, with secure aggregation and differential privacy (ccvr.py until session 22)
     Target("ccvr_statistics", "src/hetfl/algorithms/ccvr_statistics.py",
            ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py", "tests/algorithms/test_ccvr_dp.py",
-            "tests/engine/test_secure_sum.py"), (*E2E_CCVR, *E2E_CCVR_DP, *NO_PROCESSES)),
+            "tests/engine/test_secure_sum.py", "tests/test_privacy_edges.py"), (*E2E_CCVR, *E2E_CCVR_DP, *NO_PROCESSES)),
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # differential privacy and secure aggregation of the post-hoc statistics

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -312,24 +313,69 @@ def test_derived_bounds_that_overflow_are_refused_at_set_up():
     from hetfl.params import ConfigError
 
     setup = tiny_setup(num_clients=4)
-    with pytest.raises(ConfigError, match=r"algorithm.ccvr.clip_norm = .*reply bound of outer"):
-        build_posthoc("fedavg+ccvr", {"ccvr": {"dp_epsilon": 4.0, "clip_norm": 1e154}}, setup)
+    advice = "are not finite; choose a clip norm near the features' norms (e.g. 10 for MNIST's MLP)"
+    for epsilon, clip, bad in ((4.0, 1e154, "reply bound of outer"),
+                               (0.01, 1.3e154, "noise std of outer, reply bound of outer")):
+        with pytest.raises(ConfigError) as refused:
+            build_posthoc("fedavg+ccvr", {"ccvr": {"dp_epsilon": epsilon, "clip_norm": clip}}, setup)
+        assert str(refused.value) == f"algorithm.ccvr.clip_norm = {clip:g}: the derived {bad} {advice}"
 
 
-def test_a_calibration_on_non_finite_statistics_fails_loudly():
+@pytest.mark.parametrize(("stage", "broken"), [
+    ("the pooled per-class counts, means and covariances", "features"),
+    ("the covariances after the PSD repair", "psd_repair"),
+    ("the virtual features", "sampling"),
+    ("the re-trained classifier", "weight"),
+    ("the re-trained classifier", "bias"),
+])
+def test_a_calibration_on_non_finite_statistics_fails_loudly_naming_the_stage(stage, broken, monkeypatch):
     """Overflowed features (inf, NaN) gave NaN covariances and a ruined classifier reported with exit 0: the
-    calibration now raises, naming what is not finite."""
+    calibration now raises, naming the first stage whose numbers are not finite (each stage broken here in
+    turn: the features, the PSD repair of private covariances, the sampling, the re-trained weight or bias)."""
+    from hetfl.algorithms import ccvr, ccvr_statistics
     from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 
+    def broken_copy(t: torch.Tensor) -> torch.Tensor:
+        return t.clone().index_fill_(0, torch.tensor([0]), math.nan)
+
+    if broken == "psd_repair":
+        monkeypatch.setattr(ccvr_statistics, "nearest_psd", lambda covs: (broken_copy(covs), 0.0))
+    if broken == "sampling":
+        monkeypatch.setattr(ccvr, "sample_gaussian", lambda mean, cov, n, gen: torch.full((n, len(mean)), math.inf))
+    if broken in ("weight", "bias"):
+        retrain = ccvr.retrain_classifier
+        def retrain_broken(*args):  # type: ignore[no-untyped-def]
+            weight, bias = retrain(*args)
+            return (broken_copy(weight), bias) if broken == "weight" else (weight, broken_copy(bias))
+
+        monkeypatch.setattr(ccvr, "retrain_classifier", retrain_broken)
+    setup = tiny_setup(num_clients=4)
+    params = {"epochs": 1, **({"dp_epsilon": 50.0} if broken == "psd_repair" else {})}
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": params}, setup)
+    server = ServerState(initial_state(setup), {})
+    features = torch.randn(30, 8)
+    if broken == "features":
+        features[3] = math.inf
+    replies = {k: step.client_query(server.model, features, torch.arange(30) % 3, client=k, round_=1)
+               for k in range(4)}
+    with pytest.raises(NonFiniteStatistics, match=f"^CCVR's calibration: {re.escape(stage)} are not finite"):
+        step.apply(server, replies, round_=1)
+
+
+def test_a_classifier_without_a_bias_is_calibrated_without_one(monkeypatch):
+    """The re-trained classifier's check reads its bias only where it has one."""
+    from hetfl.algorithms import ccvr
+
+    retrain = ccvr.retrain_classifier
+    monkeypatch.setattr(ccvr, "retrain_classifier", lambda *args: (retrain(*args)[0], None))
     setup = tiny_setup(num_clients=4)
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"epochs": 1}}, setup)
     server = ServerState(initial_state(setup), {})
-    features = torch.randn(30, 8)
-    features[3] = math.inf
-    replies = {k: step.client_query(server.model, features, torch.arange(30) % 3, client=k, round_=1)
+    replies = {k: step.client_query(server.model, torch.randn(30, 8), torch.arange(30) % 3, client=k, round_=1)
                for k in range(4)}
-    with pytest.raises(NonFiniteStatistics, match="not finite"):
-        step.apply(server, replies, round_=1)
+    new, _ = step.apply(server, replies, round_=1)
+    assert torch.isfinite(new.model["classifier.weight"]).all()
+    assert torch.equal(new.model["classifier.bias"], server.model["classifier.bias"])
 
 
 @pytest.mark.slow

@@ -349,3 +349,52 @@ def test_the_oracle_cannot_be_private():
                r"private \(algorithm\.ccvr\.dp_epsilon must stay inf\)$")
     with pytest.raises(ConfigError, match=message):
         _step(dp_epsilon=4.0, oracle="all")
+
+
+def test_a_release_is_its_sums_multiplier_and_a_digest_of_exactly_what_the_server_received():
+    """dp_release, what the run's ledger records before the server uses a release: the noise multiplier of
+    the sum of the uploads received, and a digest of those uploads by client, or (secure aggregation) of
+    their sum and of which clients it holds. A resumed run recomputes the digests of the releases it makes
+    again and compares them with the ledger's, which an earlier version may have written: the digests of
+    one input are pinned (float64 and int64 bytes: the same on every machine)."""
+    from hetfl.algorithms.posthoc import SummedReplies
+
+    step, _ = _step(rounds=1, dp_epsilon=4.0)
+
+    def t(*values: float) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
+
+    replies = {2: {"counts": t(1.0, 0.0), "sums": t(0.5, -1.0), "outer": t(0.25, 2.0)},
+               0: {"counts": t(3.0, 1.0), "sums": t(1.5, 0.0), "outer": t(4.0, -0.5)}}
+    total = {"counts": t(4.0, 1.0), "sums": t(2.0, -1.0), "outer": t(4.25, 1.5)}
+    by_client, summed = step.dp_release(replies), step.dp_release(SummedReplies(total, (0, 2)))
+    assert by_client.multiplier == summed.multiplier == step.mechanism.sum_multiplier(2)
+    assert by_client.noise_source == summed.noise_source == "seed"
+    assert by_client.digest == "33856aa7e87e5dbf3a28b44281ac6b530cfa48100e7eedda8676f6bb5f9ac42f"
+    assert summed.digest == "7eb14bf2d996a31ff2c14921a9d0b0d8b76a80c661e1de9fc2ae86da525977fc"
+    assert step.dp_release(dict(reversed(replies.items()))).digest == by_client.digest  # by client id, not order
+    assert step.dp_release(SummedReplies(total, (0, 3))).digest != summed.digest  # which clients are in the sum
+    assert _step(rounds=1)[0].dp_release(replies) is None  # no privacy, no release
+
+
+@pytest.mark.parametrize(("secure", "noise", "sees", "notice"), [
+    (False, "distributed", "each upload (no secure aggregation), with 1/sqrt(clients) of the noise: the guarantee "
+     "it faces is epsilon_per_upload; epsilon holds for the sum alone",
+     "privacy: algorithm.ccvr.dp_epsilon = 4 holds for the SUM of the uploads only; without secure aggregation the "
+     "server sees each upload, at epsilon 9.09 per upload (set runtime.secure_aggregation = true, or "
+     "algorithm.ccvr.dp_noise = 'local')"),
+    (False, "local", "each upload, each carrying the whole noise: epsilon is the guarantee of every upload",
+     "privacy: without secure aggregation the server sees each client's upload; each is (4, 1e-05)-DP on its own "
+     "(algorithm.ccvr.dp_noise = 'local')"),
+    (True, "distributed", "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces", None),
+    (True, "local", "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces", None),
+])
+def test_what_the_server_sees_and_the_runs_first_line_state_the_guarantee_it_faces(secure, noise, sees, notice):
+    """The words a private run prints first and records (``dp_server_sees``), whole: 4 clients, 3 releases
+    (every round), epsilon 4 for the sum. Without secure aggregation and with distributed noise each upload
+    carries half the noise (1/sqrt(4)), so the server faces epsilon 9.09 per upload; with local noise, 4."""
+    setup = dataclasses.replace(tiny_setup(num_clients=4, rounds=3), secure_aggregation=secure)
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"dp_epsilon": 4.0, "dp_noise": noise, "every_round": True}},
+                            setup)
+    assert (step.server_sees(), step.privacy_notice()) == (sees, notice)
+    assert _step(rounds=3)[0].privacy_notice() is None  # no privacy, nothing to say
