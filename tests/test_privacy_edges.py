@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -321,8 +320,11 @@ def test_derived_bounds_that_overflow_are_refused_at_set_up():
         assert str(refused.value) == f"algorithm.ccvr.clip_norm = {clip:g}: the derived {bad} {advice}"
 
 
+POOLED = "the pooled per-class counts, means and covariances"
+
+
 @pytest.mark.parametrize(("stage", "broken"), [
-    ("the pooled per-class counts, means and covariances", "features"),
+    (POOLED, "features"), (POOLED, "outer products"), (POOLED, "a lone sample"), (POOLED, "a corrupt count"),
     ("the covariances after the PSD repair", "psd_repair"),
     ("the virtual features", "sampling"),
     ("the re-trained classifier", "weight"),
@@ -331,7 +333,10 @@ def test_derived_bounds_that_overflow_are_refused_at_set_up():
 def test_a_calibration_on_non_finite_statistics_fails_loudly_naming_the_stage(stage, broken, monkeypatch):
     """Overflowed features (inf, NaN) gave NaN covariances and a ruined classifier reported with exit 0: the
     calibration now raises, naming the first stage whose numbers are not finite (each stage broken here in
-    turn: the features, the PSD repair of private covariances, the sampling, the re-trained weight or bias)."""
+    turn: an inf feature; finite features whose outer products overflow (the covariances alone); an inf
+    feature of a class's only sample (its mean alone: no covariance from one sample); a NaN count in one
+    upload (a corrupt reply: the class's count alone, since a class of fewer than 2 gets no Gaussian); the PSD repair of
+    private covariances; the sampling; the re-trained weight or bias)."""
     from hetfl.algorithms import ccvr, ccvr_statistics
     from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 
@@ -353,13 +358,27 @@ def test_a_calibration_on_non_finite_statistics_fails_loudly_naming_the_stage(st
     params = {"epochs": 1, **({"dp_epsilon": 50.0} if broken == "psd_repair" else {})}
     (step,) = build_posthoc("fedavg+ccvr", {"ccvr": params}, setup)
     server = ServerState(initial_state(setup), {})
-    features = torch.randn(30, 8)
+    features, labels = torch.randn(30, 8), torch.arange(30) % 3
     if broken == "features":
         features[3] = math.inf
-    replies = {k: step.client_query(server.model, features, torch.arange(30) % 3, client=k, round_=1)
-               for k in range(4)}
-    with pytest.raises(NonFiniteStatistics, match=f"^CCVR's calibration: {re.escape(stage)} are not finite"):
+    if broken == "outer products":
+        features = features.double() * 1e200  # finite in float64; their squares are not
+    lone = broken == "a lone sample"
+    if lone:  # class 2's only sample, on client 0; the others hold classes 0 and 1
+        labels = torch.arange(30) % 2
+    replies = {}
+    for k in range(4):
+        x, y = features.clone(), labels.clone()
+        if lone and k == 0:
+            x[0], y[0] = math.inf, 2
+        replies[k] = step.client_query(server.model, x, y, client=k, round_=1)
+    if broken == "a corrupt count":  # a class's count NaN in one upload (means and covariances stay finite)
+        replies[0]["counts"][0] = math.nan
+    with pytest.raises(NonFiniteStatistics) as failed:
         step.apply(server, replies, round_=1)
+    assert str(failed.value) == (f"CCVR's calibration: {stage} are not finite (inf or NaN); the features overflowed "
+                                 "(check algorithm.ccvr.clip_norm and the training's train_loss in metrics.jsonl); "
+                                 "nothing was calibrated")
 
 
 def test_a_classifier_without_a_bias_is_calibrated_without_one(monkeypatch):
