@@ -170,10 +170,12 @@ def test_readme_plugin_example_runs(tmp_path):
 #   than new ones, which the batched evaluation refused: each model evaluated alone, its accuracy a float32 mean.
 # Whether a cause shows here depends on incidentals (the header's length moves every tensor's offset in the file;
 # exact accuracies on both paths hide the second order), so each has its own test below as well.
-RESUME = ["train.rounds=4", "data.options={max_samples = 300}", "train.clients_per_round=6",
+RESUME = ["train.rounds=3", "data.options={max_samples = 300}", "train.clients_per_round=6",
           "model.options={hidden = [16]}", "train.local_steps=6"]
 EXECUTORS = {"sequential": [], "vmapped": ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]}
-METHOD_SETTINGS = {"fedetf": ["algorithm.pers_cycles=1"],  # its personalisation before each evaluation: 2 epochs
+# fewer of the methods' own inner epochs and steps: the suite's time (the same code runs)
+METHOD_SETTINGS = {"fedetf": ["algorithm.pers_cycles=1", "algorithm.pers_epochs=1"],
+                   "pfedme": ["algorithm.inner_steps=2"], "fedbabu": ["algorithm.finetune_epochs=1"],
                    "fedavg+ccvr(every round)": ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.every_round=true"]}
 
 
