@@ -108,12 +108,12 @@ def test_calibrating_a_clsnorm_model_starts_from_its_normalised_rows():
         assert torch.allclose(setup.model.logits(new.model, X), setup.model.logits(server.model, X), atol=1e-5)
 
 
-@pytest.mark.slow  # two 3-round MNIST runs, ~10 s
+@pytest.mark.slow  # two 3-round MNIST runs of 80 local steps, ~3 s (accuracy 0.83 and 0.66 on seed 0)
 @needs_shared_data
 def test_every_round_calibration_and_side_study_trainers_run(tmp_path):
     base = ["data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dirichlet",
             "data.alpha=0.1", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [64]}",
-            "train.rounds=3", "runtime.progress=false"]
+            "train.rounds=3", "train.local_steps=80", "runtime.progress=false"]
     cfg = config.load(None, [*base, "algorithm.name=clsnorm+ccvr", "algorithm.ccvr.every_round=true"])
     summary = Experiment(cfg).run(tmp_path / "every")
     lines = [json.loads(x) for x in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
