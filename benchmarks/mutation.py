@@ -76,7 +76,8 @@ TARGETS = (
     # CCVR's uploads and pooling, with secure aggregation and differential privacy (ccvr.py until session 22)
     Target("ccvr_statistics", "src/hetfl/algorithms/ccvr_statistics.py",
            ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py", "tests/algorithms/test_ccvr_dp.py",
-            "tests/engine/test_secure_sum.py", "tests/test_privacy_edges.py"), (*E2E_CCVR, *E2E_CCVR_DP, *NO_PROCESSES)),
+            "tests/engine/test_secure_sum.py", "tests/test_privacy_edges.py"),
+           (*E2E_CCVR, *E2E_CCVR_DP, *NO_PROCESSES)),
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # differential privacy and secure aggregation of the post-hoc statistics
