@@ -158,8 +158,9 @@ def test_readme_plugin_example_runs(tmp_path):
     assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}
 
 
-# A resume meets client states saved in different rounds: 6 of 30 clients a round, a small MLP, 6 local steps.
-# Found with these settings in session 22, each 1e-8 or less from the uninterrupted run before its fix:
+# A resume meets client states saved in different rounds: 6 of 30 clients a round, a small MLP, 3 local steps.
+# Found in session 22 (4 rounds of 6 steps, 300 samples a client at most), each 1e-8 or less from the
+# uninterrupted run before its fix:
 # - pFedHN (sequential): its generated models are matrix-vector products of hypernetwork weights read from the
 #   checkpoint; a CPU kernel rounds by a tensor's address, and a safetensors file holds tensors at 8-byte offsets
 #   (hetfl.engine.checkpoint.load_tensors);
@@ -170,8 +171,8 @@ def test_readme_plugin_example_runs(tmp_path):
 #   than new ones, which the batched evaluation refused: each model evaluated alone, its accuracy a float32 mean.
 # Whether a cause shows here depends on incidentals (the header's length moves every tensor's offset in the file;
 # exact accuracies on both paths hide the second order), so each has its own test below as well.
-RESUME = ["train.rounds=3", "data.options={max_samples = 300}", "train.clients_per_round=6",
-          "model.options={hidden = [16]}", "train.local_steps=6"]
+RESUME = ["train.rounds=3", "data.options={max_samples = 150}", "train.clients_per_round=6",
+          "model.options={hidden = [16]}", "train.local_steps=3"]
 EXECUTORS = {"sequential": [], "vmapped": ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]}
 # fewer of the methods' own inner epochs and steps: the suite's time (the same code runs)
 METHOD_SETTINGS = {"fedetf": ["algorithm.pers_cycles=1", "algorithm.pers_epochs=1"],
