@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hetfl.algorithms import build_algorithm
 from hetfl.algorithms.base import Batch, Upload, weighted_mean
@@ -126,14 +127,26 @@ def test_fednova_normalising_factor_and_averaging():
 
 
 def test_moon_term_is_zero_in_first_round_and_matches_hand_value():
+    """In a client's first round (no previous model) the term adds exactly nothing: the loss and its gradient
+    are the cross-entropy's to the bit (the received model stands in for the previous one, weighted by 0, so
+    that first-timers run the returning clients' step)."""
     algo, _, server = make("moon", {"mu": 5.0})
     first = context(0, server.model, {})
-    loss, metrics = algo.loss(server.model, BATCH, first)
-    assert "contrastive" not in metrics and torch.allclose(loss, metrics["ce"])
+    first.extras = algo.begin(first)
+    local = perturbed(server.model, 0.2, 8)
+    params = {n: local[n].clone().requires_grad_() for n in algo.model.param_names}
+    loss, metrics = algo.loss({**local, **params}, BATCH, first)
+    assert metrics["contrastive"].item() == 0.0 and torch.equal(loss, metrics["ce"])
+    ce = F.cross_entropy(algo.model.logits({**local, **params}, BATCH.x), BATCH.y)
+    assert torch.equal(loss, ce)
+    for got, want in zip(torch.autograd.grad(loss, list(params.values())),
+                         torch.autograd.grad(ce, list(params.values())), strict=True):
+        assert torch.equal(got, want)
     _, state = algo.finish(first, server.model, 1)
     assert set(state) == {"moon.prev/" + n for n in algo.model.state_names}
     # previous model == global model: sim_pos == sim_neg, term = log 2
     later = context(0, server.model, state)
+    later.extras = algo.begin(later)
     _, metrics = algo.loss(perturbed(server.model, 0.1, 9), BATCH, later)
     assert torch.allclose(metrics["contrastive"], torch.tensor(math.log(2)), atol=1e-6)
     z = torch.tensor([[1.0, 0.0]])

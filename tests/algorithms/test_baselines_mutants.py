@@ -131,7 +131,9 @@ def test_moon_logs_cross_entropy_and_contrastive_term_by_name():
     algo, _, server = make("moon", {"mu": 1.0})
     previous = perturbed(server.model, 0.3, 15)
     local = perturbed(server.model, 0.3, 16)
-    _, metrics = algo.loss(local, BATCH, context(0, server.model, {PREV + n: t for n, t in previous.items()}))
+    ctx = context(0, server.model, {PREV + n: t for n, t in previous.items()})
+    ctx.extras = algo.begin(ctx)
+    _, metrics = algo.loss(local, BATCH, ctx)
     assert set(metrics) == {"ce", "contrastive"}
     torch.testing.assert_close(metrics["ce"], F.cross_entropy(algo.model.logits(local, BATCH.x), BATCH.y))
 

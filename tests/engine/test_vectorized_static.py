@@ -23,6 +23,8 @@ from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import (
     ClientPlan,
     CompiledCall,
+    NotReadBySteps,
+    StepReadError,
     VectorizedCache,
     VectorizedGroup,
     train_clients_vectorized,
@@ -446,6 +448,45 @@ def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(
         train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_)[:clients], exp.data,
                                  seed=exp.cfg.seed, train_cfg=exp.cfg.train, memo=memo)
     assert sizes == ([1, 10] if free is None else [1, 7, 3])
+
+
+@pytest.mark.parametrize("method", ["moon", "fedpac", "pfedme"])
+def test_a_sampled_rounds_first_timers_train_in_one_group_with_returning_clients(method, monkeypatch):
+    """A client's first round lacks what its later rounds carry: MOON's and pFedMe's kept state, FedPAC's
+    personalised head in the payload. Their steps read neither (``Algorithm.step_reads``), so a sampled round's
+    first-timers and returning clients train as one vmapped group (a GPU runs groups one after another), with
+    the sequential clients' values. Round 2 of 6 of 30 clients a round: 1 returning client, 5 first-timers."""
+    real_run = VectorizedGroup.run
+    sizes: list[int] = []
+
+    def run(self):
+        sizes.append(len(self.plans))
+        return real_run(self)
+
+    monkeypatch.setattr(VectorizedGroup, "run", run)
+    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "train.clients_per_round=6",
+                                        "train.local_steps=4"]))
+    returning = set(exp.sample_clients(1)) & set(exp.sample_clients(2))
+    assert len(returning) == 1  # the case holds both kinds
+    notes: list[str] = []
+    compare_one_round(exp, rounds_before=1, notes=notes)
+    assert sizes == [6] and not [n for n in notes if "client groups" in n], notes
+
+
+def test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name(monkeypatch):
+    """MOON's step reads the payload (the global model's features): declared away, the step's
+    ``ctx.payload`` is not stacked, and reading it is an error that names the declaration, not a step on
+    an empty dict; so is asking it whether it is empty."""
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=moon", "train.local_steps=2"]))
+    monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
+    with pytest.raises(StepReadError, match=r"a step used ctx\.payload\['.*'\], but its algorithm's step_reads "
+                                            r"leaves 'payload' out: add it to the algorithm's step_reads"):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
+                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+    guard = NotReadBySteps("state")
+    for use in (bool, len, list, lambda d: "x" in d, lambda d: d.get("x")):
+        with pytest.raises(StepReadError, match="ctx.state"):
+            use(guard)
 
 
 def test_one_client_that_does_not_fit_is_an_error(monkeypatch):

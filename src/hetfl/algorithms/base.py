@@ -376,6 +376,11 @@ class Algorithm(PrivateReleases):
     personalized: ClassVar[bool] = False  # no single global model -> no global_acc
     # model parts (keys of MODEL_PARTS) the method cannot work without; checked when a run is set up
     model_requires: ClassVar[tuple[str, ...]] = ()
+    # which of a client context's per-client dicts ("payload", "state") a stage's loss, gradient transform
+    # or draws read. The vectorised executor stacks only those, so that clients whose other dicts differ
+    # in structure (a sampled round's first-timers, with no persistent state yet, and returning clients)
+    # still train as one batched group; a step that reads an undeclared one fails naming this attribute.
+    step_reads: ClassVar[frozenset[str]] = frozenset({"payload", "state"})
 
     def __init__(self, hyper: Any, setup: Setup) -> None:
         self.hp = hyper

@@ -265,6 +265,9 @@ class FedPAC(Algorithm):
     model_requires = ("encoder",)  # feature alignment trains the encoder, apart from the classifier
     dp_releases_key = DP_RELEASES
     dp_upload_keys = (COUNTS, CENTROID_SUMS)
+    # the steps read the state and the extras only: clients with and without a personalised head in their
+    # payload (a sampled round's first-timers) train as one vectorised group
+    step_reads = frozenset()
 
     def __init__(self, hyper: FedPACHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)

@@ -85,6 +85,9 @@ class PFedMe(Algorithm):
     Hyper = PFedMeHyper
     citation = "T. Dinh et al., NeurIPS 2020"
     personalized = False  # w is the global model of the paper's "pFedMe (GM)", evaluated too
+    # a step reads w and theta from its state (both start from the payload): a sampled round's first-timers
+    # and returning clients (with a kept theta, for evaluation) train as one vectorised group
+    step_reads = frozenset()
 
     def start_state(self, ctx: ClientContext) -> Tensors:
         state = {n: ctx.payload[n] for n in self.model.state_names}

@@ -30,7 +30,9 @@ are compiled by ``torch.compile`` first (:mod:`hetfl.engine.compiled_step`: fewe
 kernels per step).
 
 Fallback. Clients whose stage structure or per-client tensor shapes differ are
-run in separate groups; a group whose step cannot be vmapped (data-dependent
+run in separate groups (of the context's dicts, only those the steps read count:
+``Algorithm.step_reads``, so a sampled round's first-timers join the returning
+clients wherever the method allows); a group whose step cannot be vmapped (data-dependent
 Python control flow, ``.item()``, random ops in the model such as dropout) is
 run sequentially, and the reason is reported once through ``log``.
 """
@@ -41,7 +43,7 @@ import contextlib
 import copy
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -90,16 +92,34 @@ def tensors_key(tensors: Tensors) -> tuple[Any, ...]:
     return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
 
 
+STEP_DICTS = ("payload", "state")  # the context's per-client dicts an algorithm's steps may read
+
+
 @dataclass
 class ClientPlan:
-    """One client's round, prepared: its context, stages and starting state."""
+    """One client's round, prepared: its context, stages and starting state. ``unread`` names the
+    context's per-client dicts (:data:`STEP_DICTS`) that the stages do not read
+    (``Algorithm.step_reads``); ``seen`` is the context as the steps see it, those dicts empty, so
+    that they neither split the round's clients into groups nor are stacked."""
 
     ctx: ClientContext
     stages: list[Stage]
     start: Tensors
+    unread: frozenset[str] = frozenset()
+    seen: ClientContext = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seen = replace(self.ctx, **{name: {} for name in self.unread}) if self.unread else self.ctx
+
+    @classmethod
+    def of(cls, algorithm: Algorithm, ctx: ClientContext) -> ClientPlan:
+        """``ctx``'s round under ``algorithm``: its extras (``begin``, set on ``ctx``), stages and start."""
+        ctx.extras = algorithm.begin(ctx)
+        unread = frozenset(STEP_DICTS) - algorithm.step_reads
+        return cls(ctx, algorithm.stages(ctx), algorithm.start_state(ctx), unread)
 
     def key(self) -> tuple[Any, ...]:
-        ctx = self.ctx
+        ctx = self.seen
         return (tuple(stage_key(s) for s in self.stages), tensors_key(self.start), tensors_key(ctx.payload),
                 tensors_key(ctx.state), tensors_key(ctx.extras))
 
@@ -125,10 +145,13 @@ class TemplateContext(ClientContext):
         return object.__getattribute__(self, name)
 
     @classmethod
-    def of(cls, ctx: ClientContext) -> TemplateContext:
+    def of(cls, ctx: ClientContext, unread: frozenset[str] = frozenset()) -> TemplateContext:
+        """The template of ``ctx``'s group; the dicts named in ``unread`` (``ClientPlan.unread``) are
+        :class:`NotReadBySteps` in every step's context."""
         template = cls.__new__(cls)
         template.__dict__.update(ctx.__dict__)
-        template.__dict__.update(client_id=-1, num_samples=0, features=None, inputs=None, reads=set())
+        template.__dict__.update(client_id=-1, num_samples=0, features=None, inputs=None, reads=set(),
+                                 unread={name: NotReadBySteps(name) for name in unread})
         return template
 
     def scalars(self, names: set[str]) -> tuple[Any, ...]:
@@ -137,7 +160,35 @@ class TemplateContext(ClientContext):
     def with_tensors(self, payload: Tensors, state: Tensors, extras: Tensors) -> TemplateContext:
         ctx = copy.copy(self)
         ctx.__dict__.update(payload=payload, state=state, extras=extras)
+        ctx.__dict__.update(object.__getattribute__(self, "unread"))
         return ctx
+
+
+class StepReadError(LookupError):
+    """A step read a context dict that its algorithm's ``step_reads`` leaves out."""
+
+
+class NotReadBySteps(Mapping[str, torch.Tensor]):
+    """A step's ``ctx.payload`` or ``ctx.state`` where the algorithm declares that its steps do not read it
+    (``Algorithm.step_reads``): the vectorised executor did not stack it, so any use (an entry, its
+    length, its truth value, iterating it) raises :class:`StepReadError` naming the declaration, rather
+    than the step computing with an empty dict."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _refuse(self, use: str) -> StepReadError:
+        return StepReadError(f"a step used ctx.{self.name}{use}, but its algorithm's step_reads leaves "
+                             f"{self.name!r} out: add it to the algorithm's step_reads")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        raise self._refuse(f"[{key!r}]")
+
+    def __iter__(self) -> Iterator[str]:
+        raise self._refuse(" (iterated)")
+
+    def __len__(self) -> int:
+        raise self._refuse(" (its length or truth value)")
 
 
 class GroupBuffers:
@@ -149,7 +200,7 @@ class GroupBuffers:
 
     def __init__(self, plans: list[ClientPlan], device: torch.device) -> None:
         self.k, self.device = len(plans), device
-        ctxs = [p.ctx for p in plans]
+        ctxs = [p.seen for p in plans]
         self.state = self._rows([p.start for p in plans])
         self.payload, self.payload_dims = self._shared_or_rows([c.payload for c in ctxs])
         self.cstate, self.cstate_dims = self._shared_or_rows([c.state for c in ctxs])
@@ -181,26 +232,26 @@ class GroupBuffers:
 
     def fits(self, plans: list[ClientPlan]) -> bool:
         """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
-        return len(plans) == self.k and client_axes([p.ctx.payload for p in plans]) == self.payload_dims \
-            and tensors_key(plans[0].ctx.shared) == tensors_key(self.shared) \
-            and client_axes([p.ctx.state for p in plans]) == self.cstate_dims \
-            and client_axes([p.ctx.extras for p in plans]) == self.extras_dims
+        return len(plans) == self.k and client_axes([p.seen.payload for p in plans]) == self.payload_dims \
+            and tensors_key(plans[0].seen.shared) == tensors_key(self.shared) \
+            and client_axes([p.seen.state for p in plans]) == self.cstate_dims \
+            and client_axes([p.seen.extras for p in plans]) == self.extras_dims
 
     def load(self, plans: list[ClientPlan]) -> None:
         """This round's start states, payloads, client states and extras, in place; sums and
         optimiser states zeroed."""
         every_row = dict.fromkeys(self.state, 0)
         for target, dims, dicts in ((self.state, every_row, [p.start for p in plans]),
-                                    (self.payload, self.payload_dims, [p.ctx.payload for p in plans]),
-                                    (self.cstate, self.cstate_dims, [p.ctx.state for p in plans]),
-                                    (self.extras, self.extras_dims, [p.ctx.extras for p in plans])):
+                                    (self.payload, self.payload_dims, [p.seen.payload for p in plans]),
+                                    (self.cstate, self.cstate_dims, [p.seen.state for p in plans]),
+                                    (self.extras, self.extras_dims, [p.seen.extras for p in plans])):
             for name, buffer in target.items():
                 if dims[name] is None:
                     buffer.copy_(dicts[0][name])
                 else:
                     buffer.copy_(torch.stack([*(d[name] for d in dicts), dicts[0][name]]))
         for name, buffer in self.shared.items():
-            buffer.copy_(plans[0].ctx.shared[name])
+            buffer.copy_(plans[0].seen.shared[name])
         for d in (*self.opt, *self.adv_opt):
             for t in d.values():
                 t.zero_()
@@ -280,7 +331,7 @@ class VectorizedGroup:
         self.clients = [c.client_id for c in ctxs]
         self.seed, self.round = seed, ctxs[0].round
         self.batch_gens, self.augment_gens, self.draw_gens = self.generators(self.round)
-        self.template = TemplateContext.of(ctxs[0])
+        self.template = TemplateContext.of(plans[0].seen, plans[0].unread)
         self.cache = cache if step_mode != "eager" else None
         self.uncapturable = self.cache.uncapturable if self.cache is not None else set()
         self.programs: dict[Any, CompiledCall] = self.cache.programs if self.cache is not None else {}
@@ -859,10 +910,7 @@ def train_clients_vectorized(
     step's gradients by ``torch.compile`` (:mod:`hetfl.engine.compiled_step`); ``block_steps``: most steps
     of a call (:mod:`hetfl.engine.step_plan`; default ``step_plan.BLOCK_STEPS``).
     """
-    plans = []
-    for ctx in ctxs:
-        ctx.extras = algorithm.begin(ctx)
-        plans.append(ClientPlan(ctx, algorithm.stages(ctx), algorithm.start_state(ctx)))
+    plans = [ClientPlan.of(algorithm, ctx) for ctx in ctxs]
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, plan in enumerate(plans):
         groups.setdefault(plan.key(), []).append(i)
