@@ -313,15 +313,21 @@ def test_a_plan_drawn_ahead_for_other_clients_is_not_taken_and_none_is_drawn_aga
     assert not cache.ahead
 
 
-def test_a_method_whose_clients_state_appears_in_round_two_takes_its_plans_from_round_three(monkeypatch):
-    """MOON's clients hold their previous local model from round 2 on (and FedPAC's payload a head): the
-    plan drawn ahead in round 1 is missed, the later ones are taken, and the run is the sequential one."""
+@pytest.mark.parametrize(("step_reads", "hits"), [(None, 3), (frozenset({"payload", "state"}), 2)])
+def test_a_plan_drawn_ahead_is_missed_where_the_structure_the_steps_read_changes(monkeypatch, step_reads, hits):
+    """MOON's clients hold their previous local model from round 2 on. Its steps read it from the extras,
+    which hold the received model in round 1: the plan drawn ahead in round 1 is taken in round 2. Had its
+    steps read the client state (``step_reads`` with "state", as a plug-in's may), whose entries appear in
+    round 2, that plan would be missed and the later ones taken. Either way the run is the sequential one."""
     from hetfl.engine import experiment as experiment_module
     from hetfl.engine.summary import Reporter
 
     real = experiment_module.train_clients_vectorized
     monkeypatch.setattr(experiment_module, "train_clients_vectorized",
                         lambda *args, **kwargs: real(*args, **{**kwargs, "step_mode": "static"}))
+    if step_reads is not None:
+        from hetfl.algorithms.moon import Moon
+        monkeypatch.setattr(Moon, "step_reads", step_reads)
     base = [*SMALL, "algorithm.name=moon", "train.rounds=4"]
     finals = {}
     for executor in ("vectorized", "sequential"):
@@ -332,7 +338,7 @@ def test_a_method_whose_clients_state_appears_in_round_two_takes_its_plans_from_
             server = exp.round(server, clients, round_, Reporter())["_server"]
         finals[executor] = server.model
         if executor == "vectorized":
-            assert (exp.vectorized_cache.ahead_tries, exp.vectorized_cache.ahead_hits) == (4, 2)
+            assert (exp.vectorized_cache.ahead_tries, exp.vectorized_cache.ahead_hits) == (4, hits)
     for name, value in finals["sequential"].items():
         assert torch.allclose(finals["vectorized"][name], value, atol=1e-5), name
 
