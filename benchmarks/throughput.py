@@ -176,9 +176,16 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=[*GRAPH_VARIANTS, *CPU_VARIANTS], default=None,
                         help="the CUDA-graph variants (CUDA) or vmapped variants (CPU) to run besides "
                              f"sequential and vectorized (default: all but {', '.join(ON_REQUEST)})")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's CPU thread count for every variant, hetfl's (runtime.threads) and the loops "
+                             "(a) and (d) alike (default: torch's count at start). hetfl's own default, "
+                             "runtime.threads = 0, runs a small CPU step on one thread: left to it, (b) and (c) "
+                             "would run on another count than (a) and (d)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # recorded with the machine
     rows: list[dict] = []
     save = recorder(args, device, rows)
     for model in args.models:
@@ -188,7 +195,7 @@ def main() -> None:
                         "data.partition=dirichlet", "data.alpha=0.1", f"data.num_clients={clients}",
                         f"model.name={model}", f"train.batch_size={bs}", "train.local_epochs=1", "train.lr=0.01",
                         "train.momentum=0.9", "runtime.progress=false", "runtime.checkpoint_every=0",
-                        f"data.augment={args.augment}"]
+                        f"data.augment={args.augment}", f"runtime.threads={threads}"]
                 res = {}
                 variants = {"sequential": ["runtime.executor=sequential"],
                             "vectorized": ["runtime.executor=vectorized", "runtime.cuda_graph=false"]}
@@ -200,6 +207,7 @@ def main() -> None:
                     exp = Experiment(config.load(None, [*base, *keys]))
                     with plain_layers(name in PLAIN_LAYERS), no_plans_ahead(name in NO_PLANS_AHEAD):
                         res[name] = hetfl_round(exp)
+                torch.set_num_threads(threads)  # (a) and (d) on the count every variant ran on
                 if not args.skip_peer:
                     res["peer"] = peer_round(exp, bs, 0.01)
                 res["ceiling"] = ceiling_round(exp, bs, 0.01)

@@ -495,6 +495,21 @@ def test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refuse
             use(guard)
 
 
+def test_a_metric_that_is_a_trainable_tensor_is_logged_as_the_step_used_it():
+    """FedETF logs its learnable temperature ``beta``, the tensor itself. ``vmap`` hands it back as a view of
+    the group's buffer, which the step's update then writes in place: the vectorised clients logged the updated
+    value (1e-2 from the sequential clients' sums over 4 steps). They now log what the step used."""
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedetf", "algorithm.pers_cycles=1",
+                                        "algorithm.pers_epochs=1", "train.local_steps=4"]))
+    server = exp.initial_server()
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)[:4]]
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1)[:4], exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+    for a, b in zip(seq, vec, strict=True):
+        assert b.metric_sums["beta"] == pytest.approx(a.metric_sums["beta"], abs=1e-6)
+
+
 def test_one_client_that_does_not_fit_is_an_error(monkeypatch):
     def never_fits(self):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")

@@ -270,6 +270,16 @@ class GroupBuffers:
         return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums]
 
 
+def unaliased(metrics: Tensors, written: Sequence[torch.Tensor]) -> Tensors:
+    """``metrics`` with a copy of each that shares memory with the tensors a step's update is about to
+    write in place (a loss may log a trainable tensor itself: FedETF's ``beta``, which ``vmap`` hands back
+    as a view of the group's buffer), so that a metric is the value the step used, as in the sequential
+    executor, not the updated one. Copies only where memory is shared: no kernel otherwise."""
+    storages = {t.untyped_storage().data_ptr() for t in written}
+    return {key: value.clone() if value.untyped_storage().data_ptr() in storages else value
+            for key, value in metrics.items()}
+
+
 def channels_last_for_vmap(x: torch.Tensor) -> torch.Tensor:
     """Images ``[clients, batch, C, H, W]`` stored so that a vmapped convolution sees them in the
     channels-last layout cuDNN prefers (its tensor-core kernels work in NHWC; an NCHW input is
@@ -556,6 +566,7 @@ class VectorizedGroup:
         for name, value in new_buffers.items():
             state[name].copy_(value)
         names = list(grads)
+        metrics = unaliased(metrics, [state[n] for n in names])
         mine = {n: take(t) for n, t in opt.items()}
         sgd_update_([state[n] for n in names], [grads[n] for n in names], [mine[n] for n in names] if mine else [],
                     stage.sgd, first, lr)
