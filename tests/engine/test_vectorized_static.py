@@ -431,13 +431,9 @@ def test_running_out_of_memory_halves_the_chunk_and_gives_the_same_clients(monke
     assert set(sizes) == {3}
 
 
-@pytest.mark.parametrize("free", [None, 10_000])
-def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(monkeypatch, free):
-    """What the executor keeps for a group structure is how many clients fit at once, not how many the group
-    held when first met. MOON's clients with a previous model are one in its second round and three in its
-    third: they then trained one at a time for the rest of the run (and a resumed run, meeting them first as
-    three, trained them together: another rounding). CPU (no limit known), and 7 that fit: 0.7 x 10,000 bytes
-    free / 1,000 a client."""
+@pytest.fixture
+def group_sizes(monkeypatch) -> list[int]:
+    """The number of clients of every vectorised group run (``VectorizedGroup.run``), in order."""
     real_run = VectorizedGroup.run
     sizes: list[int] = []
 
@@ -446,6 +442,16 @@ def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(
         return real_run(self)
 
     monkeypatch.setattr(VectorizedGroup, "run", run)
+    return sizes
+
+
+@pytest.mark.parametrize("free", [None, 10_000])
+def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(monkeypatch, free, group_sizes):
+    """What the executor keeps for a group structure is how many clients fit at once, not how many the group
+    held when first met. MOON's clients with a previous model are one in its second round and three in its
+    third: they then trained one at a time for the rest of the run (and a resumed run, meeting them first as
+    three, trained them together: another rounding). CPU (no limit known), and 7 that fit: 0.7 x 10,000 bytes
+    free / 1,000 a client."""
     monkeypatch.setattr(vectorized, "free_memory_bytes", lambda device: free)
     monkeypatch.setattr(vectorized, "probe_client_bytes", lambda plan, data, **kw: 1_000)
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
@@ -453,30 +459,22 @@ def test_a_group_first_met_with_few_clients_later_trains_as_many_as_fit_at_once(
     for round_, clients in ((1, 1), (2, 10)):
         train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_)[:clients], exp.data,
                                  seed=exp.cfg.seed, train_cfg=exp.cfg.train, memo=memo)
-    assert sizes == ([1, 10] if free is None else [1, 7, 3])
+    assert group_sizes == ([1, 10] if free is None else [1, 7, 3])
 
 
 @pytest.mark.parametrize("method", ["moon", "fedpac", "pfedme"])
-def test_a_sampled_rounds_first_timers_train_in_one_group_with_returning_clients(method, monkeypatch):
+def test_a_sampled_rounds_first_timers_train_in_one_group_with_returning_clients(method, group_sizes):
     """A client's first round lacks what its later rounds carry: MOON's and pFedMe's kept state, FedPAC's
     personalised head in the payload. Their steps read neither (``Algorithm.step_reads``), so a sampled round's
     first-timers and returning clients train as one vmapped group (a GPU runs groups one after another), with
     the sequential clients' values. Round 2 of 6 of 30 clients a round: 1 returning client, 5 first-timers."""
-    real_run = VectorizedGroup.run
-    sizes: list[int] = []
-
-    def run(self):
-        sizes.append(len(self.plans))
-        return real_run(self)
-
-    monkeypatch.setattr(VectorizedGroup, "run", run)
     exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", "train.clients_per_round=6",
                                         "train.local_steps=4"]))
     returning = set(exp.sample_clients(1)) & set(exp.sample_clients(2))
     assert len(returning) == 1  # the case holds both kinds
     notes: list[str] = []
     compare_one_round(exp, rounds_before=1, notes=notes)
-    assert sizes == [6] and not [n for n in notes if "client groups" in n], notes
+    assert group_sizes == [6] and not [n for n in notes if "client groups" in n], notes
 
 
 def test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name(monkeypatch):
