@@ -53,7 +53,7 @@ from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensor
 from hetfl.engine import step_plan
 from hetfl.engine.compiled_step import StepContext, run_compiled, vmapped_step
 from hetfl.engine.data import FederatedData
-from hetfl.engine.local import LocalResult, run_stages, step_gradients
+from hetfl.engine.local import LocalResult, run_stages, step_gradients, unaliased
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
 from hetfl.models.layers import CONV_BATCHING, client_batching
 from hetfl.optim import sgd_init, sgd_update_
@@ -268,16 +268,6 @@ class GroupBuffers:
     def tensors(self, stage_index: int) -> list[Tensors]:
         """What a stage's steps write: the states, its optimiser states and the sums."""
         return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums]
-
-
-def unaliased(metrics: Tensors, written: Sequence[torch.Tensor]) -> Tensors:
-    """``metrics`` with a copy of each that shares memory with the tensors a step's update is about to
-    write in place (a loss may log a trainable tensor itself: FedETF's ``beta``, which ``vmap`` hands back
-    as a view of the group's buffer), so that a metric is the value the step used, as in the sequential
-    executor, not the updated one. Copies only where memory is shared: no kernel otherwise."""
-    storages = {t.untyped_storage().data_ptr() for t in written}
-    return {key: value.clone() if value.untyped_storage().data_ptr() in storages else value
-            for key, value in metrics.items()}
 
 
 def channels_last_for_vmap(x: torch.Tensor) -> torch.Tensor:
