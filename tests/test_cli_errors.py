@@ -37,6 +37,8 @@ CASES = {
     "zero rounds": (["--set", "train.rounds=0"], "train.rounds"),
     "unknown algorithm": (["--set", "algorithm.name=fedfoo"], "algorithm.name"),
     "unknown post-hoc step": (["--set", "algorithm.name=fedavg+foo"], "algorithm.name"),
+    "a post-hoc step named as the method": (["--set", "algorithm.name=ccvr"], "e.g. fedavg+ccvr"),
+    "a post-hoc step before the method": (["--set", "algorithm.name=ccvr+fedavg"], "e.g. fedavg+ccvr"),
     "unknown method setting": (["--set", "algorithm.name=fedprox", "--set", "algorithm.muu=1"], "algorithm.muu"),
     "bad method setting": (["--set", "algorithm.name=fedprox", "--set", "algorithm.mu=-1"], "algorithm.mu"),
     "unknown model": (["--set", "model.name=transformer9000"], "model"),

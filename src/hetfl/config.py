@@ -137,6 +137,11 @@ class RuntimeConfig:
                      "and quartiles). Output only: not part of a run's identity")
     threads: int = setting(0, ge=0, le=1024, doc="torch CPU threads, process-wide (0 = auto: one thread for a small "
                                                  "training step on a CPU device, torch's default for a large one)")
+    keep_freed_memory: bool = setting(
+        True, doc="on a CPU device with glibc's malloc: keep the memory of freed tensors in the process for the "
+                  "next step (mallopt), instead of giving it back to the system and page-faulting it in again at "
+                  "every step (1.2x a round of a small CNN); process-wide, given back when a run ends; left as it "
+                  "is where MALLOC_* variables, GLIBC_TUNABLES or LD_PRELOAD choose. Changes no number")
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
         (), doc="rounds after which every participating client's local model is saved (layer-wise CKA)")

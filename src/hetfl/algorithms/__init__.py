@@ -83,6 +83,11 @@ def available() -> list[str]:
 def algorithm_class(name: str) -> type[Algorithm]:
     if name in _CLASSES:
         return _CLASSES[name]
+    if name in _POSTHOC:  # the likely first try for CCVR: a step that runs after a method's training
+        raise ConfigError("algorithm.name", name,
+                          f"{name!r} is a post-hoc step, not a training method: it runs after a method's "
+                          f"training and is named after it with '+', e.g. fedavg+{name} (the method list: "
+                          "hetfl list algorithms)")
     if name not in available():
         raise ConfigError("algorithm.name", name, "unknown method; " + did_you_mean(name, available())
                           + "allowed: " + ", ".join(available()) + "; a method defined in a plug-in file needs "

@@ -41,7 +41,7 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
-from hetfl.engine import resources, secure_sum, threads
+from hetfl.engine import host_memory, resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     TRAINED_NAME,
     Checkpoint,
@@ -160,6 +160,8 @@ class Experiment:
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)
         threads.fit_threads(cfg, self.device, self.model, info.input_shape, vmap)  # runtime.threads; 0: fit to the step
+        if cfg.runtime.keep_freed_memory and self.device.type == "cpu":
+            host_memory.keep_freed_memory()  # no page faults for the memory each step frees and takes again
         check_model_parts(cfg.algorithm.name, cfg.model, param_groups(self.model), info.input_shape, info.num_classes)
         self.model.to(self.device).train()
         self.caller = ModelCaller(self.model)
@@ -289,7 +291,10 @@ class Experiment:
                 save_checkpoint(run_dir, Checkpoint(trained_ckpt.round, trained_ckpt.server, trained_ckpt.clients,
                                                     info))
                 resume = True
-            return self.run_locked(run_dir, resume, reporter or Reporter())
+            try:
+                return self.run_locked(run_dir, resume, reporter or Reporter())
+            finally:
+                host_memory.release_freed_memory()
 
     def trained_checkpoint(self, trained_dir: Path) -> Checkpoint:
         """``trained_dir``'s model before its post-hoc steps, checked to be this run's training: the same

@@ -29,9 +29,10 @@ from hetfl.params import ConfigError, to_dict
 #: keys that do not change a run's numbers and are left out of its identity: what the terminal shows,
 #: where decoded data is cached (the cache is keyed by the source files, so any folder gives the same arrays),
 #: where the numbers are also sent (hetfl.tracking: a run resumed or compared with tracking on is the same run),
-#: how often the per-client accuracies are also written (client_metrics.jsonl; the metrics line is the same)
+#: how often the per-client accuracies are also written (client_metrics.jsonl; the metrics line is the same),
+#: whether freed CPU memory stays in the process (hetfl.engine.host_memory: where a tensor lives, not its values)
 PRESENTATION_KEYS = frozenset({
-    "runtime.progress", "data.cache_dir", "runtime.client_metrics_every",
+    "runtime.progress", "data.cache_dir", "runtime.client_metrics_every", "runtime.keep_freed_memory",
     "tracking.tensorboard", "tracking.tensorboard_dir", "tracking.mlflow", "tracking.mlflow_uri",
     "tracking.experiment", "tracking.run_name",
 })
