@@ -163,7 +163,7 @@ def sgd_step_(
     bit), and the updated model buffers are put in ``state``; returns (loss, metrics).
 
     For a state the caller owns (:func:`run_stages` trains a copy of its start): no new parameter
-    tensors a step. On one CPU thread a round of the 2-conv CNN at batch 10 took 1.07x as long with
+    tensors a step. On one CPU thread a round of the 2-conv CNN at batch 10 took 1.08x as long with
     the functional update (``benchmarks/results/sequential_update_cpu.md``)."""
     grads, new_buffers, loss, metrics = step_gradients(stage, state, batch, ctx, max_grad_norm, autograd_grad,
                                                        buffers, precision)
