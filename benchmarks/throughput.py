@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from hetfl import config
-from hetfl.engine import vectorized
+from hetfl.engine import host_memory, vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.summary import Reporter
 
@@ -186,8 +186,11 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # recorded with the machine
+    # on a CPU, freed memory kept in the process for every variant, (a) and (d) alike (hetfl's runs set it
+    # anyway, process-wide; set here so that the loops do not depend on which ran first); recorded too
+    kept = host_memory.keep_freed_memory() if device == "cpu" else None
     rows: list[dict] = []
-    save = recorder(args, device, rows)
+    save = recorder(args, device, rows, kept)
     for model in args.models:
         for clients in args.clients:
             for bs in args.batch_sizes:
@@ -222,11 +225,11 @@ def main() -> None:
                 save()
 
 
-def recorder(args: argparse.Namespace, device: str, rows: list[dict]) -> Callable[[], None]:
+def recorder(args: argparse.Namespace, device: str, rows: list[dict], kept: bool | None) -> Callable[[], None]:
     """A function that writes the results recorded so far (this run's entry, holding ``rows``, after the
     earlier runs' entries): called after every row, so a run cut at a time limit keeps its finished rows."""
     machine = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "freed_memory_kept": kept}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"throughput_{device}"
@@ -249,8 +252,10 @@ def render(entries: list[dict], device: str) -> str:
     lines = [f"# Client-training throughput ({device})", "",
              "Samples/s of local training (whole round incl. evaluation in brackets); ratios of training rates.", ""]
     for e in entries:
+        kept = {True: ", freed memory kept", False: ", freed memory given back"}.get(
+            e["machine"].get("freed_memory_kept"), "")
         lines += [f"`{e['command']}` on {e['machine']['device']} ({e['machine']['threads']} threads, torch "
-                  f"{e['machine']['torch']}), {e['dataset']}", ""]
+                  f"{e['machine']['torch']}{kept}), {e['dataset']}", ""]
         variants = [v for v in COLUMNS if any(v in r["train_samples_per_s"] for r in e["rows"])]
         bf16 = any("ceiling_bf16" in r["train_samples_per_s"] for r in e["rows"])
         lines += ["| model | clients | batch | " + " | ".join(COLUMNS[v] for v in variants)
