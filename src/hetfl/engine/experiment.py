@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +343,14 @@ class Experiment:
             if changed:
                 raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
                                   f"({'; '.join(changed[:5])})")
+        elif resume and (run_dir / CONFIG_NAME).exists():
+            # no checkpoint yet (stopped before the first): the run's config.toml is the configuration it ran
+            # with; another one would count the releases already made as its own (privacy_ledger.json)
+            saved = saved_config(run_dir / CONFIG_NAME)
+            changed = config_changes(saved, cfg) if saved is not None else [f"{CONFIG_NAME} cannot be read"]
+            if changed:
+                raise RunDirError(f"{run_dir / CONFIG_NAME}: the interrupted run there (no checkpoint yet) has a "
+                                  f"different configuration ({'; '.join(changed[:5])}; there -> now)")
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
@@ -639,6 +648,14 @@ class Experiment:
             "_server": new_server,
         }
 
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """A run directory's ``config.toml`` as a tree (None if it cannot be read as TOML)."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
 
 
 def keeps_trained_model(cfg: RunConfig) -> bool:
