@@ -52,7 +52,7 @@ from hetfl.engine.checkpoint import (
 )
 from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracy_and_loss
-from hetfl.engine.federation import Federation, InProcessFederation
+from hetfl.engine.federation import Federation, InProcessFederation, PhaseStopped
 from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.local import LocalResult, run_stages, train_client
 from hetfl.engine.messages import nbytes
@@ -550,7 +550,12 @@ class Experiment:
                                         self.cfg.train.eval_batch_size)[1]
                 line[f"global_acc_before_{step.name}"] = acc
             raw = without_feature_transforms(server.model)
-            replies = self.federation.posthoc_replies(step, raw, round_)
+            try:
+                replies = self.federation.posthoc_replies(step, raw, round_)
+            except PhaseStopped as err:  # the replies the server got before the stop are spent: recorded
+                if err.received:
+                    self.account_release(step, err.received, round_, server)
+                raise
             server = self.account_release(step, replies, round_, server)
             if isinstance(replies, SummedReplies):  # secure aggregation: each client uploaded its masked vector
                 line["bytes_up"] += getattr(replies, "bytes_per_client", 0) * len(replies.clients)
@@ -620,7 +625,13 @@ class Experiment:
         sampled = self.sample_clients(round_)
         lr = lr_at(cfg, round_)
         reporter.round_start(round_, len(sampled))
-        updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
+        try:
+            updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
+        except PhaseStopped as err:  # the uploads the server got before the stop are spent: recorded
+            if err.received:
+                self.account_release(algo, [Upload(u.client_id, u.upload, u.num_samples, u.steps)
+                                            for u in err.received], round_, server)
+            raise
         uploads: list[Upload] = []
         bytes_up = 0
         loss_sum = 0.0
