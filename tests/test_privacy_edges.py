@@ -184,6 +184,31 @@ def test_a_resume_whose_ledger_lost_releases_is_refused(tmp_path, monkeypatch, c
     assert sorted(p.name for p in run.iterdir()) == before
 
 
+def test_a_resume_before_the_first_checkpoint_with_other_privacy_settings_is_refused(tmp_path, monkeypatch):
+    """Audit of session 27 (failed before its fix): a FedPAC run at dp_epsilon 50 (OS noise, no checkpoint yet)
+    stopped after 2 of its 3 rounds, then resumed through the Python API with dp_epsilon 1. The resume had no
+    checkpoint to compare configurations with, so it went on: the ledger held 2 releases at multiplier 0.52 and
+    3 at 12.9, and the summary reported epsilon 1.32 (5 releases counted at the new multiplier) where 37.4 was
+    spent; config.toml still said 50. Without a checkpoint the run's config.toml is the configuration to match."""
+    from hetfl.engine.rundir import RunDirError
+    from hetfl.runtimes import set_up
+
+    base = [*TINY, "algorithm.name=fedpac", "model.name=mlp", "algorithm.dp_noise_source=os", "train.rounds=3",
+            "train.local_steps=1", "runtime.checkpoint_every=0"]
+    run = tmp_path / "run"
+    interrupted(run, 2, monkeypatch, config.load(None, [*base, "algorithm.dp_epsilon=50"]))
+    assert not (run / "checkpoint.safetensors").exists()
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(RunDirError, match=r"config.toml.*algorithm\.dp_epsilon: 50(\.0)? -> 1(\.0)?"):
+        set_up(config.load(None, [*base, "algorithm.dp_epsilon=1"])).run(run, resume=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # nothing written
+    # the same configuration resumes, and counts the two releases made before at their own multiplier
+    summary = set_up(config.load(None, [*base, "algorithm.dp_epsilon=50"])).run(run, resume=True)
+    assert summary["privacy"]["releases"] == 5
+    assert summary["privacy"]["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(50.0, 1e-5, 3)] * 5, 1e-5),
+                                                          rel=1e-9)
+
+
 # ----------------------------------------------------------- item 2: the guarantee the server faces
 def test_fedpac_with_distributed_noise_is_refused_naming_the_key(tmp_path, capsys):
     """FedPAC's uploads are never securely aggregated: distributed noise would give the server each upload at

@@ -287,3 +287,43 @@ def test_a_fedpac_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path,
     got = metrics(run)
     assert [x["failed_clients"] for x in got] == [[], [1]], got
     assert answers_per_round(floored, "fedpac") == {"1": 2}
+
+
+@pytest.mark.parametrize("method", ["fedpac", "ccvr"])
+def test_uploads_received_in_a_round_stopped_by_the_quorum_count_after_the_resume(method, tmp_path, monkeypatch):
+    """Audit of session 27 (failed before its fix): with OS noise, round 2 stopped by the quorum (a node answered
+    with an error) after the server had received and decoded the two other clients' noisy uploads; the stop
+    recorded nothing in the privacy ledger, and the resumed round 2 released fresh noise. The summary counted 2
+    releases where those clients made 3 (FedPAC: epsilon 4.0 reported, 5.06 spent). The uploads a stopped round
+    received are recorded before the run stops, so the resumed run counts them."""
+    from hetfl.privacy import epsilon_spent, noise_multiplier
+
+    private = (["algorithm.name=fedpac", "algorithm.dp_epsilon=4", "algorithm.dp_noise=local",
+                "algorithm.dp_noise_source=os"] if method == "fedpac" else
+               ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4", "algorithm.ccvr.every_round=true",
+                "algorithm.ccvr.dp_noise=local", "algorithm.ccvr.epochs=1", "algorithm.ccvr.dp_noise_source=os"])
+    overrides = [*SMALL, *private, "runtime.checkpoint_every=1", "runtime.flower_min_replies=0"]
+    grid, run = LoopbackGrid(3), tmp_path / "run"
+    original = FlowerFederation.exchange
+
+    def exchange(self, kind, contents, round_):  # the third node fails its round-2 private phase
+        phase = "train" if method == "fedpac" else "posthoc"
+        if round_ == 2 and kind.endswith(phase):
+            grid.broken.add(grid.ids[2])
+        try:
+            return original(self, kind, contents, round_)
+        finally:
+            grid.broken.clear()
+
+    monkeypatch.setattr(FlowerFederation, "exchange", exchange)
+    with pytest.raises(FlowerRoundError, match=r"round 2, .*2 of 3 clients answered"):
+        run_on(grid, overrides, run)
+    monkeypatch.setattr(FlowerFederation, "exchange", original)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2]  # round 2: the two uploads the server received before stopping
+    run_on(grid, overrides, run, resume=True)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2, 2]
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy["releases"] == 3
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)

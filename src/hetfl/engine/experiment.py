@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from hetfl.engine.checkpoint import (
 )
 from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracy_and_loss
-from hetfl.engine.federation import Federation, InProcessFederation
+from hetfl.engine.federation import Federation, InProcessFederation, PhaseStopped
 from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.local import LocalResult, run_stages, train_client
 from hetfl.engine.messages import nbytes
@@ -342,6 +343,14 @@ class Experiment:
             if changed:
                 raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
                                   f"({'; '.join(changed[:5])})")
+        elif resume and (run_dir / CONFIG_NAME).exists():
+            # no checkpoint yet (stopped before the first): the run's config.toml is the configuration it ran
+            # with; another one would count the releases already made as its own (privacy_ledger.json)
+            saved = saved_config(run_dir / CONFIG_NAME)
+            changed = config_changes(saved, cfg) if saved is not None else [f"{CONFIG_NAME} cannot be read"]
+            if changed:
+                raise RunDirError(f"{run_dir / CONFIG_NAME}: the interrupted run there (no checkpoint yet) has a "
+                                  f"different configuration ({'; '.join(changed[:5])}; there -> now)")
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
@@ -541,7 +550,12 @@ class Experiment:
                                         self.cfg.train.eval_batch_size)[1]
                 line[f"global_acc_before_{step.name}"] = acc
             raw = without_feature_transforms(server.model)
-            replies = self.federation.posthoc_replies(step, raw, round_)
+            try:
+                replies = self.federation.posthoc_replies(step, raw, round_)
+            except PhaseStopped as err:  # the replies the server got before the stop are spent: recorded
+                if err.received:
+                    self.account_release(step, err.received, round_, server)
+                raise
             server = self.account_release(step, replies, round_, server)
             if isinstance(replies, SummedReplies):  # secure aggregation: each client uploaded its masked vector
                 line["bytes_up"] += getattr(replies, "bytes_per_client", 0) * len(replies.clients)
@@ -611,7 +625,13 @@ class Experiment:
         sampled = self.sample_clients(round_)
         lr = lr_at(cfg, round_)
         reporter.round_start(round_, len(sampled))
-        updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
+        try:
+            updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
+        except PhaseStopped as err:  # the uploads the server got before the stop are spent: recorded
+            if err.received:
+                self.account_release(algo, [Upload(u.client_id, u.upload, u.num_samples, u.steps)
+                                            for u in err.received], round_, server)
+            raise
         uploads: list[Upload] = []
         bytes_up = 0
         loss_sum = 0.0
@@ -639,6 +659,14 @@ class Experiment:
             "_server": new_server,
         }
 
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """A run directory's ``config.toml`` as a tree (None if it cannot be read as TOML)."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
 
 
 def keeps_trained_model(cfg: RunConfig) -> bool:

@@ -30,6 +30,18 @@ from hetfl.engine.summary import Reporter
 GLOBAL_EVAL_HOOKS = ("client_model", "personalize_stages", "predictor")
 
 
+class PhaseStopped(RuntimeError):
+    """A phase of a round stopped the run (too few clients answered) after the server had received some replies.
+
+    ``received``: what it received (a training phase's ``ClientUpdate`` list, a post-hoc step's replies by
+    client; None: nothing). The engine records the differentially private releases in it in the run's privacy
+    ledger before the run stops: the server has them, and the resumed round releases again."""
+
+    def __init__(self, message: str, received: Any = None) -> None:
+        super().__init__(message)
+        self.received = received
+
+
 class Federation(Protocol):
     """The clients of an experiment, as the round loop (:meth:`Experiment.round_loop`) reaches them.
 

@@ -45,6 +45,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from hetfl import config as config_mod
 from hetfl.algorithms.base import SHARED, Algorithm, ServerState, Tensors
 from hetfl.algorithms.posthoc import Replies
+from hetfl.engine.federation import PhaseStopped
 from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
@@ -69,8 +70,9 @@ class MalformedReply(ValueError):
     """A client's reply the server cannot use (its reason is logged, the client counts as not answering)."""
 
 
-class FlowerRoundError(RuntimeError):
-    """Too few clients answered a phase of a round."""
+class FlowerRoundError(PhaseStopped):
+    """Too few clients answered a phase of a round (``received``: the replies the server had, for the
+    privacy ledger)."""
 
 
 class FlowerStopped(RuntimeError):
@@ -341,7 +343,7 @@ class FlowerFederation:
             self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
         return out
 
-    def check_quorum(self, answered: int, asked: int, round_: int, phase: str) -> None:
+    def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
         if asked == 0:
             return
         need = asked if self.min_replies == 0 else min(self.min_replies, asked)
@@ -350,7 +352,7 @@ class FlowerFederation:
             reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(self.failed.items())[:5])
             raise FlowerRoundError(
                 f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
-                f"{self.min_replies} needs {need} ({reasons})")
+                f"{self.min_replies} needs {need} ({reasons})", received)
 
     def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
         shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
@@ -414,7 +416,7 @@ class FlowerFederation:
                 self.has_state.add(c)
             self.acknowledge(c, server)
             reporter.client_done()
-        self.check_quorum(len(updates), len(sampled), round_, "training")
+        self.check_quorum(len(updates), len(sampled), round_, "training", updates)
         return updates, bytes_down
 
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
@@ -465,7 +467,7 @@ class FlowerFederation:
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
         replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
-        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}")
+        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies)
         return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
