@@ -140,7 +140,8 @@ CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
 COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
 HEAD, OWN_HEAD = "fedpac.head/", "fedpac.local_head/"
 DP_RELEASES = "fedpac/dp_multipliers"  # server extra: the noise multiplier of each round's summed statistics
-DP_COVERS = "per-class counts and feature sums (the centroids); not h_i, v_i, the classifiers or the encoder"
+DP_COVERS = ("per-class counts and feature sums (the centroids); not the sample count n_i (the aggregation weight), "
+             "h_i, v_i, the classifiers or the encoder")
 
 
 @dataclass(frozen=True)
