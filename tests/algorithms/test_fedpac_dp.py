@@ -88,7 +88,8 @@ def test_the_budget_composes_over_the_rounds_and_is_reported():
         info = algo.round_info(server, uploads, round_)
         assert info["dp_releases"] == round_
     assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) == info["dp_epsilon_per_upload"]
-    assert "not h_i" in info["dp_covers"] and info["dp_accountant"].startswith("dp-accounting")
+    assert "not the sample count n_i" in info["dp_covers"] and "h_i" in info["dp_covers"]
+    assert info["dp_accountant"].startswith("dp-accounting")
     assert info["dp_secure_aggregation"] is False  # a report reads it: without it the server saw each upload
     z = algo.mechanism.multiplier
     assert server.extra[DP_RELEASES].tolist() == [pytest.approx(2 * z)] * 3  # the sum of 4 local noises: 2z
