@@ -496,3 +496,75 @@ def test_the_comparison_table_shows_the_budget_each_private_row_spent_as_its_ser
     assert tables.privacy_cell(row) == "no single budget (a seed made no private release)"
     unprivate = tables.table_rows([_record("fedavg", 0, 0.4)], target=None)
     assert "dp_epsilon" not in unprivate[0] and "privacy" not in tables.to_markdown(unprivate, None).lower()
+
+
+# ----------------------------------------------------------------- audit 2: a plug-in that breaks the interface
+_PENALTY_PLUGIN = '''
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+from hetfl.params import setting
+
+
+@dataclass(frozen=True)
+class ClsL2Hyper:
+    """weight: L2 penalty on the classifier."""
+    weight: float = setting(0.01, ge=0.0, doc="penalty weight")
+
+
+@register
+class ClsL2(Algorithm):
+    name = "clsl2"
+    Hyper = ClsL2Hyper
+
+    def loss(self, state, batch, ctx):
+        ce = F.cross_entropy(self.model.logits(state, batch.x), batch.y)
+        pen = sum(state[n].pow(2).sum() for n in self.setup.groups["classifier"])
+        return RETURN
+'''
+
+
+@pytest.mark.parametrize("returned, said", [
+    ("ce + self.hp.weight * pen", "it returned a Tensor"),  # the parts forgotten
+    ('ce + self.hp.weight * pen, {"ce": ce.detach(), "l2": pen.item()}', "its part 'l2' is a float (`.item()`"),
+])
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_a_plugin_loss_that_returns_the_wrong_thing_stops_with_one_line_naming_it(
+        tmp_path, monkeypatch, capsys, one_thread, returned, said, executor):
+    """A first method written from the README returns the loss alone, or its parts with .item(): the run stops
+    with exit 2 and a message naming the hook and the expected return (before: a traceback from the engine,
+    "iteration over a 0-d tensor"), and says how to continue once it is fixed."""
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", returned))
+    out = tmp_path / "r"
+    argv = ["run", "--plugin", str(plugin), "--set", "algorithm.name=clsl2", "--set", "model.name=mlp",
+            "--set", "train.rounds=1", "--set", f"runtime.executor={executor}", "--set", "runtime.vmap_on_cpu=true",
+            "--set", "data.options={max_samples = 150}", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "ClsL2.loss (stage 'local') must return (loss, parts)" in err and said in err
+    assert f"--resume {out} --plugin {plugin}" in err
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", 'ce + self.hp.weight * pen, {"ce": ce.detach()}'))
+    assert main(["run", "--resume", str(out), "--plugin", str(plugin), "--quiet"]) == 0  # fixed, it goes on
+
+
+def test_a_plugin_loss_with_the_wrong_signature_is_refused_when_the_plugin_loads(tmp_path, monkeypatch, capsys):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2_sig.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", "ce, {}").replace("(self, state, batch, ctx)",
+                                                                           "(self, state, batch)"))
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=clsl2", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfl: error: --plugin {plugin}: ClsL2.loss(self, state, batch) must take "
+                          "(self, state, batch, ctx)")
+    assert not (tmp_path / "r").exists()

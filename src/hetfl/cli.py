@@ -40,6 +40,7 @@ from hetfl.params import ConfigError, did_you_mean
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (exit code 2)."""
+    from hetfl.algorithms.base import MethodError
     from hetfl.analysis.run import AnalysisError
     from hetfl.data.base import DatasetError
     from hetfl.data.partition import PartitionError
@@ -49,7 +50,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hetfl.report import ReportError
 
     return (ConfigError, DatasetError, PartitionError, ModelError, CheckpointError, RunDirError, AnalysisError,
-            ReportError)
+            ReportError, MethodError)
+
+
+def _is_method_error(err: BaseException) -> bool:
+    """Whether ``err`` is a method's broken interface met during a run (not while loading its plug-in)."""
+    from hetfl.algorithms.base import MethodError
+
+    return isinstance(err, MethodError) and not str(err).startswith("--plugin ")
 
 
 def _calibration_errors() -> tuple[type[Exception], ...]:
@@ -451,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args, console))
     except _user_errors() as err:
         print(f"hetfl: error: {err}", file=sys.stderr)
+        if _is_method_error(err):  # raised while a run trained: its folder holds what was done so far
+            print(f"hetfl: once the method is fixed, {interrupted_hint(args, argv)}", file=sys.stderr)
         return 2
     except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
         print(f"hetfl: error: {err}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import MODEL_PARTS, Algorithm, Setup, model_provides
+from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, model_provides
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
@@ -69,7 +70,14 @@ _POSTHOC: dict[str, str] = {"ccvr": "hetfl.algorithms.ccvr:CCVR"}
 def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make a method available as ``algorithm.name = cls.name``."""
     if not cls.name or "+" in cls.name:
-        raise ValueError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+        raise MethodError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+    if cls.loss is not Algorithm.loss:
+        try:
+            inspect.signature(cls.loss).bind(None, "state", "batch", "ctx")
+        except TypeError:
+            raise MethodError(f"{cls.__name__}.loss{inspect.signature(cls.loss)} must take (self, state, batch, "
+                              "ctx): the state dict it trains, the batch (batch.x, batch.y) and the client's "
+                              "context") from None
     _CLASSES[cls.name] = cls
     return cls
 
@@ -109,7 +117,10 @@ def load_plugin(path: str) -> None:
     spec = importlib.util.spec_from_file_location(f"hetfl_plugin_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except MethodError as err:
+        raise MethodError(f"--plugin {path}: {err}") from None
     _PLUGIN_FILES[spec.name] = str(file.resolve())  # type: ignore[union-attr]
 
 
