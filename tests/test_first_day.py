@@ -210,6 +210,23 @@ def test_a_typo_gets_a_did_you_mean(assignment, meant):
     assert f"did you mean {meant}?" in str(info.value)
 
 
+@pytest.mark.parametrize(("assignment", "meant"), [("runtime.device=gpu", "'cuda'"),
+                                                    ("runtime.device=gpu:1", "'cuda:1'"),
+                                                    ("runtime.device=cpuu", "'cpu'"),
+                                                    ("model.name=resnet", "'resnet"),
+                                                    ("model.name=simplecnn", "'simple_cnn'")])
+def test_a_device_or_model_typo_gets_a_did_you_mean(assignment, meant):
+    """Not only method and key names: a researcher asking for a 'gpu' or a 'resnet' is told the name hetfl knows."""
+    from hetfl.api import make_config
+    from hetfl.models import ModelError, build_model
+    from hetfl.params import ConfigError
+
+    with pytest.raises((ConfigError, ModelError)) as info:
+        cfg = make_config(None, [assignment])
+        build_model(cfg.model.name, (1, 28, 28), 10)
+    assert f"did you mean {meant}" in str(info.value)
+
+
 def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
     from hetfl.algorithms import algorithm_class
     from hetfl.params import ConfigError

@@ -167,8 +167,11 @@ class RuntimeConfig:
     def check(self, prefix: str = "runtime.") -> None:
         """The form of ``device`` (whether GPU N is present is checked when the run is set up)."""
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ConfigError(prefix + "device", self.device, "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, ...: "
-                                                               "the index of a GPU present)")
+            gpu = re.fullmatch(r"(?i)gpu(:[0-9]+)?", self.device)  # PyTorch calls a GPU cuda
+            meant = (f"did you mean 'cuda{gpu.group(1) or ''}'? " if gpu
+                     else did_you_mean(self.device, ("auto", "cpu", "cuda")))
+            raise ConfigError(prefix + "device", self.device, meant + "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, "
+                                                                      "...: the index of a GPU present)")
         if self.secure_aggregation and self.secagg_reconstruction_threshold >= self.secagg_num_shares:
             raise ConfigError(prefix + "secagg_reconstruction_threshold", self.secagg_reconstruction_threshold,
                               f"must be < {prefix}secagg_num_shares = {self.secagg_num_shares} (and >= 2)")
