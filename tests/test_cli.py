@@ -30,6 +30,20 @@ def test_list_shows_methods_datasets_and_keys(capsys):
         assert word in out
 
 
+def test_list_a_method_shows_its_settings_with_their_meaning(capsys):
+    """`hetfl list algorithms` gives each method's defaults only (feduv's lam=-1.0: what is it?); `hetfl list
+    feduv` gives each key to set, its default and its meaning, post-hoc steps' keys included."""
+    assert main(["list", "feduv"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm.lam" in out and "num_classes / 4" in out and "algorithm.mu" in out
+    assert main(["list", "fedavg+ccvr"]) == 0
+    assert "algorithm.ccvr.num_virtual" in capsys.readouterr().out
+    assert main(["list", "config"]) == 0
+    assert "hetfl list METHOD" in capsys.readouterr().out  # where the algorithm.* keys are
+    assert main(["list", "fedvu"]) == 2
+    assert "did you mean 'feduv'?" in capsys.readouterr().err
+
+
 def test_partition_prints_table_and_writes_heat_map(tmp_path, capsys):
     png, stats = tmp_path / "map.png", tmp_path / "stats.json"
     code = main(["partition", "--set", "data.partition=dirichlet", "--set", "data.alpha=0.1",
