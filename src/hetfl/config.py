@@ -258,6 +258,18 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = parse_value(text.strip())
 
 
+#: the key that names what a section is (``algorithm = "fedprox"`` means ``algorithm.name = "fedprox"``)
+_NAMING_KEY = {"algorithm": "name", "data": "dataset", "model": "name"}
+
+
+def _not_a_table(section: str, value: Any) -> ConfigError:
+    """The error for a section given a plain value (``--set algorithm=fedprox``), with the key likely meant."""
+    key = _NAMING_KEY.get(section)
+    meant = f"did you mean {section}.{key} = {value!r}? " if key and isinstance(value, str) else ""
+    return ConfigError(section, value, f"{meant}must be a table of settings ({section}.KEY=VALUE with --set, "
+                                       f"[{section}] in a TOML file)")
+
+
 def from_dict(tree: dict[str, Any]) -> RunConfig:
     """Validate a nested dict into a RunConfig (algorithm params validated later by the method)."""
     allowed = {"seed", "algorithm", *SECTIONS}
@@ -269,11 +281,12 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     for name, cls in SECTIONS.items():
         value = tree.get(name, {})
         if not isinstance(value, dict):
-            raise ConfigError(name, value, "must be a table")
+            raise _not_a_table(name, value)
         sections[name] = build(cls, value, prefix=name + ".")
-    algo = dict(tree.get("algorithm", {}))
+    algo = tree.get("algorithm", {})
     if not isinstance(algo, dict):
-        raise ConfigError("algorithm", algo, "must be a table")
+        raise _not_a_table("algorithm", algo)
+    algo = dict(algo)
     name = algo.pop("name", "fedavg")
     if not isinstance(name, str):
         raise ConfigError("algorithm.name", name, "must be a string such as 'fedavg' or 'fedavg+ccvr'")
