@@ -585,3 +585,23 @@ def test_a_plugin_loss_with_the_wrong_signature_is_refused_when_the_plugin_loads
     assert err.startswith(f"hetfl: error: --plugin {plugin}: ClsL2.loss(self, state, batch) must take "
                           "(self, state, batch, ctx)")
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------- audit 2: a method setting in a comparison
+def test_compare_gives_a_method_setting_to_the_methods_that_take_it(tmp_path, capsys, one_thread):
+    """`hetfl compare --methods fedavg,fedprox --set algorithm.mu=0.1` stopped: "algorithm.mu = 0.1: unknown key"
+    (FedAvg's), so FedProx's mu could not be set in a comparison with FedAvg. It goes to FedProx, and says so."""
+    from hetfl.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--set", "algorithm.mu=0.1", "--set",
+            "train.rounds=1", "--set", "data.options={max_samples = 150}", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "algorithm.mu: set for fedprox only (fedavg has no such setting)" in said
+    summaries = {m: json.loads((out / f"{m}-seed0" / "summary.json").read_text()) for m in ("fedavg", "fedprox")}
+    assert summaries["fedavg"]["config"]["algorithm"] == {"name": "fedavg"}
+    assert summaries["fedprox"]["config"]["algorithm"] == {"name": "fedprox", "mu": 0.1}
+    # a setting no method takes is still an error, before anything runs
+    assert main([*argv[:-1], str(tmp_path / "typo"), "--set", "algorithm.muu=0.1"]) == 2
+    assert not (tmp_path / "typo" / "fedavg-seed0").exists()
