@@ -227,6 +227,21 @@ def test_a_device_or_model_typo_gets_a_did_you_mean(assignment, meant):
     assert f"did you mean {meant}" in str(info.value)
 
 
+def test_a_setting_of_another_method_names_the_methods_that_take_it():
+    """`--set algorithm.mu=0.1` with algorithm.name left at fedavg said only "allowed: (none: this method has no
+    settings)"; it names the methods with a mu, so the forgotten algorithm.name is plain."""
+    from hetfl.algorithms import hyperparameters
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        hyperparameters("fedavg", {"mu": 0.1})
+    assert str(info.value).startswith("algorithm.mu = 0.1: unknown key")
+    assert "fedavg has no mu, which is a setting of fedprox, moon" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a typo of the method's own setting keeps its did-you-mean
+        hyperparameters("fedprox", {"muu": 0.1})
+    assert "did you mean 'algorithm.mu'?" in str(info.value) and "setting of" not in str(info.value)
+
+
 def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
     from hetfl.algorithms import algorithm_class
     from hetfl.params import ConfigError

@@ -12,6 +12,7 @@ import inspect
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,16 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
     own = {k: v for k, v in params.items() if k not in steps}
     for step in steps:
         step_hyper(step, params.get(step, {}))
-    return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+    try:
+        return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+    except ConfigError as err:
+        key = err.key.removeprefix("algorithm.")
+        takers = [] if not err.allowed.startswith("unknown key") else \
+            [n for n in available() if n != trainer and key in {f.name for f in fields(algorithm_class(n).Hyper)}]
+        if not takers:
+            raise
+        raise ConfigError(err.key, err.value, f"{err.allowed}; {trainer} has no {key}, which is a setting of "
+                                              f"{', '.join(takers)}: set algorithm.name to the method meant") from None
 
 
 def step_hyper(step: str, values: Any) -> Any:
