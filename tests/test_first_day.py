@@ -602,6 +602,27 @@ def test_a_plugin_loss_with_the_wrong_signature_is_refused_when_the_plugin_loads
     assert not (tmp_path / "r").exists()
 
 
+
+@pytest.mark.parametrize("hyper, said", [
+    ('weight: float = setting(0.01, ge=0.0, doc="penalty weight")', None),
+    ("weight: float", "ClsL2.Hyper.weight needs a default"),  # before: a TypeError at run, one in hetfl list
+])
+def test_a_plugin_setting_without_a_default_is_refused_when_the_plugin_loads(tmp_path, monkeypatch, capsys,
+                                                                             hyper, said):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2_hyper.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", "ce, {}").replace(
+        'weight: float = setting(0.01, ge=0.0, doc="penalty weight")', hyper))
+    code = main(["list", "--plugin", str(plugin), "algorithms"])
+    if said is None:
+        assert code == 0 and "clsl2" in capsys.readouterr().out
+    else:
+        assert code == 2 and capsys.readouterr().err.startswith(f"hetfl: error: --plugin {plugin}: {said}")
+
+
 # ----------------------------------------------------------------- audit 2: a method setting in a comparison
 def test_compare_gives_a_method_setting_to_the_methods_that_take_it(tmp_path, capsys, one_thread):
     """`hetfl compare --methods fedavg,fedprox --set algorithm.mu=0.1` stopped: "algorithm.mu = 0.1: unknown key"

@@ -12,7 +12,7 @@ import inspect
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,15 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make a method available as ``algorithm.name = cls.name``."""
     if not cls.name or "+" in cls.name:
         raise MethodError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+    if not is_dataclass(cls.Hyper):
+        raise MethodError(f"{cls.__name__}.Hyper must be a dataclass of the method's settings "
+                          "(@dataclass(frozen=True), each field with a default: `weight: float = setting(0.01, "
+                          "doc=...)`)")
+    no_default = [f.name for f in fields(cls.Hyper) if f.default is MISSING and f.default_factory is MISSING]
+    if no_default:
+        raise MethodError(f"{cls.__name__}.Hyper.{no_default[0]} needs a default (`{no_default[0]}: float = "
+                          f"setting(0.01, doc=...)`): a run that does not set algorithm.{no_default[0]} takes it, "
+                          "and hetfl list shows it")
     if cls.loss is not Algorithm.loss:
         try:
             inspect.signature(cls.loss).bind(None, "state", "batch", "ctx")
