@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from hetfl.cli import main
+
+
+def test_python_dash_m_hetfl_is_the_hetfl_command(tmp_path):
+    """`python -m hetfl` (a cluster job, an environment whose scripts are not on PATH) runs the command line,
+    exit codes included."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-m", "hetfl", "run", "--set", "train.local_epoch=2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("hetfl: error: train.local_epoch = 2: unknown key; "
+                                  "did you mean 'train.local_epochs'?")
 
 
 def test_list_shows_methods_datasets_and_keys(capsys):
@@ -13,6 +28,20 @@ def test_list_shows_methods_datasets_and_keys(capsys):
     out = capsys.readouterr().out
     for word in ("scaffold", "Karimireddy", "cifar10", "dirichlet", "resnet18", "train.lr", "server_momentum"):
         assert word in out
+
+
+def test_list_a_method_shows_its_settings_with_their_meaning(capsys):
+    """`hetfl list algorithms` gives each method's defaults only (feduv's lam=-1.0: what is it?); `hetfl list
+    feduv` gives each key to set, its default and its meaning, post-hoc steps' keys included."""
+    assert main(["list", "feduv"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm.lam" in out and "num_classes / 4" in out and "algorithm.mu" in out
+    assert main(["list", "fedavg+ccvr"]) == 0
+    assert "algorithm.ccvr.num_virtual" in capsys.readouterr().out
+    assert main(["list", "config"]) == 0
+    assert "hetfl list METHOD" in capsys.readouterr().out  # where the algorithm.* keys are
+    assert main(["list", "fedvu"]) == 2
+    assert "did you mean 'feduv'?" in capsys.readouterr().err
 
 
 def test_partition_prints_table_and_writes_heat_map(tmp_path, capsys):

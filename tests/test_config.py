@@ -54,6 +54,15 @@ def test_round_trip_through_toml(tmp_path):
         ("train.lr=inf", "train.lr", "finite"),
         ("train.momentum=nan", "train.momentum", "finite"),
         ("data.angles=[0, -inf]", "data.angles[1]", "finite"),
+        # a section given the name it should hold (a traceback from dict() for algorithm before)
+        ("algorithm=fedprox", "algorithm", "did you mean algorithm.name = 'fedprox'? must be a table"),
+        ("data=mnist", "data", "did you mean data.dataset = 'mnist'?"),
+        ("model=resnet18", "model", "did you mean model.name = 'resnet18'?"),
+        ("train=3", "train", "must be a table of settings"),
+        # a list or table without its brackets (the shell's quoting forgotten): the --set that was meant
+        ("data.angles=0,90", "data.angles", 'must be a list, in brackets: --set "data.angles=[0,90]"'),
+        ("runtime.save_client_models=5", "runtime.save_client_models", '"runtime.save_client_models=[5]"'),
+        ("model.options=norm=gn", "model.options", "--set \"model.options={norm = 'gn'}\""),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(override, key, hint):

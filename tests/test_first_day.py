@@ -210,6 +210,38 @@ def test_a_typo_gets_a_did_you_mean(assignment, meant):
     assert f"did you mean {meant}?" in str(info.value)
 
 
+@pytest.mark.parametrize(("assignment", "meant"), [("runtime.device=gpu", "'cuda'"),
+                                                    ("runtime.device=gpu:1", "'cuda:1'"),
+                                                    ("runtime.device=cpuu", "'cpu'"),
+                                                    ("model.name=resnet", "'resnet"),
+                                                    ("model.name=simplecnn", "'simple_cnn'")])
+def test_a_device_or_model_typo_gets_a_did_you_mean(assignment, meant):
+    """Not only method and key names: a researcher asking for a 'gpu' or a 'resnet' is told the name hetfl knows."""
+    from hetfl.api import make_config
+    from hetfl.models import ModelError, build_model
+    from hetfl.params import ConfigError
+
+    with pytest.raises((ConfigError, ModelError)) as info:
+        cfg = make_config(None, [assignment])
+        build_model(cfg.model.name, (1, 28, 28), 10)
+    assert f"did you mean {meant}" in str(info.value)
+
+
+def test_a_setting_of_another_method_names_the_methods_that_take_it():
+    """`--set algorithm.mu=0.1` with algorithm.name left at fedavg said only "allowed: (none: this method has no
+    settings)"; it names the methods with a mu, so the forgotten algorithm.name is plain."""
+    from hetfl.algorithms import hyperparameters
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        hyperparameters("fedavg", {"mu": 0.1})
+    assert str(info.value).startswith("algorithm.mu = 0.1: unknown key")
+    assert "fedavg has no mu, which is a setting of fedprox, moon" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a typo of the method's own setting keeps its did-you-mean
+        hyperparameters("fedprox", {"muu": 0.1})
+    assert "did you mean 'algorithm.mu'?" in str(info.value) and "setting of" not in str(info.value)
+
+
 def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
     from hetfl.algorithms import algorithm_class
     from hetfl.params import ConfigError
@@ -496,3 +528,116 @@ def test_the_comparison_table_shows_the_budget_each_private_row_spent_as_its_ser
     assert tables.privacy_cell(row) == "no single budget (a seed made no private release)"
     unprivate = tables.table_rows([_record("fedavg", 0, 0.4)], target=None)
     assert "dp_epsilon" not in unprivate[0] and "privacy" not in tables.to_markdown(unprivate, None).lower()
+
+
+# ----------------------------------------------------------------- audit 2: a plug-in that breaks the interface
+_PENALTY_PLUGIN = '''
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+from hetfl.params import setting
+
+
+@dataclass(frozen=True)
+class ClsL2Hyper:
+    """weight: L2 penalty on the classifier."""
+    weight: float = setting(0.01, ge=0.0, doc="penalty weight")
+
+
+@register
+class ClsL2(Algorithm):
+    name = "clsl2"
+    Hyper = ClsL2Hyper
+
+    def loss(self, state, batch, ctx):
+        ce = F.cross_entropy(self.model.logits(state, batch.x), batch.y)
+        pen = sum(state[n].pow(2).sum() for n in self.setup.groups["classifier"])
+        return RETURN
+'''
+
+
+@pytest.mark.parametrize("returned, said", [
+    ("ce + self.hp.weight * pen", "it returned a Tensor"),  # the parts forgotten
+    ('ce + self.hp.weight * pen, {"ce": ce.detach(), "l2": pen.item()}', "its part 'l2' is a float (`.item()`"),
+])
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_a_plugin_loss_that_returns_the_wrong_thing_stops_with_one_line_naming_it(
+        tmp_path, monkeypatch, capsys, one_thread, returned, said, executor):
+    """A first method written from the README returns the loss alone, or its parts with .item(): the run stops
+    with exit 2 and a message naming the hook and the expected return (before: a traceback from the engine,
+    "iteration over a 0-d tensor"), and says how to continue once it is fixed."""
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", returned))
+    out = tmp_path / "r"
+    argv = ["run", "--plugin", str(plugin), "--set", "algorithm.name=clsl2", "--set", "model.name=mlp",
+            "--set", "train.rounds=1", "--set", f"runtime.executor={executor}", "--set", "runtime.vmap_on_cpu=true",
+            "--set", "data.options={max_samples = 150}", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "ClsL2.loss (stage 'local') must return (loss, parts)" in err and said in err
+    assert f"--resume {out} --plugin {plugin}" in err
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", 'ce + self.hp.weight * pen, {"ce": ce.detach()}'))
+    assert main(["run", "--resume", str(out), "--plugin", str(plugin), "--quiet"]) == 0  # fixed, it goes on
+
+
+def test_a_plugin_loss_with_the_wrong_signature_is_refused_when_the_plugin_loads(tmp_path, monkeypatch, capsys):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2_sig.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", "ce, {}").replace("(self, state, batch, ctx)",
+                                                                           "(self, state, batch)"))
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=clsl2", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfl: error: --plugin {plugin}: ClsL2.loss(self, state, batch) must take "
+                          "(self, state, batch, ctx)")
+    assert not (tmp_path / "r").exists()
+
+
+
+@pytest.mark.parametrize("hyper, said", [
+    ('weight: float = setting(0.01, ge=0.0, doc="penalty weight")', None),
+    ("weight: float", "ClsL2.Hyper.weight needs a default"),  # before: a TypeError at run, one in hetfl list
+])
+def test_a_plugin_setting_without_a_default_is_refused_when_the_plugin_loads(tmp_path, monkeypatch, capsys,
+                                                                             hyper, said):
+    from hetfl import algorithms
+    from hetfl.cli import main
+
+    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    plugin = tmp_path / "clsl2_hyper.py"
+    plugin.write_text(_PENALTY_PLUGIN.replace("RETURN", "ce, {}").replace(
+        'weight: float = setting(0.01, ge=0.0, doc="penalty weight")', hyper))
+    code = main(["list", "--plugin", str(plugin), "algorithms"])
+    if said is None:
+        assert code == 0 and "clsl2" in capsys.readouterr().out
+    else:
+        assert code == 2 and capsys.readouterr().err.startswith(f"hetfl: error: --plugin {plugin}: {said}")
+
+
+# ----------------------------------------------------------------- audit 2: a method setting in a comparison
+def test_compare_gives_a_method_setting_to_the_methods_that_take_it(tmp_path, capsys, one_thread):
+    """`hetfl compare --methods fedavg,fedprox --set algorithm.mu=0.1` stopped: "algorithm.mu = 0.1: unknown key"
+    (FedAvg's), so FedProx's mu could not be set in a comparison with FedAvg. It goes to FedProx, and says so."""
+    from hetfl.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--methods", "fedavg,fedprox", "--seeds", "0", "--set", "algorithm.mu=0.1", "--set",
+            "train.rounds=1", "--set", "data.options={max_samples = 150}", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "algorithm.mu: set for fedprox only (fedavg has no such setting)" in said
+    summaries = {m: json.loads((out / f"{m}-seed0" / "summary.json").read_text()) for m in ("fedavg", "fedprox")}
+    assert summaries["fedavg"]["config"]["algorithm"] == {"name": "fedavg"}
+    assert summaries["fedprox"]["config"]["algorithm"] == {"name": "fedprox", "mu": 0.1}
+    # a setting no method takes is still an error, before anything runs
+    assert main([*argv[:-1], str(tmp_path / "typo"), "--set", "algorithm.muu=0.1"]) == 2
+    assert not (tmp_path / "typo" / "fedavg-seed0").exists()

@@ -40,6 +40,7 @@ from hetfl.params import ConfigError, did_you_mean
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (exit code 2)."""
+    from hetfl.algorithms.base import MethodError
     from hetfl.analysis.run import AnalysisError
     from hetfl.data.base import DatasetError
     from hetfl.data.partition import PartitionError
@@ -49,7 +50,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hetfl.report import ReportError
 
     return (ConfigError, DatasetError, PartitionError, ModelError, CheckpointError, RunDirError, AnalysisError,
-            ReportError)
+            ReportError, MethodError)
+
+
+def _is_method_error(err: BaseException) -> bool:
+    """Whether ``err`` is a method's broken interface met during a run (not while loading its plug-in)."""
+    from hetfl.algorithms.base import MethodError
+
+    return isinstance(err, MethodError) and not str(err).startswith("--plugin ")
 
 
 def _calibration_errors() -> tuple[type[Exception], ...]:
@@ -169,14 +177,47 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+LIST_TOPICS = ("all", "algorithms", "datasets", "partitions", "models", "config")
+METHOD_SETTINGS_HINT = "a method's settings with their meaning: hetfl list METHOD (e.g. hetfl list feduv)"
+
+
+def method_settings_table(full_name: str) -> Table:
+    """``hetfl list METHOD``: the settings of a method (and of its post-hoc steps), each as the key to set, its
+    default and its meaning."""
+    from hetfl import algorithms
+    from hetfl.params import describe
+
+    trainer, steps = algorithms.parse_name(full_name)
+    cls = algorithms.algorithm_class(trainer)
+    table = Table(title=f"{full_name}: {cls.citation} (--set KEY=VALUE)")
+    for col in ("key", "default", "meaning"):
+        table.add_column(col)
+    for name, default, doc in describe(cls.Hyper):
+        table.add_row(f"algorithm.{name}", default, doc)
+    for step in steps:
+        for name, default, doc in describe(algorithms.posthoc_class(step).Hyper):
+            table.add_row(f"algorithm.{step}.{name}", default, doc)
+    if not table.rows:
+        table.add_row("-", "-", f"{full_name} has no settings of its own")
+    return table
+
+
 def cmd_list(args: argparse.Namespace, console: Console) -> int:
     from hetfl import algorithms
     from hetfl.data.datasets import DATASETS
     from hetfl.data.partition import PARTITIONS
     from hetfl.models import MODELS
-    from hetfl.params import describe
+    from hetfl.params import describe, did_you_mean
 
     what = args.what
+    if what not in LIST_TOPICS:
+        trainer = what.split("+")[0]
+        if trainer not in algorithms.available():
+            raise ConfigError("hetfl list", what, did_you_mean(what, [*LIST_TOPICS, *algorithms.available()])
+                              + "allowed: " + ", ".join(LIST_TOPICS) + ", or a method's name (hetfl list "
+                              "algorithms)")
+        console.print(method_settings_table(what))
+        return 0
     if what in ("all", "algorithms"):
         table = Table(title="algorithms (algorithm.name; settings under algorithm.)")
         for col in ("name", "paper", "settings (default)"):
@@ -187,6 +228,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
             table.add_row(name, cls.citation, settings)
         console.print(table)
         console.print(posthoc_table())
+        console.print(METHOD_SETTINGS_HINT)
     if what in ("all", "datasets"):
         console.print("datasets (data.dataset): " + ", ".join(DATASETS))
     if what in ("all", "partitions"):
@@ -203,6 +245,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
             for name, default, doc in describe(cls):
                 table.add_row(f"{section}.{name}", default, doc)
         console.print(table)
+        console.print(f"algorithm.* (method settings): {METHOD_SETTINGS_HINT}")
     return 0
 
 
@@ -403,9 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_arg(ana)
     ana.set_defaults(func=cmd_analyze, command_parser=ana)
 
-    lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys")
-    lst.add_argument("what", nargs="?", default="all",
-                     choices=("all", "algorithms", "datasets", "partitions", "models", "config"))
+    lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys; a method's "
+                                      "settings with their meaning")
+    lst.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(LIST_TOPICS) + ",METHOD}",
+                     help="what to list; a method's name (feduv, fedavg+ccvr) lists its algorithm.* settings with "
+                          "their defaults and meaning")
     add_plugin_arg(lst)
     lst.set_defaults(func=cmd_list, command_parser=lst)
     return parser
@@ -451,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args, console))
     except _user_errors() as err:
         print(f"hetfl: error: {err}", file=sys.stderr)
+        if _is_method_error(err):  # raised while a run trained: its folder holds what was done so far
+            print(f"hetfl: once the method is fixed, {interrupted_hint(args, argv)}", file=sys.stderr)
         return 2
     except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
         print(f"hetfl: error: {err}", file=sys.stderr)

@@ -167,8 +167,11 @@ class RuntimeConfig:
     def check(self, prefix: str = "runtime.") -> None:
         """The form of ``device`` (whether GPU N is present is checked when the run is set up)."""
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ConfigError(prefix + "device", self.device, "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, ...: "
-                                                               "the index of a GPU present)")
+            gpu = re.fullmatch(r"(?i)gpu(:[0-9]+)?", self.device)  # PyTorch calls a GPU cuda
+            meant = (f"did you mean 'cuda{gpu.group(1) or ''}'? " if gpu
+                     else did_you_mean(self.device, ("auto", "cpu", "cuda")))
+            raise ConfigError(prefix + "device", self.device, meant + "allowed: auto, cpu, cuda, cuda:N (N = 0, 1, "
+                                                                      "...: the index of a GPU present)")
         if self.secure_aggregation and self.secagg_reconstruction_threshold >= self.secagg_num_shares:
             raise ConfigError(prefix + "secagg_reconstruction_threshold", self.secagg_reconstruction_threshold,
                               f"must be < {prefix}secagg_num_shares = {self.secagg_num_shares} (and >= 2)")
@@ -255,6 +258,18 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = parse_value(text.strip())
 
 
+#: the key that names what a section is (``algorithm = "fedprox"`` means ``algorithm.name = "fedprox"``)
+_NAMING_KEY = {"algorithm": "name", "data": "dataset", "model": "name"}
+
+
+def _not_a_table(section: str, value: Any) -> ConfigError:
+    """The error for a section given a plain value (``--set algorithm=fedprox``), with the key likely meant."""
+    key = _NAMING_KEY.get(section)
+    meant = f"did you mean {section}.{key} = {value!r}? " if key and isinstance(value, str) else ""
+    return ConfigError(section, value, f"{meant}must be a table of settings ({section}.KEY=VALUE with --set, "
+                                       f"[{section}] in a TOML file)")
+
+
 def from_dict(tree: dict[str, Any]) -> RunConfig:
     """Validate a nested dict into a RunConfig (algorithm params validated later by the method)."""
     allowed = {"seed", "algorithm", *SECTIONS}
@@ -266,11 +281,12 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
     for name, cls in SECTIONS.items():
         value = tree.get(name, {})
         if not isinstance(value, dict):
-            raise ConfigError(name, value, "must be a table")
+            raise _not_a_table(name, value)
         sections[name] = build(cls, value, prefix=name + ".")
-    algo = dict(tree.get("algorithm", {}))
+    algo = tree.get("algorithm", {})
     if not isinstance(algo, dict):
-        raise ConfigError("algorithm", algo, "must be a table")
+        raise _not_a_table("algorithm", algo)
+    algo = dict(algo)
     name = algo.pop("name", "fedavg")
     if not isinstance(name, str):
         raise ConfigError("algorithm.name", name, "must be a string such as 'fedavg' or 'fedavg+ccvr'")

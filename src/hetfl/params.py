@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,27 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _toml_value(value: Any) -> str:
+    """``value`` as TOML writes it (for an example in a message): strings quoted, booleans lower case."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _inline_table(text: str) -> str:
+    """``norm=gn,width=2`` as the TOML inline table meant, ``{norm = 'gn', width = 2}`` (for a message)."""
+    pairs = []
+    for part in text.split(","):
+        name, _, raw = part.partition("=")
+        try:
+            tomllib.loads(f"v = {raw.strip()}")
+            item = raw.strip()
+        except tomllib.TOMLDecodeError:
+            item = repr(raw.strip().strip("'\""))
+        pairs.append(f"{name.strip()} = {item}")
+    return "{" + ", ".join(pairs) + "}"
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert ``value`` to the annotated type ``tp`` or raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -85,13 +107,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(key, value, " or ".join(errors))
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
-            raise ConfigError(key, value, "must be a list")
+            items = value if isinstance(value, str) and "," in value else _toml_value(value)
+            raise ConfigError(key, value, f"must be a list, in brackets: --set \"{key}=[{items}]\" ([] for none)")
         (item_type, *_) = typing.get_args(tp) or (Any,)
         items = [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(key, value, "must be a table of key = value pairs")
+            example = _inline_table(value) if isinstance(value, str) and "=" in value else "{name = value, ...}"
+            raise ConfigError(key, value, f"must be a table of key = value pairs, in braces (strings quoted): "
+                                          f"--set \"{key}={example}\"")
         return dict(value)
     if tp is Any:
         return value

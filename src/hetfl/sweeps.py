@@ -32,6 +32,7 @@ once to be checked (its configuration is not kept) and again just before it runs
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -50,7 +51,7 @@ from rich.text import Text
 
 from hetfl import config as config_mod
 from hetfl import runs, runtimes, tables
-from hetfl.algorithms import hyperparameters
+from hetfl.algorithms import algorithm_class, hyperparameters, parse_name
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
 from hetfl.engine.experiment import keeps_trained_model
@@ -488,15 +489,40 @@ def _write_cell_file(item: PlanItem) -> None:
         atomic_write_text(path, text)
 
 
+def method_settings(method: str) -> set[str]:
+    """The ``algorithm.*`` keys ``method`` takes: its trainer's settings and its post-hoc steps' tables."""
+    trainer, steps = parse_name(method)
+    return {f.name for f in fields(algorithm_class(trainer).Hyper)} | set(steps)
+
+
+def settings_elsewhere(methods: list[str], cfg: RunConfig, grid: Mapping[str, list[Any]]) -> list[str]:
+    """The ``algorithm.*`` settings of ``cfg`` (set for the whole plan: ``--set``, the config file) that
+    ``cfg``'s method does not take but another method of the plan does (``--set algorithm.mu=0.1`` with
+    ``fedavg,fedprox``): they are meant for those. A setting no method takes stays, for its error; a grid key
+    stays (its cells would be one run for a method without it)."""
+    if len(methods) < 2:
+        return []
+    own = method_settings(cfg.algorithm.name)
+    others = set().union(*(method_settings(m) for m in methods if m != cfg.algorithm.name))
+    return [k for k in cfg.algorithm.params if k not in own and k in others and f"algorithm.{k}" not in grid]
+
+
+def without_settings(cfg: RunConfig, keys: list[str]) -> RunConfig:
+    params = {k: v for k, v in cfg.algorithm.params.items() if k not in keys}
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=params))
+
+
 def plan_items(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
                configure: Callable[[list[str]], RunConfig], out: Path, progress: bool | None) -> Iterator[PlanItem]:
     """Every method x cell x seed, configured (``configure`` plus the method's and the runtime's checks) one
-    at a time, in the plan's order; the same items each time it is called."""
+    at a time, in the plan's order; the same items each time it is called. A method setting set for the plan
+    goes to the methods that take it (:func:`settings_elsewhere`)."""
     for method in methods:
         for cell in iter_cells(grid):
             for seed in seeds:
                 cfg = runs.with_progress(configure([f"algorithm.name={method}", f"seed={seed}", *cell.assignments()]),
                                          progress)
+                cfg = without_settings(cfg, settings_elsewhere(methods, cfg, grid))
                 hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
                 runtimes.check_runtime(cfg)  # e.g. runtime.executor = flower without Flower: refused before run 1
                 named = as_configured(cell, cfg)
@@ -558,6 +584,18 @@ def posthoc_only(planned: PlannedRun, cfg: RunConfig, source: int) -> PlannedRun
                       run_cost(cfg, cfg.train.rounds - 1), planned.state, rounds=1)
 
 
+def settings_notes(methods: list[str], configure: Callable[[list[str]], RunConfig],
+                   grid: Mapping[str, list[Any]]) -> list[str]:
+    """A line per method setting that only some of the plan's methods take: which ones it goes to."""
+    skipped: dict[str, list[str]] = {}
+    for method in methods:
+        for key in settings_elsewhere(methods, configure([f"algorithm.name={method}"]), grid):
+            skipped.setdefault(key, []).append(method)
+    return [f"algorithm.{key}: set for {', '.join(m for m in methods if m not in without)} only "
+            f"({', '.join(without)} {'has' if len(without) == 1 else 'have'} no such setting)"
+            for key, without in skipped.items()]
+
+
 def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
              configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
              progress: bool | None, console: Console | None, option: str = "--out",
@@ -580,6 +618,9 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     if check_jobs(jobs, jobs_option) > 1:
         check_shippable(methods, jobs_option)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
+    if say is not None:
+        for line in settings_notes(methods, configure, grid):
+            say(line)
     sources = training_sources([c.training for c in checked])
     items = list(plan_items(methods, seeds, grid, configure, out, progress))  # configured once more, kept
     if jobs > 1:

@@ -33,6 +33,8 @@ def test_analyze_without_saved_local_models_skips_cka_with_a_reason(tmp_path):
     assert main(["analyze", str(run_dir), "--only", "cka", "--only", "weight_norms"]) == 0
     index = json.loads((run_dir / "analysis" / "index.json").read_text())
     assert "save_client_models" in index["skipped"]["cka"]
+    # how to ask for them, with this run's last round
+    assert f'--set "runtime.save_client_models=[{index["round"]}]"' in index["skipped"]["cka"]
     assert "weight_norms" in index["written"]
 
 

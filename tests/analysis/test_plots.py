@@ -129,6 +129,15 @@ def test_weight_norms_figure_panels_axes_from_zero_and_one_legend_inside():
     assert_titles_inside(weight_norms_figure(norms[:1], counts[:1], context=CONTEXT))  # one narrow panel
 
 
+def test_the_weight_norms_legend_of_one_panel_stays_inside():
+    """A run without saved client models gets one panel (the global model): its legend, whose two entries side
+    by side are wider than the panel, was cut at both edges of the PNG."""
+    fig = weight_norms_figure(np.array([[1.0, 1.1, 1.2]]), np.array([[5.0, 50.0, 0.0]]), context=CONTEXT)
+    (legend,) = fig.legends
+    assert_inside_figure(fig, legend)
+    assert not any(overlaps(fig, legend, ax) for ax in data_axes(fig) if ax.patches)
+
+
 # ------------------------------------------------------------------ spectrum
 def spectra(count: int, d: int = 16) -> dict[str, torch.Tensor]:
     """Spectra of rank-4 features: 12 of the 16 singular values are rounding noise (~1e-17)."""

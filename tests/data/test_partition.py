@@ -366,3 +366,52 @@ def test_failed_plot_leaves_nothing(tmp_path):
     with pytest.raises(IsADirectoryError):
         plot_partition(part, labels(100, 3, 0), 3, tmp_path / "map.png")
     assert [p.name for p in tmp_path.iterdir()] == ["map.png"]  # the temporary file is gone
+
+
+# ------------------------------------------------------------------ which settings a scheme reads
+_OTHER_VALUES = {"alpha": 0.05, "min_size": 3, "classes_per_client": 3, "uniform_share": 0.5,
+                 "samples_per_client": 40, "test_per_client": 7, "dominant_groups": 2, "classes_per_group": 2,
+                 "quantity_sigma": 2.0, "angles": [0.0, 10.0, 20.0, 30.0, 40.0], "base": "dirichlet",
+                 "concept_groups": 3}
+
+
+@pytest.mark.parametrize("scheme, base", [(p, "iid") for p in PARTITIONS] + [("rotation", "dirichlet"),
+                                                                             ("concept", "dirichlet")])
+def test_partition_keys_names_every_setting_a_scheme_reads(scheme, base):
+    """A setting outside ``partition_keys`` changes nothing: a run that says such a setting has no effect is
+    right."""
+    from hetfl.data.partition import PARTITION_SETTINGS, partition_keys
+
+    rng = np.random.default_rng(0)
+    train, test = rng.integers(0, 10, 5000), rng.integers(0, 10, 1000)
+    groups = {"train_groups": np.arange(5000) % 5, "test_groups": np.arange(1000) % 5}
+
+    def split(**settings):
+        settings = {"base": base, **settings}
+        p = make_partition(scheme, train, test, 5, seed=0, **groups, **settings)
+        perms = None if p.label_perm is None else [q.tolist() for q in p.label_perm]
+        return [c.tolist() for c in p.train], [c.tolist() for c in p.test], p.rotation, perms
+
+    used = partition_keys(scheme, base)
+    assert used <= set(PARTITION_SETTINGS)
+    same = split()
+    for key, value in _OTHER_VALUES.items():
+        if key == "base" and scheme in ("rotation", "concept"):
+            continue  # the parametrisation covers both bases
+        if key not in used:
+            assert split(**{key: value}) == same, key
+
+
+def test_a_run_says_a_partition_setting_it_ignores_has_no_effect(tmp_path, capsys, caplog, one_thread):
+    """data.alpha = 0.1 on the default data (its natural split) made the same run as without it, silently."""
+    from hetfl.cli import main
+
+    argv = ["run", "--set", "data.alpha=0.1", "--set", "train.rounds=1", "--set", "data.options={max_samples = 150}",
+            "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "natural")]) == 0
+    said = capsys.readouterr().err + caplog.text
+    assert "data.alpha = 0.1 has no effect: the natural partition does not use it (it is read by dirichlet" in said
+    caplog.clear()
+    assert main([*argv, "--set", "data.partition=dirichlet", "--set", "data.num_clients=3",
+                 "--out", str(tmp_path / "dirichlet")]) == 0
+    assert "no effect" not in capsys.readouterr().err + caplog.text

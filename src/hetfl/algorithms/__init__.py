@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import MODEL_PARTS, Algorithm, Setup, model_provides
+from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, model_provides
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
@@ -69,7 +71,23 @@ _POSTHOC: dict[str, str] = {"ccvr": "hetfl.algorithms.ccvr:CCVR"}
 def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make a method available as ``algorithm.name = cls.name``."""
     if not cls.name or "+" in cls.name:
-        raise ValueError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+        raise MethodError(f"{cls.__name__}.name must be a non-empty name without '+', got {cls.name!r}")
+    if not is_dataclass(cls.Hyper):
+        raise MethodError(f"{cls.__name__}.Hyper must be a dataclass of the method's settings "
+                          "(@dataclass(frozen=True), each field with a default: `weight: float = setting(0.01, "
+                          "doc=...)`)")
+    no_default = [f.name for f in fields(cls.Hyper) if f.default is MISSING and f.default_factory is MISSING]
+    if no_default:
+        raise MethodError(f"{cls.__name__}.Hyper.{no_default[0]} needs a default (`{no_default[0]}: float = "
+                          f"setting(0.01, doc=...)`): a run that does not set algorithm.{no_default[0]} takes it, "
+                          "and hetfl list shows it")
+    if cls.loss is not Algorithm.loss:
+        try:
+            inspect.signature(cls.loss).bind(None, "state", "batch", "ctx")
+        except TypeError:
+            raise MethodError(f"{cls.__name__}.loss{inspect.signature(cls.loss)} must take (self, state, batch, "
+                              "ctx): the state dict it trains, the batch (batch.x, batch.y) and the client's "
+                              "context") from None
     _CLASSES[cls.name] = cls
     return cls
 
@@ -109,7 +127,10 @@ def load_plugin(path: str) -> None:
     spec = importlib.util.spec_from_file_location(f"hetfl_plugin_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except MethodError as err:
+        raise MethodError(f"--plugin {path}: {err}") from None
     _PLUGIN_FILES[spec.name] = str(file.resolve())  # type: ignore[union-attr]
 
 
@@ -176,7 +197,16 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
     own = {k: v for k, v in params.items() if k not in steps}
     for step in steps:
         step_hyper(step, params.get(step, {}))
-    return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+    try:
+        return build(algorithm_class(trainer).Hyper, own, prefix="algorithm.")
+    except ConfigError as err:
+        key = err.key.removeprefix("algorithm.")
+        takers = [] if not err.allowed.startswith("unknown key") else \
+            [n for n in available() if n != trainer and key in {f.name for f in fields(algorithm_class(n).Hyper)}]
+        if not takers:
+            raise
+        raise ConfigError(err.key, err.value, f"{err.allowed}; {trainer} has no {key}, which is a setting of "
+                                              f"{', '.join(takers)}: set algorithm.name to the method meant") from None
 
 
 def step_hyper(step: str, values: Any) -> Any:

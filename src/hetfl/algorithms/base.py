@@ -40,6 +40,35 @@ from hetfl.privacy import Release
 Tensors = dict[str, torch.Tensor]
 
 
+class MethodError(ValueError):
+    """A method (typically a plug-in's) that breaks the interface of :class:`Algorithm`: the message names the
+    hook, what it did and what the interface expects. ``hetfl`` exits with code 2 on it, without a traceback."""
+
+
+LOSS_CONTRACT = ("must return (loss, parts): a scalar tensor and a dict of name -> tensor, each part logged as "
+                 "train_<name>, e.g. `return ce + w * pen, {\"ce\": ce.detach(), \"pen\": pen.detach()}`")
+
+
+def check_loss_output(where: str, out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """``out``, the value a stage's loss returned, as ``(loss, parts)``; a :class:`MethodError` naming ``where``
+    (the loss function) and what it returned when it is not a scalar tensor and a dict of tensors."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise MethodError(f"{where} {LOSS_CONTRACT}; it returned {got}")
+    loss, parts = out
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        raise MethodError(f"{where} {LOSS_CONTRACT}; its loss is {got} (a mean over the batch is a scalar)")
+    if not isinstance(parts, Mapping):
+        raise MethodError(f"{where} {LOSS_CONTRACT}; its parts are a {type(parts).__name__}")
+    for name, part in parts.items():
+        if not isinstance(part, torch.Tensor):
+            hint = " (`.item()` reads a value on the host: return `x.detach()`, a loss is a pure tensor function)" \
+                if isinstance(part, (int, float)) else ""
+            raise MethodError(f"{where} {LOSS_CONTRACT}; its part {name!r} is a {type(part).__name__}{hint}")
+    return loss, parts
+
+
 @dataclass(frozen=True)
 class NoHyper:
     """Settings of a method without hyperparameters."""

@@ -275,7 +275,10 @@ def weight_norms_figure(
         ax.set_title(f"{labels[k]}: r={pearson(n[k], c[k]):.2f}, ρ={spearman(n[k], c[k]):.2f}", fontsize="medium")
         handles = [bars, line]
     _hide_unused(axes, m)
-    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=2, fontsize="small")
+    # side by side under two panels or more; stacked under one, whose width holds one entry (the global model's
+    # figure, all a run without saved client models has)
+    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=min(2, ncols),
+               fontsize="small")
     return fig
 
 

@@ -186,7 +186,9 @@ class RunAnalysis:
 
     def cka(self) -> dict[str, Any]:
         if len(self.local_models) < 2:
-            raise AnalysisError("needs local models of two or more clients: run with runtime.save_client_models")
+            raise AnalysisError("needs local models of two or more clients: run with runtime.save_client_models, "
+                                f"e.g. --set \"runtime.save_client_models=[{self.round}]\" for this run's last "
+                                "round")
         module = self.exp.model
         layers = [f"encoder.{name}" for name, child in module.encoder.named_children()
                   if any(True for _ in child.parameters())]  # layers that compute something

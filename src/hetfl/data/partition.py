@@ -49,6 +49,47 @@ PARTITIONS: tuple[str, ...] = (
 )
 BASES: tuple[str, ...] = ("iid", "dirichlet")  # label splits under ``rotation`` / ``concept``
 
+#: the ``data.<key>`` settings of the partitions (each read by some schemes only: :func:`partition_keys`)
+PARTITION_SETTINGS: tuple[str, ...] = (
+    "alpha", "min_size", "classes_per_client", "uniform_share", "samples_per_client", "test_per_client",
+    "dominant_groups", "classes_per_group", "quantity_sigma", "clients_per_domain", "angles", "base",
+    "concept_groups",
+)
+
+
+def partition_keys(name: str, base: str = "iid") -> frozenset[str]:
+    """The settings of :data:`PARTITION_SETTINGS` that scheme ``name`` reads (``base``: the label split under
+    ``rotation`` / ``concept``), as :func:`make_partition` uses them."""
+    split = base if name in ("rotation", "concept") else name
+    keys = {"alpha", "min_size"} if split == "dirichlet" else set()
+    keys |= {"min_size", "quantity_sigma"} if split == "quantity" else set()
+    keys |= {"classes_per_client"} if split == "shards" else set()
+    if split == "dominant":
+        keys |= {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group"}
+    keys |= {"clients_per_domain"} if name == "domain" else set()
+    keys |= {"angles", "base"} if name == "rotation" else set()
+    keys |= {"concept_groups", "base"} if name == "concept" else set()
+    if name not in ("domain", "natural"):  # these keep each group's own test samples
+        keys.add("test_per_client")
+    return frozenset(keys)
+
+
+def unused_settings(name: str, base: str, values: dict, defaults: dict) -> list[str]:
+    """A note for each partition setting that ``values`` (a run's ``data`` table) moves from ``defaults`` but
+    the ``name`` scheme never reads: a ``data.alpha = 0.1`` under the natural or IID split changes nothing."""
+    used = partition_keys(name, base)
+    notes = []
+    for key in PARTITION_SETTINGS:
+        if key in used or values.get(key) == defaults.get(key):
+            continue
+        readers = [p for p in PARTITIONS if key in partition_keys(p)]
+        readers += [f"{p} with data.base = 'dirichlet'" for p in ("rotation", "concept")
+                    if key in partition_keys(p, "dirichlet") - partition_keys(p)]
+        notes.append(f"data.{key} = {values.get(key)!r} has no effect: the {name} partition does not use it "
+                     f"(it is read by {', '.join(readers)}); set data.partition to one of those to use it")
+    return notes
+
+
 # FedBR's RotatedMNIST rotates its 10 clients by 0, 15, ..., 135 degrees; the
 # default angles spread the clients evenly over the same range [0, 150).
 DEFAULT_ANGLE_RANGE = 150.0

@@ -15,6 +15,7 @@ only in the post-hoc settings start (``Experiment.run(..., trained=...)``; ``het
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from hetfl.algorithms.base import (
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import load_dataset
+from hetfl.data.partition import unused_settings
 from hetfl.engine import host_memory, resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     TRAINED_NAME,
@@ -357,6 +359,9 @@ class Experiment:
         start = lines_before(ckpt)
         for message in self.algorithm.run_notes():  # a cost the settings hide, said before it is paid
             self.note(message, reporter)
+        data, defaults = dataclasses.asdict(cfg.data), dataclasses.asdict(config_mod.DataConfig())
+        for message in unused_settings(cfg.data.partition, cfg.data.base, data, defaults):
+            self.note(message, reporter)  # a setting the split ignores: the run would not be what was asked
         tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import grad
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors, check_loss_output
 from hetfl.engine.schedule import batch_schedule
 from hetfl.optim import sgd_init, sgd_update, sgd_update_
 from hetfl.rng import torch_generator
@@ -103,7 +103,9 @@ def step_gradients(
     def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors, Tensors]]:
         copies = {name: frozen[name].clone() for name in mutable}
         with autocast(precision, batch.x.device):
-            loss, metrics = stage.loss({**frozen, **copies, **train}, batch, ctx)
+            loss, metrics = check_loss_output(
+                f"{getattr(stage.loss, '__qualname__', 'the loss')} (stage {stage.name!r})",
+                stage.loss({**frozen, **copies, **train}, batch, ctx))
         loss = loss.float()
         return loss, (loss.detach(), {k: v.detach() for k, v in metrics.items()}, copies)
 

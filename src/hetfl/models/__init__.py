@@ -37,6 +37,7 @@ from hetfl.models.mobilenet import MobileNetV2
 from hetfl.models.paper_cnns import FedPACCNN, FedUVCNN, FedUVResNet18
 from hetfl.models.resnet import ResNet, resnet18, resnet50
 from hetfl.models.vgg import VGG11
+from hetfl.params import did_you_mean
 
 __all__ = [
     "CCT",
@@ -77,7 +78,7 @@ MODELS: tuple[str, ...] = tuple(_BUILDERS)
 
 def _check_name(name: str) -> Callable[..., FLModel]:
     if name not in _BUILDERS:
-        raise ModelError("model.name", name, "allowed: " + ", ".join(MODELS))
+        raise ModelError("model.name", name, did_you_mean(name, MODELS) + "allowed: " + ", ".join(MODELS))
     return _BUILDERS[name]
 
 
