@@ -30,9 +30,10 @@ def test_list_shows_methods_datasets_and_keys(capsys):
         assert word in out
 
 
-def test_list_a_method_shows_its_settings_with_their_meaning(capsys):
+def test_list_a_method_shows_its_settings_with_their_meaning(capsys, monkeypatch):
     """`hetfl list algorithms` gives each method's defaults only (feduv's lam=-1.0: what is it?); `hetfl list
     feduv` gives each key to set, its default and its meaning, post-hoc steps' keys included."""
+    monkeypatch.setenv("COLUMNS", "200")  # a table cell's words on one line
     assert main(["list", "feduv"]) == 0
     out = capsys.readouterr().out
     assert "algorithm.lam" in out and "num_classes / 4" in out and "algorithm.mu" in out
