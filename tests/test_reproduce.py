@@ -197,3 +197,34 @@ def test_reproduce_calibrates_the_oracle_row_on_the_ccvr_runs_training(tmp_path,
     assert table["FedAvg + oracle"]["c"]["ours"] == alone["final_global_acc"]
     assert table["FedAvg"]["c"]["ours"] == alone["final_global_acc_before_ccvr"]
     assert table["FedAvg + CCVR"]["c"]["ours"] != table["FedAvg + oracle"]["c"]["ours"]
+
+
+ORDER_PRESET = PRESET.replace('paper = { "c" = 50.0 }', 'paper = { "c" = 50.0 }\nmetric = "best5:global_acc"').replace(
+    '''metric = "best5:global_acc"
+[quick]''', '''metric = "best5:global_acc"
+paper = { "c" = 60.0 }
+[[rows]]
+label = "M"
+algorithm = "moon"
+metric = "best5:global_acc"
+paper = { "c" = 60.5 }
+[quick]''')
+
+
+def test_the_ordering_of_rows_is_compared_with_the_papers_on_the_pairs_it_separates(tmp_path):
+    """A quick variant gives no differences, so it says how the rows' ordering compares with the paper's:
+    of the pairs of rows the paper separates by a point or more (A 50 < B 60, A 50 < M 60.5; B and M are 0.5
+    apart, a tie), how many are in the paper's order, and which are not."""
+    path = tmp_path / "toy.toml"
+    path.write_text(ORDER_PRESET)
+    preset = reproduce.load_preset(str(path)).variant(True)
+    accs = {"fedavg": [0.5] * 6, "fedprox": [0.4] * 6, "moon": [0.7] * 6}  # B below A: against the paper
+    result = reproduce.reproduce(preset, tmp_path / "q", fake_run(accs))
+    order = result["ordering"]["c"]
+    assert order["separated_pairs"] == 2 and order["in_order"] == 1
+    assert order["out_of_order"] == [{"above": "B", "below": "A", "paper": [0.6, 0.5], "ours": [0.4, 0.5]}]
+    md = (tmp_path / "q" / "reproduction.md").read_text()
+    assert "1 of the 2 pairs of rows the paper separates by 1 point or more are in its order" in md
+    assert "B above A in the paper (60.00 against 50.00), below it here (40.00 against 50.00)" in md
+    agree = reproduce.reproduce(preset, tmp_path / "q2", fake_run({**accs, "fedprox": [0.6] * 6}))
+    assert agree["ordering"]["c"]["in_order"] == 2 and agree["ordering"]["c"]["out_of_order"] == []
