@@ -63,6 +63,19 @@ def test_bad_values_name_key_value_and_allowed(override, key, hint):
     assert message.startswith(key) and hint in message
 
 
+@pytest.mark.parametrize("value", ["fedavg", "5", "[1, 2]", "true"])
+def test_algorithm_given_a_value_instead_of_a_table_is_a_config_error(value, tmp_path):
+    """``--set algorithm=fedavg`` (or ``algorithm = "fedavg"`` at a TOML file's top) names the key, like any
+    other section given a value (it once ended in a ValueError/TypeError traceback from ``dict(...)``)."""
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [f"algorithm={value}"])
+    assert err.value.key == "algorithm" and "must be a table" in str(err.value) and "algorithm.name" in str(err.value)
+    path = tmp_path / "c.toml"
+    path.write_text('algorithm = "fedavg"\n')
+    with pytest.raises(ConfigError, match="^algorithm = 'fedavg': must be a table"):
+        config.load(path)
+
+
 def test_malformed_set_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         config.load(None, ["train.lr"])

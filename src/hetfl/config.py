@@ -268,9 +268,10 @@ def from_dict(tree: dict[str, Any]) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(name, value, "must be a table")
         sections[name] = build(cls, value, prefix=name + ".")
-    algo = dict(tree.get("algorithm", {}))
+    algo = tree.get("algorithm", {})
     if not isinstance(algo, dict):
-        raise ConfigError("algorithm", algo, "must be a table")
+        raise ConfigError("algorithm", algo, "must be a table, e.g. algorithm.name = 'fedavg'")
+    algo = dict(algo)
     name = algo.pop("name", "fedavg")
     if not isinstance(name, str):
         raise ConfigError("algorithm.name", name, "must be a string such as 'fedavg' or 'fedavg+ccvr'")
