@@ -40,7 +40,7 @@ from hetfl.algorithms.base import (
 )
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
-from hetfl.data.datasets import load_dataset
+from hetfl.data.datasets import check_run_splits, load_dataset
 from hetfl.engine import host_memory, resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     TRAINED_NAME,
@@ -145,6 +145,7 @@ class Experiment:
         root = cfg.data.root or None
         self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
                                     seed=cfg.seed, **cfg.data.options)
+        check_run_splits(cfg.data.dataset, cfg.data.options, self.dataset)  # no NaN accuracy, no empty training
         self.cfg = cfg = resolve(cfg, self.dataset)  # auto model and partition, the method's defaults
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
