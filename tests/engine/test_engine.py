@@ -208,6 +208,38 @@ def crash_in_round_3_and_resume(cfg: config.RunConfig, run_dir: Path, monkeypatc
     Experiment(cfg).run(run_dir, resume=True)
 
 
+@pytest.mark.parametrize("every", [0, 5])
+def test_a_resume_before_any_checkpoint_refuses_another_config_naming_the_keys(every, tmp_path, monkeypatch):
+    """A run interrupted before its first checkpoint (``checkpoint_every = 0``, or a kill in round 1) has only
+    its ``config.toml`` to say what it is: resumed with another configuration (``run_experiment``,
+    ``Experiment.run(resume=True)``) it is refused naming the keys, nothing written. It once recomputed the
+    rounds with the other configuration under the old ``config.toml``: a folder whose metrics and summary
+    were of lr 0.5 FedProx and whose config.toml said lr 0.05 FedAvg. The same configuration resumes."""
+    from hetfl.engine.rundir import RunDirError
+
+    cfg = quick(*RESUME, f"runtime.checkpoint_every={every}")
+    run = tmp_path / "r"
+    original = Experiment.round
+
+    def crash_in_round_3(self, server, clients, round_, reporter):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(run)
+    monkeypatch.setattr(Experiment, "round", original)
+    crash_before = {path.name: path.read_bytes() for path in run.iterdir()}
+    other = quick(*RESUME, f"runtime.checkpoint_every={every}", "train.lr=0.5", "algorithm.name=fedprox")
+    with pytest.raises(RunDirError, match=r"config.toml.*algorithm.name: 'fedavg' -> 'fedprox'.*train.lr: 0.05 -> 0.5"):
+        Experiment(other).run(run, resume=True)
+    assert {path.name: path.read_bytes() for path in run.iterdir()} == crash_before, "nothing written"
+    Experiment(cfg).run(run, resume=True)
+    Experiment(cfg).run(tmp_path / "full")
+    assert metrics(run) == metrics(tmp_path / "full")
+
+
 def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
     """load_tensors gives every tensor memory of its own, aligned as torch aligns what it allocates (64
     bytes on a CPU), whatever its offset in the file (safetensors: multiples of 8 bytes)."""

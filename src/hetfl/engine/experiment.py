@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +344,11 @@ class Experiment:
             if changed:
                 raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
                                   f"({'; '.join(changed[:5])})")
+        elif resume and (run_dir / CONFIG_NAME).exists():  # no checkpoint yet: config.toml says what the run is
+            changed = config_changes(read_config_tree(run_dir / CONFIG_NAME), cfg)
+            if changed:
+                raise RunDirError(f"{run_dir}: its {CONFIG_NAME} is of a different configuration "
+                                  f"({'; '.join(changed[:5])}; there -> now)")
         if resume and (run_dir / SUMMARY_NAME).exists():
             return self.finished(run_dir, ckpt, reporter)
         self.ledger = self.open_ledger(run_dir, ckpt, reporter)  # checked before anything is written
@@ -640,6 +646,14 @@ class Experiment:
             "_server": new_server,
         }
 
+
+
+def read_config_tree(path: Path) -> dict[str, Any] | None:
+    """A run's ``config.toml`` as a tree (None where it cannot be read: :func:`config_changes` names that)."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
 
 
 def keeps_trained_model(cfg: RunConfig) -> bool:
