@@ -76,6 +76,49 @@ def test_algorithm_given_a_value_instead_of_a_table_is_a_config_error(value, tmp
         config.load(path)
 
 
+def optimiser_scalars() -> list[tuple[str, str]]:
+    """(method, key) of every step size and weight decay: the run's, each method's (algorithm.*) and each
+    post-hoc step's (algorithm.<step>.*)."""
+    import dataclasses
+    import typing
+
+    from hetfl.algorithms import algorithm_class, available, step_hyper
+
+    found = [("fedavg", "train.lr"), ("fedavg", "train.weight_decay")]
+    hypers = [(m, "algorithm.", algorithm_class(m).Hyper) for m in available()]
+    hypers.append(("fedavg+ccvr", "algorithm.ccvr.", type(step_hyper("ccvr", {}))))
+    for method, prefix, hyper in hypers:
+        hints = typing.get_type_hints(hyper)
+        found += [(method, prefix + f.name) for f in dataclasses.fields(hyper)
+                  if hints[f.name] is float and (f.name.endswith("lr") or f.name.endswith("weight_decay"))]
+    return found
+
+
+@pytest.mark.parametrize(("method", "key"), optimiser_scalars())
+def test_step_sizes_and_weight_decays_past_float32_are_refused(method, key):
+    """A step size or weight decay is a float32 scalar in the step (torch.optim casts it): past float32's
+    largest value torch raises 'value cannot be converted to type float without overflow', once after the
+    whole training (algorithm.ccvr.lr, .weight_decay) or in round 1 (train.weight_decay,
+    algorithm.head_weight_decay of FedPAC), with a traceback, exit 1 and a run folder left behind. Refused at
+    load like train.lr, naming the key."""
+    from hetfl.algorithms import hyperparameters, step_hyper
+
+    with pytest.raises(ConfigError) as err:
+        cfg = config.load(None, [f"algorithm.name={method}", f"{key}=1e39"])
+        hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+        step_hyper("ccvr", cfg.algorithm.params.get("ccvr", {}))
+    assert err.value.key == key and "< 3.4028" in str(err.value)
+
+
+def test_weight_decay_past_float32_exits_2_without_writing(tmp_path, capsys):
+    from hetfl.cli import main
+
+    out = tmp_path / "r"
+    sets = ["--set", "train.rounds=1", "--set", "train.weight_decay=1e39"]
+    assert main(["run", "--out", str(out), "--quiet", *sets]) == 2
+    assert "train.weight_decay = 1e+39" in capsys.readouterr().err and not out.exists()
+
+
 def test_malformed_set_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         config.load(None, ["train.lr"])

@@ -23,6 +23,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: the largest float32: parameters and optimiser states are float32, so a step size or weight decay past it
+#: cannot scale a gradient (torch.optim raises "value cannot be converted to type float without overflow");
+#: such settings are declared with ``lt=FLOAT32_MAX``
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; ``hetfl`` exits with code 2 on it."""

@@ -48,7 +48,7 @@ from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
 from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
 from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
-from hetfl.params import ConfigError, setting
+from hetfl.params import FLOAT32_MAX, ConfigError, setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 
@@ -99,9 +99,9 @@ class CCVRHyper:
     transform: str = setting("relu_tukey", choices=("relu_tukey", "none"), doc="feature transform")
     tukey_beta: float = setting(0.5, ge=0.0, doc="Tukey beta")
     epochs: int = setting(10, ge=1, doc="classifier re-training epochs")
-    lr: float = setting(0.001, gt=0.0, doc="re-training lr")
+    lr: float = setting(0.001, gt=0.0, lt=FLOAT32_MAX, doc="re-training lr")
     momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="re-training momentum")
-    weight_decay: float = setting(1e-5, ge=0.0, doc="re-training weight decay")
+    weight_decay: float = setting(1e-5, ge=0.0, lt=FLOAT32_MAX, doc="re-training weight decay")
     batch_size: int = setting(64, ge=1, doc="re-training batch size")
     every_round: bool = setting(False, doc="calibrate after every round")
     oracle: str = setting("none", choices=("none", "all", "per_class"),

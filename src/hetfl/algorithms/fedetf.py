@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, cross_entropy
 from hetfl.algorithms.logit_adjust import client_counts
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 from hetfl.rng import method_generator
 
 ETF, PROJ_W, PROJ_B, BETA = "fedetf.etf", "fedetf.proj.weight", "fedetf.proj.bias", "fedetf.beta"
@@ -104,8 +104,8 @@ class FedETFHyper:
     personalize: bool = setting(True, doc="local adaptation before each client's evaluation")
     pers_cycles: int = setting(20, ge=0, doc="ETF/projection fine-tuning cycles")
     pers_epochs: int = setting(3, ge=1, doc="epochs of each part per cycle")
-    pers_etf_lr: float = setting(0.1, gt=0.0, doc="lr of the ETF fine-tuning")
-    pers_proj_lr: float = setting(0.05, gt=0.0, doc="lr of the projection fine-tuning")
+    pers_etf_lr: float = setting(0.1, gt=0.0, lt=FLOAT32_MAX, doc="lr of the ETF fine-tuning")
+    pers_proj_lr: float = setting(0.05, gt=0.0, lt=FLOAT32_MAX, doc="lr of the projection fine-tuning")
 
 
 class FedETF(Algorithm):

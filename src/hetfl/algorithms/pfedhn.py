@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Setup, Tensors, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 from hetfl.rng import torch_generator
 
 HN = "pfedhn.hn/"  # server: hypernetwork tensors
@@ -104,10 +104,10 @@ class PFedHNHyper:
     n_hidden: int = setting(3, ge=0, doc="hidden blocks of the hypernetwork MLP")
     chunk_size: int = setting(4096, ge=0, doc="values per generated chunk (0 = one head per tensor)")
     chunk_embed_dim: int = setting(16, ge=1, doc="chunk embedding size")
-    server_lr: float = setting(0.01, gt=0.0, doc="hypernetwork step size")
-    embed_lr: float = setting(0.0, ge=0.0, doc="embedding step size (0 = server_lr)")
+    server_lr: float = setting(0.01, gt=0.0, lt=FLOAT32_MAX, doc="hypernetwork step size")
+    embed_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="embedding step size (0 = server_lr)")
     server_momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="server SGD momentum")
-    server_weight_decay: float = setting(1e-3, ge=0.0, doc="server SGD weight decay")
+    server_weight_decay: float = setting(1e-3, ge=0.0, lt=FLOAT32_MAX, doc="server SGD weight decay")
     max_grad_norm: float = setting(50.0, ge=0.0, doc="clip the server gradient norm (0 = off)")
     output_scale: str = setting("none", choices=("none", "init"),
                                 doc="scale each generated tensor to its target's initial RMS (init: stable at a "

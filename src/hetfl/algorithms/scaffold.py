@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 
 C = "scaffold.c/"  # payload prefix of the server control variate
 
@@ -35,7 +35,7 @@ class ScaffoldHyper:
     server_lr: η_g, the global step size (1.0 in the paper's experiments).
     """
 
-    server_lr: float = setting(1.0, gt=0.0, doc="server learning rate eta_g")
+    server_lr: float = setting(1.0, gt=0.0, lt=FLOAT32_MAX, doc="server learning rate eta_g")
 
 
 class Scaffold(Algorithm):
