@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,16 @@ class CCVR(CCVRStatistics):
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
         return self.moments_reply(features, labels, client=client, round_=round_)
+
+    def memory_needs(self, feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The virtual features: num_virtual x C draws (proportional counts sum to about as many) of
+        ``feature_dim`` entries, each held about three times at once (the float64 noise and draws, their
+        float32 copy and its transform: 24 bytes an entry). The oracle holds the real features instead."""
+        if self.hp.oracle != "none":
+            return []
+        count = self.hp.num_virtual * self.setup.num_classes
+        return [("algorithm.ccvr.num_virtual", self.hp.num_virtual, 24 * count * feature_dim,
+                 f"CCVR's {count:,} virtual features of {feature_dim} dimensions")]
 
     def virtual_features(
         self, replies: Replies, gen: torch.Generator
