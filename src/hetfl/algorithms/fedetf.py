@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +137,13 @@ class FedETF(Algorithm):
         if self.with_bias:
             out["classifier.bias"] = m_t @ state[PROJ_B]
         return out
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The ETF ``d x C`` and the projection ``d x feature_dim`` (drawn in float64, kept in float32 with a
+        client's copy, gradient and momentum: about 24 bytes an entry)."""
+        d = self.etf_dim(feature_dim)
+        count = d * (self.setup.num_classes + feature_dim + 1)
+        return [("algorithm.etf_dim", self.hp.etf_dim, 24 * count, f"FedETF's ETF and projection ({d} dimensions)")]
 
     # ------------------------------------------------------------------ server
     def init_server(self, model_state: Tensors) -> ServerState:

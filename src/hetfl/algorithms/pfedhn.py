@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,27 @@ class PFedHN(Algorithm):
         size = hyper.chunk_size
         self.chunks = {n: math.ceil(math.prod(s) / size) if size else 0 for n, s in self.shapes.items()}
         self.target_rms = {n: float(p.detach().float().pow(2).mean().sqrt()) for n, p in module.named_parameters()}
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The hypernetwork (float32, with its momentum and one round's summed gradient: 3 copies), each part
+        under the key that sizes it: the first layer and the clients' embeddings (``embed_dim``), the hidden
+        blocks (``n_hidden`` x ``hidden`` x ``hidden``, named by the one further from its default), the chunk
+        embeddings (``chunk_embed_dim``) and the output layer (``chunk_size``, or one head per target tensor)."""
+        hp, h, copies, what = self.hp, self.hp.hidden, 3 * 4, "pFedHN's hypernetwork"
+        blocks = ("algorithm.hidden", h) if h / 100 >= hp.n_hidden / 3 else ("algorithm.n_hidden", hp.n_hidden)
+        first = (self.embed_dim + 1) * h + self.setup.num_clients * self.embed_dim
+        needs = [("algorithm.embed_dim", self.embed_dim, copies * first, what + "'s first layer and client embeddings"),
+                 (*blocks, copies * hp.n_hidden * (h + 1) * h, what + "'s hidden blocks")]
+        if hp.chunk_size:
+            chunks = sum(self.chunks.values())
+            needs += [("algorithm.chunk_embed_dim", hp.chunk_embed_dim,
+                       copies * (chunks + h) * hp.chunk_embed_dim, what + "'s chunk embeddings"),
+                      ("algorithm.chunk_size", hp.chunk_size, copies * (h + 1) * (hp.chunk_size + h),
+                       what + "'s output layer")]
+        else:
+            heads = sum((h + 1) * math.prod(shape) for shape in self.shapes.values())
+            needs.append(("algorithm.hidden", h, copies * heads, what + "'s output heads"))
+        return needs
 
     # ------------------------------------------------------- hypernetwork
     def init_hypernetwork(self, device: torch.device) -> Tensors:

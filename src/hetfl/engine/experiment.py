@@ -180,7 +180,8 @@ class Experiment:
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
-        resources.require([need for step in self.posthoc for need in step.memory_needs(self.model.feature_dim)])
+        resources.require([*self.algorithm.memory_needs(info.input_shape, self.model.feature_dim),
+                           *[need for step in self.posthoc for need in step.memory_needs(self.model.feature_dim)]])
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.chunk_sizes: dict = {}  # vectorized: clients that fit at once, per group structure (None: no limit)
