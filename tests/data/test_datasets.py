@@ -113,6 +113,16 @@ def test_a_test_fraction_that_empties_a_split_is_refused_naming_it(options, spli
     out = tmp_path / "run"
     assert main(["run", "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)]]) == 2
     assert "data.options.test_fraction" in capsys.readouterr().err and not out.exists()
+    # a plan of runs is refused before its first run starts (a good cell first, then this one)
+    sweep = tmp_path / "sweep.toml"
+    bad = ", ".join(f"{k} = {v}" for k, v in options.items())
+    cells = f"{{num_devices = 4, max_samples = 20}}, {{num_devices = 4, {bad}}}"
+    sweep.write_text(f"[grid]\n\"data.options\" = [{cells}]\n")
+    args = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(tmp_path / "cmp"), "--quiet",
+            "--sweep", str(sweep), "--set", "train.rounds=1", "--set", "data.num_clients=4"]
+    assert main(args) == 2
+    assert "data.options.test_fraction" in capsys.readouterr().err
+    assert not list((tmp_path / "cmp").rglob("metrics.jsonl")), "no run of the plan started"
 
 
 def test_unknown_dataset_and_missing_root(tmp_path):

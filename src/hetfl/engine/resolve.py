@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hetfl.data.datasets import load_dataset
+from hetfl.data.datasets import check_run_splits, load_dataset
 from hetfl.engine.setup import check_method_fits_model, resolve
 
 __all__ = ["resolve_configs"]
@@ -31,6 +31,7 @@ def resolve_configs(cfgs: list[Any]) -> list[Any]:
         d, seed = cfgs[indices[0]].data, cfgs[indices[0]].seed
         dataset = load_dataset(d.dataset, d.root or None, download=d.download, cache_dir=d.cache_dir, seed=seed,
                                **d.options)
+        check_run_splits(d.dataset, d.options, dataset)  # an empty test or train split: before any run starts
         for i in indices:
             resolved[i] = resolve(cfgs[i], dataset)
             check_method_fits_model(resolved[i], dataset.info)  # before any run of the plan starts
