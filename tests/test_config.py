@@ -119,6 +119,25 @@ def test_weight_decay_past_float32_exits_2_without_writing(tmp_path, capsys):
     assert "train.weight_decay = 1e+39" in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.parametrize("override", ["seed=1e20", "seed=18446744073709551616", "train.rounds=1e19",
+                                      "train.eval_every=9223372036854775808", "runtime.checkpoint_every=1e300"])
+def test_integers_past_tomls_64_bit_range_are_refused(override, tmp_path):
+    """config.toml is TOML, whose integers are 64-bit ("an integer that cannot be represented losslessly must
+    be an error"): a setting past that range (``seed=1e20``, a float made an integer) once ran and wrote a
+    config.toml other TOML readers refuse. The largest 64-bit integer is fine and round-trips."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert err.value.key == key and "64-bit" in str(err.value)
+    with pytest.raises(ConfigError, match="algorithm.ccvr.num_virtual.*64-bit"):
+        from hetfl.algorithms import hyperparameters
+
+        hyperparameters("fedavg+ccvr", {"ccvr": {"num_virtual": 2**64}})
+    cfg = config.load(None, [f"seed={2**63 - 1}"])
+    (tmp_path / "c.toml").write_text(config.dumps(cfg))
+    assert config.load(tmp_path / "c.toml").seed == 2**63 - 1
+
+
 def test_malformed_set_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         config.load(None, ["train.lr"])
