@@ -66,6 +66,10 @@ class Scaffold(Algorithm):
         """Option II control variate; upload the local model and Δc_i."""
         scale = 1.0 / (max(steps, 1) * ctx.lr)
         new_c, upload = {}, {n: local[n] for n in self.model.state_names}
+        if steps == 0:  # no sample, no step (data.min_size = 0): no gradient seen, c_i stays and dc_i = 0
+            for n in self.model.param_names:
+                new_c[n], upload[C + n] = ctx.state[n], torch.zeros_like(ctx.state[n])
+            return upload, new_c
         for n in self.model.param_names:
             new_c[n] = ctx.state[n] - ctx.payload[C + n] + scale * (ctx.payload[n] - local[n])
             upload[C + n] = new_c[n] - ctx.state[n]
