@@ -250,6 +250,32 @@ def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
     assert {k: t.data_ptr() % 64 for k, t in loaded.items() if t.data_ptr() % 64} == {}
 
 
+def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_previous_one(tmp_path, monkeypatch):
+    """The new checkpoint's bytes are fsynced before the rename that makes it the checkpoint, and the rename
+    itself after it (as metrics.jsonl's lines and the privacy ledger are): a power loss then leaves the old
+    checkpoint or the new one. Without it the rename could reach the disk before the data, leaving an empty
+    checkpoint.safetensors beside a metrics.jsonl that was fsynced up to its round: a run that cannot resume
+    ("corrupt ... delete it to restart the run from round 1")."""
+    events: list[tuple[str, int]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_tensors(tmp_path / "x.safetensors", {"w": torch.ones(3)})
+    inode = (tmp_path / "x.safetensors").stat().st_ino
+    assert ("fsync", inode) in events and ("replace", inode) in events
+    assert events.index(("fsync", inode)) < events.index(("replace", inode))
+    assert ("fsync", tmp_path.stat().st_ino) in events[events.index(("replace", inode)):], "the rename, durable"
+
+
 def test_a_checkpoint_gives_back_every_dict_in_the_order_it_was_saved_in(tmp_path):
     """A safetensors file lists its tensors sorted by name; the checkpoint's metadata keeps the order of the
     server's dicts, of the clients and of each client's state, as they were in memory (the batched personalised
