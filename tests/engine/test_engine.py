@@ -191,6 +191,36 @@ def test_every_method_resumes_to_the_bit(method, executor, tmp_path, monkeypatch
     assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("method", ["scaffold", "fedavgm", "ditto", "fedavg+ccvr"])
+def test_a_resume_that_recomputes_a_round_after_the_checkpoint_is_the_uninterrupted_run(method, executor, tmp_path,
+                                                                                         monkeypatch):
+    """Checkpoints every 2 rounds of 5 (the last one too), evaluation every 2, a cosine schedule, 6 of 30
+    clients a round: a crash in round 4 finds round 3's line after round 2's checkpoint, drops it and
+    recomputes it; metrics, client metrics and summary (wall time aside) are the uninterrupted run's."""
+    cfg = quick(*RESUME, "train.rounds=5", "runtime.checkpoint_every=2", "train.eval_every=2",
+                "train.lr_schedule=cosine", f"algorithm.name={method}", *EXECUTORS[executor])
+    Experiment(cfg).run(tmp_path / "full")
+    original = Experiment.round
+
+    def crash_in_round_4(self, server, clients, round_, reporter):
+        if round_ == 4:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(tmp_path / "crashed")
+    monkeypatch.setattr(Experiment, "round", original)
+    assert len(metrics(tmp_path / "crashed")) == 3  # round 3's line is after the checkpoint of round 2
+    Experiment(cfg).run(tmp_path / "crashed", resume=True)
+    assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
+    for name in ("client_metrics.jsonl", "config.toml"):
+        assert (tmp_path / "crashed" / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+    full, resumed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "crashed"))
+    assert {**full, "wall_time_s": 0} == {**resumed, "wall_time_s": 0}
+
+
 def crash_in_round_3_and_resume(cfg: config.RunConfig, run_dir: Path, monkeypatch) -> None:
     """Run ``cfg`` in ``run_dir``, interrupted at the start of round 3 (two rounds written), then resume it."""
     original = Experiment.round
