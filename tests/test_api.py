@@ -268,6 +268,28 @@ def test_the_default_run_dir_is_the_clis(tmp_path, monkeypatch):
     assert (tmp_path / result.run_dir / "summary.json").is_file()
 
 
+def test_default_run_dirs_of_runs_started_in_the_same_second_are_distinct(tmp_path, monkeypatch, capsys):
+    """The default folder names the second a run starts: runs started in the same second (a loop of tiny runs,
+    ``hetfl run ... &`` twice) each get their own folder. The second once got the first's folder: hetfl.run
+    refused it as "a run of another configuration" and suggested deleting it or overwrite=True (the first
+    run, which the user never named), hetfl run exited 2 with "in use by another hetfl run"."""
+    import datetime as real_dt
+
+    class FrozenDatetime(real_dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr("hetfl.console.dt", types.SimpleNamespace(datetime=FrozenDatetime))
+    monkeypatch.chdir(tmp_path)
+    dirs = [hetfl.run(overrides=[*TINY, f"train.lr={lr}"]).run_dir for lr in (0.01, 0.1)]
+    assert main(["run", "--quiet", *[a for kv in [*TINY, "train.lr=0.2"] for a in ("--set", kv)]]) == 0
+    dirs.append(Path(capsys.readouterr().out.split("run directory: ")[1].strip()))
+    assert len(set(dirs)) == 3 and all(d.name.endswith("-fedavg-synthetic-seed0") for d in dirs), dirs
+    assert sorted(dirs) == dirs, "in the order they started"
+    assert [config_mod.load(tmp_path / d / "config.toml").train.lr for d in dirs] == [0.01, 0.1, 0.2]
+
+
 # ------------------------------------------------------------- results
 def test_final_accuracy_is_the_metric_the_tables_pick(tmp_path):
     global_run = hetfl.run(overrides=TINY, out=tmp_path / "fedavg")

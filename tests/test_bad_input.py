@@ -146,6 +146,20 @@ MEMORY_CASES = {  # the issue's reproductions (and one more found alike): "; "-j
     "model.options={hidden = [1000000000]}": "model.options",
     "train.local_steps=1000000000000": "train.local_steps",
     "data.partition=dominant; data.dominant_groups=1000000000": "data.dominant_groups",
+    # the sizes a method's settings give its own state (a hypernetwork, a virtual dataset, a discriminator, the
+    # virtual features of CCVR): once allocated after the run folder was written, in round 1 or after the last
+    # round's training, ending in torch's "DefaultCPUAllocator: can't allocate memory" traceback (exit 1)
+    "algorithm.name=pfedhn; algorithm.embed_dim=1000000000": "algorithm.embed_dim",
+    "algorithm.name=pfedhn; algorithm.hidden=1000000000": "algorithm.hidden",
+    "algorithm.name=pfedhn; algorithm.n_hidden=1000000000": "algorithm.n_hidden",
+    "algorithm.name=pfedhn; algorithm.chunk_size=1000000000": "algorithm.chunk_size",
+    "algorithm.name=pfedhn; algorithm.chunk_embed_dim=1000000000": "algorithm.chunk_embed_dim",
+    "algorithm.name=vhl; algorithm.num_virtual=1000000000": "algorithm.num_virtual",
+    "algorithm.name=vhl; algorithm.virtual_batch=1000000000": "algorithm.virtual_batch",
+    "algorithm.name=dann; model.options={hidden = [8]}; algorithm.hidden=1000000000": "algorithm.hidden",
+    "algorithm.name=fedetf; model.options={hidden = [8]}; algorithm.etf_dim=1000000000": "algorithm.etf_dim",
+    "algorithm.name=fedavg+ccvr; model.options={hidden = [8]}; algorithm.ccvr.num_virtual=1000000000":
+        "algorithm.ccvr.num_virtual",
 }
 
 
@@ -160,7 +174,7 @@ def memory_refusals(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     return {override: (*result, outs[override]) for override, result in zip(MEMORY_CASES, results, strict=True)}
 
 
-@pytest.mark.slow  # one child process for the four cases: ~7 s, most of it importing torch
+@pytest.mark.slow  # one child process for the cases: ~10 s, most of it importing torch
 @pytest.mark.parametrize("override", list(MEMORY_CASES))
 def test_what_cannot_fit_in_memory_is_refused_before_allocating(override, memory_refusals):
     code, err, out = memory_refusals[override]
@@ -267,6 +281,22 @@ def test_presets_and_the_default_run_fit():
             n = resources.count_parameters(cfg.model.name, known.input_shape, known.num_classes,
                                            dict(cfg.model.options))
             assert n * 4 * resources.MODEL_COPIES < 8 * 2**30, (label, n)
+
+
+@pytest.mark.parametrize("method", ["pfedhn", "vhl", "dann", "fedetf", "fedavg+ccvr"])
+def test_a_methods_own_memory_at_its_defaults_is_small(method):
+    """The estimates of the methods' own state at their default settings, on CIFAR-100-sized inputs (100
+    classes, 512 features, 3 x 32 x 32 inputs, 100 clients): far below any machine's memory."""
+    import dataclasses
+
+    from hetfl.algorithms import build_algorithm, build_posthoc
+    from tests.helpers import tiny_setup
+
+    setup = dataclasses.replace(tiny_setup(num_clients=100), num_classes=100)
+    steps = [build_algorithm(method, {}, setup)] if "+" not in method else build_posthoc(method, {}, setup)
+    needs = [n for step in steps for n in (step.memory_needs((3, 32, 32), 512) if "+" not in method
+                                            else step.memory_needs(512))]
+    assert needs and all(0 <= need < 2 * 2**30 for _, _, need, _ in needs), needs
 
 
 def test_default_experiment_is_not_refused():

@@ -72,6 +72,82 @@ def test_bad_values_name_key_value_and_allowed(override, key, hint):
     assert message.startswith(key) and hint in message
 
 
+@pytest.mark.parametrize("value", ["fedavg", "5", "[1, 2]", "true"])
+def test_algorithm_given_a_value_instead_of_a_table_is_a_config_error(value, tmp_path):
+    """``--set algorithm=fedavg`` (or ``algorithm = "fedavg"`` at a TOML file's top) names the key, like any
+    other section given a value (it once ended in a ValueError/TypeError traceback from ``dict(...)``)."""
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [f"algorithm={value}"])
+    assert err.value.key == "algorithm" and "must be a table" in str(err.value) and "algorithm.name" in str(err.value)
+    path = tmp_path / "c.toml"
+    path.write_text('algorithm = "fedavg"\n')
+    meant = r"^algorithm = 'fedavg': did you mean algorithm.name = 'fedavg'\? must be a table"
+    with pytest.raises(ConfigError, match=meant):
+        config.load(path)
+
+
+def optimiser_scalars() -> list[tuple[str, str]]:
+    """(method, key) of every step size and weight decay: the run's, each method's (algorithm.*) and each
+    post-hoc step's (algorithm.<step>.*)."""
+    import dataclasses
+    import typing
+
+    from hetfl.algorithms import algorithm_class, available, step_hyper
+
+    found = [("fedavg", "train.lr"), ("fedavg", "train.weight_decay")]
+    hypers = [(m, "algorithm.", algorithm_class(m).Hyper) for m in available()]
+    hypers.append(("fedavg+ccvr", "algorithm.ccvr.", type(step_hyper("ccvr", {}))))
+    for method, prefix, hyper in hypers:
+        hints = typing.get_type_hints(hyper)
+        found += [(method, prefix + f.name) for f in dataclasses.fields(hyper)
+                  if hints[f.name] is float and (f.name.endswith("lr") or f.name.endswith("weight_decay"))]
+    return found
+
+
+@pytest.mark.parametrize(("method", "key"), optimiser_scalars())
+def test_step_sizes_and_weight_decays_past_float32_are_refused(method, key):
+    """A step size or weight decay is a float32 scalar in the step (torch.optim casts it): past float32's
+    largest value torch raises 'value cannot be converted to type float without overflow', once after the
+    whole training (algorithm.ccvr.lr, .weight_decay) or in round 1 (train.weight_decay,
+    algorithm.head_weight_decay of FedPAC), with a traceback, exit 1 and a run folder left behind. Refused at
+    load like train.lr, naming the key."""
+    from hetfl.algorithms import hyperparameters, step_hyper
+
+    with pytest.raises(ConfigError) as err:
+        cfg = config.load(None, [f"algorithm.name={method}", f"{key}=1e39"])
+        hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+        step_hyper("ccvr", cfg.algorithm.params.get("ccvr", {}))
+    assert err.value.key == key and "< 3.4028" in str(err.value)
+
+
+def test_weight_decay_past_float32_exits_2_without_writing(tmp_path, capsys):
+    from hetfl.cli import main
+
+    out = tmp_path / "r"
+    sets = ["--set", "train.rounds=1", "--set", "train.weight_decay=1e39"]
+    assert main(["run", "--out", str(out), "--quiet", *sets]) == 2
+    assert "train.weight_decay = 1e+39" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("override", ["seed=1e20", "seed=18446744073709551616", "train.rounds=1e19",
+                                      "train.eval_every=9223372036854775808", "runtime.checkpoint_every=1e300"])
+def test_integers_past_tomls_64_bit_range_are_refused(override, tmp_path):
+    """config.toml is TOML, whose integers are 64-bit ("an integer that cannot be represented losslessly must
+    be an error"): a setting past that range (``seed=1e20``, a float made an integer) once ran and wrote a
+    config.toml other TOML readers refuse. The largest 64-bit integer is fine and round-trips."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert err.value.key == key and "64-bit" in str(err.value)
+    with pytest.raises(ConfigError, match="algorithm.ccvr.num_virtual.*64-bit"):
+        from hetfl.algorithms import hyperparameters
+
+        hyperparameters("fedavg+ccvr", {"ccvr": {"num_virtual": 2**64}})
+    cfg = config.load(None, [f"seed={2**63 - 1}"])
+    (tmp_path / "c.toml").write_text(config.dumps(cfg))
+    assert config.load(tmp_path / "c.toml").seed == 2**63 - 1
+
+
 def test_malformed_set_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         config.load(None, ["train.lr"])

@@ -365,6 +365,17 @@ def test_a_sweep_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_pa
     assert not list(out.rglob("metrics.jsonl"))
 
 
+def test_a_sweep_refuses_a_partition_it_cannot_make_before_the_first_run(tmp_path, capsys):
+    """A cell whose partition cannot be made (more clients than the samples) is exit 2 naming the key before
+    any run of the plan starts; it used to run the cells before it first (the 4-client cell here)."""
+    out = tmp_path / "sweep"
+    argv = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(out), "--quiet",
+            "--grid", "data.num_clients=4,100000", *set_args([kv for kv in TINY if "num_clients" not in kv])]
+    assert main(argv) == 2
+    assert "data.num_clients = 100000" in capsys.readouterr().err
+    assert not list(out.rglob("metrics.jsonl"))
+
+
 def test_reproduce_refuses_what_the_runtime_cannot_run_before_the_first_run(tmp_path, capsys):
     from tests.helpers.runs import PRESET
 

@@ -18,11 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from hetfl.params import ConfigError, build, did_you_mean, setting, to_dict
-
-# the largest float32: parameters and optimiser states are float32, so a learning rate past it cannot
-# scale a gradient (torch.optim.SGD fails on it too)
-FLOAT32_MAX = 3.4028234663852886e38
+from hetfl.params import FLOAT32_MAX, ConfigError, build, did_you_mean, setting, to_dict
 
 DATASET_NAMES = (
     "synthetic", "mnist", "fmnist", "emnist", "cifar10", "cifar100", "cinic10", "stl10",
@@ -82,7 +78,7 @@ class TrainConfig:
                                doc="client lr over rounds")
     lr_min: float = setting(0.0, ge=0.0, doc="floor of the cosine schedule (reached after the last round)")
     momentum: float = setting(0.0, ge=0.0, lt=1.0, doc="client SGD momentum")
-    weight_decay: float = setting(0.0, ge=0.0, doc="client SGD weight decay")
+    weight_decay: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="client SGD weight decay")
     max_grad_norm: float = setting(0.0, ge=0.0, doc="clip each client's gradient norm (0 = off)")
     precision: str = setting("fp32", choices=("fp32", "bf16"),
                              doc="local training's forward pass: float32, or bfloat16 autocast (parameters, "
@@ -266,7 +262,8 @@ def _not_a_table(section: str, value: Any) -> ConfigError:
     """The error for a section given a plain value (``--set algorithm=fedprox``), with the key likely meant."""
     key = _NAMING_KEY.get(section)
     meant = f"did you mean {section}.{key} = {value!r}? " if key and isinstance(value, str) else ""
-    return ConfigError(section, value, f"{meant}must be a table of settings ({section}.KEY=VALUE with --set, "
+    example = f", such as {section}.{key}" if key else ""
+    return ConfigError(section, value, f"{meant}must be a table of settings ({section}.KEY=VALUE with --set{example}, "
                                        f"[{section}] in a TOML file)")
 
 

@@ -114,9 +114,17 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 # ----------------------------------------------------------------- run folders
 def default_run_dir(cfg: config_mod.RunConfig) -> Path:
+    """``runs/<time>-<method>-<dataset>-seed<k>``, the time to the second; a run started in a second whose
+    folder exists already (a loop of tiny runs, two runs started at once) takes ``<time>.2``, ``<time>.3``...,
+    so that each run the user did not name gets its own folder (in the order they started)."""
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = cfg.algorithm.name.replace("+", "-")
-    return Path("runs") / f"{stamp}-{name}-{cfg.data.dataset}-seed{cfg.seed}"
+    rest = f"{name}-{cfg.data.dataset}-seed{cfg.seed}"
+    path, n = Path("runs") / f"{stamp}-{rest}", 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = Path("runs") / f"{stamp}.{n}-{rest}"
+    return path
 
 
 def _writable_dir(path: Path) -> bool:

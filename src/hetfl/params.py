@@ -24,6 +24,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: the largest float32: parameters and optimiser states are float32, so a step size or weight decay past it
+#: cannot scale a gradient (torch.optim raises "value cannot be converted to type float without overflow");
+#: such settings are declared with ``lt=FLOAT32_MAX``
+FLOAT32_MAX = 3.4028234663852886e38
+#: TOML's integers are 64-bit (a reader must refuse one it cannot hold): an integer setting stays in this range,
+#: so that the run's config.toml is TOML every reader takes
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; ``hetfl`` exits with code 2 on it."""
@@ -125,10 +133,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         raise ConfigError(key, value, "must be true or false")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:  # config.toml could not hold it (TOML's integers)
+                raise ConfigError(key, value, f"must be a 64-bit integer (at most {INT64_MAX})")
+            return value
         raise ConfigError(key, value, "must be an integer")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):

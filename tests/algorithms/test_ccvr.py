@@ -34,6 +34,28 @@ def test_step_settings_are_validated():
         hyperparameters("moon+ccvr", {"ccvr": {"num_virtual": 0}})
 
 
+def test_virtual_features_that_cannot_fit_in_memory_are_refused_before_training(tmp_path, capsys):
+    """``algorithm.ccvr.num_virtual`` draws num_virtual x classes virtual features of the feature dimension
+    (float64): a count no machine can hold is refused when the run is set up, naming the key, exit 2, nothing
+    written. It once trained every round, wrote the run folder and then died in the calibration with torch's
+    'DefaultCPUAllocator: can't allocate memory' traceback (exit 1)."""
+    from hetfl.cli import main
+
+    out = tmp_path / "r"
+    sets = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices = 8, max_samples = 60}",
+            "train.rounds=1", "model.options={hidden = [8]}", "algorithm.name=fedavg+ccvr",
+            "algorithm.ccvr.num_virtual=1000000000"]
+    assert main(["run", "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.ccvr.num_virtual = 1000000000" in err and "virtual features" in err and not out.exists()
+    # the paper's largest setting on CIFAR-100 features: about a gigabyte, not refused
+    import dataclasses
+
+    setup = dataclasses.replace(tiny_setup(), num_classes=100)
+    step = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 1000}}, setup)[0]
+    assert 0 < step.memory_needs(512)[0][2] < 2e9
+
+
 def test_relu_tukey():
     z = torch.tensor([-1.0, 0.0, 4.0])
     assert relu_tukey(z, 0.5).tolist() == [0.0, 0.0, 2.0]

@@ -19,6 +19,7 @@ import torch
 from hetfl.data.base import DatasetError
 from hetfl.data.datasets import (
     DATASETS,
+    check_run_splits,
     cifar,
     dataset_options,
     decode,
@@ -93,6 +94,35 @@ def test_bad_options(tmp_path, name, options, expected):
         load_dataset(name, tmp_path, download=False, cache_dir=tmp_path / "c", **options)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("options", "split"), [({"test_fraction": 0.0}, "no test samples"),
+                                                ({"test_fraction": 0.001, "max_samples": 20}, "no test samples"),
+                                                ({"test_fraction": 0.99, "max_samples": 20}, "no training samples")])
+def test_a_test_fraction_that_empties_a_split_is_refused_naming_it(options, split, tmp_path, capsys):
+    """A split left empty by ``test_fraction`` (0, or rounded to nothing per device) is, for a run, a
+    DatasetError naming the option, exit 2 with nothing written; it once ran, wrote ``global_acc: NaN`` into
+    metrics.jsonl and summary.json (not JSON, and not a fraction in [0, 1]) and exited 0."""
+    dataset = load_dataset("synthetic", seed=0, num_devices=4, **options)  # a loader may give it (its tests do)
+    with pytest.raises(DatasetError) as err:
+        check_run_splits("synthetic", options, dataset)
+    assert f"data.options.test_fraction = {options['test_fraction']!r}" in str(err.value) and split in str(err.value)
+    from hetfl.cli import main
+
+    sets = [f"data.options={{num_devices = 4, {', '.join(f'{k} = {v}' for k, v in options.items())}}}"]
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--quiet", *[a for s in sets for a in ("--set", s)]]) == 2
+    assert "data.options.test_fraction" in capsys.readouterr().err and not out.exists()
+    # a plan of runs is refused before its first run starts (a good cell first, then this one)
+    sweep = tmp_path / "sweep.toml"
+    bad = ", ".join(f"{k} = {v}" for k, v in options.items())
+    cells = f"{{num_devices = 4, max_samples = 20}}, {{num_devices = 4, {bad}}}"
+    sweep.write_text(f"[grid]\n\"data.options\" = [{cells}]\n")
+    args = ["compare", "--methods", "fedavg", "--seeds", "0", "--out", str(tmp_path / "cmp"), "--quiet",
+            "--sweep", str(sweep), "--set", "train.rounds=1", "--set", "data.num_clients=4"]
+    assert main(args) == 2
+    assert "data.options.test_fraction" in capsys.readouterr().err
+    assert not list((tmp_path / "cmp").rglob("metrics.jsonl")), "no run of the plan started"
 
 
 def test_unknown_dataset_and_missing_root(tmp_path):

@@ -299,6 +299,8 @@ def test_concept_permutations():
         ({"name": "dominant", "classes_per_group": 11}, "data.classes_per_group"),
         ({"test_per_client": -1}, "data.test_per_client"),
         ({"quantity_sigma": -1.0}, "data.quantity_sigma"),
+        # log-normal sizes past float64 (exp(1000 z)): once a ValueError from np.repeat of NaN sizes
+        ({"name": "quantity", "quantity_sigma": 1000.0}, "data.quantity_sigma"),
         ({"clients_per_domain": 0}, "data.clients_per_domain"),
         ({"name": "rotation", "base": "zipf"}, "data.base"),
         ({"name": "concept", "concept_groups": 0}, "data.concept_groups"),

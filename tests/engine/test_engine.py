@@ -191,6 +191,36 @@ def test_every_method_resumes_to_the_bit(method, executor, tmp_path, monkeypatch
     assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("method", ["scaffold", "fedavgm", "ditto", "fedavg+ccvr"])
+def test_a_resume_that_recomputes_a_round_after_the_checkpoint_is_the_uninterrupted_run(method, executor, tmp_path,
+                                                                                         monkeypatch):
+    """Checkpoints every 2 rounds of 5 (the last one too), evaluation every 2, a cosine schedule, 6 of 30
+    clients a round: a crash in round 4 finds round 3's line after round 2's checkpoint, drops it and
+    recomputes it; metrics, client metrics and summary (wall time aside) are the uninterrupted run's."""
+    cfg = quick(*RESUME, "train.rounds=5", "runtime.checkpoint_every=2", "train.eval_every=2",
+                "train.lr_schedule=cosine", f"algorithm.name={method}", *EXECUTORS[executor])
+    Experiment(cfg).run(tmp_path / "full")
+    original = Experiment.round
+
+    def crash_in_round_4(self, server, clients, round_, reporter):
+        if round_ == 4:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(tmp_path / "crashed")
+    monkeypatch.setattr(Experiment, "round", original)
+    assert len(metrics(tmp_path / "crashed")) == 3  # round 3's line is after the checkpoint of round 2
+    Experiment(cfg).run(tmp_path / "crashed", resume=True)
+    assert metrics(tmp_path / "crashed") == metrics(tmp_path / "full")
+    for name in ("client_metrics.jsonl", "config.toml"):
+        assert (tmp_path / "crashed" / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+    full, resumed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "crashed"))
+    assert {**full, "wall_time_s": 0} == {**resumed, "wall_time_s": 0}
+
+
 def crash_in_round_3_and_resume(cfg: config.RunConfig, run_dir: Path, monkeypatch) -> None:
     """Run ``cfg`` in ``run_dir``, interrupted at the start of round 3 (two rounds written), then resume it."""
     original = Experiment.round
@@ -208,6 +238,38 @@ def crash_in_round_3_and_resume(cfg: config.RunConfig, run_dir: Path, monkeypatc
     Experiment(cfg).run(run_dir, resume=True)
 
 
+@pytest.mark.parametrize("every", [0, 5])
+def test_a_resume_before_any_checkpoint_refuses_another_config_naming_the_keys(every, tmp_path, monkeypatch):
+    """A run interrupted before its first checkpoint (``checkpoint_every = 0``, or a kill in round 1) has only
+    its ``config.toml`` to say what it is: resumed with another configuration (``run_experiment``,
+    ``Experiment.run(resume=True)``) it is refused naming the keys, nothing written. It once recomputed the
+    rounds with the other configuration under the old ``config.toml``: a folder whose metrics and summary
+    were of lr 0.5 FedProx and whose config.toml said lr 0.05 FedAvg. The same configuration resumes."""
+    from hetfl.engine.rundir import RunDirError
+
+    cfg = quick(*RESUME, f"runtime.checkpoint_every={every}")
+    run = tmp_path / "r"
+    original = Experiment.round
+
+    def crash_in_round_3(self, server, clients, round_, reporter):
+        if round_ == 3:
+            raise KeyboardInterrupt
+        return original(self, server, clients, round_, reporter)
+
+    monkeypatch.setattr(Experiment, "round", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg).run(run)
+    monkeypatch.setattr(Experiment, "round", original)
+    crash_before = {path.name: path.read_bytes() for path in run.iterdir()}
+    other = quick(*RESUME, f"runtime.checkpoint_every={every}", "train.lr=0.5", "algorithm.name=fedprox")
+    with pytest.raises(RunDirError, match=r"config.toml.*algorithm.name: 'fedavg' -> 'fedprox'.*train.lr: 0.05 -> 0.5"):
+        Experiment(other).run(run, resume=True)
+    assert {path.name: path.read_bytes() for path in run.iterdir()} == crash_before, "nothing written"
+    Experiment(cfg).run(run, resume=True)
+    Experiment(cfg).run(tmp_path / "full")
+    assert metrics(run) == metrics(tmp_path / "full")
+
+
 def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
     """load_tensors gives every tensor memory of its own, aligned as torch aligns what it allocates (64
     bytes on a CPU), whatever its offset in the file (safetensors: multiples of 8 bytes)."""
@@ -216,6 +278,32 @@ def test_tensors_read_back_from_a_file_lie_where_torch_puts_its_own(tmp_path):
     loaded = load_tensors(tmp_path / "x.safetensors")
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     assert {k: t.data_ptr() % 64 for k, t in loaded.items() if t.data_ptr() % 64} == {}
+
+
+def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_previous_one(tmp_path, monkeypatch):
+    """The new checkpoint's bytes are fsynced before the rename that makes it the checkpoint, and the rename
+    itself after it (as metrics.jsonl's lines and the privacy ledger are): a power loss then leaves the old
+    checkpoint or the new one. Without it the rename could reach the disk before the data, leaving an empty
+    checkpoint.safetensors beside a metrics.jsonl that was fsynced up to its round: a run that cannot resume
+    ("corrupt ... delete it to restart the run from round 1")."""
+    events: list[tuple[str, int]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_tensors(tmp_path / "x.safetensors", {"w": torch.ones(3)})
+    inode = (tmp_path / "x.safetensors").stat().st_ino
+    assert ("fsync", inode) in events and ("replace", inode) in events
+    assert events.index(("fsync", inode)) < events.index(("replace", inode))
+    assert ("fsync", tmp_path.stat().st_ino) in events[events.index(("replace", inode)):], "the rename, durable"
 
 
 def test_a_checkpoint_gives_back_every_dict_in_the_order_it_was_saved_in(tmp_path):

@@ -427,6 +427,13 @@ class Algorithm(PrivateReleases):
         model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
         return ServerState(model=model, extra=server.extra)
 
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """Host memory the method's size settings make it hold beyond the model's copies (a hypernetwork, a
+        virtual dataset, a discriminator), for inputs of ``input_shape`` and features of ``feature_dim``
+        entries, as ``(key, value, bytes, what)``: ``hetfl.engine.resources.require`` refuses a total past the
+        machine's memory when a run is set up, naming the key, before anything is written; none by default."""
+        return []
+
     def run_notes(self) -> list[str]:
         """What the user should hear when a run of this method starts: a cost that its settings hide (FedETF's
         personalisation before every evaluation); none by default."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
 from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
 from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
-from hetfl.params import ConfigError, setting
+from hetfl.params import FLOAT32_MAX, ConfigError, setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 
@@ -99,9 +100,9 @@ class CCVRHyper:
     transform: str = setting("relu_tukey", choices=("relu_tukey", "none"), doc="feature transform")
     tukey_beta: float = setting(0.5, ge=0.0, doc="Tukey beta")
     epochs: int = setting(10, ge=1, doc="classifier re-training epochs")
-    lr: float = setting(0.001, gt=0.0, doc="re-training lr")
+    lr: float = setting(0.001, gt=0.0, lt=FLOAT32_MAX, doc="re-training lr")
     momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="re-training momentum")
-    weight_decay: float = setting(1e-5, ge=0.0, doc="re-training weight decay")
+    weight_decay: float = setting(1e-5, ge=0.0, lt=FLOAT32_MAX, doc="re-training weight decay")
     batch_size: int = setting(64, ge=1, doc="re-training batch size")
     every_round: bool = setting(False, doc="calibrate after every round")
     oracle: str = setting("none", choices=("none", "all", "per_class"),
@@ -162,6 +163,16 @@ class CCVR(CCVRStatistics):
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
         return self.moments_reply(features, labels, client=client, round_=round_)
+
+    def memory_needs(self, feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The virtual features: num_virtual x C draws (proportional counts sum to about as many) of
+        ``feature_dim`` entries, each held about three times at once (the float64 noise and draws, their
+        float32 copy and its transform: 24 bytes an entry). The oracle holds the real features instead."""
+        if self.hp.oracle != "none":
+            return []
+        count = self.hp.num_virtual * self.setup.num_classes
+        return [("algorithm.ccvr.num_virtual", self.hp.num_virtual, 24 * count * feature_dim,
+                 f"CCVR's {count:,} virtual features of {feature_dim} dimensions")]
 
     def virtual_features(
         self, replies: Replies, gen: torch.Generator

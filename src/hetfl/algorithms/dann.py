@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,13 @@ class DANN(Algorithm):
 
     def head_names(self) -> tuple[str, ...]:
         return tuple(f"{HEAD}{i}.{kind}" for i in range(self.layers) for kind in ("weight", "bias"))
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The domain classifier ``d -> hidden -> hidden -> K`` (float32; the server's, a client's, its
+        gradient and momentum: 4 copies)."""
+        h = self.hp.hidden
+        count = (feature_dim + 1) * h + (h + 1) * h + (h + 1) * self.setup.num_clients
+        return [("algorithm.hidden", h, 4 * 4 * count, f"DANN's domain classifier ({count:,} parameters)")]
 
     def init_server(self, model_state: Tensors) -> ServerState:
         classifier = model_state["classifier.weight"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hetfl.algorithms.base import Algorithm, ServerState, Tensors, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class FedAvgMHyper:
     """
 
     server_momentum: float = setting(0.1, ge=0.0, lt=1.0, doc="server momentum beta")
-    server_lr: float = setting(1.0, gt=0.0, doc="server learning rate")
+    server_lr: float = setting(1.0, gt=0.0, lt=FLOAT32_MAX, doc="server learning rate")
 
 
 class FedAvgM(Algorithm):

@@ -129,7 +129,7 @@ from hetfl.algorithms.pseudo_data import Slot, assemble, draw_plan, plan_means, 
 from hetfl.data import datasets
 from hetfl.data.augment import to_float
 from hetfl.data.base import DatasetError
-from hetfl.params import ConfigError, setting
+from hetfl.params import FLOAT32_MAX, ConfigError, setting
 from hetfl.rng import method_generator
 
 HEAD = "fedbr.head/"
@@ -174,7 +174,7 @@ class FedBRHyper:
     weighting: str = setting("uniform", choices=("uniform", "size"), doc="server weights of the clients")
     components: str = setting("both", choices=("both", "classifier", "features"), doc="ablation")
     max_step: bool = setting(True, doc="train the projection head adversarially")
-    head_lr: float = setting(0.0, ge=0.0, doc="max-step lr (0 = client lr)")
+    head_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="max-step lr (0 = client lr)")
     mixup: bool = setting(False, doc="FedBR + Mixup on the real batch")
     mixup_alpha: float = setting(0.2, gt=0.0, doc="Beta(alpha, alpha) of FedBR + Mixup")
 

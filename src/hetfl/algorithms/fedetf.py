@@ -56,13 +56,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, Upload, cross_entropy
 from hetfl.algorithms.logit_adjust import client_counts
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 from hetfl.rng import method_generator
 
 ETF, PROJ_W, PROJ_B, BETA = "fedetf.etf", "fedetf.proj.weight", "fedetf.proj.bias", "fedetf.beta"
@@ -104,8 +105,8 @@ class FedETFHyper:
     personalize: bool = setting(True, doc="local adaptation before each client's evaluation")
     pers_cycles: int = setting(20, ge=0, doc="ETF/projection fine-tuning cycles")
     pers_epochs: int = setting(3, ge=1, doc="epochs of each part per cycle")
-    pers_etf_lr: float = setting(0.1, gt=0.0, doc="lr of the ETF fine-tuning")
-    pers_proj_lr: float = setting(0.05, gt=0.0, doc="lr of the projection fine-tuning")
+    pers_etf_lr: float = setting(0.1, gt=0.0, lt=FLOAT32_MAX, doc="lr of the ETF fine-tuning")
+    pers_proj_lr: float = setting(0.05, gt=0.0, lt=FLOAT32_MAX, doc="lr of the projection fine-tuning")
 
 
 class FedETF(Algorithm):
@@ -136,6 +137,13 @@ class FedETF(Algorithm):
         if self.with_bias:
             out["classifier.bias"] = m_t @ state[PROJ_B]
         return out
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The ETF ``d x C`` and the projection ``d x feature_dim`` (drawn in float64, kept in float32 with a
+        client's copy, gradient and momentum: about 24 bytes an entry)."""
+        d = self.etf_dim(feature_dim)
+        count = d * (self.setup.num_classes + feature_dim + 1)
+        return [("algorithm.etf_dim", self.hp.etf_dim, 24 * count, f"FedETF's ETF and projection ({d} dimensions)")]
 
     # ------------------------------------------------------------------ server
     def init_server(self, model_state: Tensors) -> ServerState:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetfl.algorithms.base import Algorithm, ServerState, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 
 
 def normalizing_factor(steps: int, momentum: float) -> float:
@@ -34,7 +34,7 @@ def normalizing_factor(steps: int, momentum: float) -> float:
 class FedNovaHyper:
     """FedNova settings (Wang et al. 2020). server_lr: η_s (1.0 in the paper)."""
 
-    server_lr: float = setting(1.0, gt=0.0, doc="server learning rate")
+    server_lr: float = setting(1.0, gt=0.0, lt=FLOAT32_MAX, doc="server learning rate")
 
 
 class FedNova(Algorithm):

@@ -62,12 +62,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Setup, Tensors, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 from hetfl.rng import torch_generator
 
 HN = "pfedhn.hn/"  # server: hypernetwork tensors
@@ -104,10 +105,10 @@ class PFedHNHyper:
     n_hidden: int = setting(3, ge=0, doc="hidden blocks of the hypernetwork MLP")
     chunk_size: int = setting(4096, ge=0, doc="values per generated chunk (0 = one head per tensor)")
     chunk_embed_dim: int = setting(16, ge=1, doc="chunk embedding size")
-    server_lr: float = setting(0.01, gt=0.0, doc="hypernetwork step size")
-    embed_lr: float = setting(0.0, ge=0.0, doc="embedding step size (0 = server_lr)")
+    server_lr: float = setting(0.01, gt=0.0, lt=FLOAT32_MAX, doc="hypernetwork step size")
+    embed_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="embedding step size (0 = server_lr)")
     server_momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="server SGD momentum")
-    server_weight_decay: float = setting(1e-3, ge=0.0, doc="server SGD weight decay")
+    server_weight_decay: float = setting(1e-3, ge=0.0, lt=FLOAT32_MAX, doc="server SGD weight decay")
     max_grad_norm: float = setting(50.0, ge=0.0, doc="clip the server gradient norm (0 = off)")
     output_scale: str = setting("none", choices=("none", "init"),
                                 doc="scale each generated tensor to its target's initial RMS (init: stable at a "
@@ -137,6 +138,27 @@ class PFedHN(Algorithm):
         size = hyper.chunk_size
         self.chunks = {n: math.ceil(math.prod(s) / size) if size else 0 for n, s in self.shapes.items()}
         self.target_rms = {n: float(p.detach().float().pow(2).mean().sqrt()) for n, p in module.named_parameters()}
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The hypernetwork (float32, with its momentum and one round's summed gradient: 3 copies), each part
+        under the key that sizes it: the first layer and the clients' embeddings (``embed_dim``), the hidden
+        blocks (``n_hidden`` x ``hidden`` x ``hidden``, named by the one further from its default), the chunk
+        embeddings (``chunk_embed_dim``) and the output layer (``chunk_size``, or one head per target tensor)."""
+        hp, h, copies, what = self.hp, self.hp.hidden, 3 * 4, "pFedHN's hypernetwork"
+        blocks = ("algorithm.hidden", h) if h / 100 >= hp.n_hidden / 3 else ("algorithm.n_hidden", hp.n_hidden)
+        first = (self.embed_dim + 1) * h + self.setup.num_clients * self.embed_dim
+        needs = [("algorithm.embed_dim", self.embed_dim, copies * first, what + "'s first layer and client embeddings"),
+                 (*blocks, copies * hp.n_hidden * (h + 1) * h, what + "'s hidden blocks")]
+        if hp.chunk_size:
+            chunks = sum(self.chunks.values())
+            needs += [("algorithm.chunk_embed_dim", hp.chunk_embed_dim,
+                       copies * (chunks + h) * hp.chunk_embed_dim, what + "'s chunk embeddings"),
+                      ("algorithm.chunk_size", hp.chunk_size, copies * (h + 1) * (hp.chunk_size + h),
+                       what + "'s output layer")]
+        else:
+            heads = sum((h + 1) * math.prod(shape) for shape in self.shapes.values())
+            needs.append(("algorithm.hidden", h, copies * heads, what + "'s output heads"))
+        return needs
 
     # ------------------------------------------------------- hypernetwork
     def init_hypernetwork(self, device: torch.device) -> Tensors:

@@ -53,7 +53,7 @@ from hetfl.algorithms.base import (
     cross_entropy,
     weighted_mean,
 )
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 
 THETA = "pfedme.theta/"
 
@@ -76,7 +76,7 @@ class PFedMeHyper:
 
     lam: float = setting(15.0, gt=0.0, doc="Moreau-envelope weight lambda")
     inner_steps: int = setting(5, ge=1, doc="K, inner steps solving theta_hat")
-    personal_lr: float = setting(0.1, gt=0.0, doc="inner-problem step size")
+    personal_lr: float = setting(0.1, gt=0.0, lt=FLOAT32_MAX, doc="inner-problem step size")
     beta: float = setting(1.0, gt=0.0, doc="server mixing weight beta")
 
 

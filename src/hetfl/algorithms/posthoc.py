@@ -90,6 +90,12 @@ class PostHoc(PrivateReleases):
     def apply(self, server: ServerState, replies: Replies, round_: int) -> tuple[ServerState, dict]:
         raise NotImplementedError
 
+    def memory_needs(self, feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """What the step's settings make it hold in host memory for features of ``feature_dim`` entries, as
+        ``(key, value, bytes, what)`` (``hetfl.engine.resources.require`` refuses a total past the machine's
+        memory when a run is set up, naming the key); none by default."""
+        return []
+
 
 @dataclass(frozen=True)
 class ClassifierTraining:

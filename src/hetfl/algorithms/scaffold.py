@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Stage, Tensors, Upload, weighted_mean
-from hetfl.params import setting
+from hetfl.params import FLOAT32_MAX, setting
 
 C = "scaffold.c/"  # payload prefix of the server control variate
 
@@ -35,7 +35,7 @@ class ScaffoldHyper:
     server_lr: η_g, the global step size (1.0 in the paper's experiments).
     """
 
-    server_lr: float = setting(1.0, gt=0.0, doc="server learning rate eta_g")
+    server_lr: float = setting(1.0, gt=0.0, lt=FLOAT32_MAX, doc="server learning rate eta_g")
 
 
 class Scaffold(Algorithm):
@@ -66,6 +66,10 @@ class Scaffold(Algorithm):
         """Option II control variate; upload the local model and Δc_i."""
         scale = 1.0 / (max(steps, 1) * ctx.lr)
         new_c, upload = {}, {n: local[n] for n in self.model.state_names}
+        if steps == 0:  # no sample, no step (data.min_size = 0): no gradient seen, c_i stays and dc_i = 0
+            for n in self.model.param_names:
+                new_c[n], upload[C + n] = ctx.state[n], torch.zeros_like(ctx.state[n])
+            return upload, new_c
         for n in self.model.param_names:
             new_c[n] = ctx.state[n] - ctx.payload[C + n] + scale * (ctx.payload[n] - local[n])
             upload[C + n] = new_c[n] - ctx.state[n]

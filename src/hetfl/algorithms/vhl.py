@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,16 @@ class VHL(Algorithm):
     @property
     def extra(self) -> bool:
         return self.hp.labels == "extra"
+
+    def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
+        """The virtual dataset (``num_virtual`` float32 inputs, generated then kept: 2 copies) and a step's
+        virtual batch gathered from it (with its augmented copy)."""
+        size = 4 * math.prod(input_shape)
+        batch = self.hp.virtual_batch or self.setup.train.batch_size
+        return [("algorithm.num_virtual", self.hp.num_virtual, 2 * size * self.hp.num_virtual,
+                 f"VHL's virtual dataset ({self.hp.num_virtual:,} samples)"),
+                ("algorithm.virtual_batch", self.hp.virtual_batch, 2 * size * batch,
+                 f"VHL's virtual batch of {batch:,} samples")]
 
     def head_names(self) -> tuple[str, ...]:
         if not self.extra:

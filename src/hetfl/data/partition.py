@@ -405,7 +405,13 @@ def split_quantity(
     FedProx's reference data generator; NIID-Bench's quantity skew is the same
     idea with Dirichlet proportions). ``sigma = 0`` gives equal sizes."""
     n = len(labels)
-    sizes = min_size + _apportion(n - min_size * num_clients, rng.lognormal(0.0, sigma, num_clients))
+    weights = rng.lognormal(0.0, sigma, num_clients)
+    with np.errstate(over="ignore"):
+        if not np.isfinite(weights.sum() * n):  # exp(sigma z) past float64: NaN shares
+            raise _error("data.quantity_sigma", sigma, "the log-normal client sizes overflow (exp(sigma x a normal "
+                                                       "draw)); use a smaller sigma (at 5 one client already holds "
+                                                       "most samples)")
+    sizes = min_size + _apportion(n - min_size * num_clients, weights)
     owner = np.empty(n, dtype=np.int64)
     owner[rng.permutation(n)] = np.repeat(np.arange(num_clients), sizes)
     return _by_owner(owner, num_clients)

@@ -42,7 +42,7 @@ from hetfl.algorithms.base import (
 )
 from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
-from hetfl.data.datasets import load_dataset
+from hetfl.data.datasets import check_run_splits, load_dataset
 from hetfl.data.partition import unused_settings
 from hetfl.engine import host_memory, resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
@@ -148,6 +148,7 @@ class Experiment:
         root = cfg.data.root or None
         self.dataset = load_dataset(cfg.data.dataset, root, download=cfg.data.download, cache_dir=cfg.data.cache_dir,
                                     seed=cfg.seed, **cfg.data.options)
+        check_run_splits(cfg.data.dataset, cfg.data.options, self.dataset)  # no NaN accuracy, no empty training
         self.cfg = cfg = resolve(cfg, self.dataset)  # auto model and partition, the method's defaults
         if cfg.train.clients_per_round > cfg.data.num_clients:
             raise ConfigError("train.clients_per_round", cfg.train.clients_per_round,
@@ -181,6 +182,8 @@ class Experiment:
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)
+        resources.require([*self.algorithm.memory_needs(info.input_shape, self.model.feature_dim),
+                           *[need for step in self.posthoc for need in step.memory_needs(self.model.feature_dim)]])
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.chunk_sizes: dict = {}  # vectorized: clients that fit at once, per group structure (None: no limit)

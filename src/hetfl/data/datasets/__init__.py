@@ -41,7 +41,7 @@ from hetfl.data.datasets.stl10 import load_stl10
 from hetfl.data.datasets.synthetic import load_synthetic
 from hetfl.data.datasets.tinyimagenet import load_tinyimagenet
 
-__all__ = ["DATASETS", "Option", "checked_options", "dataset_options", "load_dataset"]
+__all__ = ["DATASETS", "Option", "check_run_splits", "checked_options", "dataset_options", "load_dataset"]
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,19 @@ def load_dataset(
             raise DatasetError(f"data.root = {str(root)!r} does not exist; create it (to download into it) or set "
                                f"data.root to the folder holding the {name} files")
     return entry.load(Context(name, base, download, cache, seed), **resolved)
+
+
+def check_run_splits(name: str, options: Mapping[str, Any], dataset: Dataset) -> None:
+    """A DatasetError when ``dataset`` (loaded as ``name`` with the user's ``options``) has an empty test or
+    train split and ``data.options.test_fraction`` made it (0, or a fraction that rounds to nothing in each
+    cell): a run of it would report NaN accuracies or train on nothing. Loading such a dataset is fine (a
+    loader's tests do); a run checks it before anything is written."""
+    if name not in _REGISTRY or "test_fraction" not in _REGISTRY[name].options:
+        return
+    options = _resolve_options(name, _REGISTRY[name], options)
+    for split, what, fix in ((dataset.test, "test", "raise it"), (dataset.train, "training", "lower it")):
+        if len(split.y) == 0:
+            total = len(dataset.train.y) + len(dataset.test.y)
+            raise DatasetError(f"data.options.test_fraction = {options['test_fraction']!r} leaves {name} no {what} "
+                               f"samples (of {total}; the fraction is rounded per cell, or the files hold none); "
+                               f"{fix} (allowed: > 0 and < 1, default 0.2)")
