@@ -72,3 +72,17 @@ def test_compare_writes_mean_std_tables_and_reuses_finished_runs(tmp_path, capsy
     capsys.readouterr()
     assert main(argv) == 0
     assert "finished earlier, reusing" in capsys.readouterr().out
+
+
+def test_resume_takes_the_settings_that_change_no_number(tmp_path, capsys):
+    """A run made with --quiet keeps runtime.progress = false in its config.toml; its resume may turn the
+    progress back on (or change any other key that changes no number: identity.PRESENTATION_KEYS), while a
+    key that changes the numbers is still refused, naming what --resume takes."""
+    run_dir = tmp_path / "run"
+    assert main(["run", "--out", str(run_dir), "--set", "train.rounds=1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(run_dir), "--set", "runtime.progress=true"]) == 0
+    assert "already finished" in " ".join(capsys.readouterr().out.split())
+    assert main(["run", "--resume", str(run_dir), "--set", "train.lr=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lr" in err and "runtime.progress" in err and "tracking." in err

@@ -67,16 +67,30 @@ def _calibration_errors() -> tuple[type[Exception], ...]:
     return (NonFiniteStatistics,)
 
 
+def _changes_no_number(assignment: str) -> bool:
+    """Whether a ``--set KEY=VALUE`` names a key a resumed run may change: one outside the run's identity
+    (progress bars, tracking, where the data cache lives: :data:`~hetfl.engine.identity.PRESENTATION_KEYS`)."""
+    from hetfl.engine.identity import PRESENTATION_KEYS
+
+    key = assignment.partition("=")[0].strip()
+    return key in PRESENTATION_KEYS or key.startswith("tracking.")
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from hetfl import api, runtimes
     from hetfl.engine.experiment import CONFIG_NAME
+    from hetfl.engine.identity import PRESENTATION_KEYS
     from hetfl.engine.rundir import RunDirError, check_unlocked
 
     if args.resume:
         run_dir = Path(args.resume)
-        if args.config or args.out or any(not s.strip().startswith("tracking.") for s in args.set):
-            raise ConfigError("--resume", str(run_dir), "takes no CONFIG, --out, or --set other than "
-                                                        "tracking.KEY=VALUE (the run's config.toml is used)")
+        changing = [s.partition("=")[0].strip() for s in args.set if not _changes_no_number(s)]
+        if args.config or args.out or changing:
+            here = f" (here: {', '.join(changing)})" if changing else ""
+            others = sorted(k for k in PRESENTATION_KEYS if not k.startswith("tracking."))
+            raise ConfigError("--resume", str(run_dir), f"takes no CONFIG, --out, or --set of a key that changes the "
+                                                        f"numbers{here}: the run's config.toml is used; --set takes "
+                                                        f"tracking.KEY=VALUE and {', '.join(others)}")
         check_unlocked(run_dir)  # another process running there: named now, before the set-up's work
         if not (run_dir / CONFIG_NAME).is_file():
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
@@ -364,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(run)
     run.add_argument("--out", help="run directory (default: runs/<time>-<method>-<dataset>-seed<k>)")
     run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (with it, --set takes "
-                                                         "only tracking.KEY=VALUE)")
+                                                         "only keys that change no number: tracking.*, "
+                                                         "runtime.progress, ...)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=cmd_run, command_parser=run)
 
