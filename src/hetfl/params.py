@@ -19,7 +19,7 @@ import math
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -50,6 +50,28 @@ def did_you_mean(word: Any, options: Sequence[Any], prefix: str = "") -> str:
     return f"did you mean {prefix + str(by_lower[close[0]])!r}? " if close else ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """A condition on another setting's value, other than being one of some values (:func:`setting`'s
+    ``when``): ``text`` says it after the setting's name (``> 0``), ``holds`` checks a value."""
+
+    text: str
+    holds: Callable[[Any], bool]
+
+
+def above(bound: float) -> Condition:
+    """The other setting is greater than ``bound`` (``when={"finetune_epochs": above(0)}``)."""
+    return Condition(f"> {bound}", lambda value: value > bound)
+
+
+#: the other setting is a finite number (``when={"dp_epsilon": FINITE}``: differential privacy is on)
+FINITE = Condition("< inf", lambda value: math.isfinite(value))
+
+#: a setting's condition: for each other setting of its class, the values under which it is read (a tuple),
+#: or a :class:`Condition`; all of them must hold
+When = Mapping[str, tuple[Any, ...] | Condition]
+
+
 def setting(
     default: Any,
     *,
@@ -59,14 +81,18 @@ def setting(
     lt: float | None = None,
     choices: Sequence[Any] | None = None,
     finite: bool = True,
+    when: When | None = None,
     doc: str = "",
 ) -> Any:
     """A dataclass field with validation metadata (range, choices, help text).
 
     ``finite=False`` lets a float setting (or the floats of a list setting) be ``inf`` or ``nan``;
-    by default they are refused.
+    by default they are refused. ``when`` declares the mode in which the setting is read at all
+    (``when={"pseudo_source": ("proxy",)}``: only under ``pseudo_source = "proxy"``); moved from its
+    default in another mode, it changes nothing, and :func:`inactive_settings` says so.
     """
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite, "doc": doc}
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite, "doc": doc,
+            "when": dict(when or {})}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -233,10 +259,52 @@ def to_dict(instance: Any) -> dict[str, Any]:
     return plain(instance)
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def _condition_text(key: str, condition: tuple[Any, ...] | Condition, prefix: str = "") -> str:
+    """``algorithm.pseudo_source = 'proxy'``, ``... is 'both' or 'features'``, ``... > 0``."""
+    if isinstance(condition, Condition):
+        return f"{prefix}{key} {condition.text}"
+    values = " or ".join(_toml_value(v) for v in condition)
+    return f"{prefix}{key} {'=' if len(condition) == 1 else 'is'} {values}"
+
+
+def _holds(condition: tuple[Any, ...] | Condition, value: Any) -> bool:
+    return condition.holds(value) if isinstance(condition, Condition) else value in condition
+
+
+def when_text(f: dataclasses.Field, prefix: str = "") -> str:
+    """The condition under which field ``f`` is read, in words (``""``: always)."""
+    when = f.metadata.get("when") or {}
+    return " and ".join(_condition_text(key, cond, prefix) for key, cond in when.items())
+
+
+def inactive_settings(instance: Any, prefix: str = "") -> list[str]:
+    """A note for each setting of settings instance ``instance`` moved from its default while the condition
+    declared with it (:func:`setting`'s ``when``) is not met: such a setting changes nothing in the run
+    (``algorithm.proxy_dataset = 'cifar100' has no effect: ...``). ``prefix`` is the settings' place in the
+    config (``algorithm.``)."""
+    notes = []
+    for f in dataclasses.fields(instance):
+        when = f.metadata.get("when") or {}
+        value = getattr(instance, f.name)
+        if not when or value == _default(f):
+            continue
+        unmet = [f"{prefix}{key} = {_toml_value(getattr(instance, key))}" for key, cond in when.items()
+                 if not _holds(cond, getattr(instance, key))]
+        if unmet:
+            notes.append(f"{prefix}{f.name} = {_toml_value(value)} has no effect: it is read only when "
+                         f"{when_text(f, prefix)} (here {', '.join(unmet)})")
+    return notes
+
+
 def describe(cls: type) -> list[tuple[str, str, str]]:
-    """(name, default, doc) for each field of a settings class, for `hetfl list`."""
+    """(name, default, doc) for each field of a settings class, for `hetfl list` (the doc followed by the
+    condition under which the setting is read, if it has one)."""
     rows = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append((f.name, repr(default), f.metadata.get("doc", "")))
+        doc, when = f.metadata.get("doc", ""), when_text(f)
+        rows.append((f.name, repr(_default(f)), f"{doc} (read only when {when})" if when else doc))
     return rows

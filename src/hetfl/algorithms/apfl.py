@@ -66,8 +66,10 @@ class APFLHyper:
 
     alpha: float = setting(0.5, ge=0.0, le=1.0, doc="initial mixing weight of the local model")
     learn_alpha: bool = setting(True, doc="learn alpha by gradient (false: fixed alpha)")
-    alpha_every: str = setting("round", choices=("round", "step"), doc="when alpha takes a gradient step")
-    alpha_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="step size of alpha (0 = the client lr)")
+    alpha_every: str = setting("round", choices=("round", "step"), when={"learn_alpha": (True,)},
+                               doc="when alpha takes a gradient step")
+    alpha_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, when={"learn_alpha": (True,)},
+                              doc="step size of alpha (0 = the client lr)")
 
 
 def mixture(local: Tensors, glob: Tensors, alpha: torch.Tensor, param_names: tuple[str, ...],

@@ -49,7 +49,7 @@ from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
 from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
 from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
-from hetfl.params import FLOAT32_MAX, ConfigError, setting
+from hetfl.params import FINITE, FLOAT32_MAX, ConfigError, setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
 
@@ -95,10 +95,10 @@ class CCVRHyper:
         Clients then upload raw features: an experiment, not a private protocol.
     """
 
-    num_virtual: int = setting(100, ge=1, doc="virtual features per class M_c")
-    proportional: bool = setting(False, doc="M_c proportional to class frequency")
+    num_virtual: int = setting(100, when={"oracle": ("none",)}, ge=1, doc="virtual features per class M_c")
+    proportional: bool = setting(False, when={"oracle": ("none",)}, doc="M_c proportional to class frequency")
     transform: str = setting("relu_tukey", choices=("relu_tukey", "none"), doc="feature transform")
-    tukey_beta: float = setting(0.5, ge=0.0, doc="Tukey beta")
+    tukey_beta: float = setting(0.5, when={"transform": ("relu_tukey",)}, ge=0.0, doc="Tukey beta")
     epochs: int = setting(10, ge=1, doc="classifier re-training epochs")
     lr: float = setting(0.001, gt=0.0, lt=FLOAT32_MAX, doc="re-training lr")
     momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="re-training momentum")
@@ -107,16 +107,17 @@ class CCVRHyper:
     every_round: bool = setting(False, doc="calibrate after every round")
     oracle: str = setting("none", choices=("none", "all", "per_class"),
                           doc="calibrate on real features (not private): all, or oracle_per_class per class")
-    oracle_per_class: int = setting(100, ge=1, doc="real features per class for oracle = per_class")
+    oracle_per_class: int = setting(100, when={"oracle": ("per_class",)}, ge=1,
+                                    doc="real features per class for oracle = per_class")
     clip_norm: float = setting(10.0, gt=0.0, doc="L2 bound on each feature vector under differential privacy or "
                                                  "secure aggregation (plain CCVR never clips)")
     dp_epsilon: float = setting(math.inf, gt=0.0, finite=False,
                                 doc="differential privacy of the statistics: the run's epsilon (inf = no DP)")
-    dp_delta: float = setting(1e-5, gt=0.0, lt=1.0, doc="differential privacy: delta")
-    dp_noise: str = setting("distributed", choices=NOISE_MODES,
+    dp_delta: float = setting(1e-5, when={"dp_epsilon": FINITE}, gt=0.0, lt=1.0, doc="differential privacy: delta")
+    dp_noise: str = setting("distributed", when={"dp_epsilon": FINITE}, choices=NOISE_MODES,
                             doc="distributed: the clients' noise adds up to the budget in the sum (use with secure "
                                 "aggregation); local: each upload carries the whole noise")
-    dp_noise_source: str = setting("seed", choices=NOISE_SOURCES,
+    dp_noise_source: str = setting("seed", when={"dp_epsilon": FINITE}, choices=NOISE_SOURCES,
                                    doc="seed: noise from the run's seed (reproducible simulations); os: from the "
                                        "operating system (deployments)")
 

@@ -159,24 +159,30 @@ class FedBRHyper:
     mixup_alpha: its Beta(alpha, alpha) parameter, 0.2 as the code.
     """
 
-    lam: float = setting(1.0, ge=0.0, doc="pseudo-data CE weight lambda")
-    mu: float = setting(0.5, ge=0.0, doc="contrastive weight mu")
-    tau1: float = setting(0.5, gt=0.0, doc="temperature of the global-pseudo pair")
-    tau2: float = setting(0.5, gt=0.0, doc="temperature of the pseudo-real pair")
+    lam: float = setting(1.0, ge=0.0, when={"components": ("both", "classifier")}, doc="pseudo-data CE weight lambda")
+    mu: float = setting(0.5, ge=0.0, when={"components": ("both", "features")}, doc="contrastive weight mu")
+    tau1: float = setting(0.5, gt=0.0, when={"components": ("both", "features")},
+                          doc="temperature of the global-pseudo pair")
+    tau2: float = setting(0.5, gt=0.0, when={"components": ("both", "features")},
+                          doc="temperature of the pseudo-real pair")
     pseudo: str = setting("rsm", choices=("rsm", "mixture"), doc="kind of pseudo-data")
     pseudo_source: str = setting("rsm_clients", choices=("rsm_clients", "proxy", "per_client"),
                                  doc="where the pseudo dataset comes from")
     pseudo_refresh: str = setting("once", choices=("once", "every_round"), doc="send D_p once or each round")
-    proxy_dataset: str = setting("", doc="proxy dataset name (pseudo_source = proxy)")
-    proxy_root: str = setting("", doc="proxy dataset files (empty = the dataset's default folder)")
+    proxy_dataset: str = setting("", when={"pseudo_source": ("proxy",)}, doc="proxy dataset name")
+    proxy_root: str = setting("", when={"pseudo_source": ("proxy",)},
+                              doc="proxy dataset files (empty = the dataset's default folder)")
     num_pseudo: int = setting(0, ge=0, doc="pseudo samples (0 = batch size)")
     rsm_size: int = setting(10, ge=1, doc="samples averaged per pseudo sample (K)")
     weighting: str = setting("uniform", choices=("uniform", "size"), doc="server weights of the clients")
     components: str = setting("both", choices=("both", "classifier", "features"), doc="ablation")
-    max_step: bool = setting(True, doc="train the projection head adversarially")
-    head_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="max-step lr (0 = client lr)")
+    max_step: bool = setting(True, when={"components": ("both", "features")},
+                             doc="train the projection head adversarially")
+    head_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX,
+                             when={"max_step": (True,), "components": ("both", "features")},
+                             doc="max-step lr (0 = client lr)")
     mixup: bool = setting(False, doc="FedBR + Mixup on the real batch")
-    mixup_alpha: float = setting(0.2, gt=0.0, doc="Beta(alpha, alpha) of FedBR + Mixup")
+    mixup_alpha: float = setting(0.2, gt=0.0, when={"mixup": (True,)}, doc="Beta(alpha, alpha) of FedBR + Mixup")
 
     def __post_init__(self) -> None:
         if self.pseudo_source == "proxy" and not self.proxy_dataset:

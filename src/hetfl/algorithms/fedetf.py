@@ -103,10 +103,12 @@ class FedETFHyper:
     beta_init: float = setting(1.0, gt=0.0, doc="initial learnable temperature beta")
     balanced: bool = setting(True, doc="balanced-softmax local loss")
     personalize: bool = setting(True, doc="local adaptation before each client's evaluation")
-    pers_cycles: int = setting(20, ge=0, doc="ETF/projection fine-tuning cycles")
-    pers_epochs: int = setting(3, ge=1, doc="epochs of each part per cycle")
-    pers_etf_lr: float = setting(0.1, gt=0.0, lt=FLOAT32_MAX, doc="lr of the ETF fine-tuning")
-    pers_proj_lr: float = setting(0.05, gt=0.0, lt=FLOAT32_MAX, doc="lr of the projection fine-tuning")
+    pers_cycles: int = setting(20, when={"personalize": (True,)}, ge=0, doc="ETF/projection fine-tuning cycles")
+    pers_epochs: int = setting(3, when={"personalize": (True,)}, ge=1, doc="epochs of each part per cycle")
+    pers_etf_lr: float = setting(0.1, when={"personalize": (True,)}, gt=0.0, lt=FLOAT32_MAX,
+                                 doc="lr of the ETF fine-tuning")
+    pers_proj_lr: float = setting(0.05, when={"personalize": (True,)}, gt=0.0, lt=FLOAT32_MAX,
+                                  doc="lr of the projection fine-tuning")
 
 
 class FedETF(Algorithm):

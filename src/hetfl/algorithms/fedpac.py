@@ -133,7 +133,7 @@ from hetfl.algorithms.dp_moments import (
 )
 from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
-from hetfl.params import FLOAT32_MAX, ConfigError, setting
+from hetfl.params import FINITE, FLOAT32_MAX, ConfigError, above, setting
 from hetfl.privacy import Release, accountant_name, release_digest, require_accountant
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
@@ -160,19 +160,21 @@ class FedPACHyper:
 
     lam: float = setting(1.0, ge=0.0, doc="feature alignment weight")
     head_epochs: int = setting(1, ge=0, doc="classifier-stage epochs")
-    head_lr: float = setting(0.1, gt=0.0, lt=FLOAT32_MAX, doc="classifier-stage lr")
-    head_momentum: float = setting(0.5, ge=0.0, lt=1.0, doc="classifier-stage momentum")
-    head_weight_decay: float = setting(5e-4, ge=0.0, lt=FLOAT32_MAX, doc="classifier-stage weight decay")
+    head_lr: float = setting(0.1, when={"head_epochs": above(0)}, gt=0.0, lt=FLOAT32_MAX, doc="classifier-stage lr")
+    head_momentum: float = setting(0.5, when={"head_epochs": above(0)}, ge=0.0, lt=1.0, doc="classifier-stage momentum")
+    head_weight_decay: float = setting(5e-4, when={"head_epochs": above(0)}, ge=0.0, lt=FLOAT32_MAX,
+                                       doc="classifier-stage weight decay")
     qp_eig_floor: float = setting(0.01, ge=0.0, doc="eigenvalues kept when repairing a non-PSD QP matrix")
     min_weight: float = setting(1e-3, ge=0.0, lt=1.0, doc="combination weights <= this are zeroed")
-    clip_norm: float = setting(10.0, gt=0.0, doc="L2 bound on each feature vector under differential privacy")
+    clip_norm: float = setting(10.0, when={"dp_epsilon": FINITE}, gt=0.0,
+                               doc="L2 bound on each feature vector under differential privacy")
     dp_epsilon: float = setting(math.inf, gt=0.0, finite=False,
                                 doc="differential privacy of the centroid statistics over the run (inf = none)")
-    dp_delta: float = setting(1e-5, gt=0.0, lt=1.0, doc="differential privacy: delta")
-    dp_noise: str = setting("local", choices=NOISE_MODES,
+    dp_delta: float = setting(1e-5, when={"dp_epsilon": FINITE}, gt=0.0, lt=1.0, doc="differential privacy: delta")
+    dp_noise: str = setting("local", when={"dp_epsilon": FINITE}, choices=NOISE_MODES,
                             doc="local: each upload carries the whole noise (the server sees each); distributed "
                                 "is refused: FedPAC's uploads are never securely aggregated")
-    dp_noise_source: str = setting("seed", choices=NOISE_SOURCES,
+    dp_noise_source: str = setting("seed", when={"dp_epsilon": FINITE}, choices=NOISE_SOURCES,
                                    doc="seed: noise from the run's seed (simulations); os: from the operating system")
 
     def check(self, prefix: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetfl.algorithms.base import ClientContext, Stage
 from hetfl.algorithms.fedavg import FedAvg
-from hetfl.params import FLOAT32_MAX, setting
+from hetfl.params import FLOAT32_MAX, above, setting
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,10 @@ class FedAvgFTHyper:
     """
 
     finetune_epochs: int = setting(1, ge=0, doc="fine-tuning epochs at evaluation (0 = plain FedAvg)")
-    finetune_part: str = setting("full", choices=("full", "head"), doc="what is fine-tuned")
-    finetune_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="fine-tuning lr (0 = train.lr)")
+    finetune_part: str = setting("full", when={"finetune_epochs": above(0)}, choices=("full", "head"),
+                                 doc="what is fine-tuned")
+    finetune_lr: float = setting(0.0, when={"finetune_epochs": above(0)}, ge=0.0, lt=FLOAT32_MAX,
+                                 doc="fine-tuning lr (0 = train.lr)")
 
 
 class FedAvgFT(FedAvg):

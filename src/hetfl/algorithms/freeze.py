@@ -38,7 +38,7 @@ from hetfl.algorithms.base import (
     Upload,
     weighted_mean,
 )
-from hetfl.params import FLOAT32_MAX, ConfigError, setting
+from hetfl.params import FLOAT32_MAX, ConfigError, above, setting
 from hetfl.rng import torch_generator
 
 
@@ -108,8 +108,10 @@ class FedBABUHyper:
 
     gain: float = setting(1.0, gt=0.0, doc="gain of the orthogonal classifier init")
     finetune_epochs: int = setting(5, ge=0, doc="fine-tuning epochs at evaluation")
-    finetune_part: str = setting("head", choices=("head", "full"), doc="what is fine-tuned")
-    finetune_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="fine-tuning lr (0 = train.lr)")
+    finetune_part: str = setting("head", when={"finetune_epochs": above(0)}, choices=("head", "full"),
+                                 doc="what is fine-tuned")
+    finetune_lr: float = setting(0.0, when={"finetune_epochs": above(0)}, ge=0.0, lt=FLOAT32_MAX,
+                                 doc="fine-tuning lr (0 = train.lr)")
 
 
 class FedBABU(Freeze):

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from hetfl.algorithms.base import Algorithm, ClientContext, ServerState, Setup, Tensors, Upload, weighted_mean
-from hetfl.params import FLOAT32_MAX, setting
+from hetfl.params import FLOAT32_MAX, above, setting
 from hetfl.rng import torch_generator
 
 HN = "pfedhn.hn/"  # server: hypernetwork tensors
@@ -104,7 +104,7 @@ class PFedHNHyper:
     hidden: int = setting(100, ge=1, doc="hypernetwork width")
     n_hidden: int = setting(3, ge=0, doc="hidden blocks of the hypernetwork MLP")
     chunk_size: int = setting(4096, ge=0, doc="values per generated chunk (0 = one head per tensor)")
-    chunk_embed_dim: int = setting(16, ge=1, doc="chunk embedding size")
+    chunk_embed_dim: int = setting(16, when={"chunk_size": above(0)}, ge=1, doc="chunk embedding size")
     server_lr: float = setting(0.01, gt=0.0, lt=FLOAT32_MAX, doc="hypernetwork step size")
     embed_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="embedding step size (0 = server_lr)")
     server_momentum: float = setting(0.9, ge=0.0, lt=1.0, doc="server SGD momentum")
