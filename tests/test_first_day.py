@@ -641,3 +641,17 @@ def test_compare_gives_a_method_setting_to_the_methods_that_take_it(tmp_path, ca
     # a setting no method takes is still an error, before anything runs
     assert main([*argv[:-1], str(tmp_path / "typo"), "--set", "algorithm.muu=0.1"]) == 2
     assert not (tmp_path / "typo" / "fedavg-seed0").exists()
+
+
+def test_a_comparison_says_before_its_first_run_which_settings_its_runs_do_not_read(tmp_path, capsys, one_thread):
+    """A plan's runs would each say it when they start; the plan says it once, before the first run, per method
+    (here CCVR's Tukey beta without its transform)."""
+    from hetfl.cli import main
+
+    argv = ["compare", "--methods", "fedavg+ccvr", "--seeds", "0", "--set", "algorithm.ccvr.transform=none",
+            "--set", "algorithm.ccvr.tukey_beta=0.3", "--set", "train.rounds=1", "--set",
+            "data.options={max_samples = 150}", "--quiet", "--out", str(tmp_path / "cmp")]
+    assert main(argv) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    note = "fedavg+ccvr: algorithm.ccvr.tukey_beta = 0.3 has no effect: it is read only when algorithm.ccvr.transform"
+    assert said.count(note) == 1 and said.index(note) < said.index("fedavg+ccvr, seed 0")

@@ -51,13 +51,13 @@ from rich.text import Text
 
 from hetfl import config as config_mod
 from hetfl import runs, runtimes, tables
-from hetfl.algorithms import algorithm_class, hyperparameters, parse_name
+from hetfl.algorithms import algorithm_class, hyperparameters, parse_name, step_hyper
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
 from hetfl.engine.experiment import keeps_trained_model
 from hetfl.files import atomic_write_text
 from hetfl.jobs import Job, check_jobs, check_shippable, format_duration, run_jobs, trained_folder
-from hetfl.params import ConfigError
+from hetfl.params import ConfigError, inactive_settings
 from hetfl.runs import CompareResult, RunResult
 
 if TYPE_CHECKING:
@@ -596,6 +596,21 @@ def settings_notes(methods: list[str], configure: Callable[[list[str]], RunConfi
             for key, without in skipped.items()]
 
 
+def inactive_notes(items: list[PlanItem]) -> list[str]:
+    """A line per method setting of the plan that its runs' mode does not read (:func:`hetfl.params.
+    inactive_settings`: FedBR's ``proxy_dataset`` without ``pseudo_source = "proxy"``), once per method and
+    setting, said before the first run (each run says it again when it starts)."""
+    notes: dict[str, None] = {}
+    for item in items:
+        params = item.cfg.algorithm.params
+        _, steps = parse_name(item.cfg.algorithm.name)
+        found = inactive_settings(hyperparameters(item.cfg.algorithm.name, params), "algorithm.")
+        for step in steps:
+            found += inactive_settings(step_hyper(step, params.get(step, {})), f"algorithm.{step}.")
+        notes.update(dict.fromkeys(f"{item.method}: {note}" for note in found))
+    return list(notes)
+
+
 def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]],
              configure: Callable[[list[str]], RunConfig], out: Path, target: float | None, *,
              progress: bool | None, console: Console | None, option: str = "--out",
@@ -623,6 +638,9 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
             say(line)
     sources = training_sources([c.training for c in checked])
     items = list(plan_items(methods, seeds, grid, configure, out, progress))  # configured once more, kept
+    if say is not None:
+        for line in inactive_notes(items):
+            say(line)
     if jobs > 1:
         statuses = _run_parallel(items, checked, sources, jobs, say, console)
     else:
