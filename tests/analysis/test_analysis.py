@@ -230,6 +230,20 @@ def test_average_ranks_and_spearman_with_ties():
     assert math.isnan(pearson([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
 
 
+def test_spearman_of_nan_values_is_nan_as_scipy_not_a_rank_correlation_of_the_nan_positions():
+    # a diverged classifier's row norms are all NaN: the ranks used to be the NaNs' positions (1..C), so
+    # spearman(NaN norms, counts) came out as +-1 (and 0.4 with one NaN) in the weight-norm figure's title
+    stats = pytest.importorskip("scipy.stats")
+    counts = [1.0, 2.0, 3.0, 4.0, 5.0]
+    for norms in ([math.nan] * 5, [1.0, math.nan, 3.0, 4.0, 5.0]):
+        assert math.isnan(stats.spearmanr(norms, counts).statistic)  # the reference (nan_policy="propagate")
+        assert math.isnan(spearman(norms, counts)), norms
+        assert math.isnan(norm_count_correlation(torch.tensor(norms).unsqueeze(1), counts)["spearman"])
+    assert torch.isnan(average_ranks([2.0, math.nan, 1.0])).all()
+    a, b = [0.3, -1.0, 2.0, 2.0, 5.0, math.inf], [4.0, 1.0, 1.0, 3.0, 0.0, 2.0]  # inf ranks like any number
+    assert spearman(a, b) == pytest.approx(stats.spearmanr(a, b).statistic, abs=1e-12)
+
+
 def test_clients_norm_count_correlation():
     counts = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
     weights = [torch.diag(torch.tensor([1.0, 2.0, 3.0])), torch.diag(torch.tensor([1.0, 2.0, 3.0]))]
