@@ -56,3 +56,19 @@ def test_analyze_bad_input_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^probe = 1\.5: must be a number of test samples >= 2"):
         analyze_run(run_dir, probe=1.5)
     assert RunAnalysis(run_dir, probe=2).probe_x.shape[0] == 2
+
+
+def test_analyze_a_diverged_run_skips_each_model_analysis_with_a_reason_not_a_traceback_or_nan(tmp_path):
+    # lr 1e30: the train loss is NaN from round 1 on, and so is every weight. Spectrum, SWD and t-SNE used to end
+    # `hetfl analyze` in a traceback (LinAlgError, "means and covariances must be finite", sklearn's NaN error);
+    # weight norms and CKA were written as NaN (index.json's mean_cka: NaN, not even valid JSON)
+    run_dir = tmp_path / "run"
+    assert main(["run", *RUN, "--set", "train.lr=1e30", "--out", str(run_dir), "--quiet"]) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["diverged_round"] == 1
+    assert main(["analyze", str(run_dir), "--probe", "50"]) == 0
+    text = (run_dir / "analysis" / "index.json").read_text()
+    index = json.loads(text, parse_constant=lambda c: pytest.fail(f"index.json holds {c}, not JSON"))
+    assert set(index["written"]) == {"curves"}
+    assert set(index["skipped"]) == {"weight_norms", "spectrum", "cka", "swd", "tsne"}
+    for name, reason in index["skipped"].items():
+        assert "not finite" in reason and "diverged in round 1" in reason, (name, reason)

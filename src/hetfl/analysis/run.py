@@ -38,6 +38,7 @@ from hetfl import config as config_mod
 from hetfl.algorithms.base import Tensors
 from hetfl.analysis.cka import mean_pairwise_cka, pairwise_cka
 from hetfl.analysis.classifier import class_weight_norms
+from hetfl.analysis.plots import _clean as json_safe
 from hetfl.analysis.plots import plot_cka, plot_curves, plot_spectrum, plot_swd_matrix, plot_tsne, plot_weight_norms
 from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
@@ -124,6 +125,25 @@ class RunAnalysis:
         finally:
             model.module.train(was)
 
+    def check_finite(self, tensors: torch.Tensor | Tensors, what: str) -> None:
+        """An AnalysisError when ``tensors`` (features, or a model state's floating tensors) hold a NaN or an
+        infinity: a diverged run has nothing to analyse, and its NaNs would otherwise end the command in a
+        traceback (SVD, t-SNE) or become silent NaNs (or ``rho = 1``) in the figures and ``index.json``."""
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors.values())
+        if all(bool(torch.isfinite(t).all()) for t in items if t.is_floating_point()):
+            return
+        diverged = None
+        summary = self.run_dir / "summary.json"
+        if summary.is_file():
+            try:
+                diverged = json.loads(summary.read_text()).get("diverged_round")
+            except (ValueError, AttributeError):
+                diverged = None
+        why = (f"the run diverged in round {diverged} (summary.json: diverged_round)" if diverged is not None else
+               "the model diverged")
+        raise AnalysisError(f"{what} are not finite (NaN or inf): {why}; nothing to analyse (try a lower train.lr "
+                            "or train.max_grad_norm)")
+
     def client_counts(self, client: int) -> np.ndarray:
         labels = self.exp.data.client_train_split(client)[1]
         return np.bincount(labels.cpu().numpy(), minlength=self.exp.dataset.info.num_classes)
@@ -155,11 +175,14 @@ class RunAnalysis:
     def weight_norms(self) -> dict[str, Any]:
         if self.local_models:
             clients = list(self.local_models)[:12]  # a readable figure
+            for c in clients:
+                self.check_finite(self.local_models[c]["classifier.weight"], f"client {c}'s classifier weights")
             norms = torch.stack([class_weight_norms(self.local_models[c]["classifier.weight"]) for c in clients])
             counts = np.stack([self.client_counts(c) for c in clients])
             labels = [f"client {c} local model" for c in clients]
             context = self.context(self.local_round)
         else:
+            self.check_finite(self.server.model["classifier.weight"], "the global classifier's weights")
             norms = class_weight_norms(self.server.model["classifier.weight"])[None]
             counts = np.stack([self.client_counts(c) for c in range(self.exp.data.num_clients)]).sum(0)[None]
             labels = ["global model (all clients' counts)"]
@@ -168,11 +191,14 @@ class RunAnalysis:
 
     def spectrum(self) -> dict[str, Any]:
         global_features = self.features(self.server.model, self.probe_x).cpu()
+        self.check_finite(global_features, "the global model's features")
         note = None
         if self.has_hidden_layer():
             spectra = {"global": singular_values(global_features)}
             for c, state in list(self.local_models.items())[:8]:
-                spectra[f"client {c}"] = singular_values(self.features(state, self.probe_x).cpu())
+                local = self.features(state, self.probe_x).cpu()
+                self.check_finite(local, f"client {c}'s local model's features")
+                spectra[f"client {c}"] = singular_values(local)
         else:  # every model's features are the probe inputs: one curve, the data's own spectrum
             spectra = {"probe inputs": singular_values(global_features)}
             note = f"{NO_HIDDEN_LAYER}: the features are the inputs, the same for every model; one curve"
@@ -200,6 +226,8 @@ class RunAnalysis:
             layers.append("projector")
         layers.append("classifier")
         states = list(self.local_models.values())
+        for c, state in self.local_models.items():
+            self.check_finite(state, f"client {c}'s local model weights")
         cka = pairwise_cka(states, module, self.probe_x, layers)
         result = plot_cka(cka, self.out, model_labels=[f"client {c}" for c in self.local_models],
                           context=self.context(self.local_round), note=note)
@@ -213,6 +241,7 @@ class RunAnalysis:
         mixtures, labels = [], []
         for c in range(self.exp.data.num_clients):
             feats, y = self.exp.client_features(self.server.model, c)
+            self.check_finite(feats, f"the global model's features of client {c}'s data")
             if len(y) < 2:
                 continue
             mixtures.append(GaussianMixture.from_features(feats.cpu(), y.cpu(), num_classes, eps=1e-6))
@@ -228,6 +257,7 @@ class RunAnalysis:
         feats, labels, clients = [], [], []
         for c in range(self.exp.data.num_clients):
             f, y = self.exp.client_features(self.server.model, c)
+            self.check_finite(f, f"the global model's features of client {c}'s data")
             feats.append(f[:per_client].cpu())
             labels.append(y[:per_client].cpu())
             clients.append(torch.full((len(labels[-1]),), c))
@@ -269,5 +299,6 @@ def analyze_run(
             index["skipped"][name] = str(err)
             continue
         index["written"][name] = {k: str(v) if isinstance(v, Path) else v for k, v in result.items()}
-    (run.out / "index.json").write_text(json.dumps(index, indent=2, default=float) + "\n")
+    # non-finite numbers (a constant layer's CKA) as null: index.json stays JSON that any reader parses
+    (run.out / "index.json").write_text(json.dumps(json_safe(index), indent=2, default=float) + "\n")
     return index
