@@ -72,3 +72,41 @@ def test_analyze_a_diverged_run_skips_each_model_analysis_with_a_reason_not_a_tr
     assert set(index["skipped"]) == {"weight_norms", "spectrum", "cka", "swd", "tsne"}
     for name, reason in index["skipped"].items():
         assert "not finite" in reason and "diverged in round 1" in reason, (name, reason)
+
+
+def numpy_cka(x, y) -> float:
+    """Linear CKA from its HSIC definition (Kornblith et al. 2019, eq. 2-4), independent of hetfl's code."""
+    import numpy as np
+
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    n = x.shape[0]
+    h = np.eye(n) - 1.0 / n
+
+    def hsic(k, l_):
+        return np.trace(k @ h @ l_ @ h)
+
+    k, l_ = x @ x.T, y @ y.T
+    return hsic(k, l_) / np.sqrt(hsic(k, k) * hsic(l_, l_))
+
+
+def test_cka_of_clsnorm_local_classifiers_compares_the_logits_the_models_compute(tmp_path):
+    # clsnorm's local models classify with L2-normalised rows (the state flag classifier_transform/normalize, which
+    # the saved local models do not carry); the classifier layer's CKA was computed with the raw rows: 0.80 for a
+    # pair whose logits have CKA 0.84 (off by up to 0.05 after 2 rounds; CCVR's Fig. 11 compares exactly this)
+    import numpy as np
+    import torch
+
+    from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
+    from hetfl.analysis.run import RunAnalysis
+
+    run_dir = tmp_path / "run"
+    assert main(["run", *RUN, "--set", "algorithm.name=clsnorm", "--out", str(run_dir), "--quiet"]) == 0
+    run = RunAnalysis(run_dir, probe=120)
+    states = list(run.local_models.values())
+    assert len(states) >= 3 and not any(CLASSIFIER_NORM in s for s in states)
+    run.out.mkdir()
+    got = json.loads((run.cka()["data"]).read_text())["matrices"]["classifier"]
+    logits = [run.exp.caller.features_and_logits({**s, CLASSIFIER_NORM: torch.ones(())}, run.probe_x)[1].numpy()
+              for s in states]
+    expected = [[numpy_cka(a, b) for b in logits] for a in logits]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)

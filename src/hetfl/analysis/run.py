@@ -15,7 +15,8 @@ data and a model rebuilt from the other one.
 - ``spectrum``: singular values of the feature covariance of the global model
   on the test set, and of each saved local model (dimensional collapse, FedUV).
 - ``cka``: linear CKA of each layer between saved local models on the same
-  probe data, mean over client pairs per layer (CCVR Figs. 1-2). A model without a
+  probe data, mean over client pairs per layer (CCVR Figs. 1-2); the classifier's output is
+  the logits the local models compute (clsnorm: with its L2-normalised rows). A model without a
   hidden layer (logistic regression) has only its logits compared: its input layer's
   CKA would be 1 for any models (they all see the same inputs); ``index.json`` notes it.
 - ``swd``: sliced Wasserstein distance between the clients' class-conditional
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms.base import Tensors
+from hetfl.algorithms.base import HEAD_TRANSFORMS, Tensors
 from hetfl.analysis.cka import mean_pairwise_cka, pairwise_cka
 from hetfl.analysis.classifier import class_weight_norms
 from hetfl.analysis.plots import _clean as json_safe
@@ -144,6 +145,20 @@ class RunAnalysis:
         raise AnalysisError(f"{what} are not finite (NaN or inf): {why}; nothing to analyse (try a lower train.lr "
                             "or train.max_grad_norm)")
 
+    def as_trained(self, state: Tensors) -> Tensors:
+        """A local model's state with the classifier rows it computes its logits with. A method's weight head
+        transform (clsnorm's L2-normalised rows: :class:`~hetfl.algorithms.base.HeadTransform`) is a flag in the
+        model state that the saved local models do not carry; the run's global model does, and every client
+        trained under it. The classifier layer's CKA hooks the module, which would use the raw rows."""
+        active = [(key, t) for key, t in HEAD_TRANSFORMS.items()
+                  if t.weight is not None and (key in state or key in self.server.model)]
+        if not active:
+            return state
+        weight = state["classifier.weight"]
+        for key, t in active:  # in the registry's order, as ModelCaller applies them
+            weight = t.weight(weight, state[key] if key in state else self.server.model[key])
+        return {**state, "classifier.weight": weight}
+
     def client_counts(self, client: int) -> np.ndarray:
         labels = self.exp.data.client_train_split(client)[1]
         return np.bincount(labels.cpu().numpy(), minlength=self.exp.dataset.info.num_classes)
@@ -225,7 +240,7 @@ class RunAnalysis:
         if getattr(module, "projector", None) is not None:
             layers.append("projector")
         layers.append("classifier")
-        states = list(self.local_models.values())
+        states = [self.as_trained(state) for state in self.local_models.values()]
         for c, state in self.local_models.items():
             self.check_finite(state, f"client {c}'s local model weights")
         cka = pairwise_cka(states, module, self.probe_x, layers)
