@@ -110,3 +110,19 @@ def test_cka_of_clsnorm_local_classifiers_compares_the_logits_the_models_compute
               for s in states]
     expected = [[numpy_cka(a, b) for b in logits] for a in logits]
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_features_of_a_ccvr_calibrated_global_model_are_labelled_with_its_feature_transform(tmp_path):
+    # after CCVR the global model's classifier input is ReLU + Tukey(beta = 0.5) of the encoder output: the spectrum,
+    # SWD and t-SNE figures are of those features, and their label used to say "encoder output"
+    import torch
+
+    from hetfl.analysis.run import RunAnalysis
+
+    run_dir = tmp_path / "run"
+    assert main(["run", *RUN[:-2], "--set", "algorithm.name=fedavg+ccvr", "--out", str(run_dir), "--quiet"]) == 0
+    run = RunAnalysis(run_dir, probe=60)
+    transformed = run.features(run.server.model, run.probe_x)
+    raw = run.features({k: v for k, v in run.server.model.items() if "/" not in k}, run.probe_x)
+    torch.testing.assert_close(transformed, raw.clamp(min=0).sqrt())  # what the figures show
+    assert "feature_transform/tukey_beta" in run.feature_layer(), run.feature_layer()

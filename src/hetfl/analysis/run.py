@@ -178,10 +178,17 @@ class RunAnalysis:
     def feature_layer(self) -> str:
         """What the features are, for titles: the classifier's input and where it comes from."""
         d = self.exp.model.feature_dim
+        transforms = self.feature_transforms()
+        after = f" after the feature transform {', '.join(transforms)}" if transforms else ""
         if not self.has_hidden_layer():
-            return f"features = the inputs (d={d}; {NO_HIDDEN_LAYER})"
+            return f"features = the inputs{after} (d={d}; {NO_HIDDEN_LAYER})"
         source = "projector" if getattr(self.exp.model, "projector", None) is not None else "encoder"
-        return f"features = classifier input ({source} output, d={d})"
+        return f"features = classifier input ({source} output{after}, d={d})"
+
+    def feature_transforms(self) -> list[str]:
+        """The global model's feature head transforms (CCVR's ReLU + Tukey after calibration), which the
+        features of the spectrum, SWD and t-SNE (the classifier's input) have been through."""
+        return [key for key, t in HEAD_TRANSFORMS.items() if t.features is not None and key in self.server.model]
 
     # --------------------------------------------------------------- analyses
     def curves(self) -> dict[str, Any]:
@@ -217,6 +224,8 @@ class RunAnalysis:
         else:  # every model's features are the probe inputs: one curve, the data's own spectrum
             spectra = {"probe inputs": singular_values(global_features)}
             note = f"{NO_HIDDEN_LAYER}: the features are the inputs, the same for every model; one curve"
+        if self.feature_transforms():
+            note = "; ".join(filter(None, [note, f"global model's {self.feature_layer()}"]))
         rounds = f"{self.round}" if len(spectra) < 2 or self.local_round == self.round else \
             f"{self.round} (local models: round {self.local_round})"
         result = plot_spectrum(spectra, self.out, context=f"{self.context()}, round {rounds}", note=note)
@@ -279,6 +288,8 @@ class RunAnalysis:
         embedding = tsne_embedding(torch.cat(feats), seed=0)
         what = ("global-model features of training samples" if self.has_hidden_layer() else
                 f"the inputs of training samples (= the features: {NO_HIDDEN_LAYER})")
+        if self.feature_transforms():
+            what += f" ({self.feature_layer()})"
         return plot_tsne(embedding, torch.cat(labels), self.out, clients=torch.cat(clients),
                          context=self.context(self.round), what=what)
 
