@@ -126,3 +126,40 @@ def test_features_of_a_ccvr_calibrated_global_model_are_labelled_with_its_featur
     raw = run.features({k: v for k, v in run.server.model.items() if "/" not in k}, run.probe_x)
     torch.testing.assert_close(transformed, raw.clamp(min=0).sqrt())  # what the figures show
     assert "feature_transform/tukey_beta" in run.feature_layer(), run.feature_layer()
+
+
+def test_tsne_shows_a_random_sample_of_each_client_with_its_class_mix_and_points_aligned_with_labels(
+        tmp_path, monkeypatch):
+    # the t-SNE took each client's first 1500 / m training samples, in storage order: a client holding 60 % class 5
+    # showed 34 % (a class it holds 171 samples of: once); now a seeded random sample, with the client's class mix
+    import numpy as np
+    import torch
+
+    import hetfl.analysis.run as run_mod
+
+    run_dir = tmp_path / "run"
+    assert main(["run", *RUN[:-2], "--set", "data.num_clients=4", "--out", str(run_dir), "--quiet"]) == 0
+    seen = {}
+
+    def fake_tsne(features, seed=0):
+        seen["features"] = features
+        return features[:, :2].float()
+
+    monkeypatch.setattr(run_mod, "tsne_embedding", fake_tsne)
+    run = run_mod.RunAnalysis(run_dir, probe=10)
+    run.out.mkdir()
+    rows = np.loadtxt(run.tsne()["data"], delimiter=",", skiprows=1)
+    labels, clients = rows[:, 2].astype(int), rows[:, 3].astype(int)
+    num_classes = run.exp.dataset.info.num_classes
+    for c in range(4):
+        feats, y = run.exp.client_features(run.server.model, c)
+        have = np.bincount(y.numpy(), minlength=num_classes) / len(y)
+        shown = np.bincount(labels[clients == c], minlength=num_classes) / (clients == c).sum()
+        assert 0.5 * np.abs(have - shown).sum() < 0.15, (c, have.round(2), shown.round(2))
+        # every point is a sample of that client, drawn with its own label
+        for f, label in zip(seen["features"][clients == c], labels[clients == c], strict=True):
+            match = (feats == f).all(dim=1).nonzero().flatten()
+            assert len(match) and int(y[match[0]]) == label
+    first = seen["features"]
+    run_mod.RunAnalysis(run_dir, probe=10).tsne()
+    assert torch.equal(seen["features"], first)  # the sample is seeded: the same points every time

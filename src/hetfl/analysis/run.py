@@ -21,7 +21,7 @@ data and a model rebuilt from the other one.
   CKA would be 1 for any models (they all see the same inputs); ``index.json`` notes it.
 - ``swd``: sliced Wasserstein distance between the clients' class-conditional
   feature distributions (per-class Gaussians under the global encoder; CCVR appendix).
-- ``tsne``: t-SNE of global-model features of a sample of training data,
+- ``tsne``: t-SNE of global-model features of a seeded random sample of each client's training data,
   coloured by class and by client (needs scikit-learn).
 """
 
@@ -282,8 +282,11 @@ class RunAnalysis:
         for c in range(self.exp.data.num_clients):
             f, y = self.exp.client_features(self.server.model, c)
             self.check_finite(f, f"the global model's features of client {c}'s data")
-            feats.append(f[:per_client].cpu())
-            labels.append(y[:per_client].cpu())
+            # a seeded random sample: a client's split is stored in an order (by class, for some partitions)
+            # whose first samples would misstate its class mix
+            pick = torch.randperm(len(y), generator=torch_generator(0, "eval", 1, c))[:per_client].sort().values
+            feats.append(f.cpu()[pick])
+            labels.append(y.cpu()[pick])
             clients.append(torch.full((len(labels[-1]),), c))
         embedding = tsne_embedding(torch.cat(feats), seed=0)
         what = ("global-model features of training samples" if self.has_hidden_layer() else
