@@ -110,6 +110,8 @@ def test_cka_of_clsnorm_local_classifiers_compares_the_logits_the_models_compute
               for s in states]
     expected = [[numpy_cka(a, b) for b in logits] for a in logits]
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    # the weight-norm figure shows the stored rows' norms, which clsnorm's classifier does not use: it says so
+    assert "L2-normalised" in run.weight_norms().get("note", "")
 
 
 def test_features_of_a_ccvr_calibrated_global_model_are_labelled_with_its_feature_transform(tmp_path):

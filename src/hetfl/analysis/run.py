@@ -209,7 +209,13 @@ class RunAnalysis:
             counts = np.stack([self.client_counts(c) for c in range(self.exp.data.num_clients)]).sum(0)[None]
             labels = ["global model (all clients' counts)"]
             context = self.context(self.round)
-        return plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels, context=context)
+        result = plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels, context=context)
+        transforms = [key for key, t in HEAD_TRANSFORMS.items() if t.weight is not None and key in self.server.model]
+        if transforms:  # clsnorm: the logits use rows of norm 1, whatever the stored rows' norms
+            result["note"] = (f"the classifier computes its logits with its rows transformed ({', '.join(transforms)}: "
+                              "clsnorm's rows are L2-normalised, each of norm 1); the norms shown are the stored "
+                              "rows', which that normalisation divides out")
+        return result
 
     def spectrum(self) -> dict[str, Any]:
         global_features = self.features(self.server.model, self.probe_x).cpu()
