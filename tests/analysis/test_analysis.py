@@ -133,6 +133,23 @@ def test_cka_rejects_mismatched_inputs_and_constant_features_give_nan():
     assert math.isnan(linear_cka(torch.ones(10, 3), randn(10, 3)))
 
 
+def test_non_finite_features_are_a_clear_error_not_a_silent_nan_or_a_linalg_failure():
+    # a diverged model's features: CKA used to return NaN as for a constant layer (which it is not), the spectrum
+    # to fail inside the SVD ("linalg.svd: The algorithm failed to converge")
+    bad = randn(20, 4)
+    bad[3, 1] = math.nan
+    with pytest.raises(ValueError, match="not finite"):
+        linear_cka(bad, randn(20, 4))
+    with pytest.raises(ValueError, match="not finite"):
+        linear_cka(randn(20, 4), bad * math.inf)
+    with pytest.raises(ValueError, match="not finite"):
+        singular_values(bad)
+    model = nn.Sequential(nn.Linear(3, 2))
+    broken = {k: torch.full_like(v, math.nan) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="not finite"):
+        pairwise_cka([model.state_dict(), broken], model, randn(8, 3).float(), ["0"])
+
+
 def small_convnet() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 3))
