@@ -133,6 +133,23 @@ def test_cka_rejects_mismatched_inputs_and_constant_features_give_nan():
     assert math.isnan(linear_cka(torch.ones(10, 3), randn(10, 3)))
 
 
+def test_non_finite_features_are_a_clear_error_not_a_silent_nan_or_a_linalg_failure():
+    # a diverged model's features: CKA used to return NaN as for a constant layer (which it is not), the spectrum
+    # to fail inside the SVD ("linalg.svd: The algorithm failed to converge")
+    bad = randn(20, 4)
+    bad[3, 1] = math.nan
+    with pytest.raises(ValueError, match="not finite"):
+        linear_cka(bad, randn(20, 4))
+    with pytest.raises(ValueError, match="not finite"):
+        linear_cka(randn(20, 4), bad * math.inf)
+    with pytest.raises(ValueError, match="not finite"):
+        singular_values(bad)
+    model = nn.Sequential(nn.Linear(3, 2))
+    broken = {k: torch.full_like(v, math.nan) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="not finite"):
+        pairwise_cka([model.state_dict(), broken], model, randn(8, 3).float(), ["0"])
+
+
 def small_convnet() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 3))
@@ -228,6 +245,20 @@ def test_average_ranks_and_spearman_with_ties():
     # Spearman with ties = Pearson of average ranks, worked by hand: ranks a=[1,2.5,2.5,4], b=[1,2,3,4]
     assert spearman([1, 2, 2, 3], [10, 20, 30, 40]) == pytest.approx(4.5 / math.sqrt(4.5 * 5.0))
     assert math.isnan(pearson([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+
+
+def test_spearman_of_nan_values_is_nan_as_scipy_not_a_rank_correlation_of_the_nan_positions():
+    # a diverged classifier's row norms are all NaN: the ranks used to be the NaNs' positions (1..C), so
+    # spearman(NaN norms, counts) came out as +-1 (and 0.4 with one NaN) in the weight-norm figure's title
+    stats = pytest.importorskip("scipy.stats")
+    counts = [1.0, 2.0, 3.0, 4.0, 5.0]
+    for norms in ([math.nan] * 5, [1.0, math.nan, 3.0, 4.0, 5.0]):
+        assert math.isnan(stats.spearmanr(norms, counts).statistic)  # the reference (nan_policy="propagate")
+        assert math.isnan(spearman(norms, counts)), norms
+        assert math.isnan(norm_count_correlation(torch.tensor(norms).unsqueeze(1), counts)["spearman"])
+    assert torch.isnan(average_ranks([2.0, math.nan, 1.0])).all()
+    a, b = [0.3, -1.0, 2.0, 2.0, 5.0, math.inf], [4.0, 1.0, 1.0, 3.0, 0.0, 2.0]  # inf ranks like any number
+    assert spearman(a, b) == pytest.approx(stats.spearmanr(a, b).statistic, abs=1e-12)
 
 
 def test_clients_norm_count_correlation():

@@ -30,10 +30,13 @@ from torch.func import functional_call
 
 def _centred(x: Tensor) -> Tensor:
     """Column-centred float64 copy of ``x [n, d]``; all zeros when ``x`` is constant over the inputs
-    to rounding (centring leaves less than 1e-12 of its norm), so that CKA is then ``nan``."""
+    to rounding (centring leaves less than 1e-12 of its norm), so that CKA is then ``nan``. A ValueError
+    when ``x`` holds a NaN or an infinity (not a silent ``nan``, which means a constant layer)."""
     if x.dim() != 2:
         raise ValueError(f"features must be a matrix [n, d], got shape {tuple(x.shape)}")
     x = x.detach().to(torch.float64)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("features are not finite (NaN or inf; a diverged model?): CKA is undefined")
     xc = x - x.mean(dim=0, keepdim=True)
     if torch.linalg.matrix_norm(xc) <= 1e-12 * torch.linalg.matrix_norm(x):
         return torch.zeros_like(xc)
@@ -66,7 +69,8 @@ def linear_cka(x: Tensor, y: Tensor) -> float:
     """Linear CKA between features ``x [n, d1]`` and ``y [n, d2]`` of the same ``n`` inputs.
 
     Computed in float64 after centring each column (Kornblith et al. 2019, linear-kernel CKA).
-    Returns ``nan`` when either representation is constant over the inputs (zero after centring).
+    Returns ``nan`` when either representation is constant over the inputs (zero after centring);
+    raises ValueError when either holds a NaN or an infinity.
     """
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x and y must describe the same inputs: {x.shape[0]} vs {y.shape[0]} rows")

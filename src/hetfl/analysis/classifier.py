@@ -42,8 +42,12 @@ def pearson(a: Tensor | Sequence[float], b: Tensor | Sequence[float]) -> float:
 
 
 def average_ranks(v: Tensor | Sequence[float]) -> Tensor:
-    """1-based ranks of ``v`` with ties given the mean of the ranks they span (float64)."""
+    """1-based ranks of ``v`` with ties given the mean of the ranks they span (float64); all NaN when
+    ``v`` holds a NaN (as ``scipy.stats.rankdata``'s default: a NaN has no rank, and ranking by its position
+    would make e.g. a diverged model's NaN norms look perfectly correlated)."""
     x = torch.as_tensor(v).detach().to(torch.float64).flatten().cpu()
+    if torch.isnan(x).any():
+        return torch.full_like(x, float("nan"))
     order = torch.argsort(x, stable=True)
     sorted_x = x[order]
     ranks = torch.empty_like(x)
@@ -59,7 +63,8 @@ def average_ranks(v: Tensor | Sequence[float]) -> Tensor:
 
 
 def spearman(a: Tensor | Sequence[float], b: Tensor | Sequence[float]) -> float:
-    """Spearman rank correlation: Pearson correlation of the average ranks (handles ties)."""
+    """Spearman rank correlation: Pearson correlation of the average ranks (handles ties); ``nan`` if
+    either holds a NaN or is constant."""
     return pearson(average_ranks(a), average_ranks(b))
 
 

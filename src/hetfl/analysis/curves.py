@@ -188,9 +188,9 @@ def seed_band(runs: Mapping[Any, Metrics], key: str, *, ddof: int = 1, label: st
     ``runs`` maps a seed to its metrics (rows of ``metrics.jsonl``). Seeds are aligned on the rounds
     that *every* seed logged ``key`` for (with equal ``train.eval_every`` these are all evaluated
     rounds); rounds only some seeds logged are left out and listed in ``dropped``, so that no point
-    is a mean over fewer seeds than the legend says. ``ddof=1`` is the sample std (n-1, as
-    ``comparison.md`` via :func:`statistics.stdev`), ``ddof=0`` the population std (n, as
-    ``reproduction.md`` via :func:`statistics.pstdev`); a single seed has std 0. A non-finite value
+    is a mean over fewer seeds than the legend says. ``ddof=1`` is the sample std (n-1, as the tables
+    of ``comparison.md`` and ``reproduction.md`` via :func:`hetfl.tables.mean_std`), ``ddof=0`` the
+    population std (n); a single seed has std 0. A non-finite value
     (a diverged seed) makes that round's mean and std NaN, i.e. not drawn.
 
     Raises ValueError (naming ``label``, the seed and ``key``) when there are no runs, a seed never

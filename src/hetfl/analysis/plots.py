@@ -872,8 +872,8 @@ def plot_seed_bands(
     title says how many; seeds that share no round are a ValueError. The accuracy is ``metric`` (a
     per-round key, one for all labels or one per label), by default ``global_acc`` where logged and
     ``client_acc_mean`` for personalised methods (:func:`~hetfl.analysis.curves.default_accuracy_key`);
-    when labels show different ones, the client mean is dashed. ``ddof``: 1 for the sample std (as
-    ``comparison.md``), 0 for the population std (as ``reproduction.md``); the title says which.
+    when labels show different ones, the client mean is dashed. ``ddof``: 1 for the sample std (as the
+    tables of ``comparison.md`` and ``reproduction.md``), 0 for the population std; the title says which.
     ``per_seed`` adds each seed as a thin line; a label with one seed is a line without a band, and
     its legend entry says so ("FedAvg (1 seed, no band)", else "FedAvg (3 seeds)"). ``target`` marks
     an accuracy. Data: CSV ``round, label, metric, mean, std, n`` (+ ``seed_<k>`` per seed with

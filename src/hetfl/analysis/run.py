@@ -15,12 +15,13 @@ data and a model rebuilt from the other one.
 - ``spectrum``: singular values of the feature covariance of the global model
   on the test set, and of each saved local model (dimensional collapse, FedUV).
 - ``cka``: linear CKA of each layer between saved local models on the same
-  probe data, mean over client pairs per layer (CCVR Figs. 1-2). A model without a
+  probe data, mean over client pairs per layer (CCVR Figs. 1-2); the classifier's output is
+  the logits the local models compute (clsnorm: with its L2-normalised rows). A model without a
   hidden layer (logistic regression) has only its logits compared: its input layer's
   CKA would be 1 for any models (they all see the same inputs); ``index.json`` notes it.
 - ``swd``: sliced Wasserstein distance between the clients' class-conditional
   feature distributions (per-class Gaussians under the global encoder; CCVR appendix).
-- ``tsne``: t-SNE of global-model features of a sample of training data,
+- ``tsne``: t-SNE of global-model features of a seeded random sample of each client's training data,
   coloured by class and by client (needs scikit-learn).
 """
 
@@ -35,9 +36,10 @@ import numpy as np
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms.base import Tensors
+from hetfl.algorithms.base import HEAD_TRANSFORMS, Tensors
 from hetfl.analysis.cka import mean_pairwise_cka, pairwise_cka
 from hetfl.analysis.classifier import class_weight_norms
+from hetfl.analysis.plots import _clean as json_safe
 from hetfl.analysis.plots import plot_cka, plot_curves, plot_spectrum, plot_swd_matrix, plot_tsne, plot_weight_norms
 from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
@@ -124,6 +126,39 @@ class RunAnalysis:
         finally:
             model.module.train(was)
 
+    def check_finite(self, tensors: torch.Tensor | Tensors, what: str) -> None:
+        """An AnalysisError when ``tensors`` (features, or a model state's floating tensors) hold a NaN or an
+        infinity: a diverged run has nothing to analyse, and its NaNs would otherwise end the command in a
+        traceback (SVD, t-SNE) or become silent NaNs (or ``rho = 1``) in the figures and ``index.json``."""
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors.values())
+        if all(bool(torch.isfinite(t).all()) for t in items if t.is_floating_point()):
+            return
+        diverged = None
+        summary = self.run_dir / "summary.json"
+        if summary.is_file():
+            try:
+                diverged = json.loads(summary.read_text()).get("diverged_round")
+            except (ValueError, AttributeError):
+                diverged = None
+        why = (f"the run diverged in round {diverged} (summary.json: diverged_round)" if diverged is not None else
+               "the model diverged")
+        raise AnalysisError(f"{what} are not finite (NaN or inf): {why}; nothing to analyse (try a lower train.lr "
+                            "or train.max_grad_norm)")
+
+    def as_trained(self, state: Tensors) -> Tensors:
+        """A local model's state with the classifier rows it computes its logits with. A method's weight head
+        transform (clsnorm's L2-normalised rows: :class:`~hetfl.algorithms.base.HeadTransform`) is a flag in the
+        model state that the saved local models do not carry; the run's global model does, and every client
+        trained under it. The classifier layer's CKA hooks the module, which would use the raw rows."""
+        active = [(key, t) for key, t in HEAD_TRANSFORMS.items()
+                  if t.weight is not None and (key in state or key in self.server.model)]
+        if not active:
+            return state
+        weight = state["classifier.weight"]
+        for key, t in active:  # in the registry's order, as ModelCaller applies them
+            weight = t.weight(weight, state[key] if key in state else self.server.model[key])
+        return {**state, "classifier.weight": weight}
+
     def client_counts(self, client: int) -> np.ndarray:
         labels = self.exp.data.client_train_split(client)[1]
         return np.bincount(labels.cpu().numpy(), minlength=self.exp.dataset.info.num_classes)
@@ -143,10 +178,17 @@ class RunAnalysis:
     def feature_layer(self) -> str:
         """What the features are, for titles: the classifier's input and where it comes from."""
         d = self.exp.model.feature_dim
+        transforms = self.feature_transforms()
+        after = f" after the feature transform {', '.join(transforms)}" if transforms else ""
         if not self.has_hidden_layer():
-            return f"features = the inputs (d={d}; {NO_HIDDEN_LAYER})"
+            return f"features = the inputs{after} (d={d}; {NO_HIDDEN_LAYER})"
         source = "projector" if getattr(self.exp.model, "projector", None) is not None else "encoder"
-        return f"features = classifier input ({source} output, d={d})"
+        return f"features = classifier input ({source} output{after}, d={d})"
+
+    def feature_transforms(self) -> list[str]:
+        """The global model's feature head transforms (CCVR's ReLU + Tukey after calibration), which the
+        features of the spectrum, SWD and t-SNE (the classifier's input) have been through."""
+        return [key for key, t in HEAD_TRANSFORMS.items() if t.features is not None and key in self.server.model]
 
     # --------------------------------------------------------------- analyses
     def curves(self) -> dict[str, Any]:
@@ -155,27 +197,41 @@ class RunAnalysis:
     def weight_norms(self) -> dict[str, Any]:
         if self.local_models:
             clients = list(self.local_models)[:12]  # a readable figure
+            for c in clients:
+                self.check_finite(self.local_models[c]["classifier.weight"], f"client {c}'s classifier weights")
             norms = torch.stack([class_weight_norms(self.local_models[c]["classifier.weight"]) for c in clients])
             counts = np.stack([self.client_counts(c) for c in clients])
             labels = [f"client {c} local model" for c in clients]
             context = self.context(self.local_round)
         else:
+            self.check_finite(self.server.model["classifier.weight"], "the global classifier's weights")
             norms = class_weight_norms(self.server.model["classifier.weight"])[None]
             counts = np.stack([self.client_counts(c) for c in range(self.exp.data.num_clients)]).sum(0)[None]
             labels = ["global model (all clients' counts)"]
             context = self.context(self.round)
-        return plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels, context=context)
+        result = plot_weight_norms(norms.cpu(), counts, self.out, client_labels=labels, context=context)
+        transforms = [key for key, t in HEAD_TRANSFORMS.items() if t.weight is not None and key in self.server.model]
+        if transforms:  # clsnorm: the logits use rows of norm 1, whatever the stored rows' norms
+            result["note"] = (f"the classifier computes its logits with its rows transformed ({', '.join(transforms)}: "
+                              "clsnorm's rows are L2-normalised, each of norm 1); the norms shown are the stored "
+                              "rows', which that normalisation divides out")
+        return result
 
     def spectrum(self) -> dict[str, Any]:
         global_features = self.features(self.server.model, self.probe_x).cpu()
+        self.check_finite(global_features, "the global model's features")
         note = None
         if self.has_hidden_layer():
             spectra = {"global": singular_values(global_features)}
             for c, state in list(self.local_models.items())[:8]:
-                spectra[f"client {c}"] = singular_values(self.features(state, self.probe_x).cpu())
+                local = self.features(state, self.probe_x).cpu()
+                self.check_finite(local, f"client {c}'s local model's features")
+                spectra[f"client {c}"] = singular_values(local)
         else:  # every model's features are the probe inputs: one curve, the data's own spectrum
             spectra = {"probe inputs": singular_values(global_features)}
             note = f"{NO_HIDDEN_LAYER}: the features are the inputs, the same for every model; one curve"
+        if self.feature_transforms():
+            note = "; ".join(filter(None, [note, f"global model's {self.feature_layer()}"]))
         rounds = f"{self.round}" if len(spectra) < 2 or self.local_round == self.round else \
             f"{self.round} (local models: round {self.local_round})"
         result = plot_spectrum(spectra, self.out, context=f"{self.context()}, round {rounds}", note=note)
@@ -199,7 +255,9 @@ class RunAnalysis:
         if getattr(module, "projector", None) is not None:
             layers.append("projector")
         layers.append("classifier")
-        states = list(self.local_models.values())
+        states = [self.as_trained(state) for state in self.local_models.values()]
+        for c, state in self.local_models.items():
+            self.check_finite(state, f"client {c}'s local model weights")
         cka = pairwise_cka(states, module, self.probe_x, layers)
         result = plot_cka(cka, self.out, model_labels=[f"client {c}" for c in self.local_models],
                           context=self.context(self.local_round), note=note)
@@ -213,6 +271,7 @@ class RunAnalysis:
         mixtures, labels = [], []
         for c in range(self.exp.data.num_clients):
             feats, y = self.exp.client_features(self.server.model, c)
+            self.check_finite(feats, f"the global model's features of client {c}'s data")
             if len(y) < 2:
                 continue
             mixtures.append(GaussianMixture.from_features(feats.cpu(), y.cpu(), num_classes, eps=1e-6))
@@ -228,12 +287,18 @@ class RunAnalysis:
         feats, labels, clients = [], [], []
         for c in range(self.exp.data.num_clients):
             f, y = self.exp.client_features(self.server.model, c)
-            feats.append(f[:per_client].cpu())
-            labels.append(y[:per_client].cpu())
+            self.check_finite(f, f"the global model's features of client {c}'s data")
+            # a seeded random sample: a client's split is stored in an order (by class, for some partitions)
+            # whose first samples would misstate its class mix
+            pick = torch.randperm(len(y), generator=torch_generator(0, "eval", 1, c))[:per_client].sort().values
+            feats.append(f.cpu()[pick])
+            labels.append(y.cpu()[pick])
             clients.append(torch.full((len(labels[-1]),), c))
         embedding = tsne_embedding(torch.cat(feats), seed=0)
         what = ("global-model features of training samples" if self.has_hidden_layer() else
                 f"the inputs of training samples (= the features: {NO_HIDDEN_LAYER})")
+        if self.feature_transforms():
+            what += f" ({self.feature_layer()})"
         return plot_tsne(embedding, torch.cat(labels), self.out, clients=torch.cat(clients),
                          context=self.context(self.round), what=what)
 
@@ -269,5 +334,6 @@ def analyze_run(
             index["skipped"][name] = str(err)
             continue
         index["written"][name] = {k: str(v) if isinstance(v, Path) else v for k, v in result.items()}
-    (run.out / "index.json").write_text(json.dumps(index, indent=2, default=float) + "\n")
+    # non-finite numbers (a constant layer's CKA) as null: index.json stays JSON that any reader parses
+    (run.out / "index.json").write_text(json.dumps(json_safe(index), indent=2, default=float) + "\n")
     return index

@@ -21,13 +21,16 @@ from torch import Tensor
 
 
 def feature_covariance(features: Tensor) -> Tensor:
-    """Unbiased covariance ``[d, d]`` (float64) of features ``[n, d]`` (rows are samples)."""
+    """Unbiased covariance ``[d, d]`` (float64) of features ``[n, d]`` (rows are samples); a ValueError
+    for non-finite features."""
     if features.dim() != 2:
         raise ValueError(f"features must be [n, d], got shape {tuple(features.shape)}")
     n = features.shape[0]
     if n < 2:
         raise ValueError("the covariance needs at least 2 samples")
     z = features.detach().to(torch.float64)
+    if not bool(torch.isfinite(z).all()):
+        raise ValueError("features are not finite (NaN or inf; a diverged model?): no covariance to analyse")
     z = z - z.mean(dim=0, keepdim=True)
     return z.T @ z / (n - 1)
 
