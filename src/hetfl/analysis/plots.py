@@ -93,16 +93,16 @@ def _save(fig: Any, out_dir: str | Path, name: str) -> Path:
     return path
 
 
-def _clean(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """JSON-safe copy: tensors and arrays to lists, non-finite floats to ``None``."""
     if isinstance(obj, Tensor):
         obj = obj.detach().cpu().tolist()
     if isinstance(obj, np.ndarray):
         obj = obj.tolist()
     if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -112,7 +112,7 @@ def _clean(obj: Any) -> Any:
 
 def _write_json(out_dir: str | Path, name: str, data: Any) -> Path:
     path = Path(out_dir) / f"{name}.json"
-    path.write_text(json.dumps(_clean(data), indent=1) + "\n")
+    path.write_text(json.dumps(json_safe(data), indent=1) + "\n")
     return path
 
 

@@ -39,8 +39,15 @@ from hetfl import config as config_mod
 from hetfl.algorithms.base import HEAD_TRANSFORMS, Tensors
 from hetfl.analysis.cka import mean_pairwise_cka, pairwise_cka
 from hetfl.analysis.classifier import class_weight_norms
-from hetfl.analysis.plots import _clean as json_safe
-from hetfl.analysis.plots import plot_cka, plot_curves, plot_spectrum, plot_swd_matrix, plot_tsne, plot_weight_norms
+from hetfl.analysis.plots import (
+    json_safe,
+    plot_cka,
+    plot_curves,
+    plot_spectrum,
+    plot_swd_matrix,
+    plot_tsne,
+    plot_weight_norms,
+)
 from hetfl.analysis.spectrum import effective_rank, singular_values
 from hetfl.analysis.swd import GaussianMixture, sliced_wasserstein_matrix
 from hetfl.analysis.tsne import tsne_embedding
