@@ -37,6 +37,21 @@ def follow_umask(target: int | str | os.PathLike[str]) -> None:
         os.chmod(target, mode)
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush ``path`` to the disk: a file's bytes, or a folder's entries (a rename in it). A no-op where the
+    system cannot open or sync it (a folder on some platforms): durability is then the system's."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``; the file's
     mode follows the umask (:func:`hetfl.files.follow_umask`), as a plain write's would."""

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hetfl.algorithms.base import ServerState, Tensors
-from hetfl.files import follow_umask
+from hetfl.files import follow_umask, fsync_path
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 #: the model and client states after the last round's training, before the post-hoc steps (CCVR's
@@ -61,26 +61,12 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     try:
         save_file(tensors, tmp, metadata=metadata)
         follow_umask(tmp)  # after the write: the mode mkstemp gave may be the one save_file keeps
-        _fsync(tmp, os.O_RDONLY)  # the bytes on disk before the rename makes them the file (a power loss)
+        fsync_path(tmp)  # the bytes on disk before the rename makes them the file (a power loss)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync(path.parent, os.O_RDONLY)  # and the rename itself, as metrics.jsonl's lines are
-
-
-def _fsync(path: str | Path, flags: int) -> None:
-    """fsync ``path`` (a file, or a folder where the system lets one be opened; a no-op elsewhere)."""
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)  # and the rename itself, as metrics.jsonl's lines are
 
 
 def load_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hetfl.engine.rundir import RunDirError
-from hetfl.files import atomic_write_text
+from hetfl.files import atomic_write_text, fsync_path
 from hetfl.privacy import Release
 
 LEDGER_NAME = "privacy_ledger.json"
@@ -116,7 +115,7 @@ class PrivacyLedger:
             return
         doc = {"version": LEDGER_VERSION, "releases": [asdict(e) for e in self.entries]}
         atomic_write_text(self.path, json.dumps(doc, indent=1) + "\n")
-        fsync_folder(self.path.parent)
+        fsync_path(self.path.parent)
 
 
 def read_entries(path: Path) -> list[Entry]:
@@ -130,20 +129,6 @@ def read_entries(path: Path) -> list[Entry]:
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise RunDirError(f"{path}: not a readable privacy ledger ({err}); the budget spent cannot be "
                           "known, so the run is not resumed") from None
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 __all__ = ["LEDGER_NAME", "Entry", "PrivacyLedger"]
