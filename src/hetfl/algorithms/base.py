@@ -49,23 +49,28 @@ LOSS_CONTRACT = ("must return (loss, parts): a scalar tensor and a dict of name 
                  "train_<name>, e.g. `return ce + w * pen, {\"ce\": ce.detach(), \"pen\": pen.detach()}`")
 
 
-def check_loss_output(where: str, out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-    """``out``, the value a stage's loss returned, as ``(loss, parts)``; a :class:`MethodError` naming ``where``
-    (the loss function) and what it returned when it is not a scalar tensor and a dict of tensors."""
+def check_loss_output(stage: Stage, out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """``out``, the value ``stage``'s loss returned, as ``(loss, parts)``; a :class:`MethodError` naming the loss
+    function and what it returned when it is not a scalar tensor and a dict of tensors. Runs at every step:
+    the message is built only for an error."""
+
+    def broken(what: str) -> MethodError:
+        where = f"{getattr(stage.loss, '__qualname__', 'the loss')} (stage {stage.name!r})"
+        return MethodError(f"{where} {LOSS_CONTRACT}; {what}")
+
     if not (isinstance(out, tuple) and len(out) == 2):
-        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
-        raise MethodError(f"{where} {LOSS_CONTRACT}; it returned {got}")
+        raise broken(f"it returned {f'a tuple of {len(out)}' if isinstance(out, tuple) else f'a {type(out).__name__}'}")
     loss, parts = out
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
-        raise MethodError(f"{where} {LOSS_CONTRACT}; its loss is {got} (a mean over the batch is a scalar)")
+        raise broken(f"its loss is {got} (a mean over the batch is a scalar)")
     if not isinstance(parts, Mapping):
-        raise MethodError(f"{where} {LOSS_CONTRACT}; its parts are a {type(parts).__name__}")
+        raise broken(f"its parts are a {type(parts).__name__}")
     for name, part in parts.items():
         if not isinstance(part, torch.Tensor):
             hint = " (`.item()` reads a value on the host: return `x.detach()`, a loss is a pure tensor function)" \
                 if isinstance(part, (int, float)) else ""
-            raise MethodError(f"{where} {LOSS_CONTRACT}; its part {name!r} is a {type(part).__name__}{hint}")
+            raise broken(f"its part {name!r} is a {type(part).__name__}{hint}")
     return loss, parts
 
 

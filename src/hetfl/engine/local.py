@@ -103,9 +103,7 @@ def step_gradients(
     def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors, Tensors]]:
         copies = {name: frozen[name].clone() for name in mutable}
         with autocast(precision, batch.x.device):
-            loss, metrics = check_loss_output(
-                f"{getattr(stage.loss, '__qualname__', 'the loss')} (stage {stage.name!r})",
-                stage.loss({**frozen, **copies, **train}, batch, ctx))
+            loss, metrics = check_loss_output(stage, stage.loss({**frozen, **copies, **train}, batch, ctx))
         loss = loss.float()
         return loss, (loss.detach(), {k: v.detach() for k, v in metrics.items()}, copies)
 
