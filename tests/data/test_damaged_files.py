@@ -1,0 +1,136 @@
+"""Damaged archives and folders hetfl cannot write to: refused with a DatasetError that names the file and
+says what to do, never a smaller dataset or a raw traceback (the data audit, benchmarks/results/data_audit.md).
+
+Each archive is built in memory with one known defect: a damaged member header in the middle of a tar
+(which Python's tarfile takes for the end of the archive), a gzip stream whose CRC-32 does not match its
+contents, a zip member whose deflate data is broken (zlib.error).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import lzma
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hetfl.data.base import DatasetError
+from hetfl.data.datasets import load_dataset, tree
+from tests.helpers.datasets import make_split_folder, tar_folder
+
+MEMBERS = {f"a/{i}.bin": bytes([i]) * 700 for i in range(10)}  # 10 members of 700 bytes, 2 blocks each
+
+
+def tar_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def damaged_header_tar(member: int = 5) -> bytes:
+    """``MEMBERS`` as a tar whose ``member``-th header has a wrong checksum (as from a flipped byte)."""
+    raw = bytearray(tar_bytes(MEMBERS))
+    offset = member * 3 * 512  # each member: a header block and two data blocks
+    assert raw[offset:offset + 100].rstrip(b"\0") == f"a/{member}.bin".encode()
+    raw[offset + 10] ^= 0xFF  # in the name field: the header checksum no longer matches
+    return bytes(raw)
+
+
+def walk_all(archive: Path) -> list[tuple[str, ...]]:
+    return [parts for parts, _ in tree.walk(archive, lambda parts: True, root=archive.parent)]
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_damaged_header_in_the_middle_of_a_tar_is_refused_not_taken_for_its_end(tmp_path, suffix):
+    """tarfile stops at a damaged header after the first and reports nothing: the five members after it
+    were silently dropped (a dataset short of a part of its images)."""
+    raw = damaged_header_tar()
+    archive = tmp_path / f"data{suffix}"
+    archive.write_bytes(gzip.compress(raw, mtime=0) if suffix == ".tar.gz" else raw)
+    with pytest.raises(DatasetError) as err:
+        walk_all(archive)
+    msg = str(err.value)
+    assert msg.startswith(f"{archive}: unreadable or corrupt archive") and "replace it with a complete copy" in msg
+    assert "header" in msg
+
+
+def test_an_intact_tar_is_read_whole_whatever_its_compression(tmp_path):
+    raw = tar_bytes(MEMBERS)
+    for suffix, data in ((".tar", raw), (".tar.gz", gzip.compress(raw)), (".tar.bz2", bz2.compress(raw)),
+                         (".tar.xz", lzma.compress(raw))):
+        archive = tmp_path / f"data{suffix}"
+        archive.write_bytes(data)
+        assert dict(tree.walk(archive, lambda parts: True, root=tmp_path)) == {
+            tuple(name.split("/")): content for name, content in MEMBERS.items()}, suffix
+
+
+def test_a_tar_gz_whose_checksum_does_not_match_is_refused(tmp_path):
+    """A .tar.gz whose decompressed bytes are not the ones compressed (the gzip trailer's CRC-32 says so)
+    loaded silently: damage inside member data leaves every tar header intact."""
+    packed = bytearray(gzip.compress(tar_bytes(MEMBERS), mtime=0))
+    packed[-8] ^= 0x01  # CRC-32 of the uncompressed data: the first of the trailer's 8 bytes
+    archive = tmp_path / "data.tar.gz"
+    archive.write_bytes(bytes(packed))
+    with pytest.raises(DatasetError, match=r"unreadable or corrupt archive .*CRC"):
+        walk_all(archive)
+
+
+def test_a_cut_tar_gz_is_refused(tmp_path):
+    packed = gzip.compress(tar_bytes(MEMBERS), mtime=0)
+    archive = tmp_path / "data.tar.gz"
+    archive.write_bytes(packed[: len(packed) - 20])
+    with pytest.raises(DatasetError, match="unreadable or corrupt archive"):
+        walk_all(archive)
+
+
+def break_deflate(path: Path, member: int) -> Path:
+    """Zip ``path`` with the deflate data of its ``member``-th member starting with an invalid block type."""
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = archive.infolist()[member]
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # after the local header
+    raw[start] |= 0b111  # BFINAL = 1, BTYPE = 11: a block type deflate does not have
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def deflated_zip(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_a_zip_member_with_broken_deflate_data_is_a_dataset_error(tmp_path):
+    """zipfile raises zlib.error (not a BadZipFile) for broken deflate data: it escaped as a raw traceback."""
+    archive = break_deflate(deflated_zip(tmp_path / "data.zip", MEMBERS), 3)
+    with pytest.raises(DatasetError, match=r"data\.zip: unreadable or corrupt archive \(error: .*invalid block"):
+        walk_all(archive)
+
+
+def test_a_damaged_cifar10_image_archive_is_refused_not_loaded_short(tmp_path):
+    """The user's view: a CIFAR-10 image folder packed as .tar.gz (the layout of the JPEG copy) with one
+    damaged header loaded with a part of its images missing; now the run stops, naming the archive."""
+    folder = tmp_path / "cifar10-jpeg"
+    make_split_folder(folder, {"cat": 100, "dog": 150}, per_split=(6, 2), size=(32, 32))
+    intact = tar_folder(folder, tmp_path / "intact.tar.gz", "cifar10-jpeg")
+    raw = bytearray(gzip.decompress(intact.read_bytes()))
+    with tarfile.open(fileobj=io.BytesIO(bytes(raw))) as tar:
+        offset = [m for m in tar.getmembers() if m.isfile()][5].offset
+    raw[offset + 3] ^= 0xFF
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "cifar10-jpeg.tar.gz").write_bytes(gzip.compress(bytes(raw), mtime=0))
+    with pytest.raises(DatasetError) as err:
+        load_dataset("cifar10", root, download=False, cache_dir=tmp_path / "c")
+    assert str(root / "cifar10-jpeg.tar.gz") in str(err.value) and "corrupt archive" in str(err.value)
+    whole = load_dataset("cifar10", intact, download=False, cache_dir=tmp_path / "c")
+    assert len(whole.train.y) == 12 and len(whole.test.y) == 4
