@@ -3,13 +3,17 @@ says what to do, never a smaller dataset or a raw traceback (the data audit, ben
 
 Each archive is built in memory with one known defect: a damaged member header in the middle of a tar
 (which Python's tarfile takes for the end of the archive), a gzip stream whose CRC-32 does not match its
-contents, a zip member whose deflate data is broken (zlib.error).
+contents, a zip member whose deflate data is broken (zlib.error). Running as root, a read-only folder
+cannot be made with chmod here, so an unwritable folder is simulated where the write starts
+(``tempfile.mkstemp``), raising the PermissionError that a read-only folder raises.
 """
 
 from __future__ import annotations
 
 import bz2
+import errno
 import gzip
+import hashlib
 import io
 import lzma
 import tarfile
@@ -19,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from hetfl.data.base import DatasetError
-from hetfl.data.datasets import load_dataset, tree
-from tests.helpers.datasets import make_split_folder, tar_folder
+from hetfl.data.datasets import download, idx, load_dataset, tree
+from tests.helpers.datasets import make_mnist, make_split_folder, tar_folder
 
 MEMBERS = {f"a/{i}.bin": bytes([i]) * 700 for i in range(10)}  # 10 members of 700 bytes, 2 blocks each
 
@@ -134,3 +138,32 @@ def test_a_damaged_cifar10_image_archive_is_refused_not_loaded_short(tmp_path):
     assert str(root / "cifar10-jpeg.tar.gz") in str(err.value) and "corrupt archive" in str(err.value)
     whole = load_dataset("cifar10", intact, download=False, cache_dir=tmp_path / "c")
     assert len(whole.train.y) == 12 and len(whole.test.y) == 4
+
+
+# ------------------------------------------------------------------ folders hetfl cannot write to
+def unwritable(*args, dir=None, prefix="", suffix="", **kwargs):
+    """``tempfile.mkstemp`` in a read-only folder."""
+    raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / f"{prefix}XXXXXX{suffix}"))
+
+
+def test_a_download_into_a_folder_that_cannot_be_written_is_a_dataset_error(tmp_path, monkeypatch):
+    """data.root read-only and a file missing: a raw PermissionError (a traceback from the CLI) before; now
+    the loader's message: what is missing, that the folder cannot be written, and where to put the file."""
+    made = tmp_path / "made"
+    make_mnist(made)
+    remotes = tuple(download.Remote(p.name, (p.as_uri(),), md5=hashlib.md5(p.read_bytes()).hexdigest())
+                    for p in sorted(made.iterdir()))
+    monkeypatch.setattr(idx, "MNIST", remotes)
+    root = tmp_path / "shared"
+    root.mkdir()
+    monkeypatch.setattr(download.tempfile, "mkstemp", unwritable)
+    with pytest.raises(DatasetError) as err:
+        load_dataset("mnist", root, download=True, cache_dir=tmp_path / "c")
+    msg = str(err.value)
+    assert msg.startswith("mnist: t10k-images-idx3-ubyte.gz, ") and f"not found in {root}" in msg
+    assert f"cannot write into {root}" in msg and "Permission denied" in msg
+    assert f"Put the official file(s) (gzipped or not) into {root}" in msg
+    assert not list(root.iterdir())
+    monkeypatch.undo()  # writable again: the same call downloads
+    monkeypatch.setattr(idx, "MNIST", remotes)
+    assert len(load_dataset("mnist", root, download=True, cache_dir=tmp_path / "c").train.y) == 12

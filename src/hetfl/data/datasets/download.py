@@ -52,17 +52,27 @@ def _expected(remote: Remote) -> tuple[str, str]:
     return ("sha256", remote.sha256.lower()) if remote.sha256 else ("md5", remote.md5.lower())
 
 
+def _temporary(folder: Path, name: str) -> tuple[int, str]:
+    """A new temporary file for downloading ``name`` into ``folder`` (created if missing): its descriptor
+    and path; a DatasetError when ``folder`` cannot be written (read-only, not ours, full)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+    except OSError as err:
+        raise DatasetError(f"cannot write into {folder} to download {name} ({err.strerror or err})") from None
+
+
 def fetch(remote: Remote, folder: Path) -> Path:
     """Download ``remote`` into ``folder``, trying each mirror; the checksum must match.
 
-    Raises :class:`DatasetError` listing every mirror's failure when none worked.
+    Raises :class:`DatasetError` listing every mirror's failure when none worked, or saying that
+    ``folder`` cannot be written (a read-only ``data.root``: no mirror is tried).
     """
-    folder.mkdir(parents=True, exist_ok=True)
     dest = folder / remote.name
     algorithm, expected = _expected(remote)
     failures = []
     for url in remote.urls:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{remote.name}.", suffix=".part")
+        fd, tmp = _temporary(folder, remote.name)
         try:
             follow_umask(fd)  # data.root may be shared: the download is readable as the umask allows
             with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
