@@ -20,11 +20,12 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hetfl.data.base import DatasetError
 from hetfl.data.datasets import download, idx, load_dataset, tree
-from tests.helpers.datasets import make_mnist, make_split_folder, tar_folder
+from tests.helpers.datasets import emnist_files, make_mnist, make_split_folder, tar_folder
 
 MEMBERS = {f"a/{i}.bin": bytes([i]) * 700 for i in range(10)}  # 10 members of 700 bytes, 2 blocks each
 
@@ -167,3 +168,37 @@ def test_a_download_into_a_folder_that_cannot_be_written_is_a_dataset_error(tmp_
     monkeypatch.undo()  # writable again: the same call downloads
     monkeypatch.setattr(idx, "MNIST", remotes)
     assert len(load_dataset("mnist", root, download=True, cache_dir=tmp_path / "c").train.y) == 12
+
+
+def emnist_zip(root: Path) -> dict[str, bytes]:
+    upright = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    files = emnist_files(root.parent / "src", "digits", upright, np.array([0, 4, 9], dtype=np.uint8))
+    root.mkdir()
+    with zipfile.ZipFile(root / "gzip.zip", "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files.items():
+            archive.writestr(f"gzip/{name}", data)
+    return files
+
+
+def test_emnist_gzip_zip_in_a_folder_that_cannot_be_written_is_not_called_corrupt(tmp_path, monkeypatch):
+    """NIST's gzip.zip in a read-only data.root: the files extracted from it cannot be written. It was
+    reported as "not NIST's EMNIST gzip.zip or corrupt ...; replace it", sending the user after a good file."""
+    root = tmp_path / "root"
+    emnist_zip(root)
+    monkeypatch.setattr(download.tempfile, "mkstemp", unwritable)  # the one tempfile module atomic_write uses
+    with pytest.raises(DatasetError) as err:
+        load_dataset("emnist", root, download=False, cache_dir=tmp_path / "c", split="digits")
+    msg = str(err.value)
+    assert "corrupt" not in msg and "replace it" not in msg
+    assert msg.startswith(f"{root / 'gzip'}: cannot write the files extracted from {root / 'gzip.zip'}")
+    assert "Permission denied" in msg and "emnist-digits-train-images-idx3-ubyte.gz" in msg and "data.root" in msg
+
+
+def test_emnist_gzip_zip_with_broken_deflate_data_is_called_corrupt(tmp_path):
+    """The same zlib.error in NIST's gzip.zip escaped EMNIST's extraction as a raw traceback."""
+    root = tmp_path / "root"
+    files = emnist_zip(root)
+    break_deflate(deflated_zip(root / "gzip.zip", {f"gzip/{n}": d for n, d in files.items()}), 0)
+    with pytest.raises(DatasetError) as err:
+        load_dataset("emnist", root, download=False, cache_dir=tmp_path / "c", split="digits")
+    assert str(err.value).startswith(f"{root / 'gzip.zip'}: not NIST's EMNIST gzip.zip or corrupt")

@@ -151,11 +151,25 @@ def emnist_files(split: str) -> list[str]:
             for part in ("train", "test") for kind in ("images-idx3", "labels-idx1")]
 
 
+def _write_extracted(folder: Path, name: str, data: bytes, archive_path: Path, wanted: list[str]) -> None:
+    """Write ``folder/name`` atomically; a folder that cannot be written (a read-only data.root) is a
+    DatasetError saying so, not taken for a damaged archive."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / name, lambda fh: fh.write(data))
+    except OSError as err:
+        raise DatasetError(f"{folder}: cannot write the files extracted from {archive_path} "
+                           f"({err.strerror or err}); extract gzip/{', gzip/'.join(wanted)} from it into a folder "
+                           "and set data.root to that folder, or make data.root writable") from None
+
+
 def _extract_emnist(root: Path, names: list[str]) -> Path:
     """Extract ``names`` from NIST's ``gzip.zip`` (members ``gzip/<name>``) into ``root/gzip``, atomically.
 
     Only these fixed plain names are written (never a member's own path), into a folder that must stay
     inside ``root``, from an archive that must too: nothing is written or read outside ``data.root``.
+    A damaged archive and a folder that cannot be written are different DatasetErrors (replace the
+    archive; extract it elsewhere).
     """
     archive_path, folder = root / EMNIST_ZIP.name, root / "gzip"
     bad = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
@@ -164,14 +178,13 @@ def _extract_emnist(root: Path, names: list[str]) -> Path:
     guard(archive_path, root)
     if folder.exists() or folder.is_symlink():
         guard(folder, root)
+    wanted = [name for name in names if not (folder / name).is_file()]
     try:
         with zipfile.ZipFile(archive_path) as archive:
-            folder.mkdir(parents=True, exist_ok=True)
-            for name in names:
-                if not (folder / name).is_file():
-                    data = archive.read(f"gzip/{name}")
-                    atomic_write(folder / name, lambda fh, d=data: fh.write(d))
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as err:
+            for name in wanted:  # one member in memory at a time
+                data = archive.read(f"gzip/{name}")
+                _write_extracted(folder, name, data, archive_path, wanted)
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, zlib.error) as err:
         raise DatasetError(f"{archive_path}: not NIST's EMNIST gzip.zip or corrupt ({err}); replace it") from None
     return folder
 
