@@ -202,3 +202,17 @@ def test_emnist_gzip_zip_with_broken_deflate_data_is_called_corrupt(tmp_path):
     with pytest.raises(DatasetError) as err:
         load_dataset("emnist", root, download=False, cache_dir=tmp_path / "c", split="digits")
     assert str(err.value).startswith(f"{root / 'gzip.zip'}: not NIST's EMNIST gzip.zip or corrupt")
+
+
+# ------------------------------------------------------------------ a damaged cache entry
+def test_a_cache_entry_with_an_empty_array_file_is_decoded_again(tmp_path):
+    """An empty ``.npy`` under its final name (what a crash can leave on a file system that renamed the
+    file before writing its data) made np.load raise EOFError, which escaped the cache: every later load
+    of the dataset failed with a raw traceback until the user found and deleted the entry."""
+    make_mnist(tmp_path / "mnist")
+    first = load_dataset("mnist", tmp_path / "mnist", download=False, cache_dir=tmp_path / "c")
+    (entry,) = (tmp_path / "c").iterdir()
+    (entry / "train_x.npy").write_bytes(b"")
+    again = load_dataset("mnist", tmp_path / "mnist", download=False, cache_dir=tmp_path / "c")
+    assert np.array_equal(again.train.x.numpy(), first.train.x.numpy())
+    assert np.array_equal(np.load(entry / "train_x.npy"), first.train.x.numpy())  # and the entry is rewritten
