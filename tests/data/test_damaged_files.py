@@ -14,9 +14,11 @@ import bz2
 import errno
 import gzip
 import hashlib
+import http.server
 import io
 import lzma
 import tarfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -216,3 +218,45 @@ def test_a_cache_entry_with_an_empty_array_file_is_decoded_again(tmp_path):
     again = load_dataset("mnist", tmp_path / "mnist", download=False, cache_dir=tmp_path / "c")
     assert np.array_equal(again.train.x.numpy(), first.train.x.numpy())
     assert np.array_equal(np.load(entry / "train_x.npy"), first.train.x.numpy())  # and the entry is rewritten
+
+
+# ------------------------------------------------------------------ a download cut short
+class _CutServer(http.server.BaseHTTPRequestHandler):
+    """Announces ``PAYLOAD`` (its Content-Length), sends its first third, and closes the connection."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(PAYLOAD)))
+        self.end_headers()
+        self.wfile.write(PAYLOAD[: len(PAYLOAD) // 3])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+PAYLOAD = bytes(range(256)) * 12
+
+
+def test_a_download_cut_short_says_so_not_only_checksum_mismatch(tmp_path):
+    """A connection cut mid-download was reported as a checksum mismatch (urllib's read returns the
+    short body without an error), which reads as a wrong file on the server; now the byte counts say
+    what happened. Nothing is left behind, and the next try downloads the file."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/f.bin"
+        remote = download.Remote("f.bin", (url,), md5=hashlib.md5(PAYLOAD).hexdigest())
+        with pytest.raises(DatasetError) as err:
+            download.fetch(remote, tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    msg = str(err.value)
+    assert f"{url}: incomplete download ({len(PAYLOAD) // 3} of {len(PAYLOAD)} bytes" in msg
+    assert "discarded" in msg and "checksum" not in msg and not list(tmp_path.iterdir())
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "f.bin").write_bytes(PAYLOAD)
+    retry = download.Remote("f.bin", ((tmp_path / "served" / "f.bin").as_uri(),), md5=remote.md5)
+    assert download.fetch(retry, tmp_path / "root").read_bytes() == PAYLOAD

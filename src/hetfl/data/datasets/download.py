@@ -62,6 +62,16 @@ def _temporary(folder: Path, name: str) -> tuple[int, str]:
         raise DatasetError(f"cannot write into {folder} to download {name} ({err.strerror or err})") from None
 
 
+def _announced_size(response: object) -> int | None:
+    """The byte count an HTTP response announces (its Content-Length), or None (another scheme, or none)."""
+    headers = getattr(response, "headers", None)
+    value = headers.get("Content-Length") if headers is not None else None
+    try:
+        return int(value) if value is not None and getattr(response, "status", None) == 200 else None
+    except ValueError:
+        return None
+
+
 def fetch(remote: Remote, folder: Path) -> Path:
     """Download ``remote`` into ``folder``, trying each mirror; the checksum must match.
 
@@ -76,8 +86,14 @@ def fetch(remote: Remote, folder: Path) -> Path:
         try:
             follow_umask(fd)  # data.root may be shared: the download is readable as the umask allows
             with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                announced = _announced_size(response)
                 while block := response.read(1 << 20):
                     out.write(block)
+                received = out.tell()
+            if announced is not None and received != announced:  # a cut connection: read() just ends early
+                failures.append(f"{url}: incomplete download ({received} of {announced} bytes; the connection "
+                                "was cut?), discarded")
+                continue
             got = file_digest(Path(tmp), algorithm)
             if got != expected:
                 failures.append(f"{url}: checksum mismatch ({algorithm} {got}, expected {expected}), discarded")
