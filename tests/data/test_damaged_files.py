@@ -27,7 +27,15 @@ import pytest
 
 from hetfl.data.base import DatasetError
 from hetfl.data.datasets import download, idx, load_dataset, tree
-from tests.helpers.datasets import emnist_files, make_mnist, make_split_folder, tar_folder
+from tests.helpers.datasets import (
+    emnist_files,
+    make_mnist,
+    make_split_folder,
+    make_tinyimagenet,
+    solid,
+    tar_folder,
+    write_png,
+)
 
 MEMBERS = {f"a/{i}.bin": bytes([i]) * 700 for i in range(10)}  # 10 members of 700 bytes, 2 blocks each
 
@@ -260,3 +268,27 @@ def test_a_download_cut_short_says_so_not_only_checksum_mismatch(tmp_path):
     (tmp_path / "served" / "f.bin").write_bytes(PAYLOAD)
     retry = download.Remote("f.bin", ((tmp_path / "served" / "f.bin").as_uri(),), md5=remote.md5)
     assert download.fetch(retry, tmp_path / "root").read_bytes() == PAYLOAD
+
+
+# ------------------------------------------------------------------ Tiny-ImageNet folders with a file missing or extra
+def test_tinyimagenet_names_the_one_text_file_missing(tmp_path):
+    """Only val_annotations.txt missing: the message said "wnids.txt and val/val_annotations.txt missing"."""
+    source = tmp_path / "tiny-imagenet-200"
+    make_tinyimagenet(source)
+    (source / "val" / "val_annotations.txt").unlink()
+    with pytest.raises(DatasetError) as err:
+        load_dataset("tinyimagenet", tmp_path, download=False, cache_dir=tmp_path / "c")
+    msg = str(err.value)
+    assert msg.startswith(f"{source}: val/val_annotations.txt missing;") and "wnids.txt and" not in msg
+
+
+def test_tinyimagenet_names_a_val_image_its_annotations_do_not_list(tmp_path):
+    """A val image absent from val_annotations.txt was reported as "test images of classes ['']": no file."""
+    source = tmp_path / "tiny-imagenet-200"
+    make_tinyimagenet(source)
+    write_png(source / "val" / "images" / "val_9.JPEG", solid(1, (64, 64)))
+    with pytest.raises(DatasetError) as err:
+        load_dataset("tinyimagenet", tmp_path, download=False, cache_dir=tmp_path / "c")
+    msg = str(err.value)
+    assert msg.startswith(f"{source}: val/images/val_9.JPEG is not listed in val/val_annotations.txt")
+    assert "['']" not in msg
