@@ -29,8 +29,10 @@ from hetfl.data.base import DatasetError
 from hetfl.data.datasets import download, idx, load_dataset, tree
 from tests.helpers.datasets import (
     emnist_files,
+    make_cifar10,
     make_mnist,
     make_split_folder,
+    make_stl10,
     make_tinyimagenet,
     solid,
     tar_folder,
@@ -292,3 +294,43 @@ def test_tinyimagenet_names_a_val_image_its_annotations_do_not_list(tmp_path):
     msg = str(err.value)
     assert msg.startswith(f"{source}: val/images/val_9.JPEG is not listed in val/val_annotations.txt")
     assert "['']" not in msg
+
+
+# ------------------------------------------------------------------ an extracted folder with a file missing
+def _cifar10(folder: Path) -> None:
+    make_cifar10(folder)
+    (folder / "data_batch_3.bin").unlink()
+
+
+def _cifar100(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "train.bin").write_bytes(b"\0" * 3074)
+
+
+def _stl10(folder: Path) -> None:
+    make_stl10(folder)
+    (folder / "test_y.bin").unlink()
+
+
+def _emnist(folder: Path) -> None:
+    emnist_files(folder, "digits", np.zeros((2, 28, 28), np.uint8), np.zeros(2, np.uint8))
+    (folder / "emnist-digits-test-labels-idx1-ubyte.gz").unlink()
+
+
+@pytest.mark.parametrize(("name", "options", "sub", "make", "lacking"), [
+    ("cifar10", {}, "cifar-10-batches-bin", _cifar10, "data_batch_3.bin"),
+    ("cifar10", {}, "", _cifar10, "data_batch_3.bin"),  # data.root = the extracted folder itself
+    ("cifar100", {}, "cifar-100-binary", _cifar100, "test.bin"),
+    ("stl10", {}, "stl10_binary", _stl10, "test_y.bin"),
+    ("emnist", {"split": "digits"}, "gzip", _emnist, "emnist-digits-test-labels-idx1-ubyte.gz"),
+])
+def test_an_extracted_folder_with_a_file_missing_is_named_with_the_file(tmp_path, name, options, sub, make, lacking):
+    """A partly extracted archive (a batch file lost) was reported only as the archive not found, "or its
+    extracted folder": the folder was right there, and the message did not say what it lacked."""
+    root = tmp_path / "root"
+    folder = root / sub if sub else root
+    make(folder)
+    with pytest.raises(DatasetError) as err:
+        load_dataset(name, root, download=False, cache_dir=tmp_path / "c", **options)
+    msg = str(err.value)
+    assert "not found in" in msg and f"{folder} lacks {lacking} (" in msg

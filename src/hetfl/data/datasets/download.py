@@ -15,7 +15,7 @@ import http.client
 import os
 import tempfile
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,11 +107,29 @@ def fetch(remote: Remote, folder: Path) -> Path:
     raise DatasetError(f"could not download {remote.name} (" + "; ".join(failures) + ")")
 
 
-def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: str, alternative: str = "") -> list[Path]:
+def incomplete_folder(folders: Sequence[Path], names: Sequence[str],
+                      has: Callable[[Path], bool] = lambda path: path.is_file() or path.is_symlink()) -> str:
+    """``"<folder> lacks <names> (it holds k of the n files)"`` for the first of ``folders`` that holds some
+    but not all of ``names`` (an archive partly extracted or copied), else ``""``: for :func:`ensure`'s
+    message, which otherwise says only that the archive is missing while the folder is right there.
+    ``has``: whether a file counts as there (default: a file, or a link, which reading reports)."""
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        lacking = [n for n in names if not has(folder / n)]
+        if 0 < len(lacking) < len(names):
+            return (f"{folder} lacks {', '.join(lacking)} (it holds {len(names) - len(lacking)} of the "
+                    f"{len(names)} files)")
+    return ""
+
+
+def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: str, alternative: str = "",
+           incomplete: str = "") -> list[Path]:
     """Paths of ``remotes`` under folder ``root``, downloading the missing ones when ``download``.
 
     Files already there are taken as they are. ``alternative`` describes other
-    accepted local layouts for the error message (e.g. "or the extracted folder").
+    accepted local layouts for the error message (e.g. "or the extracted folder");
+    ``incomplete`` (from :func:`incomplete_folder`) ends it, naming what such a layout lacks.
     """
     missing = [r for r in remotes if not (root / r.name).is_file()]
     problem = "downloading is off (data.download = false)"
@@ -130,6 +148,6 @@ def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: st
         other = f" {alternative}" if alternative else ""
         raise DatasetError(
             f"{dataset}: {names} not found in {root} and {problem}. Put the official file(s){other} into {root}, "
-            f"or set data.root to the folder that holds them"
+            f"or set data.root to the folder that holds them" + (f". {incomplete}" if incomplete else "")
         )
     return [root / r.name for r in remotes]

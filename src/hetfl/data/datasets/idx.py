@@ -22,7 +22,7 @@ import numpy as np
 from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets.cache import atomic_write, cached, fingerprint
 from hetfl.data.datasets.common import EMNIST_NORM, FMNIST_NORM, MNIST_NORM, Context, Norm, image_dataset
-from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.download import Remote, ensure, incomplete_folder
 from hetfl.data.datasets.paths import guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -199,7 +199,10 @@ def load_emnist(ctx: Context, split: str) -> Dataset:
     folder = next((d for d in (ctx.root, ctx.root / "gzip") if all(locate(d, n) for n in names)), None)
     if folder is None:
         alternative = f"(or the extracted {', '.join(names)})"
-        ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative)
+        incomplete = incomplete_folder([ctx.root, ctx.root / "gzip"], names,
+                                       lambda path: locate(path.parent, path.name) is not None)
+        ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative,
+               incomplete=incomplete)
         folder = _extract_emnist(ctx.root, names)
     files = [p for n in names if (p := locate(folder, n)) is not None]
     for path in files:  # before the fingerprint follows any link
