@@ -39,6 +39,7 @@ from tests.helpers.datasets import (
     write_png,
 )
 
+PIL = pytest.importorskip("PIL.Image")
 MEMBERS = {f"a/{i}.bin": bytes([i]) * 700 for i in range(10)}  # 10 members of 700 bytes, 2 blocks each
 
 
@@ -334,3 +335,34 @@ def test_an_extracted_folder_with_a_file_missing_is_named_with_the_file(tmp_path
         load_dataset(name, root, download=False, cache_dir=tmp_path / "c", **options)
     msg = str(err.value)
     assert "not found in" in msg and f"{folder} lacks {lacking} (" in msg
+
+
+# ------------------------------------------------------------------ a user's own images beyond 8 bits
+@pytest.mark.parametrize("channels", [1, 3])
+def test_16_bit_images_are_scaled_to_8_bits_not_clipped(tmp_path, channels):
+    """16-bit grayscale PNGs (common for scans and medical images) went through Pillow's convert, which clips
+    at 255: every pixel above 255 of 65,535 became white, and the dataset loaded as if nothing were wrong."""
+    values = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000 + 7)  # 7 .. 63,007
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            path = tmp_path / "data" / split / cls / "0.png"
+            path.parent.mkdir(parents=True)
+            PIL.fromarray(values).save(path)
+    ds = load_dataset("imagefolder", tmp_path / "data", download=False, cache_dir=tmp_path / "c", channels=channels)
+    expected = np.round(values / 257).astype(np.uint8)  # 65,535 -> 255, the full range kept
+    assert ds.train.x.shape == (2, channels, 8, 8)
+    assert all(np.array_equal(ds.train.x[0, c].numpy(), expected) for c in range(channels))
+
+
+def test_32_bit_images_beyond_8_bits_are_refused_naming_the_file(tmp_path):
+    """A 32-bit integer (mode I) or float (mode F) image holds no range to scale from: refused, not clipped."""
+    values = np.arange(64, dtype=np.int32).reshape(8, 8) * 1000
+    for split in ("train", "test"):
+        path = tmp_path / "data" / split / "a" / "0.tif"
+        path.parent.mkdir(parents=True)
+        PIL.fromarray(values).save(path)
+    with pytest.raises(DatasetError) as err:
+        load_dataset("imagefolder", tmp_path / "data", download=False, cache_dir=tmp_path / "c", channels=1)
+    msg = str(err.value)
+    assert msg.startswith(f"{tmp_path / 'data'}/test/a/0.tif: a 32-bit integer image (mode I) with values 0..63000")
+    assert "8-bit" in msg and "cannot decode" not in msg
