@@ -26,7 +26,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from hetfl.data.base import DatasetError
 from hetfl.data.datasets import paths
@@ -35,10 +35,10 @@ Parts = tuple[str, ...]
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 ARCHIVE_SUFFIXES = (*TAR_SUFFIXES, ".zip")
 #: leading bytes of a compressed tar -> the module that decompresses it and checks its checksum
-_DECOMPRESSORS: tuple[tuple[bytes, Callable[[BinaryIO], BinaryIO]], ...] = (
-    (b"\x1f\x8b", lambda raw: gzip.GzipFile(fileobj=raw, mode="rb")),  # type: ignore[arg-type, return-value]
-    (b"BZh", bz2.BZ2File),  # type: ignore[arg-type]
-    (b"\xfd7zXZ\x00", lzma.LZMAFile),  # type: ignore[arg-type]
+_DECOMPRESSORS: tuple[tuple[bytes, Callable[[BinaryIO], Any]], ...] = (
+    (b"\x1f\x8b", lambda raw: gzip.GzipFile(fileobj=raw, mode="rb")),
+    (b"BZh", bz2.BZ2File),
+    (b"\xfd7zXZ\x00", lzma.LZMAFile),
 )
 #: what reading a damaged archive raises (gzip's BadGzipFile and bz2's errors are OSErrors)
 _DAMAGED = (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, zlib.error, lzma.LZMAError)
