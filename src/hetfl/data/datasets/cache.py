@@ -124,14 +124,15 @@ def _normalised(key: Mapping[str, Any]) -> Any:
 
 
 def load_entry(cache_dir: Path, key: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
-    """The cached arrays of ``key``, or ``None`` if absent or unreadable."""
+    """The cached arrays of ``key``, or ``None`` if absent or unreadable (then they are decoded again and
+    the entry rewritten; np.load raises EOFError for an empty ``.npy``, as a crash may leave one)."""
     folder = entry_dir(cache_dir, key)
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         if manifest["key"] != _normalised(key):
             return None
         return {name: np.load(folder / f"{name}.npy", allow_pickle=False) for name in manifest["arrays"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None
 
 

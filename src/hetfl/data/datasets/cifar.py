@@ -23,7 +23,7 @@ from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets import imagefolder, tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import CIFAR10_NORM, CIFAR100_NORM, Context, image_dataset
-from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.download import Remote, ensure, incomplete_folder
 from hetfl.data.datasets.paths import check_source, guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -78,6 +78,11 @@ def _binary_source(root: Path, remote: Remote, folder: str, files: dict[str, lis
         if present(candidate) and candidate.name == remote.name:
             return candidate
     return None
+
+
+def _incomplete(root: Path, folder: str, files: dict[str, list[str]]) -> str:
+    """What an extracted batches folder at ``root`` lacks, if it holds some of the batch files (else "")."""
+    return incomplete_folder([root / folder, root], [n for names in files.values() for n in names])
 
 
 def read_binary(source: Path, folder: str, files: dict[str, list[str]],
@@ -143,7 +148,8 @@ def load_cifar10(ctx: Context) -> Dataset:
                              notes=[f"cifar10 from the image folder {folder} (not the official binary files)"])
     if source is None:
         ensure(ctx.root, [CIFAR10], download=ctx.download, dataset="cifar10",
-               alternative=f"(or its extracted {CIFAR10_DIR}/, or an image folder train/<class>/, test/<class>/)")
+               alternative=f"(or its extracted {CIFAR10_DIR}/, or an image folder train/<class>/, test/<class>/)",
+               incomplete=_incomplete(ctx.root, CIFAR10_DIR, CIFAR10_FILES))
         source = ctx.root / CIFAR10.name
     check_binary(source, CIFAR10_FILES, ctx.root)
     key = {"dataset": "cifar10", "format": FORMAT, "source": fingerprint([source])}
@@ -156,7 +162,8 @@ def load_cifar100(ctx: Context, label_mode: str) -> Dataset:
     source = _binary_source(ctx.root, CIFAR100, CIFAR100_DIR, CIFAR100_FILES)
     if source is None:
         ensure(ctx.root, [CIFAR100], download=ctx.download, dataset="cifar100",
-               alternative=f"(or its extracted {CIFAR100_DIR}/train.bin, test.bin)")
+               alternative=f"(or its extracted {CIFAR100_DIR}/train.bin, test.bin)",
+               incomplete=_incomplete(ctx.root, CIFAR100_DIR, CIFAR100_FILES))
         source = ctx.root / CIFAR100.name
     check_binary(source, CIFAR100_FILES, ctx.root)
     key = {"dataset": "cifar100", "format": FORMAT, "source": fingerprint([source])}

@@ -15,7 +15,7 @@ import http.client
 import os
 import tempfile
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,22 +52,48 @@ def _expected(remote: Remote) -> tuple[str, str]:
     return ("sha256", remote.sha256.lower()) if remote.sha256 else ("md5", remote.md5.lower())
 
 
+def _temporary(folder: Path, name: str) -> tuple[int, str]:
+    """A new temporary file for downloading ``name`` into ``folder`` (created if missing): its descriptor
+    and path; a DatasetError when ``folder`` cannot be written (read-only, not ours, full)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+    except OSError as err:
+        raise DatasetError(f"cannot write into {folder} to download {name} ({err.strerror or err})") from None
+
+
+def _announced_size(response: object) -> int | None:
+    """The byte count an HTTP response announces (its Content-Length), or None (another scheme, or none)."""
+    headers = getattr(response, "headers", None)
+    value = headers.get("Content-Length") if headers is not None else None
+    try:
+        return int(value) if value is not None and getattr(response, "status", None) == 200 else None
+    except ValueError:
+        return None
+
+
 def fetch(remote: Remote, folder: Path) -> Path:
     """Download ``remote`` into ``folder``, trying each mirror; the checksum must match.
 
-    Raises :class:`DatasetError` listing every mirror's failure when none worked.
+    Raises :class:`DatasetError` listing every mirror's failure when none worked, or saying that
+    ``folder`` cannot be written (a read-only ``data.root``: no mirror is tried).
     """
-    folder.mkdir(parents=True, exist_ok=True)
     dest = folder / remote.name
     algorithm, expected = _expected(remote)
     failures = []
     for url in remote.urls:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{remote.name}.", suffix=".part")
+        fd, tmp = _temporary(folder, remote.name)
         try:
             follow_umask(fd)  # data.root may be shared: the download is readable as the umask allows
             with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                announced = _announced_size(response)
                 while block := response.read(1 << 20):
                     out.write(block)
+                received = out.tell()
+            if announced is not None and received != announced:  # a cut connection: read() just ends early
+                failures.append(f"{url}: incomplete download ({received} of {announced} bytes; the connection "
+                                "was cut?), discarded")
+                continue
             got = file_digest(Path(tmp), algorithm)
             if got != expected:
                 failures.append(f"{url}: checksum mismatch ({algorithm} {got}, expected {expected}), discarded")
@@ -81,11 +107,29 @@ def fetch(remote: Remote, folder: Path) -> Path:
     raise DatasetError(f"could not download {remote.name} (" + "; ".join(failures) + ")")
 
 
-def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: str, alternative: str = "") -> list[Path]:
+def incomplete_folder(folders: Sequence[Path], names: Sequence[str],
+                      has: Callable[[Path], bool] = lambda path: path.is_file() or path.is_symlink()) -> str:
+    """``"<folder> lacks <names> (it holds k of the n files)"`` for the first of ``folders`` that holds some
+    but not all of ``names`` (an archive partly extracted or copied), else ``""``: for :func:`ensure`'s
+    message, which otherwise says only that the archive is missing while the folder is right there.
+    ``has``: whether a file counts as there (default: a file, or a link, which reading reports)."""
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        lacking = [n for n in names if not has(folder / n)]
+        if 0 < len(lacking) < len(names):
+            return (f"{folder} lacks {', '.join(lacking)} (it holds {len(names) - len(lacking)} of the "
+                    f"{len(names)} files)")
+    return ""
+
+
+def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: str, alternative: str = "",
+           incomplete: str = "") -> list[Path]:
     """Paths of ``remotes`` under folder ``root``, downloading the missing ones when ``download``.
 
     Files already there are taken as they are. ``alternative`` describes other
-    accepted local layouts for the error message (e.g. "or the extracted folder").
+    accepted local layouts for the error message (e.g. "or the extracted folder");
+    ``incomplete`` (from :func:`incomplete_folder`) ends it, naming what such a layout lacks.
     """
     missing = [r for r in remotes if not (root / r.name).is_file()]
     problem = "downloading is off (data.download = false)"
@@ -104,6 +148,6 @@ def ensure(root: Path, remotes: Sequence[Remote], *, download: bool, dataset: st
         other = f" {alternative}" if alternative else ""
         raise DatasetError(
             f"{dataset}: {names} not found in {root} and {problem}. Put the official file(s){other} into {root}, "
-            f"or set data.root to the folder that holds them"
+            f"or set data.root to the folder that holds them" + (f". {incomplete}" if incomplete else "")
         )
     return [root / r.name for r in remotes]

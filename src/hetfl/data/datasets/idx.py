@@ -22,7 +22,7 @@ import numpy as np
 from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets.cache import atomic_write, cached, fingerprint
 from hetfl.data.datasets.common import EMNIST_NORM, FMNIST_NORM, MNIST_NORM, Context, Norm, image_dataset
-from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.download import Remote, ensure, incomplete_folder
 from hetfl.data.datasets.paths import guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -151,11 +151,25 @@ def emnist_files(split: str) -> list[str]:
             for part in ("train", "test") for kind in ("images-idx3", "labels-idx1")]
 
 
+def _write_extracted(folder: Path, name: str, data: bytes, archive_path: Path, wanted: list[str]) -> None:
+    """Write ``folder/name`` atomically; a folder that cannot be written (a read-only data.root) is a
+    DatasetError saying so, not taken for a damaged archive."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / name, lambda fh: fh.write(data))
+    except OSError as err:
+        raise DatasetError(f"{folder}: cannot write the files extracted from {archive_path} "
+                           f"({err.strerror or err}); extract gzip/{', gzip/'.join(wanted)} from it into a folder "
+                           "and set data.root to that folder, or make data.root writable") from None
+
+
 def _extract_emnist(root: Path, names: list[str]) -> Path:
     """Extract ``names`` from NIST's ``gzip.zip`` (members ``gzip/<name>``) into ``root/gzip``, atomically.
 
     Only these fixed plain names are written (never a member's own path), into a folder that must stay
     inside ``root``, from an archive that must too: nothing is written or read outside ``data.root``.
+    A damaged archive and a folder that cannot be written are different DatasetErrors (replace the
+    archive; extract it elsewhere).
     """
     archive_path, folder = root / EMNIST_ZIP.name, root / "gzip"
     bad = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
@@ -164,14 +178,13 @@ def _extract_emnist(root: Path, names: list[str]) -> Path:
     guard(archive_path, root)
     if folder.exists() or folder.is_symlink():
         guard(folder, root)
+    wanted = [name for name in names if not (folder / name).is_file()]
     try:
         with zipfile.ZipFile(archive_path) as archive:
-            folder.mkdir(parents=True, exist_ok=True)
-            for name in names:
-                if not (folder / name).is_file():
-                    data = archive.read(f"gzip/{name}")
-                    atomic_write(folder / name, lambda fh, d=data: fh.write(d))
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as err:
+            for name in wanted:  # one member in memory at a time
+                data = archive.read(f"gzip/{name}")
+                _write_extracted(folder, name, data, archive_path, wanted)
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, zlib.error) as err:
         raise DatasetError(f"{archive_path}: not NIST's EMNIST gzip.zip or corrupt ({err}); replace it") from None
     return folder
 
@@ -186,7 +199,10 @@ def load_emnist(ctx: Context, split: str) -> Dataset:
     folder = next((d for d in (ctx.root, ctx.root / "gzip") if all(locate(d, n) for n in names)), None)
     if folder is None:
         alternative = f"(or the extracted {', '.join(names)})"
-        ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative)
+        incomplete = incomplete_folder([ctx.root, ctx.root / "gzip"], names,
+                                       lambda path: locate(path.parent, path.name) is not None)
+        ensure(ctx.root, [EMNIST_ZIP], download=ctx.download, dataset="emnist", alternative=alternative,
+               incomplete=incomplete)
         folder = _extract_emnist(ctx.root, names)
     files = [p for n in names if (p := locate(folder, n)) is not None]
     for path in files:  # before the fingerprint follows any link

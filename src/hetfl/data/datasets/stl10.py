@@ -18,7 +18,7 @@ from hetfl.data.base import Dataset, DatasetError
 from hetfl.data.datasets import tree
 from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import STL10_NORM, Context, image_dataset
-from hetfl.data.datasets.download import Remote, ensure
+from hetfl.data.datasets.download import Remote, ensure, incomplete_folder
 from hetfl.data.datasets.paths import guard, present, read_file
 
 FORMAT = 1  # bump when the decoded arrays change
@@ -91,7 +91,8 @@ def load_stl10(ctx: Context, image_size: int) -> Dataset:
     source = find_source(ctx.root)
     if source is None:
         ensure(ctx.root, [STL10], download=ctx.download, dataset="stl10",
-               alternative=f"(or its extracted stl10_binary/ with {', '.join(STL10_FILES)})")
+               alternative=f"(or its extracted stl10_binary/ with {', '.join(STL10_FILES)})",
+               incomplete=incomplete_folder([ctx.root / "stl10_binary", ctx.root], STL10_FILES))
         source = ctx.root / STL10.name
     for path in _sources(source):  # before the fingerprint follows any link
         guard(path, ctx.root)

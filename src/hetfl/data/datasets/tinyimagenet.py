@@ -62,12 +62,19 @@ def decode_tinyimagenet(source: Path, size: int, root: Path | None = None) -> di
             train.append((parts, parts[-3], image))
         else:
             val.append((parts, parts[-1], image))
-    if set(texts) != set(TEXT_FILES):
-        raise DatasetError(f"{source}: wnids.txt and val/val_annotations.txt missing; expected the extracted "
+    missing = [where for name, where in zip(TEXT_FILES, ("wnids.txt", "val/val_annotations.txt"), strict=True)
+               if name not in texts]
+    if missing:
+        raise DatasetError(f"{source}: {' and '.join(missing)} missing; expected the extracted "
                            f"{TINYIMAGENET.name} (tiny-imagenet-200/wnids.txt, train/, val/)")
     wnids = texts["wnids.txt"].split()
     index = {w: i for i, w in enumerate(wnids)}
     val_wnid = dict(line.split("\t")[:2] for line in texts["val_annotations.txt"].splitlines() if "\t" in line)
+    unlisted = [parts for parts, name, _ in val if name not in val_wnid]
+    if unlisted:
+        raise DatasetError(f"{source}: {'/'.join(unlisted[0][-3:])} is not listed in val/val_annotations.txt"
+                           f"{f' (nor {len(unlisted) - 1} more val images)' if len(unlisted) > 1 else ''}; "
+                           "remove it or use the official val/val_annotations.txt")
     arrays: dict[str, np.ndarray] = {"classes": np.asarray(wnids, dtype=str)}
     for key, items, label_of in (("train", train, lambda s: s), ("test", val, lambda s: val_wnid.get(s, ""))):
         items.sort(key=lambda item: item[0])
