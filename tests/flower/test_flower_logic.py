@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
@@ -327,3 +328,40 @@ def test_uploads_received_in_a_round_stopped_by_the_quorum_count_after_the_resum
     privacy = json.loads((run / "summary.json").read_text())["privacy"]
     assert privacy["releases"] == 3
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
+
+
+# ------------------------------------------------------------- a node with other data than the server's
+def _write_mnist(root: Path, images: np.ndarray, labels: np.ndarray) -> Path:
+    """MNIST's four IDX files (gzip) in ``root``: ``images``/``labels`` for training, their first 30 for testing."""
+    import gzip
+
+    root.mkdir(parents=True, exist_ok=True)
+
+    def idx(array: np.ndarray) -> bytes:
+        header = bytes([0, 0, 8, array.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+        return gzip.compress(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+    for prefix, x, y in (("train", images, labels), ("t10k", images[:30], labels[:30])):
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(idx(x))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(idx(y))
+    return root
+
+
+def test_a_node_whose_data_root_holds_other_data_is_refused_naming_the_cause(tmp_path, caplog):
+    """An IID split (or any split whose client sizes do not depend on the data) gives every client the
+    same sample count whatever the files hold: a node whose ``data-root`` holds other images (another
+    dataset in MNIST's format, a corrupted copy) used to train on them unnoticed, its upload averaged in."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (90, 28, 28), dtype=np.uint8), (np.arange(90) % 10).astype(np.uint8)
+    server_root = _write_mnist(tmp_path / "server", images, labels)
+    other = _write_mnist(tmp_path / "node1", 255 - images, labels)  # same shapes and labels, other pixels
+    grid = LoopbackGrid(3)
+    grid.contexts[grid.ids[1]].node_config["data-root"] = str(other)
+    grid.contexts[grid.ids[2]].node_config["data-root"] = str(_write_mnist(tmp_path / "node2", images, labels))
+    overrides = ["data.dataset=mnist", f"data.root={server_root}", "data.partition=iid", "data.num_clients=3",
+                 "train.rounds=2", "train.batch_size=10", "model.name=mlp", "model.options={hidden = [8]}",
+                 "algorithm.name=fedavg", "runtime.progress=false", "runtime.threads=1"]
+    run_on(grid, overrides, tmp_path / "r")
+    assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1], [1]]  # node 2: a copy, the same data
+    said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
+    assert len(said) == 2 and all("other data than the server's" in x and "data-root" in x for x in said), said

@@ -74,7 +74,7 @@ from hetfl.engine.summary import Reporter
 from hetfl.files import atomic_write_text
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
-from hetfl.flower.codec import decode_tensor, from_record, to_record
+from hetfl.flower.codec import client_data_digest, decode_tensor, from_record, to_record
 from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
 from hetfl.privacy import release_digest
 
@@ -380,6 +380,13 @@ def reply(message: Message, records: dict[str, Any]) -> Message:
     return Message(RecordDict(records), reply_to=message)
 
 
+def client_reply(message: Message, exp: Experiment, client: int, records: dict[str, Any]) -> Message:
+    """A reply for ``client`` with the digest of the samples this node holds for it (:data:`P.DATA`): the
+    server refuses the reply if its own differs (this node's ``data-root`` holds other data)."""
+    digest = ConfigRecord({"digest": client_data_digest(exp.data, client)})
+    return reply(message, {**records, P.DATA: digest})
+
+
 # ------------------------------------------------------------------------------ handlers
 def handle_hello(message: Message, context: Context) -> Message:
     cfg = context.node_config
@@ -393,7 +400,7 @@ def handle_setup(message: Message, context: Context) -> Message:
     c = own_client(h, context)
     shared = shared_tensors(message, context, h, exp.device)
     ctx = exp.client_context(c, 0, float(h["lr"]), {}, {}, server_view(message, shared, exp.device))
-    return reply(message, {P.REPLY: to_record(exp.algorithm.setup_query(ctx))})
+    return client_reply(message, exp, c, {P.REPLY: to_record(exp.algorithm.setup_query(ctx))})
 
 
 def handle_train(message: Message, context: Context) -> Message:
@@ -413,7 +420,7 @@ def handle_train(message: Message, context: Context) -> Message:
     admit_private_answer(context, h, exp.algorithm, {k: upload[k] for k in exp.algorithm.dp_upload_keys})
     if new_state:
         store.save(new_state, round_)
-    return reply(message, {
+    return client_reply(message, exp, c, {
         P.UPLOAD: to_record(upload),
         P.RESULT: MetricRecord({"steps": result.steps, "loss-sum": float(result.loss_sum),
                                 "num-samples": exp.data.client_sizes[c],
@@ -431,7 +438,7 @@ def handle_posthoc(message: Message, context: Context) -> Message:
     features, labels = exp.client_features(model, c)
     query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
     admit_private_answer(context, h, step, query)
-    return reply(message, {P.REPLY: to_record(query)})
+    return client_reply(message, exp, c, {P.REPLY: to_record(query)})
 
 
 def handle_evaluate(message: Message, context: Context) -> Message:
@@ -444,7 +451,7 @@ def handle_evaluate(message: Message, context: Context) -> Message:
     payload = from_record(message.content.get(P.PAYLOAD), exp.device)
     acc, _ = exp.client_accuracy(c, server_view(message, shared, exp.device), state, round_, payload=payload)
     result = {"empty": 1} if acc is None else {"acc": float(acc)}
-    return reply(message, {P.RESULT: MetricRecord(result)})
+    return client_reply(message, exp, c, {P.RESULT: MetricRecord(result)})
 
 
 def handle_secure_query(message: Message, context: Context) -> Message:

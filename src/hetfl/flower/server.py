@@ -25,7 +25,8 @@ answer (or answer with an error) are left out of that phase and listed in the ro
 no answer, its reason logged: malformed (a record or number missing, tensors that do not decode, an
 upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
 outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
-sent to the client plus :data:`UPLOAD_SLACK` bytes).
+sent to the client plus :data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
+client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
-from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, record_nbytes
+from hetfl.flower.codec import client_data_digest, decode_tensor, encode_tensor, from_record, record_nbytes
 
 if TYPE_CHECKING:
     from hetfl.engine.experiment import Experiment
@@ -179,6 +180,7 @@ class FlowerFederation:
         self.traffic = [0, 0]  # this round's serialised bytes down / up
         self.run_key = self.session = ""
         self.start_round = self.committed_round = 0
+        self.digests: dict[int, str] = {}  # client -> digest of its samples here (client_data_digest)
 
     # ------------------------------------------------------------------ run hooks
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
@@ -337,11 +339,31 @@ class FlowerFederation:
             if message.has_error():
                 self.fail(c, f"{kind}: {message.error.reason}")
                 continue
+            other = self.other_data(c, message.content)
+            if other:
+                self.fail(c, f"{kind}: {other}")
+                continue
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
         for k in late:
             self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
         return out
+
+    def other_data(self, c: int, content: RecordDict) -> str:
+        """Why client ``c``'s reply comes from other samples than the server's for ``c`` (its node's
+        ``data-root`` holds other files: another dataset in the same format, a changed copy); "" if the
+        digests agree (:func:`~hetfl.flower.codec.client_data_digest`)."""
+        if c not in self.digests:
+            self.digests[c] = client_data_digest(self.exp.data, c)
+        try:
+            theirs = str(content[P.DATA]["digest"])
+        except MALFORMED:
+            return "malformed reply: no digest of the client's data (a node running another hetfl version?)"
+        if theirs == self.digests[c]:
+            return ""
+        return (f"the node holds other data than the server's for client {c} (digest of its training and test "
+                f"samples {theirs}, the server's {self.digests[c]}): give the node a copy of the dataset files "
+                f"of the server's data.root ({self.exp.cfg.data.dataset}) in its node config data-root; refused")
 
     def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
         if asked == 0:
