@@ -140,6 +140,34 @@ def test_a_bad_pairing_exits_2_with_hetfl_runs_message_and_starts_nothing(script
     assert not (tmp_path / "run").exists() and not (tmp_path / "federation").exists()
 
 
+@pytest.mark.parametrize("extra", [["--set", "train.rounds=5"], ["run.toml"]])
+def test_resume_refuses_a_config_or_a_set_that_changes_the_numbers_as_hetfl_run_does(script, tmp_path, monkeypatch,
+                                                                                         capsys, extra):
+    """``--resume`` continues the run of ``--out``'s config.toml: a ``--set train.rounds=5`` (to run longer) or a
+    CONFIG used to be ignored without a word (the run resumed with its 3 rounds); now exit 2 before any process
+    starts, naming what was given, as ``hetfl run --resume`` does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(config.dumps(config.load(None, [*SMALL, "train.rounds=3"])))
+    (tmp_path / "run.toml").write_text("[train]\nrounds = 5\n")
+    monkeypatch.chdir(tmp_path)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    for argv in ([*extra, "--resume", "--out", str(run)], [*extra, "--resume", "--out", str(run),
+                                                           "--write-run-config", "o.toml"]):
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hetfl: error: --resume") and err.count("\n") == 1, err
+        assert ("train.rounds" in err) if "--set" in extra else ("CONFIG" in err), err
+    assert not (tmp_path / "o.toml").exists()
+    assert script.main(["--resume", "--out", str(run), "--set", "runtime.client_metrics_every=7", "--write-run-config",
+                        "o.toml"]) == 0  # a key that changes no number is taken, as by hetfl run --resume
+    assert "client_metrics_every = 7" in (tmp_path / "o.toml").read_text()
+
+
 FLOWER_201_LOG = """\
 Using SuperLink: hetfl (127.0.0.1:46399)
 Successfully started run 17780116649122260120
