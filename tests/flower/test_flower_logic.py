@@ -365,3 +365,34 @@ def test_a_node_whose_data_root_holds_other_data_is_refused_naming_the_cause(tmp
     assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1], [1]]  # node 2: a copy, the same data
     said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
     assert len(said) == 2 and all("other data than the server's" in x and "data-root" in x for x in said), said
+
+
+def test_too_few_replies_say_what_to_do(tmp_path):
+    """The quorum's error says what went wrong (above) and what to do: the checkpoint is kept, resume once the
+    nodes can answer."""
+    grid = LoopbackGrid(2)
+    grid.broken.add(grid.ids[1])
+    with pytest.raises(FlowerRoundError, match=r"disk full\).*last checkpoint.*resume"):
+        run_on(grid, [*SMALL, "data.num_clients=2", "algorithm.name=fedavg", "runtime.flower_min_replies=0"],
+               tmp_path / "r")
+
+
+def test_hetfl_run_reports_a_stopped_flower_round_in_two_lines_with_the_resume_command(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """``hetfl run --set runtime.executor=flower`` whose clients do not answer (simulation nodes timing out) used
+    to end in a 50-line Python traceback; now the error and the command that continues the run, exit 1."""
+    from hetfl import runtimes
+    from hetfl.cli import main as hetfl_main
+
+    def stopped(exp, run_dir, **kwargs):
+        Path(run_dir).mkdir(parents=True)
+        (Path(run_dir) / "config.toml").write_text(config.dumps(exp.cfg))  # what a run writes before round 1
+        raise FlowerRoundError("round 1, training: 0 of 2 clients answered; runtime.flower_min_replies = 1 needs 1")
+
+    monkeypatch.setattr(runtimes, "run_experiment", stopped)
+    run = tmp_path / "r"
+    code = hetfl_main(["run", "--set", "runtime.executor=flower", *(f"--set={s}" for s in SMALL), "--out", str(run)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("hetfl: error: round 1, training: 0 of 2 clients answered") and "Traceback" not in err, err
+    assert f"hetfl run --resume {run}" in err.splitlines()[-1], err

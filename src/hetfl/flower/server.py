@@ -374,7 +374,8 @@ class FlowerFederation:
             reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(self.failed.items())[:5])
             raise FlowerRoundError(
                 f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
-                f"{self.min_replies} needs {need} ({reasons})", received)
+                f"{self.min_replies} needs {need} ({reasons}). The run stops with its last checkpoint kept: once "
+                "enough clients' nodes can answer (see the reasons), resume it", received)
 
     def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
         shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
