@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import tempfile
@@ -144,16 +145,31 @@ def deploy(cfg: RunConfig, args: argparse.Namespace, out: Path) -> int:
         say(f"SuperLink up on {fed.address} ({'TLS' if tls else 'insecure, loopback only'}); "
             f"{n} SuperNodes started, waiting for them to connect")
         outcome = fed.run(config_mod.dumps(cfg), out, resume=args.resume, timeout_s=args.timeout, report=say)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, SIGTERM: what was started is stopped (finally)
+        print(f"deploy: interrupted; every process started was stopped\n{continue_hint(args, out, workdir)}",
+              file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else int(err.code or 1)
     finally:
         fed.stop()
     if not outcome.ok:
         print(f"deploy: the run failed: {outcome.cause}\nlogs: {workdir} (flwr-run.log, superlink.log, "
-              "supernode-C.log)", file=sys.stderr)
+              f"supernode-C.log)\n{continue_hint(args, out, workdir)}", file=sys.stderr)
         return 1
     summary = outcome.summary or {}
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     print(f"run directory: {out}")
     return 0
+
+
+def continue_hint(args: argparse.Namespace, out: Path, workdir: Path) -> str:
+    """How to continue a run that stopped (too few clients answered, a timeout, Ctrl-C): this script with
+    ``--resume`` and the same run directory, work folder (the nodes' client state), data root and TLS setting,
+    once its cause is fixed; or, if the run wrote nothing yet, to start it again."""
+    if not (out / CONFIG_NAME).is_file():
+        return "deploy: the run wrote nothing yet; run the same command again once the cause is fixed"
+    command = ["python", str(Path(__file__)), "--resume", "--out", str(out), "--workdir", str(workdir),
+               *(["--data-root", args.data_root] if args.data_root else []), *(["--insecure"] if args.insecure else [])]
+    return f"deploy: to continue from the run's last checkpoint once the cause is fixed: {shlex.join(command)}"
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

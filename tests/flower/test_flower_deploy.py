@@ -168,6 +168,51 @@ def test_resume_refuses_a_config_or_a_set_that_changes_the_numbers_as_hetfl_run_
     assert "client_metrics_every = 7" in (tmp_path / "o.toml").read_text()
 
 
+class _FakeFederation:
+    """What deploy.py drives, without processes: ``run`` writes the run's config.toml (as the ServerApp does
+    before round 1), then fails or is interrupted as told."""
+
+    outcome: object = None
+
+    def __init__(self, workdir, *args, **kwargs) -> None:
+        self.workdir, self.address = workdir, "127.0.0.1:1"
+
+    def start(self):
+        return self
+
+    def stop(self) -> None:
+        _FakeFederation.stopped = True
+
+    def run(self, config_text, run_dir, **kwargs):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / "config.toml").write_text(config_text)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+@pytest.mark.parametrize("how", ["failed", "interrupted"])
+def test_a_failed_or_interrupted_deployment_says_how_to_continue_it(script, tmp_path, monkeypatch, capsys, how):
+    """A run stopped by its quorum (a SuperNode killed) or by Ctrl-C keeps its checkpoint and its nodes' state in
+    --workdir; the script used to say only the cause (or print a KeyboardInterrupt traceback): now also the
+    command that continues it, with the same --workdir, --data-root and --insecure."""
+    from hetfl.flower.deploy import RunOutcome
+
+    _FakeFederation.outcome = RunOutcome(False, "the ServerApp failed: FlowerRoundError: round 2, training: 1 of 2 "
+                                                "clients answered") if how == "failed" else KeyboardInterrupt()
+    _FakeFederation.stopped = False
+    monkeypatch.setattr(script, "LocalFederation", _FakeFederation)
+    run, work = tmp_path / "run", tmp_path / "fed"
+    code = script.main([*[f"--set={x}" for x in SMALL], "--out", str(run), "--workdir", str(work), "--insecure",
+                        "--data-root", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert code == (1 if how == "failed" else 130) and _FakeFederation.stopped
+    assert "Traceback" not in err
+    hint = err.splitlines()[-1]
+    assert f"--resume --out {run} --workdir {work} --data-root {tmp_path / 'data'} --insecure" in hint, err
+    assert hint.startswith("deploy: to continue from the run's last checkpoint") and "deploy.py" in hint, err
+
+
 FLOWER_201_LOG = """\
 Using SuperLink: hetfl (127.0.0.1:46399)
 Successfully started run 17780116649122260120
