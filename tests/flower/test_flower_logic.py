@@ -396,3 +396,20 @@ def test_hetfl_run_reports_a_stopped_flower_round_in_two_lines_with_the_resume_c
     assert code == 1
     assert err.startswith("hetfl: error: round 1, training: 0 of 2 clients answered") and "Traceback" not in err, err
     assert f"hetfl run --resume {run}" in err.splitlines()[-1], err
+
+
+def test_a_node_without_the_dataset_names_its_own_setting(tmp_path, caplog):
+    """A node whose ``data-root`` is missing: the reason logged for its client names the node's setting (the
+    node config's ``data-root``), not only the server's ``data.root`` it was told to change before (a key of
+    the server's config that the node's operator cannot set)."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (60, 28, 28), dtype=np.uint8), (np.arange(60) % 10).astype(np.uint8)
+    grid = LoopbackGrid(2)
+    grid.contexts[grid.ids[1]].node_config["data-root"] = str(tmp_path / "missing")
+    overrides = ["data.dataset=mnist", f"data.root={_write_mnist(tmp_path / 'server', images, labels)}",
+                 "data.partition=iid", "data.num_clients=2", "train.rounds=1", "train.batch_size=10", "model.name=mlp",
+                 "model.options={hidden = [8]}", "algorithm.name=fedavg", "runtime.progress=false", "runtime.threads=1"]
+    run_on(grid, overrides, tmp_path / "r")
+    assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1]]
+    said = next(r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage())
+    assert f"node config data-root = '{tmp_path / 'missing'}'" in said and "does not exist" in said, said

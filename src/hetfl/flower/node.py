@@ -67,6 +67,7 @@ from hetfl import config as config_mod
 from hetfl.algorithms import algorithm_class, parse_name, posthoc_class, step_hyper
 from hetfl.algorithms.base import SHARED, ServerState
 from hetfl.algorithms.dp_moments import NOISE_SOURCES
+from hetfl.data.base import DatasetError
 from hetfl.engine import secure_sum
 from hetfl.engine.checkpoint import load_tensors, save_tensors
 from hetfl.engine.experiment import Experiment
@@ -110,7 +111,13 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         if data_root:
             cfg = replace(cfg, data=replace(cfg.data, root=data_root))
         _RUNTIME.clear()
-        _RUNTIME[key] = Experiment(cfg)
+        try:
+            _RUNTIME[key] = Experiment(cfg)
+        except DatasetError as err:  # named as this node's setting: the server's data.root is not the node's to set
+            where = (f"node config data-root = {data_root!r}" if data_root else
+                     f"no node config data-root: the server's data.root = {cfg.data.root!r}")
+            raise NodeError(f"this node's copy of the dataset ({where}): {err}; start the node with --node-config "
+                            "'... data-root=\"FOLDER\"' naming the folder that holds the dataset's files") from err
         if threads:  # the node's own setting wins over the config's runtime.threads
             torch.set_num_threads(threads)
     return _RUNTIME[key]
