@@ -413,3 +413,72 @@ def test_a_node_without_the_dataset_names_its_own_setting(tmp_path, caplog):
     assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1]]
     said = next(r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage())
     assert f"node config data-root = '{tmp_path / 'missing'}'" in said and "does not exist" in said, said
+
+
+# ------------------------------------------------------------- a straggler's client state
+class RoundGrid(LoopbackGrid):
+    """Node ``who``'s training in round ``at``: ``mode`` "lost" (it never runs: the node was down) or "late" (it
+    runs and keeps its new client state, but its reply comes after runtime.flower_timeout_s: a straggler)."""
+
+    def __init__(self, num_nodes: int, who: int, at: int, mode: str) -> None:
+        super().__init__(num_nodes)
+        self.node, self.at, self.mode = self.ids[who], str(at), mode
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            hit = (message.metadata.message_type == "train" and message.metadata.group_id == self.at
+                   and message.metadata.dst_node_id == self.node)
+            if hit:
+                (self.dead if self.mode == "lost" else self.slow).add(self.node)
+            ids += super().push_messages([message])
+            self.dead.discard(self.node)
+            self.slow.discard(self.node)
+        return ids
+
+
+@pytest.mark.parametrize("nodes_keep", ["state-dir", "context"])
+@pytest.mark.parametrize("method", ["scaffold", "moon", "ditto"])
+def test_a_stragglers_unaccepted_round_leaves_no_trace_in_its_client_state(tmp_path, monkeypatch, method, nodes_keep):
+    """A client whose round-2 reply comes too late is left out of round 2 by the server, which goes on as if the
+    client had not trained (SCAFFOLD's server control variate gets no share of its update): the node must
+    not keep the state that round made either. It used to (the node had written it), so the run went on with
+    a control variate the server never counted (c != mean c_i), and differed from the run where the same
+    client was down in round 2 (from round 3 on). FedPAC: its head, evaluated on the node. Both the state
+    folder and Flower's context (a node without a state-dir) are checked."""
+    if nodes_keep == "context":
+        monkeypatch.delenv(TRUSTED_ROOTS_ENV)  # the nodes keep their state in Flower's context only
+    overrides = [*SMALL, "train.rounds=4", f"algorithm.name={method}", "runtime.flower_timeout_s=0.3"]
+    run_on(RoundGrid(3, 2, 2, "lost"), overrides, tmp_path / "lost")
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "late")
+    lost, late = metrics(tmp_path / "lost"), metrics(tmp_path / "late")
+    assert [x["failed_clients"] for x in late] == [[], [2], [], []] == [x["failed_clients"] for x in lost]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in late] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in lost]
+
+
+def test_a_run_resumed_after_a_straggler_goes_back_to_its_accepted_state(tmp_path, monkeypatch):
+    """Client 2 straggles in round 2 (its round-2 state is not the server's); the run crashes in round 3, after
+    the nodes trained (checkpoint at round 2), and resumes: client 2's node must still hold its round-1 state,
+    the one the checkpoint counts, though a newer one (round 2's) is older than the checkpoint. The numbers
+    are those of the uninterrupted run."""
+    from hetfl.algorithms.scaffold import Scaffold
+
+    overrides = [*SMALL, "train.rounds=4", "algorithm.name=scaffold", "runtime.flower_timeout_s=0.3"]
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "reference")
+    aggregate = Scaffold.aggregate
+
+    def crash_in_round_3(self, server, uploads, round):
+        if round == 3:
+            raise RuntimeError("simulated crash")
+        return aggregate(self, server, uploads, round)
+
+    monkeypatch.setattr(Scaffold, "aggregate", crash_in_round_3)
+    run = tmp_path / "flower"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_on(RoundGrid(3, 2, 2, "late"), overrides, run)
+    monkeypatch.setattr(Scaffold, "aggregate", aggregate)
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, run, resume=True)
+    assert [x["failed_clients"] for x in metrics(run)] == [[], [2], [], []]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]

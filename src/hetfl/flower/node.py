@@ -41,7 +41,9 @@ state folder is known, in ``<state-dir>/<run>/client_<c>/round_<r>-<session>.saf
 Every version is tagged with the round after which it was written; a message for round ``r``
 uses the newest version before ``r``, so a run resumed from a checkpoint at round ``R`` finds
 exactly the state the uninterrupted run had (versions written after ``R`` by the interrupted
-session are ignored, then deleted). The server tells the node whether it has state for it;
+session are ignored, then deleted), and no later than the last round the server accepted the
+client's training reply in (a straggler's version from a round the server left it out of is
+ignored: the server went on as if the client had not trained). The server tells the node whether it has state for it;
 a client seen for the first time gets ``Algorithm.init_client_state`` from the server, as in
 the in-process executors.
 """
@@ -215,8 +217,15 @@ def own_client(h: dict[str, Any], context: Context) -> int:
 
 
 class StateStore:
-    """One client's persistent state on its node: the newest version in ``context.state``,
-    every version the server may still ask for in a state folder (when there is one)."""
+    """One client's persistent state on its node: every version the server may still ask for, in
+    ``context.state`` and in a state folder (when there is one).
+
+    A version is usable for a message of round ``r`` when it was written before ``r``, by this session or before
+    the checkpoint this session started from, and in a round no later than the header's ``state-round`` (the
+    last round the server accepted this client's training reply in): a straggler whose reply came too late has
+    written a version the server never counted (it went on as if the client had not trained), and the node
+    goes back to the version before it. Versions older than the newest one up to ``committed-state-round`` (the
+    same at the server's last checkpoint, what a resume goes back to) are deleted."""
 
     _FILE = re.compile(r"round_(\d+)-([0-9a-f]+)\.safetensors")
 
@@ -224,6 +233,9 @@ class StateStore:
         self.context, self.client, self.device = context, client, device
         self.run, self.session = plain_name(h, "run"), plain_name(h, "session")
         self.start, self.committed = int(h["start"]), int(h["committed"])
+        # a header without them (a server of an older hetfl): no version is refused for its round
+        self.cap = int(h.get("state-round", 2**62))
+        self.committed_cap = int(h.get("committed-state-round", self.committed))
         self.key = f"hetfl.{self.run}.{client}"
         root = state_root(context, h)
         self.folder = root / self.run / f"client_{client:04d}" if root is not None else None
@@ -231,6 +243,11 @@ class StateStore:
     def _valid(self, version: int, session: str) -> bool:
         """Written by this session, or before the checkpoint this session started from."""
         return session == self.session or version <= self.start
+
+    def _kept(self) -> list[tuple[int, str]]:
+        """The versions in ``context.state`` (version, session)."""
+        index = self.context.state.get(self.key + ".versions")
+        return [] if index is None else [(int(v), str(s)) for v, s in json.loads(str(index["json"]))]
 
     def _files(self) -> list[tuple[int, str, Path]]:
         if self.folder is None or not self.folder.is_dir():
@@ -243,34 +260,46 @@ class StateStore:
         return sorted(out)
 
     def load(self, before: int) -> dict | None:
-        """The newest valid state written after a round < ``before``; None if there is none."""
-        meta = self.context.state.get(self.key + ".meta")
-        if meta is not None:
-            version, session = int(meta["version"]), str(meta["session"])
-            if self._valid(version, session) and version < before:
-                return from_record(self.context.state[self.key + ".state"], self.device)
-        usable = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before]
-        if not usable:
+        """The newest usable state written after a round < ``before``; None if there is none."""
+        usable = [(v, s) for v, s in self._kept() if self._valid(v, s) and v < before and v <= self.cap]
+        if usable:
+            v, s = max(usable)
+            return from_record(self.context.state[f"{self.key}.state.{v}-{s}"], self.device)
+        files = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before and v <= self.cap]
+        if not files:
             return None
-        return load_tensors(usable[-1][1], self.device)
+        return load_tensors(files[-1][1], self.device)
 
     def save(self, tensors: dict, version: int) -> None:
-        self.context.state[self.key + ".state"] = to_record(tensors)
-        self.context.state[self.key + ".meta"] = ConfigRecord({"version": version, "session": self.session})
-        if self.folder is None:
-            return
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
-                     {k: v.detach().cpu().clone() for k, v in tensors.items()})
+        kept = [x for x in self._kept() if x != (version, self.session)] + [(version, self.session)]
+        self.context.state[f"{self.key}.state.{version}-{self.session}"] = to_record(tensors)
+        self._index(kept)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
+                         {k: v.detach().cpu().clone() for k, v in tensors.items()})
         self.prune()
 
+    def _index(self, kept: list[tuple[int, str]]) -> None:
+        self.context.state[self.key + ".versions"] = ConfigRecord({"json": json.dumps(sorted(kept))})
+
+    def _keep_from(self, versions: list[tuple[int, str]], upto: int) -> int:
+        """The oldest version to keep: the newest valid one up to round ``upto``."""
+        older = [v for v, s in versions if self._valid(v, s) and v <= upto]
+        return max(older) if older else 0
+
     def prune(self) -> None:
-        """Keep the versions after the server's last checkpoint and the newest one before it."""
+        """In the folder, keep the version a resume from the server's last checkpoint needs and those after it;
+        in ``context.state`` (a new Flower run for every resume), the one the server counts now and those after."""
+        kept = self._kept()
+        keep_from = self._keep_from(kept, self.cap)
+        stale = [(v, s) for v, s in kept if not self._valid(v, s) or v < keep_from]
+        for v, s in stale:
+            del self.context.state[f"{self.key}.state.{v}-{s}"]
+        if stale:
+            self._index([x for x in kept if x not in stale])
         files = self._files()
-        valid = [(v, p) for v, s, p in files if self._valid(v, s)]
-        older = [v for v, _ in valid if v <= self.committed]
-        keep_from = max(older) if older else 0
+        keep_from = self._keep_from([(v, s) for v, s, _ in files], min(self.committed, self.committed_cap))
         for v, s, p in files:
             if not self._valid(v, s) or v < keep_from:
                 p.unlink(missing_ok=True)

@@ -175,6 +175,10 @@ class FlowerFederation:
         self.greeted: set[int] = set()  # node ids asked which client they hold (once per node id)
         self.pending_hello: dict[str, int] = {}  # greetings not answered yet: message id -> node id
         self.has_state: set[int] = set()  # clients whose node keeps a persistent state
+        # client -> the round of the last training reply accepted from it (its node's state is the newest version
+        # written up to that round: a version a straggler wrote in a round the server left it out of is not)
+        self.state_round: dict[int, int] = {}
+        self.committed_state_round: dict[int, int] = {}  # the same at the last checkpoint (what a resume needs)
         self.shared_sent: dict[int, tuple] = {}  # client -> version of the shared tensors it holds
         self.failed: dict[int, str] = {}  # this round's failures: client -> reason
         self.traffic = [0, 0]  # this round's serialised bytes down / up
@@ -190,13 +194,19 @@ class FlowerFederation:
         self.session = uuid.uuid4().hex[:12]
         self.start_round = self.committed_round = start_round
         self.has_state = {int(c) for c in info.get("flower_clients_with_state", [])}
+        # a checkpoint from before these rounds were kept: every version up to the checkpoint is the server's
+        rounds = info.get("flower_state_rounds", [[c, start_round] for c in sorted(self.has_state)])
+        self.state_round = {int(c): int(r) for c, r in rounds}
+        self.committed_state_round = dict(self.state_round)
         self.connect()
 
     def checkpoint_info(self) -> dict[str, Any]:
-        return {"flower_clients_with_state": sorted(self.has_state)}
+        return {"flower_clients_with_state": sorted(self.has_state),
+                "flower_state_rounds": [[c, r] for c, r in sorted(self.state_round.items())]}
 
     def committed(self, round_: int) -> None:
         self.committed_round = round_
+        self.committed_state_round = dict(self.state_round)
 
     def round_info(self, round_: int) -> dict[str, Any]:
         """The round's Flower numbers for metrics.jsonl (and a fresh count for the next round)."""
@@ -209,6 +219,8 @@ class FlowerFederation:
     def header(self, client: int, round_: int, **extra: Any) -> dict[str, Any]:
         return {"config": self.config_text, "run": self.run_key, "session": self.session,
                 "start": self.start_round, "committed": self.committed_round, "state-root": self.state_root,
+                "state-round": self.state_round.get(client, 0),
+                "committed-state-round": self.committed_state_round.get(client, 0),
                 "client": client, "round": round_, **extra}
 
     def fail(self, client: int, reason: str) -> None:
@@ -435,6 +447,7 @@ class FlowerFederation:
                 self.fail(c, f"{P.TRAIN}: {_why(err)}")
                 continue
             updates.append(update)
+            self.state_round[c] = round_  # this round's state is the node's (a late reply's never is)
             if has_state:
                 self.has_state.add(c)
             self.acknowledge(c, server)
