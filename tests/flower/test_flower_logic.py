@@ -482,3 +482,15 @@ def test_a_run_resumed_after_a_straggler_goes_back_to_its_accepted_state(tmp_pat
     assert [x["failed_clients"] for x in metrics(run)] == [[], [2], [], []]
     assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]
+
+
+def test_waiting_for_nodes_that_have_not_connected_is_said_before_the_wait(tmp_path, caplog):
+    """A node that never connects: the server waits runtime.flower_timeout_s for it before round 1, and says so
+    when the wait begins (before, nothing was logged until the wait had passed: 10 minutes by default)."""
+    exp = Experiment(config.load(None, [*SMALL, "runtime.executor=flower", "runtime.flower_timeout_s=0.3"]))
+    federation = FlowerFederation(exp, LoopbackGrid(2), poll_s=0.01)  # 3 clients, 2 nodes
+    federation.start(tmp_path, 0, {})
+    said = [r.getMessage() for r in caplog.records]
+    waiting = next(i for i, x in enumerate(said) if "2 of the 3 clients' nodes connected" in x)
+    assert "waiting up to 0.3 s (runtime.flower_timeout_s)" in said[waiting], said
+    assert waiting < next(i for i, x in enumerate(said) if "no node holds clients [2]" in x)

@@ -233,11 +233,15 @@ class FlowerFederation:
 
     def connect(self) -> None:
         """Wait for the nodes (up to the timeout) and learn which client each holds."""
-        deadline = time.monotonic() + self.timeout
+        deadline, said = time.monotonic() + self.timeout, False
         while True:
             ids = set(self.grid.get_node_ids())
             if len(ids) >= self.num_clients or time.monotonic() > deadline:
                 break
+            if not said:  # a node that never connects costs the whole timeout: say so when the wait begins
+                log.warning("flower: %d of the %d clients' nodes connected; waiting up to %g s "
+                            "(runtime.flower_timeout_s) for the others", len(ids), self.num_clients, self.timeout)
+                said = True
             self._sleep()
         self.refresh(ids, self.startup_s)
         missing = [c for c in range(self.num_clients) if c not in self.nodes]
