@@ -185,6 +185,8 @@ class FlowerFederation:
         self.run_key = self.session = ""
         self.start_round = self.committed_round = 0
         self.digests: dict[int, str] = {}  # client -> digest of its samples here (client_data_digest)
+        # client -> (node, reason): a node found holding other data for the client, left out of SecAgg+ too
+        self.other_data_nodes: dict[int, tuple[int, str]] = {}
 
     # ------------------------------------------------------------------ run hooks
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
@@ -357,6 +359,7 @@ class FlowerFederation:
                 continue
             other = self.other_data(c, message.content)
             if other:
+                self.other_data_nodes[c] = (message.metadata.src_node_id, other)
                 self.fail(c, f"{kind}: {other}")
                 continue
             out[c] = message.content
@@ -364,6 +367,12 @@ class FlowerFederation:
         for k in late:
             self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
         return out
+
+    def holds_other_data(self, c: int) -> str:
+        """Why client ``c``'s present node is known to hold other data than the server's for it; "" if not (a
+        node that restarted is given the benefit of the doubt: its next reply is checked again)."""
+        node, reason = self.other_data_nodes.get(c, (None, ""))
+        return reason if node is not None and node == self.nodes.get(c) else ""
 
     def other_data(self, c: int, content: RecordDict) -> str:
         """Why client ``c``'s reply comes from other samples than the server's for ``c`` (its node's
