@@ -82,6 +82,7 @@ from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
 from hetfl.privacy import release_digest
 
 _RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
+_DIGESTS: dict[tuple[int, int], str] = {}  # (id of the node's experiment, client) -> client_data_digest
 #: a run or session name the server may choose: what hetfl's server sends (hexadecimal digests), never a path
 _NAME = re.compile(r"[0-9a-f]{1,64}")
 #: the node's privacy floor: node config key -> the algorithms' setting it bounds
@@ -113,6 +114,7 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         if data_root:
             cfg = replace(cfg, data=replace(cfg.data, root=data_root))
         _RUNTIME.clear()
+        _DIGESTS.clear()  # keyed by the experiment's id, which a new one may reuse
         try:
             _RUNTIME[key] = Experiment(cfg)
         except DatasetError as err:  # named as this node's setting: the server's data.root is not the node's to set
@@ -419,8 +421,10 @@ def reply(message: Message, records: dict[str, Any]) -> Message:
 def client_reply(message: Message, exp: Experiment, client: int, records: dict[str, Any]) -> Message:
     """A reply for ``client`` with the digest of the samples this node holds for it (:data:`P.DATA`): the
     server refuses the reply if its own differs (this node's ``data-root`` holds other data)."""
-    digest = ConfigRecord({"digest": client_data_digest(exp.data, client)})
-    return reply(message, {**records, P.DATA: digest})
+    key = (id(exp), client)
+    if key not in _DIGESTS:  # once per client and experiment (a simulation's actor answers many messages)
+        _DIGESTS[key] = client_data_digest(exp.data, client)
+    return reply(message, {**records, P.DATA: ConfigRecord({"digest": _DIGESTS[key]})})
 
 
 # ------------------------------------------------------------------------------ handlers
