@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import tempfile
@@ -54,14 +55,34 @@ def checked_config(args: argparse.Namespace, out: Path) -> RunConfig:
     from hetfl.runtimes import check_runtime
 
     check_unlocked(out)
-    if args.resume:
-        cfg = config_mod.load(out / CONFIG_NAME)
-    else:
-        cfg = config_mod.load(args.config, [*args.set, "runtime.executor=flower", "runtime.progress=false"])
+    cfg = run_config(args, out)
+    if not args.resume:
         check_new_run_dir(out)
     check_runtime(cfg)  # the Flower executor's own checks (settings it cannot honour)
     Experiment(cfg)  # the ServerApp sets the same experiment up; here its errors come before any process
     return cfg
+
+
+def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
+    """The run's configuration: CONFIG with the ``--set`` overrides; with ``--resume``, ``--out``'s own
+    config.toml, as ``hetfl run --resume`` reads it: a CONFIG or a ``--set`` of a key that changes the
+    numbers is refused (it would be ignored: the run goes on as it started), one that changes none is
+    taken (tracking, ``runtime.client_metrics_every`` ...). Raises ``hetfl run``'s errors."""
+    from hetfl.cli import _changes_no_number
+    from hetfl.engine.identity import PRESENTATION_KEYS
+    from hetfl.params import ConfigError
+
+    forced = ["runtime.executor=flower", "runtime.progress=false"]  # the ServerApp has no terminal
+    if not args.resume:
+        return config_mod.load(args.config, [*args.set, *forced])
+    changing = [s.partition("=")[0].strip() for s in args.set if not _changes_no_number(s)]
+    if args.config or changing:
+        given = ", ".join([*([f"CONFIG {args.config}"] if args.config else []), *(f"--set {k}" for k in changing)])
+        others = sorted(k for k in PRESENTATION_KEYS if not k.startswith("tracking."))
+        raise ConfigError("--resume", str(out), f"takes no CONFIG or --set of a key that changes the numbers (here: "
+                                                f"{given}): the run's config.toml is used; --set takes "
+                                                f"tracking.KEY=VALUE and {', '.join(others)}")
+    return config_mod.load(out / CONFIG_NAME, [*args.set, *forced])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", help="a hetfl TOML config (as for `hetfl run`)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--out", required=True, help="run directory")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its checkpoint, with its own config.toml "
+                             "(no CONFIG; --set only of keys that change no number)")
     parser.add_argument("--data-root", default="", help="the nodes' dataset folder (default: data.root)")
     parser.add_argument("--workdir", default="",
                         help="logs, certificates, node state (default: a temporary folder; --resume needs the "
@@ -97,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_only(args: argparse.Namespace, out: Path) -> int:
     """``--write-run-config``: the overrides for a federation elsewhere, whose dataset need not be on
     this machine, so only the configuration is checked here (the ServerApp sets the run up there)."""
-    if args.resume:
-        cfg = config_mod.load(out / CONFIG_NAME)
-    else:
-        cfg = config_mod.load(args.config, [*args.set, "runtime.executor=flower", "runtime.progress=false"])
+    cfg = run_config(args, out)
     write_run_config(args.write_run_config, config_mod.dumps(cfg), out, resume=args.resume)
     print(f"wrote {args.write_run_config}: flwr run examples/flower/app SUPERLINK --run-config "
           f"{args.write_run_config} --stream")
@@ -125,16 +145,31 @@ def deploy(cfg: RunConfig, args: argparse.Namespace, out: Path) -> int:
         say(f"SuperLink up on {fed.address} ({'TLS' if tls else 'insecure, loopback only'}); "
             f"{n} SuperNodes started, waiting for them to connect")
         outcome = fed.run(config_mod.dumps(cfg), out, resume=args.resume, timeout_s=args.timeout, report=say)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, SIGTERM: what was started is stopped (finally)
+        print(f"deploy: interrupted; every process started was stopped\n{continue_hint(args, out, workdir)}",
+              file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else int(err.code or 1)
     finally:
         fed.stop()
     if not outcome.ok:
         print(f"deploy: the run failed: {outcome.cause}\nlogs: {workdir} (flwr-run.log, superlink.log, "
-              "supernode-C.log)", file=sys.stderr)
+              f"supernode-C.log)\n{continue_hint(args, out, workdir)}", file=sys.stderr)
         return 1
     summary = outcome.summary or {}
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     print(f"run directory: {out}")
     return 0
+
+
+def continue_hint(args: argparse.Namespace, out: Path, workdir: Path) -> str:
+    """How to continue a run that stopped (too few clients answered, a timeout, Ctrl-C): this script with
+    ``--resume`` and the same run directory, work folder (the nodes' client state), data root and TLS setting,
+    once its cause is fixed; or, if the run wrote nothing yet, to start it again."""
+    if not (out / CONFIG_NAME).is_file():
+        return "deploy: the run wrote nothing yet; run the same command again once the cause is fixed"
+    command = ["python", str(Path(__file__)), "--resume", "--out", str(out), "--workdir", str(workdir),
+               *(["--data-root", args.data_root] if args.data_root else []), *(["--insecure"] if args.insecure else [])]
+    return f"deploy: to continue from the run's last checkpoint once the cause is fixed: {shlex.join(command)}"
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -60,6 +60,14 @@ def _is_method_error(err: BaseException) -> bool:
     return isinstance(err, MethodError) and not str(err).startswith("--plugin ")
 
 
+def _stopped_errors() -> tuple[type[Exception], ...]:
+    """Exception types of a run stopped by its federation (too few Flower clients answered a phase: exit code 1,
+    the message and how to continue; the run's checkpoint is kept)."""
+    from hetfl.engine.federation import PhaseStopped
+
+    return (PhaseStopped,)
+
+
 def _calibration_errors() -> tuple[type[Exception], ...]:
     """Exception types of a calibration on non-finite statistics (exit code 1, with the message)."""
     from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
@@ -516,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
         print(f"hetfl: error: {err}", file=sys.stderr)
+        return 1
+    except _stopped_errors() as err:  # too few clients answered: an operational failure, not a bug (no traceback)
+        print(f"hetfl: error: {err}", file=sys.stderr)
+        print(f"hetfl: once the clients can answer, {interrupted_hint(args, argv)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hetfl: interrupted; {interrupted_hint(args, argv)}", file=sys.stderr)

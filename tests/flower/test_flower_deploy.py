@@ -140,6 +140,79 @@ def test_a_bad_pairing_exits_2_with_hetfl_runs_message_and_starts_nothing(script
     assert not (tmp_path / "run").exists() and not (tmp_path / "federation").exists()
 
 
+@pytest.mark.parametrize("extra", [["--set", "train.rounds=5"], ["run.toml"]])
+def test_resume_refuses_a_config_or_a_set_that_changes_the_numbers_as_hetfl_run_does(script, tmp_path, monkeypatch,
+                                                                                         capsys, extra):
+    """``--resume`` continues the run of ``--out``'s config.toml: a ``--set train.rounds=5`` (to run longer) or a
+    CONFIG used to be ignored without a word (the run resumed with its 3 rounds); now exit 2 before any process
+    starts, naming what was given, as ``hetfl run --resume`` does."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(config.dumps(config.load(None, [*SMALL, "train.rounds=3"])))
+    (tmp_path / "run.toml").write_text("[train]\nrounds = 5\n")
+    monkeypatch.chdir(tmp_path)
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    for argv in ([*extra, "--resume", "--out", str(run)], [*extra, "--resume", "--out", str(run),
+                                                           "--write-run-config", "o.toml"]):
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hetfl: error: --resume") and err.count("\n") == 1, err
+        assert ("train.rounds" in err) if "--set" in extra else ("CONFIG" in err), err
+    assert not (tmp_path / "o.toml").exists()
+    assert script.main(["--resume", "--out", str(run), "--set", "runtime.client_metrics_every=7", "--write-run-config",
+                        "o.toml"]) == 0  # a key that changes no number is taken, as by hetfl run --resume
+    assert "client_metrics_every = 7" in (tmp_path / "o.toml").read_text()
+
+
+class _FakeFederation:
+    """What deploy.py drives, without processes: ``run`` writes the run's config.toml (as the ServerApp does
+    before round 1), then fails or is interrupted as told."""
+
+    outcome: object = None
+
+    def __init__(self, workdir, *args, **kwargs) -> None:
+        self.workdir, self.address = workdir, "127.0.0.1:1"
+
+    def start(self):
+        return self
+
+    def stop(self) -> None:
+        _FakeFederation.stopped = True
+
+    def run(self, config_text, run_dir, **kwargs):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / "config.toml").write_text(config_text)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+@pytest.mark.parametrize("how", ["failed", "interrupted"])
+def test_a_failed_or_interrupted_deployment_says_how_to_continue_it(script, tmp_path, monkeypatch, capsys, how):
+    """A run stopped by its quorum (a SuperNode killed) or by Ctrl-C keeps its checkpoint and its nodes' state in
+    --workdir; the script used to say only the cause (or print a KeyboardInterrupt traceback): now also the
+    command that continues it, with the same --workdir, --data-root and --insecure."""
+    from hetfl.flower.deploy import RunOutcome
+
+    _FakeFederation.outcome = RunOutcome(False, "the ServerApp failed: FlowerRoundError: round 2, training: 1 of 2 "
+                                                "clients answered") if how == "failed" else KeyboardInterrupt()
+    _FakeFederation.stopped = False
+    monkeypatch.setattr(script, "LocalFederation", _FakeFederation)
+    run, work = tmp_path / "run", tmp_path / "fed"
+    code = script.main([*[f"--set={x}" for x in SMALL], "--out", str(run), "--workdir", str(work), "--insecure",
+                        "--data-root", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert code == (1 if how == "failed" else 130) and _FakeFederation.stopped
+    assert "Traceback" not in err
+    hint = err.splitlines()[-1]
+    assert f"--resume --out {run} --workdir {work} --data-root {tmp_path / 'data'} --insecure" in hint, err
+    assert hint.startswith("deploy: to continue from the run's last checkpoint") and "deploy.py" in hint, err
+
+
 FLOWER_201_LOG = """\
 Using SuperLink: hetfl (127.0.0.1:46399)
 Successfully started run 17780116649122260120

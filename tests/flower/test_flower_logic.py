@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
@@ -327,3 +328,169 @@ def test_uploads_received_in_a_round_stopped_by_the_quorum_count_after_the_resum
     privacy = json.loads((run / "summary.json").read_text())["privacy"]
     assert privacy["releases"] == 3
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
+
+
+# ------------------------------------------------------------- a node with other data than the server's
+def _write_mnist(root: Path, images: np.ndarray, labels: np.ndarray) -> Path:
+    """MNIST's four IDX files (gzip) in ``root``: ``images``/``labels`` for training, their first 30 for testing."""
+    import gzip
+
+    root.mkdir(parents=True, exist_ok=True)
+
+    def idx(array: np.ndarray) -> bytes:
+        header = bytes([0, 0, 8, array.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+        return gzip.compress(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+    for prefix, x, y in (("train", images, labels), ("t10k", images[:30], labels[:30])):
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(idx(x))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(idx(y))
+    return root
+
+
+def test_a_node_whose_data_root_holds_other_data_is_refused_naming_the_cause(tmp_path, caplog):
+    """An IID split (or any split whose client sizes do not depend on the data) gives every client the
+    same sample count whatever the files hold: a node whose ``data-root`` holds other images (another
+    dataset in MNIST's format, a corrupted copy) used to train on them unnoticed, its upload averaged in."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (90, 28, 28), dtype=np.uint8), (np.arange(90) % 10).astype(np.uint8)
+    server_root = _write_mnist(tmp_path / "server", images, labels)
+    other = _write_mnist(tmp_path / "node1", 255 - images, labels)  # same shapes and labels, other pixels
+    grid = LoopbackGrid(3)
+    grid.contexts[grid.ids[1]].node_config["data-root"] = str(other)
+    grid.contexts[grid.ids[2]].node_config["data-root"] = str(_write_mnist(tmp_path / "node2", images, labels))
+    overrides = ["data.dataset=mnist", f"data.root={server_root}", "data.partition=iid", "data.num_clients=3",
+                 "train.rounds=2", "train.batch_size=10", "model.name=mlp", "model.options={hidden = [8]}",
+                 "algorithm.name=fedavg", "runtime.progress=false", "runtime.threads=1"]
+    run_on(grid, overrides, tmp_path / "r")
+    assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1], [1]]  # node 2: a copy, the same data
+    said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
+    assert len(said) == 2 and all("other data than the server's" in x and "data-root" in x for x in said), said
+
+
+def test_too_few_replies_say_what_to_do(tmp_path):
+    """The quorum's error says what went wrong (above) and what to do: the checkpoint is kept, resume once the
+    nodes can answer."""
+    grid = LoopbackGrid(2)
+    grid.broken.add(grid.ids[1])
+    with pytest.raises(FlowerRoundError, match=r"disk full\).*last checkpoint.*resume"):
+        run_on(grid, [*SMALL, "data.num_clients=2", "algorithm.name=fedavg", "runtime.flower_min_replies=0"],
+               tmp_path / "r")
+
+
+def test_hetfl_run_reports_a_stopped_flower_round_in_two_lines_with_the_resume_command(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """``hetfl run --set runtime.executor=flower`` whose clients do not answer (simulation nodes timing out) used
+    to end in a 50-line Python traceback; now the error and the command that continues the run, exit 1."""
+    from hetfl import runtimes
+    from hetfl.cli import main as hetfl_main
+
+    def stopped(exp, run_dir, **kwargs):
+        Path(run_dir).mkdir(parents=True)
+        (Path(run_dir) / "config.toml").write_text(config.dumps(exp.cfg))  # what a run writes before round 1
+        raise FlowerRoundError("round 1, training: 0 of 2 clients answered; runtime.flower_min_replies = 1 needs 1")
+
+    monkeypatch.setattr(runtimes, "run_experiment", stopped)
+    run = tmp_path / "r"
+    code = hetfl_main(["run", "--set", "runtime.executor=flower", *(f"--set={s}" for s in SMALL), "--out", str(run)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("hetfl: error: round 1, training: 0 of 2 clients answered") and "Traceback" not in err, err
+    assert f"hetfl run --resume {run}" in err.splitlines()[-1], err
+
+
+def test_a_node_without_the_dataset_names_its_own_setting(tmp_path, caplog):
+    """A node whose ``data-root`` is missing: the reason logged for its client names the node's setting (the
+    node config's ``data-root``), not only the server's ``data.root`` it was told to change before (a key of
+    the server's config that the node's operator cannot set)."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (60, 28, 28), dtype=np.uint8), (np.arange(60) % 10).astype(np.uint8)
+    grid = LoopbackGrid(2)
+    grid.contexts[grid.ids[1]].node_config["data-root"] = str(tmp_path / "missing")
+    overrides = ["data.dataset=mnist", f"data.root={_write_mnist(tmp_path / 'server', images, labels)}",
+                 "data.partition=iid", "data.num_clients=2", "train.rounds=1", "train.batch_size=10", "model.name=mlp",
+                 "model.options={hidden = [8]}", "algorithm.name=fedavg", "runtime.progress=false", "runtime.threads=1"]
+    run_on(grid, overrides, tmp_path / "r")
+    assert [x["failed_clients"] for x in metrics(tmp_path / "r")] == [[1]]
+    said = next(r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage())
+    assert f"node config data-root = '{tmp_path / 'missing'}'" in said and "does not exist" in said, said
+
+
+# ------------------------------------------------------------- a straggler's client state
+class RoundGrid(LoopbackGrid):
+    """Node ``who``'s training in round ``at``: ``mode`` "lost" (it never runs: the node was down) or "late" (it
+    runs and keeps its new client state, but its reply comes after runtime.flower_timeout_s: a straggler)."""
+
+    def __init__(self, num_nodes: int, who: int, at: int, mode: str) -> None:
+        super().__init__(num_nodes)
+        self.node, self.at, self.mode = self.ids[who], str(at), mode
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            hit = (message.metadata.message_type == "train" and message.metadata.group_id == self.at
+                   and message.metadata.dst_node_id == self.node)
+            if hit:
+                (self.dead if self.mode == "lost" else self.slow).add(self.node)
+            ids += super().push_messages([message])
+            self.dead.discard(self.node)
+            self.slow.discard(self.node)
+        return ids
+
+
+@pytest.mark.parametrize("nodes_keep", ["state-dir", "context"])
+@pytest.mark.parametrize("method", ["scaffold", "moon", "ditto"])
+def test_a_stragglers_unaccepted_round_leaves_no_trace_in_its_client_state(tmp_path, monkeypatch, method, nodes_keep):
+    """A client whose round-2 reply comes too late is left out of round 2 by the server, which goes on as if the
+    client had not trained (SCAFFOLD's server control variate gets no share of its update): the node must
+    not keep the state that round made either. It used to (the node had written it), so the run went on with
+    a control variate the server never counted (c != mean c_i), and differed from the run where the same
+    client was down in round 2 (from round 3 on). FedPAC: its head, evaluated on the node. Both the state
+    folder and Flower's context (a node without a state-dir) are checked."""
+    if nodes_keep == "context":
+        monkeypatch.delenv(TRUSTED_ROOTS_ENV)  # the nodes keep their state in Flower's context only
+    overrides = [*SMALL, "train.rounds=4", f"algorithm.name={method}", "runtime.flower_timeout_s=0.3"]
+    run_on(RoundGrid(3, 2, 2, "lost"), overrides, tmp_path / "lost")
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "late")
+    lost, late = metrics(tmp_path / "lost"), metrics(tmp_path / "late")
+    assert [x["failed_clients"] for x in late] == [[], [2], [], []] == [x["failed_clients"] for x in lost]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in late] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in lost]
+
+
+def test_a_run_resumed_after_a_straggler_goes_back_to_its_accepted_state(tmp_path, monkeypatch):
+    """Client 2 straggles in round 2 (its round-2 state is not the server's); the run crashes in round 3, after
+    the nodes trained (checkpoint at round 2), and resumes: client 2's node must still hold its round-1 state,
+    the one the checkpoint counts, though a newer one (round 2's) is older than the checkpoint. The numbers
+    are those of the uninterrupted run."""
+    from hetfl.algorithms.scaffold import Scaffold
+
+    overrides = [*SMALL, "train.rounds=4", "algorithm.name=scaffold", "runtime.flower_timeout_s=0.3"]
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "reference")
+    aggregate = Scaffold.aggregate
+
+    def crash_in_round_3(self, server, uploads, round):
+        if round == 3:
+            raise RuntimeError("simulated crash")
+        return aggregate(self, server, uploads, round)
+
+    monkeypatch.setattr(Scaffold, "aggregate", crash_in_round_3)
+    run = tmp_path / "flower"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_on(RoundGrid(3, 2, 2, "late"), overrides, run)
+    monkeypatch.setattr(Scaffold, "aggregate", aggregate)
+    run_on(RoundGrid(3, 2, 2, "late"), overrides, run, resume=True)
+    assert [x["failed_clients"] for x in metrics(run)] == [[], [2], [], []]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]
+
+
+def test_waiting_for_nodes_that_have_not_connected_is_said_before_the_wait(tmp_path, caplog):
+    """A node that never connects: the server waits runtime.flower_timeout_s for it before round 1, and says so
+    when the wait begins (before, nothing was logged until the wait had passed: 10 minutes by default)."""
+    exp = Experiment(config.load(None, [*SMALL, "runtime.executor=flower", "runtime.flower_timeout_s=0.3"]))
+    federation = FlowerFederation(exp, LoopbackGrid(2), poll_s=0.01)  # 3 clients, 2 nodes
+    federation.start(tmp_path, 0, {})
+    said = [r.getMessage() for r in caplog.records]
+    waiting = next(i for i, x in enumerate(said) if "2 of the 3 clients' nodes connected" in x)
+    assert "waiting up to 0.3 s (runtime.flower_timeout_s)" in said[waiting], said
+    assert waiting < next(i for i, x in enumerate(said) if "no node holds clients [2]" in x)

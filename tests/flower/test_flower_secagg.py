@@ -209,3 +209,26 @@ def test_a_nodes_privacy_floor_encodes_its_reply_on_the_servers_grid(tmp_path, m
     exp, _ = federation(grid, [*BASE, "data.num_clients=4", "algorithm.ccvr.dp_epsilon=8"], tmp_path / "r")
     exp.run(tmp_path / "r")
     assert len(seen) == 4 and all(bounds == exp.posthoc[0].reply_bounds() for bounds in seen), seen
+
+
+def test_a_node_found_with_other_data_is_left_out_of_the_secure_sum(tmp_path, caplog):
+    """SecAgg+'s messages carry no digest of the node's data; a node whose training replies were refused for
+    holding other data than the server's (tests/flower/test_flower_logic.py) used to be asked for its CCVR
+    statistics all the same, and they went into the sum (4 clients summed). Now it is left out of the secure
+    phase with the reason (3 summed)."""
+    import numpy as np
+
+    from tests.flower.test_flower_logic import _write_mnist
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (120, 28, 28), dtype=np.uint8), (np.arange(120) % 10).astype(np.uint8)
+    grid = WireGrid(4)
+    grid.contexts[grid.ids[1]].node_config["data-root"] = str(_write_mnist(tmp_path / "node1", 255 - images, labels))
+    overrides = [*BASE, "data.dataset=mnist", f"data.root={_write_mnist(tmp_path / 'server', images, labels)}",
+                 "data.partition=iid", "data.num_clients=4", "train.rounds=1", "model.name=mlp"]
+    exp, _ = federation(grid, overrides, tmp_path / "r")
+    exp.run(tmp_path / "r")
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["failed_clients"] == [1] and line["secagg_clients"] == 3, line
+    said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
+    assert said and all("other data than the server's" in x for x in said), said

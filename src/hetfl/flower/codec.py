@@ -10,8 +10,10 @@ kept: decoding gives back a tensor ``torch.equal`` to the original with the same
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,3 +68,20 @@ def from_record(record: ArrayRecord | None, device: torch.device | str = "cpu") 
 def record_nbytes(records: Iterable[ArrayRecord]) -> int:
     """Bytes of the arrays' serialised data in ``records`` (what travels, headers included)."""
     return sum(len(a.data) for r in records for a in r.values())
+
+
+def client_data_digest(data: Any, client: int) -> str:
+    """A digest of the samples ``client`` holds in ``data`` (a :class:`~hetfl.engine.data.FederatedData`):
+    its training split and its test split, images and labels, dtypes and shapes. A node sends it with every
+    reply and the server compares it with its own: the split is defined over the dataset by the config's
+    seed, so a node whose ``data-root`` holds other files (another dataset in the same format, a corrupted
+    or reordered copy) would otherwise train on other samples under the same client's name, unnoticed
+    wherever the client's sample count does not depend on the data (IID, fixed samples per client)."""
+    train_x, train_y = data.client_train_split(client)
+    test = data.client_tests[client]
+    h = hashlib.sha256()
+    for t in (train_x, train_y, test.x, test.y):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]

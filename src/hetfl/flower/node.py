@@ -41,7 +41,9 @@ state folder is known, in ``<state-dir>/<run>/client_<c>/round_<r>-<session>.saf
 Every version is tagged with the round after which it was written; a message for round ``r``
 uses the newest version before ``r``, so a run resumed from a checkpoint at round ``R`` finds
 exactly the state the uninterrupted run had (versions written after ``R`` by the interrupted
-session are ignored, then deleted). The server tells the node whether it has state for it;
+session are ignored, then deleted), and no later than the last round the server accepted the
+client's training reply in (a straggler's version from a round the server left it out of is
+ignored: the server went on as if the client had not trained). The server tells the node whether it has state for it;
 a client seen for the first time gets ``Algorithm.init_client_state`` from the server, as in
 the in-process executors.
 """
@@ -67,6 +69,7 @@ from hetfl import config as config_mod
 from hetfl.algorithms import algorithm_class, parse_name, posthoc_class, step_hyper
 from hetfl.algorithms.base import SHARED, ServerState
 from hetfl.algorithms.dp_moments import NOISE_SOURCES
+from hetfl.data.base import DatasetError
 from hetfl.engine import secure_sum
 from hetfl.engine.checkpoint import load_tensors, save_tensors
 from hetfl.engine.experiment import Experiment
@@ -74,11 +77,12 @@ from hetfl.engine.summary import Reporter
 from hetfl.files import atomic_write_text
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
-from hetfl.flower.codec import decode_tensor, from_record, to_record
+from hetfl.flower.codec import client_data_digest, decode_tensor, from_record, to_record
 from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
 from hetfl.privacy import release_digest
 
 _RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
+_DIGESTS: dict[tuple[int, int], str] = {}  # (id of the node's experiment, client) -> client_data_digest
 #: a run or session name the server may choose: what hetfl's server sends (hexadecimal digests), never a path
 _NAME = re.compile(r"[0-9a-f]{1,64}")
 #: the node's privacy floor: node config key -> the algorithms' setting it bounds
@@ -110,7 +114,14 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         if data_root:
             cfg = replace(cfg, data=replace(cfg.data, root=data_root))
         _RUNTIME.clear()
-        _RUNTIME[key] = Experiment(cfg)
+        _DIGESTS.clear()  # keyed by the experiment's id, which a new one may reuse
+        try:
+            _RUNTIME[key] = Experiment(cfg)
+        except DatasetError as err:  # named as this node's setting: the server's data.root is not the node's to set
+            where = (f"node config data-root = {data_root!r}" if data_root else
+                     f"no node config data-root: the server's data.root = {cfg.data.root!r}")
+            raise NodeError(f"this node's copy of the dataset ({where}): {err}; start the node with --node-config "
+                            "'... data-root=\"FOLDER\"' naming the folder that holds the dataset's files") from err
         if threads:  # the node's own setting wins over the config's runtime.threads
             torch.set_num_threads(threads)
     return _RUNTIME[key]
@@ -208,8 +219,15 @@ def own_client(h: dict[str, Any], context: Context) -> int:
 
 
 class StateStore:
-    """One client's persistent state on its node: the newest version in ``context.state``,
-    every version the server may still ask for in a state folder (when there is one)."""
+    """One client's persistent state on its node: every version the server may still ask for, in
+    ``context.state`` and in a state folder (when there is one).
+
+    A version is usable for a message of round ``r`` when it was written before ``r``, by this session or before
+    the checkpoint this session started from, and in a round no later than the header's ``state-round`` (the
+    last round the server accepted this client's training reply in): a straggler whose reply came too late has
+    written a version the server never counted (it went on as if the client had not trained), and the node
+    goes back to the version before it. Versions older than the newest one up to ``committed-state-round`` (the
+    same at the server's last checkpoint, what a resume goes back to) are deleted."""
 
     _FILE = re.compile(r"round_(\d+)-([0-9a-f]+)\.safetensors")
 
@@ -217,6 +235,9 @@ class StateStore:
         self.context, self.client, self.device = context, client, device
         self.run, self.session = plain_name(h, "run"), plain_name(h, "session")
         self.start, self.committed = int(h["start"]), int(h["committed"])
+        # a header without them (a server of an older hetfl): no version is refused for its round
+        self.cap = int(h.get("state-round", 2**62))
+        self.committed_cap = int(h.get("committed-state-round", self.committed))
         self.key = f"hetfl.{self.run}.{client}"
         root = state_root(context, h)
         self.folder = root / self.run / f"client_{client:04d}" if root is not None else None
@@ -224,6 +245,11 @@ class StateStore:
     def _valid(self, version: int, session: str) -> bool:
         """Written by this session, or before the checkpoint this session started from."""
         return session == self.session or version <= self.start
+
+    def _kept(self) -> list[tuple[int, str]]:
+        """The versions in ``context.state`` (version, session)."""
+        index = self.context.state.get(self.key + ".versions")
+        return [] if index is None else [(int(v), str(s)) for v, s in json.loads(str(index["json"]))]
 
     def _files(self) -> list[tuple[int, str, Path]]:
         if self.folder is None or not self.folder.is_dir():
@@ -236,34 +262,46 @@ class StateStore:
         return sorted(out)
 
     def load(self, before: int) -> dict | None:
-        """The newest valid state written after a round < ``before``; None if there is none."""
-        meta = self.context.state.get(self.key + ".meta")
-        if meta is not None:
-            version, session = int(meta["version"]), str(meta["session"])
-            if self._valid(version, session) and version < before:
-                return from_record(self.context.state[self.key + ".state"], self.device)
-        usable = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before]
-        if not usable:
+        """The newest usable state written after a round < ``before``; None if there is none."""
+        usable = [(v, s) for v, s in self._kept() if self._valid(v, s) and v < before and v <= self.cap]
+        if usable:
+            v, s = max(usable)
+            return from_record(self.context.state[f"{self.key}.state.{v}-{s}"], self.device)
+        files = [(v, p) for v, s, p in self._files() if self._valid(v, s) and v < before and v <= self.cap]
+        if not files:
             return None
-        return load_tensors(usable[-1][1], self.device)
+        return load_tensors(files[-1][1], self.device)
 
     def save(self, tensors: dict, version: int) -> None:
-        self.context.state[self.key + ".state"] = to_record(tensors)
-        self.context.state[self.key + ".meta"] = ConfigRecord({"version": version, "session": self.session})
-        if self.folder is None:
-            return
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
-                     {k: v.detach().cpu().clone() for k, v in tensors.items()})
+        kept = [x for x in self._kept() if x != (version, self.session)] + [(version, self.session)]
+        self.context.state[f"{self.key}.state.{version}-{self.session}"] = to_record(tensors)
+        self._index(kept)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_tensors(self.folder / f"round_{version:05d}-{self.session}.safetensors",
+                         {k: v.detach().cpu().clone() for k, v in tensors.items()})
         self.prune()
 
+    def _index(self, kept: list[tuple[int, str]]) -> None:
+        self.context.state[self.key + ".versions"] = ConfigRecord({"json": json.dumps(sorted(kept))})
+
+    def _keep_from(self, versions: list[tuple[int, str]], upto: int) -> int:
+        """The oldest version to keep: the newest valid one up to round ``upto``."""
+        older = [v for v, s in versions if self._valid(v, s) and v <= upto]
+        return max(older) if older else 0
+
     def prune(self) -> None:
-        """Keep the versions after the server's last checkpoint and the newest one before it."""
+        """In the folder, keep the version a resume from the server's last checkpoint needs and those after it;
+        in ``context.state`` (a new Flower run for every resume), the one the server counts now and those after."""
+        kept = self._kept()
+        keep_from = self._keep_from(kept, self.cap)
+        stale = [(v, s) for v, s in kept if not self._valid(v, s) or v < keep_from]
+        for v, s in stale:
+            del self.context.state[f"{self.key}.state.{v}-{s}"]
+        if stale:
+            self._index([x for x in kept if x not in stale])
         files = self._files()
-        valid = [(v, p) for v, s, p in files if self._valid(v, s)]
-        older = [v for v, _ in valid if v <= self.committed]
-        keep_from = max(older) if older else 0
+        keep_from = self._keep_from([(v, s) for v, s, _ in files], min(self.committed, self.committed_cap))
         for v, s, p in files:
             if not self._valid(v, s) or v < keep_from:
                 p.unlink(missing_ok=True)
@@ -380,6 +418,15 @@ def reply(message: Message, records: dict[str, Any]) -> Message:
     return Message(RecordDict(records), reply_to=message)
 
 
+def client_reply(message: Message, exp: Experiment, client: int, records: dict[str, Any]) -> Message:
+    """A reply for ``client`` with the digest of the samples this node holds for it (:data:`P.DATA`): the
+    server refuses the reply if its own differs (this node's ``data-root`` holds other data)."""
+    key = (id(exp), client)
+    if key not in _DIGESTS:  # once per client and experiment (a simulation's actor answers many messages)
+        _DIGESTS[key] = client_data_digest(exp.data, client)
+    return reply(message, {**records, P.DATA: ConfigRecord({"digest": _DIGESTS[key]})})
+
+
 # ------------------------------------------------------------------------------ handlers
 def handle_hello(message: Message, context: Context) -> Message:
     cfg = context.node_config
@@ -393,7 +440,7 @@ def handle_setup(message: Message, context: Context) -> Message:
     c = own_client(h, context)
     shared = shared_tensors(message, context, h, exp.device)
     ctx = exp.client_context(c, 0, float(h["lr"]), {}, {}, server_view(message, shared, exp.device))
-    return reply(message, {P.REPLY: to_record(exp.algorithm.setup_query(ctx))})
+    return client_reply(message, exp, c, {P.REPLY: to_record(exp.algorithm.setup_query(ctx))})
 
 
 def handle_train(message: Message, context: Context) -> Message:
@@ -413,7 +460,7 @@ def handle_train(message: Message, context: Context) -> Message:
     admit_private_answer(context, h, exp.algorithm, {k: upload[k] for k in exp.algorithm.dp_upload_keys})
     if new_state:
         store.save(new_state, round_)
-    return reply(message, {
+    return client_reply(message, exp, c, {
         P.UPLOAD: to_record(upload),
         P.RESULT: MetricRecord({"steps": result.steps, "loss-sum": float(result.loss_sum),
                                 "num-samples": exp.data.client_sizes[c],
@@ -431,7 +478,7 @@ def handle_posthoc(message: Message, context: Context) -> Message:
     features, labels = exp.client_features(model, c)
     query = step.client_query(model, features, labels, client=c, round_=int(h["round"]))
     admit_private_answer(context, h, step, query)
-    return reply(message, {P.REPLY: to_record(query)})
+    return client_reply(message, exp, c, {P.REPLY: to_record(query)})
 
 
 def handle_evaluate(message: Message, context: Context) -> Message:
@@ -444,7 +491,7 @@ def handle_evaluate(message: Message, context: Context) -> Message:
     payload = from_record(message.content.get(P.PAYLOAD), exp.device)
     acc, _ = exp.client_accuracy(c, server_view(message, shared, exp.device), state, round_, payload=payload)
     result = {"empty": 1} if acc is None else {"acc": float(acc)}
-    return reply(message, {P.RESULT: MetricRecord(result)})
+    return client_reply(message, exp, c, {P.RESULT: MetricRecord(result)})
 
 
 def handle_secure_query(message: Message, context: Context) -> Message:

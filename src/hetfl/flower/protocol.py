@@ -20,6 +20,11 @@ message type       server -> node                 node -> server
 ``evaluate``       server.model/extra, payload,   accuracy on the client's test split
                    init, shared
 =================  =============================  =====================================
+
+Every reply to a message for a client (all but ``query.hello`` and SecAgg+'s) also carries a
+``ConfigRecord`` named :data:`DATA` with the digest of the samples the node holds for that client
+(:func:`hetfl.flower.codec.client_data_digest`); the server refuses a reply whose digest differs from
+its own (the node's ``data-root`` holds other data).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ VIEW_EXTRA = "server.extra"
 UPLOAD = "upload"
 REPLY = "reply"
 RESULT = "result"  # MetricRecord of a reply's numbers
+DATA = "data"  # ConfigRecord of every reply to a client's message: ``digest``, of the client's samples on the node
 LOSS_PART = "loss-part/"  # a RESULT key's prefix: a part of the local loss summed over the steps (``ce``, ...)
 
 NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside the run directory

@@ -156,10 +156,12 @@ def secure_posthoc(fed: FlowerFederation, step: Any, raw: Tensors, round_: int) 
     """The sum of every client's dense reply to ``step`` under SecAgg+ (see the module's docstring)."""
     exp, rt = fed.exp, fed.exp.cfg.runtime
     fed.refresh()
-    asked = [c for c in range(fed.num_clients) if c in fed.nodes]
+    asked = [c for c in range(fed.num_clients) if c in fed.nodes and not fed.holds_other_data(c)]
     for c in range(fed.num_clients):
         if c not in fed.nodes:
             fed.fail(c, "no node holds this client's partition")
+        elif fed.holds_other_data(c):  # SecAgg+'s replies carry no digest: a node found out before is not asked
+            fed.fail(c, f"secure aggregation: {fed.holds_other_data(c)}")
     levels = secure_sum.quantization_range(fed.num_clients)  # fixed by the clients of the run, as in-process
     parameters, layout = _model_parameters(raw)
     index = exp.posthoc.index(step)

@@ -25,7 +25,8 @@ answer (or answer with an error) are left out of that phase and listed in the ro
 no answer, its reason logged: malformed (a record or number missing, tensors that do not decode, an
 upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
 outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
-sent to the client plus :data:`UPLOAD_SLACK` bytes).
+sent to the client plus :data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
+client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from hetfl.engine.messages import ClientUpdate, nbytes
 from hetfl.engine.schedule import lr_at
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
-from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, record_nbytes
+from hetfl.flower.codec import client_data_digest, decode_tensor, encode_tensor, from_record, record_nbytes
 
 if TYPE_CHECKING:
     from hetfl.engine.experiment import Experiment
@@ -174,11 +175,18 @@ class FlowerFederation:
         self.greeted: set[int] = set()  # node ids asked which client they hold (once per node id)
         self.pending_hello: dict[str, int] = {}  # greetings not answered yet: message id -> node id
         self.has_state: set[int] = set()  # clients whose node keeps a persistent state
+        # client -> the round of the last training reply accepted from it (its node's state is the newest version
+        # written up to that round: a version a straggler wrote in a round the server left it out of is not)
+        self.state_round: dict[int, int] = {}
+        self.committed_state_round: dict[int, int] = {}  # the same at the last checkpoint (what a resume needs)
         self.shared_sent: dict[int, tuple] = {}  # client -> version of the shared tensors it holds
         self.failed: dict[int, str] = {}  # this round's failures: client -> reason
         self.traffic = [0, 0]  # this round's serialised bytes down / up
         self.run_key = self.session = ""
         self.start_round = self.committed_round = 0
+        self.digests: dict[int, str] = {}  # client -> digest of its samples here (client_data_digest)
+        # client -> (node, reason): a node found holding other data for the client, left out of SecAgg+ too
+        self.other_data_nodes: dict[int, tuple[int, str]] = {}
 
     # ------------------------------------------------------------------ run hooks
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
@@ -188,13 +196,19 @@ class FlowerFederation:
         self.session = uuid.uuid4().hex[:12]
         self.start_round = self.committed_round = start_round
         self.has_state = {int(c) for c in info.get("flower_clients_with_state", [])}
+        # a checkpoint from before these rounds were kept: every version up to the checkpoint is the server's
+        rounds = info.get("flower_state_rounds", [[c, start_round] for c in sorted(self.has_state)])
+        self.state_round = {int(c): int(r) for c, r in rounds}
+        self.committed_state_round = dict(self.state_round)
         self.connect()
 
     def checkpoint_info(self) -> dict[str, Any]:
-        return {"flower_clients_with_state": sorted(self.has_state)}
+        return {"flower_clients_with_state": sorted(self.has_state),
+                "flower_state_rounds": [[c, r] for c, r in sorted(self.state_round.items())]}
 
     def committed(self, round_: int) -> None:
         self.committed_round = round_
+        self.committed_state_round = dict(self.state_round)
 
     def round_info(self, round_: int) -> dict[str, Any]:
         """The round's Flower numbers for metrics.jsonl (and a fresh count for the next round)."""
@@ -207,6 +221,8 @@ class FlowerFederation:
     def header(self, client: int, round_: int, **extra: Any) -> dict[str, Any]:
         return {"config": self.config_text, "run": self.run_key, "session": self.session,
                 "start": self.start_round, "committed": self.committed_round, "state-root": self.state_root,
+                "state-round": self.state_round.get(client, 0),
+                "committed-state-round": self.committed_state_round.get(client, 0),
                 "client": client, "round": round_, **extra}
 
     def fail(self, client: int, reason: str) -> None:
@@ -219,11 +235,15 @@ class FlowerFederation:
 
     def connect(self) -> None:
         """Wait for the nodes (up to the timeout) and learn which client each holds."""
-        deadline = time.monotonic() + self.timeout
+        deadline, said = time.monotonic() + self.timeout, False
         while True:
             ids = set(self.grid.get_node_ids())
             if len(ids) >= self.num_clients or time.monotonic() > deadline:
                 break
+            if not said:  # a node that never connects costs the whole timeout: say so when the wait begins
+                log.warning("flower: %d of the %d clients' nodes connected; waiting up to %g s "
+                            "(runtime.flower_timeout_s) for the others", len(ids), self.num_clients, self.timeout)
+                said = True
             self._sleep()
         self.refresh(ids, self.startup_s)
         missing = [c for c in range(self.num_clients) if c not in self.nodes]
@@ -337,11 +357,38 @@ class FlowerFederation:
             if message.has_error():
                 self.fail(c, f"{kind}: {message.error.reason}")
                 continue
+            other = self.other_data(c, message.content)
+            if other:
+                self.other_data_nodes[c] = (message.metadata.src_node_id, other)
+                self.fail(c, f"{kind}: {other}")
+                continue
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
         for k in late:
             self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
         return out
+
+    def holds_other_data(self, c: int) -> str:
+        """Why client ``c``'s present node is known to hold other data than the server's for it; "" if not (a
+        node that restarted is given the benefit of the doubt: its next reply is checked again)."""
+        node, reason = self.other_data_nodes.get(c, (None, ""))
+        return reason if node is not None and node == self.nodes.get(c) else ""
+
+    def other_data(self, c: int, content: RecordDict) -> str:
+        """Why client ``c``'s reply comes from other samples than the server's for ``c`` (its node's
+        ``data-root`` holds other files: another dataset in the same format, a changed copy); "" if the
+        digests agree (:func:`~hetfl.flower.codec.client_data_digest`)."""
+        if c not in self.digests:
+            self.digests[c] = client_data_digest(self.exp.data, c)
+        try:
+            theirs = str(content[P.DATA]["digest"])
+        except MALFORMED:
+            return "malformed reply: no digest of the client's data (a node running another hetfl version?)"
+        if theirs == self.digests[c]:
+            return ""
+        return (f"the node holds other data than the server's for client {c} (digest of its training and test "
+                f"samples {theirs}, the server's {self.digests[c]}): give the node a copy of the dataset files "
+                f"of the server's data.root ({self.exp.cfg.data.dataset}) in its node config data-root; refused")
 
     def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
         if asked == 0:
@@ -352,7 +399,8 @@ class FlowerFederation:
             reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(self.failed.items())[:5])
             raise FlowerRoundError(
                 f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
-                f"{self.min_replies} needs {need} ({reasons})", received)
+                f"{self.min_replies} needs {need} ({reasons}). The run stops with its last checkpoint kept: once "
+                "enough clients' nodes can answer (see the reasons), resume it", received)
 
     def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
         shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
@@ -412,6 +460,7 @@ class FlowerFederation:
                 self.fail(c, f"{P.TRAIN}: {_why(err)}")
                 continue
             updates.append(update)
+            self.state_round[c] = round_  # this round's state is the node's (a late reply's never is)
             if has_state:
                 self.has_state.add(c)
             self.acknowledge(c, server)
