@@ -228,3 +228,41 @@ def test_the_ordering_of_rows_is_compared_with_the_papers_on_the_pairs_it_separa
     assert "B above A in the paper (60.00 against 50.00), below it here (40.00 against 50.00)" in md
     agree = reproduce.reproduce(preset, tmp_path / "q2", fake_run({**accs, "fedprox": [0.6] * 6}))
     assert agree["ordering"]["c"]["in_order"] == 2 and agree["ordering"]["c"]["out_of_order"] == []
+
+
+def _resolved(name, row, column):
+    """The (config, hyper-parameters) a preset's row runs in ``column`` (first seed)."""
+    preset = reproduce.load_preset(name)
+    cfg = reproduce.build_config(preset, reproduce.run_specs(preset)[(row, column, preset.seeds[0])], [])
+    return cfg, hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+
+
+@pytest.mark.parametrize(("name", "columns"), [("fedbr-table1", ("rotmnist", "cifar10", "cifar100")),
+                                               ("fedbr-table5", ("cifar10-100",))])
+def test_fedbr_presets_run_the_baselines_as_the_authors_code(name, columns):
+    """FedBR's tables came from LINs-lab/FedBR's code (fedbr/algorithms.py, hparams_registry.py), which the
+    presets follow: Mixup's mixing weight Beta(0.2, 0.2) (``mixup_alpha``; the "FedBR + Mixup" row already
+    used 0.2), FedMix's lambda 0.1 over means of M = 10 samples, FedProx's mu 0.1 (set in its optimiser's
+    step) and MOON's mu 0.01 (tau 0.5), not hetfl's defaults (1.0; 0.05 and 5; 0.01; 1.0)."""
+    for column in columns:
+        assert _resolved(name, "FedAvg + Mixup", column)[1].alpha == 0.2, column
+        fedmix = _resolved(name, "FedMix", column)[1]
+        assert (fedmix.lam, fedmix.mash_size) == (0.1, 10), column
+        assert _resolved(name, "FedProx", column)[1].mu == 0.1, column
+        assert _resolved(name, "FedBR + Mixup" if name == "fedbr-table1" else "FedBR", column)[1].mixup_alpha == 0.2
+        if name == "fedbr-table1":
+            moon = _resolved(name, "MOON", column)[1]
+            assert (moon.mu, moon.temperature) == (0.01, 0.5), column
+
+
+@pytest.mark.parametrize(("name", "column"), [("fedbr-table1", "cifar10"), ("fedbr-table2", "cifar10"),
+                                              ("fedbr-table5", "cifar10-100")])
+def test_fedbr_cifar10_columns_train_without_augmentation_as_the_authors_code(name, column):
+    """The code's CIFAR-10 loader (fedbr/datasets.py, MultipleEnvironmentCifar10) has its random crop and flip
+    commented out (ToTensor only); hetfl's default for 32 px RGB images is crop + flip."""
+    preset = reproduce.load_preset(name)
+    for (row, col, seed), spec in reproduce.run_specs(preset).items():
+        if col == column and seed == preset.seeds[0]:
+            assert reproduce.build_config(preset, spec, []).data.augment == "none", row
+    cifar100 = _resolved("fedbr-table1", "FedAvg", "cifar100")[0]
+    assert cifar100.data.augment == "auto"  # the code's CIFAR-100 loader crops and flips
