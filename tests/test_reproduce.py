@@ -266,3 +266,23 @@ def test_fedbr_cifar10_columns_train_without_augmentation_as_the_authors_code(na
             assert reproduce.build_config(preset, spec, []).data.augment == "none", row
     cifar100 = _resolved("fedbr-table1", "FedAvg", "cifar100")[0]
     assert cifar100.data.augment == "auto"  # the code's CIFAR-100 loader crops and flips
+
+
+def test_a_quick_reproduction_gives_no_differences_anywhere_and_records_its_settings(tmp_path):
+    """A quick variant's numbers are not the paper's setting: reproduction.json gives no ours - paper
+    difference either (only the .md left it out), and it records the [quick] settings it ran with (it
+    recorded them for the full preset, where they were not used, and None for the quick run)."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET.replace("seeds = [0]\n", 'seeds = [0]\nset = { "train.rounds" = 3 }\n'))
+    preset = reproduce.load_preset(str(path))
+    accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
+    quick = reproduce.reproduce(preset.variant(True), tmp_path / "q", fake_run(accs))
+    saved = json.loads((tmp_path / "q" / "reproduction.json").read_text())
+    for result in (quick, saved):
+        cell = result["table"]["A"]["c"]
+        assert result["quick"] is True and cell["paper"] == pytest.approx(0.5) and cell["diff"] is None
+        assert result["quick_settings"] == {"seeds": [0], "set": {"train.rounds": 3}}
+    assert "train.rounds = 3" in (tmp_path / "q" / "reproduction.md").read_text()
+    full = reproduce.reproduce(preset, tmp_path / "f", fake_run(accs))
+    assert full["quick"] is False and full["quick_settings"] is None
+    assert full["table"]["A"]["c"]["diff"] == pytest.approx(0.105)

@@ -29,7 +29,8 @@ ones and reusing finished ones of the same resolved configuration; a run folder
 holding another configuration is an error naming the keys) and writes
 ``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
 number and the difference (fractions in the JSON, percent in the Markdown
-table), and per column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
+table; no difference for a quick variant, whose ``[quick]`` settings both files
+record), and per column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
 as mean ± std bands over seeds, linked from ``reproduction.md``.
 """
 
@@ -97,15 +98,16 @@ class Preset:
     quick_cpu_measured: str = ""
 
     def variant(self, quick: bool) -> Preset:
-        """The preset itself, or its quick CPU variant."""
-        if not quick:
+        """The preset itself, or its quick CPU variant (which keeps its ``[quick]`` table in ``quick``, so that
+        its outputs say what it changed)."""
+        if not quick or self.is_quick:
             return self
         q = self.quick
         keep = set(q.get("columns", [c.id for c in self.columns]))
         columns = [Column(c.id, c.label, {**c.set, **q.get("set", {})}) for c in self.columns if c.id in keep]
         return Preset(self.name, self.title + " (quick CPU variant)", self.paper, self.metric,
                       list(q.get("seeds", self.seeds[:1])), self.base, columns, self.rows, self.notes,
-                      self.gpu_minutes, self.quick_cpu_minutes, {}, is_quick=True,
+                      self.gpu_minutes, self.quick_cpu_minutes, q, is_quick=True,
                       quick_cpu_measured=self.quick_cpu_measured)
 
 
@@ -282,12 +284,12 @@ def reproduce(
             ours = mean(values)
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
-            table.setdefault(row.label, {})[column.id] = {
+            table.setdefault(row.label, {})[column.id] = {  # a quick variant is not the paper's setting: no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
-                "paper": paper, "diff": None if paper is None else ours - paper, "metric": metric,
+                "paper": paper, "diff": None if paper is None or preset.is_quick else ours - paper, "metric": metric,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
-              "quick": preset.is_quick, "quick_settings": preset.quick if not preset.is_quick else None,
+              "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
               "columns": {c.id: c.label for c in preset.columns}, "table": table,
               "ordering": {c.id: ordering(table, c.id) for c in preset.columns}}
     out.mkdir(parents=True, exist_ok=True)
@@ -399,11 +401,21 @@ def markdown(result: dict[str, Any]) -> str:
                   "another dataset (see the preset's [quick] table). Compare the ordering of methods, not the "
                   "numbers (\"Ordering against the paper\" below): the paper's are for the full setting, so no "
                   "differences are given."]
+        if result.get("quick_settings"):
+            lines += ["", "This run's [quick] settings: " + md(quick_settings_text(result["quick_settings"])) + "."]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)
     lines += curve_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def quick_settings_text(quick: dict[str, Any]) -> str:
+    """A quick variant's ``[quick]`` table in one line: ``columns = [...]; seeds = [...]; key = value, ...``
+    (values as JSON, so ``train.rounds = 5`` and ``model.name = "simple_cnn"``)."""
+    parts = [f"{key} = {json.dumps(quick[key])}" for key in ("columns", "seeds") if key in quick]
+    parts += [f"{key} = {json.dumps(value)}" for key, value in quick.get("set", {}).items()]
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------- curves over seeds
