@@ -286,3 +286,21 @@ def test_a_quick_reproduction_gives_no_differences_anywhere_and_records_its_sett
     full = reproduce.reproduce(preset, tmp_path / "f", fake_run(accs))
     assert full["quick"] is False and full["quick_settings"] is None
     assert full["table"]["A"]["c"]["diff"] == pytest.approx(0.105)
+
+
+def test_feduv_resnet18_columns_have_the_papers_512_wide_projector():
+    """FedUV section 4.1: "For CIFAR-100 and [HAM10000], we used a ResNet-18 ... adding the projector with 512
+    neurons" (the small CNN's has 256). The authors' code takes the width from ``--out_dim`` (default 256, the
+    STL-10 setting, as its ``--std_coeff`` default 2.5 is lambda = D/4 for 10 classes), so the preset sets it."""
+    from hetfl.models import build_model
+
+    preset = reproduce.load_preset("feduv-table1")
+    for column, model, width in (("c100-a0.01", "feduv_resnet18", 512), ("c100-a1", "feduv_resnet18", 512),
+                                 ("ham", "feduv_resnet18", 512), ("stl-a0.01", "feduv_cnn", 256),
+                                 ("pacs", "feduv_cnn", 256)):
+        for row in ("FedAvg", "FedUV"):
+            cfg = _resolved("feduv-table1", row, column)[0]
+            built = build_model(cfg.model.name, (3, 32, 32), 10, **cfg.model.options)
+            assert (cfg.model.name, built.classifier.in_features) == (model, width), (row, column)
+    assert reproduce.build_config(preset.variant(True), next(iter(reproduce.run_specs(preset.variant(True)).values())),
+                                  []).model.options == {}
