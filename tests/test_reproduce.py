@@ -304,3 +304,15 @@ def test_feduv_resnet18_columns_have_the_papers_512_wide_projector():
             assert (cfg.model.name, built.classifier.in_features) == (model, width), (row, column)
     assert reproduce.build_config(preset.variant(True), next(iter(reproduce.run_specs(preset.variant(True)).values())),
                                   []).model.options == {}
+
+
+def test_fedbr_rows_send_the_32_pseudo_samples_the_notes_and_the_code_say():
+    """FedBR's pseudo data are 32 samples (slides: "32 pseudo-data"; the code's get_augmentation_proxy_data
+    draws 32); hetfl's default is one batch (num_pseudo = 0), which is 64 in the RotatedMNIST column."""
+    for name, rows, columns in (("fedbr-table1", ("FedBR", "FedBR + Mixup"), ("rotmnist", "cifar10", "cifar100")),
+                                ("fedbr-table2", ("FedBR (32 pseudo)",), ("cifar10",)),
+                                ("fedbr-table5", ("FedBR",), ("cifar10-100",))):
+        for row in rows:
+            for column in columns:
+                cfg, hp = _resolved(name, row, column)
+                assert (hp.num_pseudo or cfg.train.batch_size) == 32, (name, row, column)
