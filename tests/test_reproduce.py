@@ -306,16 +306,18 @@ def test_feduv_resnet18_columns_have_the_papers_512_wide_projector():
                                   []).model.options == {}
 
 
-def test_fedbr_rows_send_the_32_pseudo_samples_the_notes_and_the_code_say():
-    """FedBR's pseudo data are 32 samples (slides: "32 pseudo-data"; the code's get_augmentation_proxy_data
-    draws 32); hetfl's default is one batch (num_pseudo = 0), which is 64 in the RotatedMNIST column."""
+def test_fedbr_rows_send_one_batch_of_pseudo_samples_as_algorithm_1_and_the_latest_code():
+    """|D_p| = B (Algorithm 1; the slides' "32 pseudo-data" are CIFAR-10's batch): the authors' latest code
+    (d382a37, train_fed.py) draws ``hparams['batch_size']`` means, 64 for RotatedMNIST (its first commit
+    hard-coded 32)."""
     for name, rows, columns in (("fedbr-table1", ("FedBR", "FedBR + Mixup"), ("rotmnist", "cifar10", "cifar100")),
                                 ("fedbr-table2", ("FedBR (32 pseudo)",), ("cifar10",)),
                                 ("fedbr-table5", ("FedBR",), ("cifar10-100",))):
         for row in rows:
             for column in columns:
                 cfg, hp = _resolved(name, row, column)
-                assert (hp.num_pseudo or cfg.train.batch_size) == 32, (name, row, column)
+                expected = 64 if column == "rotmnist" else 32
+                assert (hp.num_pseudo or cfg.train.batch_size) == expected == cfg.train.batch_size, (name, row, column)
 
 
 @pytest.mark.parametrize("name", ["fedbr-table1", "fedbr-table2", "fedbr-table5"])
