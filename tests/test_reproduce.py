@@ -330,3 +330,23 @@ def test_fedbr_best5_is_taken_over_evaluations_every_2_rounds_as_the_code(name):
     for spec in set(reproduce.run_specs(preset).values()):
         cfg = reproduce.build_config(preset, spec, [])
         assert (cfg.train.eval_every, cfg.train.local_steps) == (2, 50), spec
+
+
+def test_a_set_that_changes_the_papers_setting_removes_the_differences_and_is_recorded(tmp_path):
+    """``hetfl reproduce NAME --set train.rounds=3`` is not the paper's setting: its files said nothing of the
+    override and gave ours - paper as for the preset. Now every --set is recorded, and one that changes the
+    setting (anything but where the data are and runtime.*) gives no differences, as a quick variant."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET)
+    preset = reproduce.load_preset(str(path))
+    accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
+    changed = reproduce.reproduce(preset, tmp_path / "c", fake_run(accs), ["train.rounds=3", "data.root=/x"])
+    assert changed["table"]["A"]["c"]["diff"] is None and changed["table"]["A"]["c"]["paper"] == pytest.approx(0.5)
+    assert changed["user_set"] == ["train.rounds=3", "data.root=/x"]
+    assert changed["setting_changed"] == ["train.rounds=3"]
+    md = (tmp_path / "c" / "reproduction.md").read_text()
+    assert "+10.50" not in md and "train.rounds=3" in md and "not the paper's setting" in md
+    located = reproduce.reproduce(preset, tmp_path / "l", fake_run(accs),
+                                  ["data.root=/x", "data.cache_dir=/y", "runtime.threads=1"])
+    assert located["setting_changed"] == [] and located["table"]["A"]["c"]["diff"] == pytest.approx(0.105)
+    assert "not the paper's setting" not in (tmp_path / "l" / "reproduction.md").read_text()

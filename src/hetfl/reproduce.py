@@ -30,7 +30,8 @@ holding another configuration is an error naming the keys) and writes
 ``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
 number and the difference (fractions in the JSON, percent in the Markdown
 table; no difference for a quick variant, whose ``[quick]`` settings both files
-record), and per column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
+record, nor where a ``--set`` changes the setting: :func:`setting_changes`), and per
+column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
 as mean ± std bands over seeds, linked from ``reproduction.md``.
 """
 
@@ -275,6 +276,8 @@ def reproduce(
         else:
             run(configs[spec], folder[spec], states[spec] == "unfinished")
         counter.done(i)
+    changed = setting_changes(user_set or [])
+    compared = not preset.is_quick and not changed  # the paper's setting: differences are meaningful
     table: dict[str, Any] = {}
     for row in preset.rows:
         metric = row.metric or preset.metric
@@ -284,12 +287,13 @@ def reproduce(
             ours = mean(values)
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
-            table.setdefault(row.label, {})[column.id] = {  # a quick variant is not the paper's setting: no diff
+            table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
-                "paper": paper, "diff": None if paper is None or preset.is_quick else ours - paper, "metric": metric,
+                "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
+              "user_set": list(user_set or []), "setting_changed": changed,
               "columns": {c.id: c.label for c in preset.columns}, "table": table,
               "ordering": {c.id: ordering(table, c.id) for c in preset.columns}}
     out.mkdir(parents=True, exist_ok=True)
@@ -297,6 +301,18 @@ def reproduce(
     (out / "reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "reproduction.md").write_text(markdown(result))
     return result
+
+
+#: ``--set`` keys that say where the data are or how the runs execute, not what they compute: a preset run with
+#: only these is still the paper's setting (``runtime.*``: executor, threads, device, ...)
+LOCATION_KEYS = ("data.root", "data.cache_dir", "data.download")
+
+
+def setting_changes(user_set: list[str]) -> list[str]:
+    """The ``--set`` assignments that change a preset's setting (every key but :data:`LOCATION_KEYS` and
+    ``runtime.*``): with any of them the runs are not the paper's setting, so no differences are given."""
+    keys = [(assignment, assignment.split("=", 1)[0].strip()) for assignment in user_set]
+    return [a for a, key in keys if key not in LOCATION_KEYS and not key.startswith("runtime.")]
 
 
 #: two rows whose published accuracies are closer than this (a point) are not ordered by the paper: the gap is
@@ -392,7 +408,7 @@ def markdown(result: dict[str, Any]) -> str:
         for cid in cols:
             cell = by_col[cid]
             paper = "U" if cell["paper"] is None else f"{percent(cell['paper']):.2f}"
-            diff = "" if cell["diff"] is None or result["quick"] else f"{percent(cell['diff']):+.2f}"
+            diff = "" if cell["diff"] is None else f"{percent(cell['diff']):+.2f}"
             ours = with_spread(percent(cell["ours"]), percent(cell["std"]), len(cell["values"]))
             cells.append(f"{ours} | {paper} | {diff}")
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
@@ -403,6 +419,12 @@ def markdown(result: dict[str, Any]) -> str:
                   "differences are given."]
         if result.get("quick_settings"):
             lines += ["", "This run's [quick] settings: " + md(quick_settings_text(result["quick_settings"])) + "."]
+    if result.get("user_set"):
+        lines += ["", "Run with --set " + ", ".join(md(a) for a in result["user_set"]) + "."]
+    if result.get("setting_changed"):
+        lines += ["", "These --set values change the preset, so the runs are not the paper's setting: "
+                  + ", ".join(md(a) for a in result["setting_changed"]) + ". No differences are given; "
+                  "compare the ordering of methods (below)."]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)
