@@ -350,3 +350,19 @@ def test_a_set_that_changes_the_papers_setting_removes_the_differences_and_is_re
                                   ["data.root=/x", "data.cache_dir=/y", "runtime.threads=1"])
     assert located["setting_changed"] == [] and located["table"]["A"]["c"]["diff"] == pytest.approx(0.105)
     assert "not the paper's setting" not in (tmp_path / "l" / "reproduction.md").read_text()
+
+
+@pytest.mark.parametrize(("name", "column"), [("fedbr-table1", "cifar10"), ("fedbr-table2", "cifar10"),
+                                              ("fedbr-table5", "cifar10-100")])
+def test_fedbr_vgg11_is_the_codes_9_2_million_parameter_network(name, column):
+    """FedBR's VGG-11 (code: fedbr/networks.py CIFAR_Vgg, torchvision's vgg11 features, global average pool, one
+    linear classifier; slides Table 7: 9.2 M parameters with FedAvg), not FedMA's with two hidden fc layers
+    (9.75 M)."""
+    from hetfl.models import build_model
+
+    preset = reproduce.load_preset(name)
+    for (row, col, seed), spec in reproduce.run_specs(preset).items():
+        if col == column and seed == preset.seeds[0]:
+            cfg = reproduce.build_config(preset, spec, [])
+            model = build_model(cfg.model.name, (3, 32, 32), 10, **cfg.model.options)
+            assert sum(p.numel() for p in model.parameters()) == 9_225_610, row
