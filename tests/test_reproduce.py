@@ -9,6 +9,7 @@ import pytest
 from hetfl import reproduce, sweeps
 from hetfl.algorithms import hyperparameters
 from hetfl.cli import main
+from hetfl.models import model_options
 from hetfl.params import ConfigError
 from tests.helpers.runs import PRESET, fake_run
 
@@ -23,6 +24,8 @@ def test_every_preset_builds_valid_run_configs(name, quick):
         cfg = reproduce.build_config(preset, spec, ["data.root=/nowhere"])
         hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
         assert cfg.seed == spec.seed
+        # model options the model takes (a quick variant that swaps the model resets them: "model.options" = {})
+        assert set(cfg.model.options) <= set(model_options(cfg.model.name)), (cfg.model.name, cfg.model.options)
     for row in preset.rows:
         assert set(row.paper) <= {c.id for c in reproduce.load_preset(name).columns}, row.label
 
