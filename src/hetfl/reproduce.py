@@ -29,7 +29,9 @@ ones and reusing finished ones of the same resolved configuration; a run folder
 holding another configuration is an error naming the keys) and writes
 ``reproduction.md`` / ``.json``: our mean ± std over seeds beside the paper's
 number and the difference (fractions in the JSON, percent in the Markdown
-table), and per column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
+table; no difference for a quick variant, whose ``[quick]`` settings both files
+record, nor where a ``--set`` changes the setting: :func:`setting_changes`), and per
+column ``curves_<column id>.png`` (+ ``.csv``): each row's curves
 as mean ± std bands over seeds, linked from ``reproduction.md``.
 """
 
@@ -97,15 +99,16 @@ class Preset:
     quick_cpu_measured: str = ""
 
     def variant(self, quick: bool) -> Preset:
-        """The preset itself, or its quick CPU variant."""
-        if not quick:
+        """The preset itself, or its quick CPU variant (which keeps its ``[quick]`` table in ``quick``, so that
+        its outputs say what it changed)."""
+        if not quick or self.is_quick:
             return self
         q = self.quick
         keep = set(q.get("columns", [c.id for c in self.columns]))
         columns = [Column(c.id, c.label, {**c.set, **q.get("set", {})}) for c in self.columns if c.id in keep]
         return Preset(self.name, self.title + " (quick CPU variant)", self.paper, self.metric,
                       list(q.get("seeds", self.seeds[:1])), self.base, columns, self.rows, self.notes,
-                      self.gpu_minutes, self.quick_cpu_minutes, {}, is_quick=True,
+                      self.gpu_minutes, self.quick_cpu_minutes, q, is_quick=True,
                       quick_cpu_measured=self.quick_cpu_measured)
 
 
@@ -273,6 +276,8 @@ def reproduce(
         else:
             run(configs[spec], folder[spec], states[spec] == "unfinished")
         counter.done(i)
+    changed = setting_changes(user_set or [])
+    compared = not preset.is_quick and not changed  # the paper's setting: differences are meaningful
     table: dict[str, Any] = {}
     for row in preset.rows:
         metric = row.metric or preset.metric
@@ -282,12 +287,13 @@ def reproduce(
             ours = mean(values)
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
-            table.setdefault(row.label, {})[column.id] = {
+            table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
-                "paper": paper, "diff": None if paper is None else ours - paper, "metric": metric,
+                "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
-              "quick": preset.is_quick, "quick_settings": preset.quick if not preset.is_quick else None,
+              "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
+              "user_set": list(user_set or []), "setting_changed": changed,
               "columns": {c.id: c.label for c in preset.columns}, "table": table,
               "ordering": {c.id: ordering(table, c.id) for c in preset.columns}}
     out.mkdir(parents=True, exist_ok=True)
@@ -295,6 +301,18 @@ def reproduce(
     (out / "reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "reproduction.md").write_text(markdown(result))
     return result
+
+
+#: ``--set`` keys that say where the data are or how the runs execute, not what they compute: a preset run with
+#: only these is still the paper's setting (``runtime.*``: executor, threads, device, ...)
+LOCATION_KEYS = ("data.root", "data.cache_dir", "data.download")
+
+
+def setting_changes(user_set: list[str]) -> list[str]:
+    """The ``--set`` assignments that change a preset's setting (every key but :data:`LOCATION_KEYS` and
+    ``runtime.*``): with any of them the runs are not the paper's setting, so no differences are given."""
+    keys = [(assignment, assignment.split("=", 1)[0].strip()) for assignment in user_set]
+    return [a for a, key in keys if key not in LOCATION_KEYS and not key.startswith("runtime.")]
 
 
 #: two rows whose published accuracies are closer than this (a point) are not ordered by the paper: the gap is
@@ -390,7 +408,7 @@ def markdown(result: dict[str, Any]) -> str:
         for cid in cols:
             cell = by_col[cid]
             paper = "U" if cell["paper"] is None else f"{percent(cell['paper']):.2f}"
-            diff = "" if cell["diff"] is None or result["quick"] else f"{percent(cell['diff']):+.2f}"
+            diff = "" if cell["diff"] is None else f"{percent(cell['diff']):+.2f}"
             ours = with_spread(percent(cell["ours"]), percent(cell["std"]), len(cell["values"]))
             cells.append(f"{ours} | {paper} | {diff}")
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
@@ -399,11 +417,27 @@ def markdown(result: dict[str, Any]) -> str:
                   "another dataset (see the preset's [quick] table). Compare the ordering of methods, not the "
                   "numbers (\"Ordering against the paper\" below): the paper's are for the full setting, so no "
                   "differences are given."]
+        if result.get("quick_settings"):
+            lines += ["", "This run's [quick] settings: " + md(quick_settings_text(result["quick_settings"])) + "."]
+    if result.get("user_set"):
+        lines += ["", "Run with --set " + ", ".join(md(a) for a in result["user_set"]) + "."]
+    if result.get("setting_changed"):
+        lines += ["", "These --set values change the preset, so the runs are not the paper's setting: "
+                  + ", ".join(md(a) for a in result["setting_changed"]) + ". No differences are given; "
+                  "compare the ordering of methods (below)."]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)
     lines += curve_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def quick_settings_text(quick: dict[str, Any]) -> str:
+    """A quick variant's ``[quick]`` table in one line: ``columns = [...]; seeds = [...]; key = value, ...``
+    (values as JSON, so ``train.rounds = 5`` and ``model.name = "simple_cnn"``)."""
+    parts = [f"{key} = {json.dumps(quick[key])}" for key in ("columns", "seeds") if key in quick]
+    parts += [f"{key} = {json.dumps(value)}" for key, value in quick.get("set", {}).items()]
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------- curves over seeds

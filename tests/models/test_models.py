@@ -26,6 +26,8 @@ def n_params(model: torch.nn.Module) -> int:
 #   = 1,663,370, the count McMahan et al. report.
 # mlp (200, 200) on MNIST: 157,000 + 40,200 + 2,010 = 199,210 (McMahan's 2NN); hidden () = 784*10 + 10 = 7,850.
 # vgg11: convs 9,220,480 + fc 512-512 x2 525,312 + classifier 5,130 = 9,750,922.
+#   hidden 0 (FedBR's code: torchvision vgg11 features, global average pool, classifier): 9,220,480 + 5,130
+#   = 9,225,610, the "9.2" million FedBR's slides (Table 7) give for VGG-11 with FedAvg.
 @pytest.mark.parametrize(
     ("name", "shape", "options", "expected"),
     [
@@ -40,6 +42,7 @@ def n_params(model: torch.nn.Module) -> int:
         ("resnet18", CIFAR, {"norm": "gn"}, 11_173_962),
         ("mobilenetv2", CIFAR, {}, 2_236_682),  # = torchvision mobilenet_v2(num_classes=10)
         ("vgg11", CIFAR, {}, 9_750_922),
+        ("vgg11", CIFAR, {"hidden": 0}, 9_225_610),
     ],
 )
 def test_parameter_counts(name: str, shape: tuple[int, ...], options: dict, expected: int) -> None:
@@ -149,7 +152,7 @@ def test_build_is_seeded() -> None:
 
 def test_options_and_defaults() -> None:
     assert model_options("resnet18") == {"norm": "bn", "gn_groups": 2}
-    assert model_options("vgg11") == {"norm": "none", "gn_groups": 2, "dropout": 0.0}
+    assert model_options("vgg11") == {"norm": "none", "gn_groups": 2, "dropout": 0.0, "hidden": 2}
     gn = build_model("resnet18", CIFAR, 10, norm="gn", gn_groups=4)
     assert not list(gn.buffers()) and any(isinstance(m, torch.nn.GroupNorm) for m in gn.modules())
     assert any(isinstance(m, torch.nn.Dropout) for m in build_model("vgg11", CIFAR, 10, dropout=0.5).modules())
@@ -172,6 +175,8 @@ def test_options_and_defaults() -> None:
         (lambda: build_model("simple_cnn", CIFAR, 10, projector="no"), ["model.options.projector", "'no'"]),
         (lambda: build_model("mobilenetv2", CIFAR, 10, width=0), ["model.options.width", "0", "positive"]),
         (lambda: build_model("vgg11", CIFAR, 10, dropout=1.0), ["model.options.dropout", "1.0", "[0, 1)"]),
+        (lambda: build_model("vgg11", CIFAR, 10, hidden=1), ["model.options.hidden", "1", "0, 2"]),
+        (lambda: build_model("vgg11", CIFAR, 10, hidden=0, dropout=0.5), ["options.dropout", "0.5", "hidden = 0"]),
         (lambda: build_model("mlp", (60,), 0), ["num_classes", "0", "positive"]),
     ],
 )
