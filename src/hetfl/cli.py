@@ -138,13 +138,25 @@ def parse_target(text: str | None) -> float | None:
     return fraction
 
 
+def list_items(option: str, text: str, what: str) -> list[str]:
+    """The comma-separated items of ``option``'s ``text``, stripped; an empty item (``1,,2``, ``0,1,``) is a
+    ConfigError: a typo, perhaps a value left out, not to be guessed past. An empty ``text`` gives no items."""
+    if not text.strip():
+        return []
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ConfigError(option, text, f"has an empty item; give comma-separated {what}, none empty")
+    return items
+
+
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl import api
     from hetfl.sweeps import grid_from_cli
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = list_items("--methods", args.methods, "method names, e.g. fedavg,fedprox")
+    seed_items = list_items("--seeds", args.seeds, "integers, e.g. 0,1,2")
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        seeds = [int(s) for s in seed_items]
     except ValueError:
         raise ConfigError("--seeds", args.seeds, "must be comma-separated integers, e.g. 0,1,2") from None
     if not methods or not seeds:
