@@ -203,3 +203,21 @@ def test_the_time_left_counts_what_the_running_runs_have_left(tmp_path):
     assert jobs._time_left(plan, [], {1: 50.0}, 10.0, 2, now=100.0) == "about 1 s left"  # overdue: at least 1 s
     assert jobs._time_left(plan, [2], {}, None, 2, now=0.0) == "time left known once a run with work has finished"
     assert jobs._time_left(plan, [], {}, 10.0, 2, now=0.0) == "none left"
+
+
+def test_the_command_line_reports_a_failed_parallel_run_as_an_error_line(tmp_path, monkeypatch, capsys):
+    """A run that fails in a worker is :class:`hetfl.jobs.RunFailed`, whose message names the run, its folder and
+    the cause: ``hetfl compare --jobs N`` prints it as its error line (exit 1), not as a traceback of this
+    process's plumbing (the worker's own traceback is not there to show)."""
+    def fails(plan, workers, say):
+        raise jobs.RunFailed(f"run 1 of 2 ({plan[0].label}) in {plan[0].run_dir} failed: RuntimeError: boom")
+
+    monkeypatch.setattr("hetfl.sweeps.run_jobs", fails)
+    out = tmp_path / "c"
+    code = main(["compare", "--methods", "fedavg", "--seeds", "0,1", "--jobs", "2", "--out", str(out), "--quiet",
+                 *[a for kv in TINY for a in ("--set", kv)]])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err.splitlines()[0] == (f"hetfl: error: run 1 of 2 (fedavg, seed 0) in {out / 'fedavg-seed0'} failed: "
+                                   "RuntimeError: boom")
+    assert "Traceback" not in err

@@ -61,10 +61,13 @@ def _is_method_error(err: BaseException) -> bool:
 
 
 def _calibration_errors() -> tuple[type[Exception], ...]:
-    """Exception types of a calibration on non-finite statistics (exit code 1, with the message)."""
+    """Exception types reported by their message, exit code 1: a calibration on non-finite statistics, and a
+    run of ``--jobs N`` that failed in its worker (:class:`hetfl.jobs.RunFailed`: its message names the run, its
+    folder and the worker's error; a traceback would show only this process's waiting for it)."""
     from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
+    from hetfl.jobs import RunFailed
 
-    return (NonFiniteStatistics,)
+    return (NonFiniteStatistics, RunFailed)
 
 
 def _changes_no_number(assignment: str) -> bool:
@@ -526,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_method_error(err):  # raised while a run trained: its folder holds what was done so far
             print(f"hetfl: once the method is fixed, {interrupted_hint(args, argv)}", file=sys.stderr)
         return 2
-    except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
+    except _calibration_errors() as err:  # overflowed features, a parallel run's failure: stopped, with the cause
         print(f"hetfl: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
