@@ -371,3 +371,12 @@ def test_an_override_without_a_value_is_named_as_the_apis_argument(tmp_path):
         with pytest.raises(ConfigError, match=r"^overrides = 'train.rounds': each override must be a 'KEY=VALUE'"):
             call()
     assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("methods", ["fedavg,,fedprox", "fedavg,", ["fedavg", ""], ["fedavg", " "]])
+def test_an_empty_method_name_is_refused_not_skipped(tmp_path, methods):
+    """``"fedavg,,fedprox"`` is a typo (a method left out?): a ConfigError naming ``methods``, before anything is
+    written, as ``hetfl compare --methods`` refuses it."""
+    with pytest.raises(ConfigError, match=r"^methods = .*empty"):
+        hetfl.compare(methods, overrides=["train.rounds=1"], out=tmp_path / "c")
+    assert not (tmp_path / "c").exists()

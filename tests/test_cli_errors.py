@@ -100,3 +100,17 @@ def test_compare_rejects_bad_seeds(tmp_path, capsys):
     assert main(["compare", "--methods", "fedavg", "--seeds", "a,b", "--out", str(tmp_path / "c")]) == 2
     assert "--seeds" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(("option", "methods", "seeds"), [
+    ("--seeds", "fedavg", "1,,2"), ("--seeds", "fedavg", "0,1,"), ("--seeds", "fedavg", ",0"),
+    ("--methods", "fedavg,,fedprox", "0"), ("--methods", "fedavg,", "0")])
+def test_compare_refuses_an_empty_item_in_a_list(tmp_path, capsys, option, methods, seeds):
+    """``--seeds 1,,2`` is a typo (a seed left out?), not the seeds 1 and 2: refused, naming the option and the
+    value, before anything is planned or written."""
+    no_run = ["--set", "train.rounds=1", "--out", str(tmp_path / "c")]
+    assert main(["compare", "--methods", methods, "--seeds", seeds, *no_run]) == 2
+    err = capsys.readouterr()
+    assert f"{option} = '{methods if option == '--methods' else seeds}'" in err.err and "empty" in err.err
+    assert "plan:" not in err.out
+    assert not (tmp_path / "c").exists()

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -203,3 +207,68 @@ def test_the_time_left_counts_what_the_running_runs_have_left(tmp_path):
     assert jobs._time_left(plan, [], {1: 50.0}, 10.0, 2, now=100.0) == "about 1 s left"  # overdue: at least 1 s
     assert jobs._time_left(plan, [2], {}, None, 2, now=0.0) == "time left known once a run with work has finished"
     assert jobs._time_left(plan, [], {}, 10.0, 2, now=0.0) == "none left"
+
+
+def test_the_command_line_reports_a_failed_parallel_run_as_an_error_line(tmp_path, monkeypatch, capsys):
+    """A run that fails in a worker is :class:`hetfl.jobs.RunFailed`, whose message names the run, its folder and
+    the cause: ``hetfl compare --jobs N`` prints it as its error line (exit 1), not as a traceback of this
+    process's plumbing (the worker's own traceback is not there to show)."""
+    def fails(plan, workers, say):
+        raise jobs.RunFailed(f"run 1 of 2 ({plan[0].label}) in {plan[0].run_dir} failed: RuntimeError: boom")
+
+    monkeypatch.setattr("hetfl.sweeps.run_jobs", fails)
+    out = tmp_path / "c"
+    code = main(["compare", "--methods", "fedavg", "--seeds", "0,1", "--jobs", "2", "--out", str(out), "--quiet",
+                 *[a for kv in TINY for a in ("--set", kv)]])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err.splitlines()[0] == (f"hetfl: error: run 1 of 2 (fedavg, seed 0) in {out / 'fedavg-seed0'} failed: "
+                                   "RuntimeError: boom")
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------- this process killed outright
+def pid_worker(tree: dict, run_dir: str, state: str, trained: str | None) -> tuple[str, float, str | None]:
+    """Stands for a long run: writes its process id, then waits ``tree["wait"]`` s."""
+    (Path(run_dir) / "pid").write_text(str(os.getpid()))
+    time.sleep(tree["wait"])
+    return "ran", tree["wait"], None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie left for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc (Linux)")
+def test_workers_stop_when_this_process_is_killed_outright(tmp_path):
+    """``kill -9`` of ``hetfl compare --jobs N`` (or the OOM killer) gives it no chance to stop its workers: each
+    worker sees its parent gone and stops itself (SIGTERM: a run releases its folder, to resume from its last
+    checkpoint), rather than computing on, orphaned, holding the folder that the same command run again needs."""
+    root = Path(__file__).resolve().parents[1]
+    driver = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'src')!r}]\n"
+              "from pathlib import Path\nfrom hetfl import jobs\nfrom tests.test_jobs import pid_worker\n"
+              f"jobs.run_jobs([jobs.Job('long', {{'wait': 300}}, Path({str(tmp_path)!r}), 'new')], 1, "
+              "worker=pid_worker, threads=1)\n")
+    parent = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        for _ in range(600):  # the worker starts (a fresh interpreter importing torch) and writes its pid
+            if ((tmp_path / "pid").is_file() and (tmp_path / "pid").read_text()) or parent.poll() is not None:
+                break
+            time.sleep(0.1)
+        worker = int((tmp_path / "pid").read_text())
+        assert _alive(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+    for _ in range(300):
+        if not _alive(worker):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)  # leave no orphan behind the failed test
+        pytest.fail(f"worker {worker} still runs 30 s after its parent was killed")

@@ -183,3 +183,19 @@ def test_the_html_table_is_built_from_the_rows_not_from_the_markdown(evil_sweep)
     widths = {len(re.findall(r"<t[hd]>", row)) for row in rows}
     assert len(rows) == 3 and len(widths) == 1, widths
     assert f"<td>{html.escape(EVIL)}</td>" in table  # the value whole, in one cell
+
+
+def test_a_row_of_diverged_runs_says_so_in_the_report(tmp_path):
+    """Runs whose train loss became NaN (``train.lr=1e38``) still end with an accuracy; the report's table counts
+    them in a ``diverged`` column, with its note, in report.html and report.md alike."""
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    table = hetfl.sweep({"train.lr": [0.05, 1e38]}, seeds=[0, 1], overrides=TINY, out=tmp_path / "sweep")
+    assert [row["diverged"] for row in table.rows] == [0, 2]
+    build_report([tmp_path / "sweep"], tmp_path / "report")
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<th>diverged</th>" in page and "<td>2 of 2</td>" in page and "<td>0 of 2</td>" in page
+    assert "Diverged: a row" in page
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| 2 of 2 |" in md and "Diverged: a row" in md

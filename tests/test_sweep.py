@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 import hetfl
-from hetfl import reproduce, sweeps
+from hetfl import reproduce, sweeps, tables
 from hetfl.api import make_config
 from hetfl.cli import main
 from hetfl.config import parse_value
@@ -474,3 +474,31 @@ def test_a_grid_over_calibration_settings_trains_once_per_seed(tmp_path, monkeyp
     summary = alone.run(tmp_path / "alone")
     assert table.runs[1].final_accuracy == summary["final_global_acc"]
     assert table.runs[0].final_accuracy != table.runs[1].final_accuracy
+
+
+# ------------------------------------------------------------- honesty of the table
+def _record(seed: int, acc: float, diverged: int | None) -> tables.RunRecord:
+    summary = {"final_global_acc": acc, "best_global_acc": acc, "wall_time_s": 1.0, "diverged_round": diverged}
+    return tables.RunRecord("fedavg", seed, summary, [{"round": 1, "global_acc": acc}])
+
+
+def test_a_row_with_a_diverged_seed_says_so_in_every_output():
+    """A run whose train loss went inf/NaN still ends with an accuracy (often a plausible one) and stays in its
+    row's mean, as it ended; the row counts it (``diverged``) and the rendered table shows it, so a mean over
+    diverged seeds never reads like a healthy one."""
+    rows = tables.table_rows([_record(0, 0.8, None), _record(1, 0.7, 1), _record(2, 0.6, 3)], None)
+    assert rows[0]["seeds"] == 3 and rows[0]["diverged"] == 2
+    assert rows[0]["final_mean"] == pytest.approx(0.7)  # kept in the mean, not dropped
+    head, body = tables.table_cells(rows, None)
+    assert body[0][head.index("diverged")] == "2 of 3"
+    markdown = tables.to_markdown(rows, None)
+    assert "| diverged |" in markdown and "| 2 of 3 |" in markdown and "(summary.json: diverged_round)" in markdown
+    written = next(csv.DictReader(io.StringIO(tables.to_csv(rows))))
+    assert written["diverged"] == "2"
+
+
+def test_a_table_without_a_diverged_run_counts_zero_and_shows_no_column():
+    rows = tables.table_rows([_record(0, 0.8, None), _record(1, 0.7, None)], None)
+    assert rows[0]["diverged"] == 0
+    assert "diverged" not in tables.table_cells(rows, None)[0]
+    assert "diverged" not in tables.to_markdown(rows, None)

@@ -195,7 +195,9 @@ def _method_list(methods: str | Sequence[str]) -> list[str]:
     items = methods.split(",") if isinstance(methods, str) else methods
     if not isinstance(items, Sequence) or not all(isinstance(m, str) for m in items):
         raise ConfigError("methods", methods, "must be a list of method names, e.g. ['fedavg', 'fedprox']")
-    names = [m.strip() for m in items if m.strip()]
+    names = [m.strip() for m in items]
+    if not all(names):  # "fedavg,,fedprox": a typo, perhaps a method left out; not to be guessed past
+        raise ConfigError("methods", methods, "has an empty method name; name each method, e.g. 'fedavg,fedprox'")
     if not names or len(set(names)) < len(names):
         raise ConfigError("methods", methods, "must name at least one method, none twice")
     return names

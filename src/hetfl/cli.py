@@ -69,10 +69,13 @@ def _stopped_errors() -> tuple[type[Exception], ...]:
 
 
 def _calibration_errors() -> tuple[type[Exception], ...]:
-    """Exception types of a calibration on non-finite statistics (exit code 1, with the message)."""
+    """Exception types reported by their message, exit code 1: a calibration on non-finite statistics, and a
+    run of ``--jobs N`` that failed in its worker (:class:`hetfl.jobs.RunFailed`: its message names the run, its
+    folder and the worker's error; a traceback would show only this process's waiting for it)."""
     from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
+    from hetfl.jobs import RunFailed
 
-    return (NonFiniteStatistics,)
+    return (NonFiniteStatistics, RunFailed)
 
 
 def _changes_no_number(assignment: str) -> bool:
@@ -146,13 +149,25 @@ def parse_target(text: str | None) -> float | None:
     return fraction
 
 
+def list_items(option: str, text: str, what: str) -> list[str]:
+    """The comma-separated items of ``option``'s ``text``, stripped; an empty item (``1,,2``, ``0,1,``) is a
+    ConfigError: a typo, perhaps a value left out, not to be guessed past. An empty ``text`` gives no items."""
+    if not text.strip():
+        return []
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise ConfigError(option, text, f"has an empty item; give comma-separated {what}, none empty")
+    return items
+
+
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from hetfl import api
     from hetfl.sweeps import grid_from_cli
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = list_items("--methods", args.methods, "method names, e.g. fedavg,fedprox")
+    seed_items = list_items("--seeds", args.seeds, "integers, e.g. 0,1,2")
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        seeds = [int(s) for s in seed_items]
     except ValueError:
         raise ConfigError("--seeds", args.seeds, "must be comma-separated integers, e.g. 0,1,2") from None
     if not methods or not seeds:
@@ -522,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_method_error(err):  # raised while a run trained: its folder holds what was done so far
             print(f"hetfl: once the method is fixed, {interrupted_hint(args, argv)}", file=sys.stderr)
         return 2
-    except _calibration_errors() as err:  # a calibration on overflowed features: stopped, never reported as a result
+    except _calibration_errors() as err:  # overflowed features, a parallel run's failure: stopped, with the cause
         print(f"hetfl: error: {err}", file=sys.stderr)
         return 1
     except _stopped_errors() as err:  # too few clients answered: an operational failure, not a bug (no traceback)

@@ -17,7 +17,7 @@ large step's may differ in the last bits, as under another ``OMP_NUM_THREADS``; 
 What changes: the terminal. Workers show no progress bars; this process says when each run starts and ends,
 with the time left. A run that fails stops the plan: the other workers are stopped (each of their runs resumes
 from its last checkpoint when the command is run again) and :class:`RunFailed` names the run's folder and its
-cause. Ctrl-C stops them alike.
+cause. Ctrl-C stops them alike, and a worker whose parent was killed outright (``kill -9``) stops itself.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -101,13 +102,30 @@ def format_duration(seconds: float) -> str:
 
 
 # ----------------------------------------------------------------- in the worker processes
-def _start_worker(plugins: list[str], threads: int) -> None:
+#: seconds between a worker's looks at whether its parent still runs (:func:`_watch_parent`)
+PARENT_POLL_S = 0.5
+
+
+def _watch_parent(parent: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Stop this worker once ``parent`` (the process that started it) is gone: killed outright (``kill -9``, the
+    OOM killer), it could not stop its workers, and an orphan would compute on, holding its run's folder, which
+    the same command run again needs. SIGTERM, as :meth:`multiprocessing.pool.Pool.terminate` sends: a run
+    releases its folder and resumes from its last checkpoint next time."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _start_worker(plugins: list[str], threads: int, parent: int | None = None) -> None:
     """A worker's set-up: Ctrl-C is this process's to handle (it stops the workers), the thread count the
-    runs start from, and the plug-in files this process loaded."""
+    runs start from, the plug-in files this process loaded, and a watch that stops the worker when ``parent``
+    (this process's id) is gone (:func:`_watch_parent`)."""
     import torch
 
     from hetfl.engine import threads as threads_mod
 
+    if parent is not None:
+        threading.Thread(target=_watch_parent, args=(parent,), name="hetfl-parent-watch", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     threads_mod.PROCESS_THREADS = threads
@@ -152,7 +170,7 @@ def run_jobs(jobs: list[Job], workers: int, say: Callable[[str], None] | None = 
     spent = done_cost = 0.0
     started_at = clock()
     pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
-                                                     initargs=(plugin_files(), count))
+                                                     initargs=(plugin_files(), count, os.getpid()))
     try:
         while waiting or running:
             for i in [i for i in waiting if jobs[i].after is None or jobs[i].after in statuses]:

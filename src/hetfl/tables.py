@@ -164,11 +164,19 @@ def _privacy(runs: list[RunRecord]) -> dict[str, Any]:
             "dp_covers": "; ".join(sorted({str(p.get("covers", "")) for p in private} - {""})) or None}
 
 
+def diverged_count(runs: list[RunRecord]) -> int:
+    """How many of a row's runs diverged (``summary.json``'s ``diverged_round`` set: the train loss became inf
+    or NaN). They stay in the row's mean as they ended (dropping them would flatter the setting); the count
+    says how many seeds that mean stands on are such runs."""
+    return sum(1 for r in runs if r.summary.get("diverged_round") is not None)
+
+
 def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str, Any]]:
     """One row per setting (records with equal setting ids; by method label where a record's
     config is unknown), in first-seen order. The keys of :func:`shown_keys` become columns named by
     the dotted key. Accuracies are fractions (``final_mean``, ``final_std``, ``best_mean``, ``best_std``);
-    ``rounds_to_target`` counts rounds. Where a run has a post-hoc step (``fedavg+ccvr``), its accuracy
+    ``rounds_to_target`` counts rounds; ``diverged`` counts the row's runs that diverged (:func:`diverged_count`).
+    Where a run has a post-hoc step (``fedavg+ccvr``), its accuracy
     before the step is there too (``final_before_ccvr_mean``/``_std``; None for rows without it)."""
     groups: dict[str, list[RunRecord]] = {}
     for r in records:
@@ -188,6 +196,7 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
         row.update({
             "metric": "global" if key == "final_global_acc" else "client mean",
             "seeds": len(runs),
+            "diverged": diverged_count(runs),
             **_before_steps(runs, steps),
             "final_mean": final_m, "final_std": final_s,
             "best_mean": best_m, "best_std": best_s,
@@ -236,8 +245,9 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
     keys = key_columns(rows)
     steps = [k.removeprefix("final_before_").removesuffix("_mean") for k in (rows[0] if rows else {})
              if k.startswith("final_before_") and k.endswith("_mean")]
-    head = ["method", *keys, "metric", "seeds", *(f"final before {s} (%)" for s in steps), "final acc (%)",
-            "best acc (%)"]
+    diverged = any(row.get("diverged") for row in rows)
+    head = ["method", *keys, "metric", "seeds", *(["diverged"] if diverged else []),
+            *(f"final before {s} (%)" for s in steps), "final acc (%)", "best acc (%)"]
     if target is not None:
         head += [f"rounds to {percent(target):g}%"]
     private = bool(rows) and "dp_epsilon" in rows[0]
@@ -247,6 +257,7 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
     body = []
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
+                 *([f"{row.get('diverged', 0)} of {row['seeds']}"] if diverged else []),
                  *(_before_cell(row, s) for s in steps),
                  with_spread(percent(row["final_mean"]), percent(row["final_std"]), row["seeds"]),
                  with_spread(percent(row["best_mean"]), percent(row["best_std"]), row["seeds"])]
@@ -270,6 +281,14 @@ def privacy_cell(row: dict[str, Any]) -> str:
     return budget_text(row["dp_epsilon"], row["dp_delta"], row["dp_per_upload"])
 
 
+def diverged_line(rows: list[dict[str, Any]]) -> str:
+    """What the diverged column means, for a table that has one ('' otherwise)."""
+    if not any(row.get("diverged") for row in rows):
+        return ""
+    return ("Diverged: a row's runs whose train loss became inf or NaN (summary.json: diverged_round); their "
+            "final and best accuracies are in the row's mean and std as they ended.")
+
+
 def privacy_line(rows: list[dict[str, Any]]) -> str:
     """What the privacy column means, for a table that has one ('' otherwise): the budget each private row
     spent, as its server faces it, and what it covers (a method's private statistics, not everything sent)."""
@@ -287,7 +306,8 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
     head, body = table_cells(rows, target)
     lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
-    notes = [markdown_text(line) for line in (differences_line(rows), privacy_line(rows)) if line]
+    notes = [markdown_text(line) for line in (differences_line(rows), diverged_line(rows), privacy_line(rows))
+             if line]
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
