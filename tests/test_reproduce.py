@@ -386,3 +386,38 @@ def test_fedbr_table5_runs_feddecorr_as_fedbrs_code_did():
     code = (z - z.mean(0)) / (z.std(0) + 1e-4)  # FedBR's new_loss, verbatim
     fedbr = ((code.t() @ code / len(z)) ** 2).mean()
     assert decorrelation_loss(z, hp.eps, hp.form).item() == pytest.approx(fedbr.item(), rel=0.08)
+
+
+def test_a_cell_with_diverged_seeds_counts_them_in_every_output(tmp_path):
+    """A seed whose train loss became inf stays in the cell's mean (dropping it would flatter the method), and
+    the cell says how many of its seeds diverged, as hetfl compare's tables do (tables.diverged_count)."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET)
+    preset = reproduce.load_preset(str(path))
+    accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
+    base = fake_run(accs)
+
+    def run(cfg, run_dir, resume):
+        base(cfg, run_dir, resume)
+        if cfg.algorithm.name == "fedavg" and cfg.seed == 1:  # seed 1 of row A diverged in round 3
+            summary = json.loads((run_dir / "summary.json").read_text())
+            (run_dir / "summary.json").write_text(json.dumps({**summary, "diverged_round": 3}))
+
+    result = reproduce.reproduce(preset, tmp_path / "out", run)
+    assert result["table"]["A"]["c"]["diverged"] == 1 and result["table"]["B"]["c"]["diverged"] == 0
+    assert result["table"]["A"]["c"]["ours"] == pytest.approx(0.605)  # still in the mean
+    saved = json.loads((tmp_path / "out" / "reproduction.json").read_text())
+    assert saved["table"]["A"]["c"]["diverged"] == 1
+    md = (tmp_path / "out" / "reproduction.md").read_text()
+    row_a = next(line for line in md.splitlines() if line.startswith("| A |"))
+    row_b = next(line for line in md.splitlines() if line.startswith("| B |"))
+    assert "1 of 2 diverged" in row_a and "diverged" not in row_b
+    assert "Diverged:" in md  # what the count means
+
+
+def test_a_reproduction_without_diverged_seeds_says_nothing_of_divergence(tmp_path):
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET)
+    accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
+    reproduce.reproduce(reproduce.load_preset(str(path)), tmp_path / "out", fake_run(accs))
+    assert "iverged" not in (tmp_path / "out" / "reproduction.md").read_text()

@@ -223,6 +223,13 @@ def metric_value(run_dir: Path, metric: str) -> float:
     return float(summary[metric])
 
 
+def run_diverged(run_dir: Path) -> bool:
+    """Whether a run's train loss became inf or NaN (``summary.json``'s ``diverged_round`` set), as
+    :func:`hetfl.tables.diverged_count` counts a compare row's runs."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary.get("diverged_round") is not None
+
+
 def reproduce(
     preset: Preset,
     out: Path,
@@ -282,14 +289,15 @@ def reproduce(
     for row in preset.rows:
         metric = row.metric or preset.metric
         for column in preset.columns:
-            values = [metric_value(out / column.id / specs[(row.label, column.id, s)].dirname, metric)
-                      for s in preset.seeds]
+            dirs = [out / column.id / specs[(row.label, column.id, s)].dirname for s in preset.seeds]
+            values = [metric_value(d, metric) for d in dirs]
             ours = mean(values)
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
             table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
                 "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
+                "diverged": sum(run_diverged(d) for d in dirs),  # kept in the mean: dropping them would flatter
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
@@ -410,6 +418,8 @@ def markdown(result: dict[str, Any]) -> str:
             paper = "U" if cell["paper"] is None else f"{percent(cell['paper']):.2f}"
             diff = "" if cell["diff"] is None else f"{percent(cell['diff']):+.2f}"
             ours = with_spread(percent(cell["ours"]), percent(cell["std"]), len(cell["values"]))
+            if cell.get("diverged"):
+                ours += f" ({cell['diverged']} of {len(cell['values'])} diverged)"
             cells.append(f"{ours} | {paper} | {diff}")
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
     if result["quick"]:
@@ -425,6 +435,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "These --set values change the preset, so the runs are not the paper's setting: "
                   + ", ".join(md(a) for a in result["setting_changed"]) + ". No differences are given; "
                   "compare the ordering of methods (below)."]
+    if any(cell.get("diverged") for by_col in result["table"].values() for cell in by_col.values()):
+        lines += ["", "Diverged: seeds whose train loss became inf or NaN (summary.json: diverged_round); they are "
+                  "kept in the cell's mean and std, as evaluated, so that a method is not flattered by dropping "
+                  "its failures."]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)
