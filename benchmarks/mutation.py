@@ -114,7 +114,7 @@ TARGETS = (
     Target("pfedhn", "src/hetfl/algorithms/pfedhn.py", ("tests/algorithms/test_personalized_baselines.py",)),
     # the bias-reducing baselines and regularisers the papers compare against (session 26)
     Target("freeze", "src/hetfl/algorithms/freeze.py", ("tests/algorithms/test_baselines.py",)),
-    Target("classifier_reg", "src/hetfl/algorithms/classifier_reg.py", ("tests/algorithms/test_bias_baselines.py",)),
+    Target("classifier_reg", "src/hetfl/algorithms/classifier_reg.py", ("tests/algorithms/test_ccvr_side_studies.py",)),
     Target("logit_adjust", "src/hetfl/algorithms/logit_adjust.py", ("tests/algorithms/test_bias_baselines.py",)),
     Target("feddecorr", "src/hetfl/algorithms/feddecorr.py", ("tests/algorithms/test_bias_baselines.py",)),
     Target("fedetf", "src/hetfl/algorithms/fedetf.py", ("tests/algorithms/test_fedetf.py",)),

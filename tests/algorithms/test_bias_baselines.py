@@ -207,6 +207,19 @@ def test_feddecorr_loss_combines_ce_and_penalty():
     assert m["decorr"].item() == pytest.approx(decorrelation_loss(features).item(), rel=1e-6)
     assert m["ce"].item() == pytest.approx(F.cross_entropy(logits, batch.y).item(), rel=1e-6)
     assert loss.item() == pytest.approx((m["ce"] + 0.1 * m["decorr"]).item(), rel=1e-6)
+    # the configured form reaches the penalty
+    paper = build_algorithm("feddecorr", {"form": "paper", "beta": 0.5}, setup)
+    loss, m = paper.loss(state, batch, ClientContext(0, 1, 6, 0.1, state, {}))
+    assert m["decorr"].item() == pytest.approx(decorrelation_loss(features, form="paper").item(), rel=1e-6)
+    assert loss.item() == pytest.approx((m["ce"] + 0.5 * m["decorr"]).item(), rel=1e-6)
+
+
+def test_feddecorr_two_samples_are_perfectly_correlated():
+    """Two samples are the smallest batch with a correlation: every pair of columns is +-1 correlated."""
+    two = torch.tensor([[0.3, -1.0, 2.0], [1.5, 4.0, -0.5]])
+    # code: C_ij = +-(N - 1) = +-1 off the diagonal, mean square / N = 1/2; paper: K_ij = +-1, ||K||^2 / d^2 = 1
+    assert decorrelation_loss(two).item() == pytest.approx(0.5, rel=1e-5)
+    assert decorrelation_loss(two, form="paper").item() == pytest.approx(1.0, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------ shared

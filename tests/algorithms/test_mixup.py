@@ -25,6 +25,8 @@ def test_mixup_draws_are_a_permutation_and_a_beta_weight_from_the_generator():
     assert sorted(first[PERM].tolist()) == list(range(16))
     lams = torch.stack([draw(torch.Generator().manual_seed(s), 4)[LAM] for s in range(400)])
     assert lams.min() >= 0 and lams.max() <= 1
+    # each generator state gives its own lam (the Beta draw's seed spans 2^62 values, not a handful)
+    assert len(set(lams.tolist())) > 350
     # Beta(0.4, 0.4): mean 1/2, variance 1 / (4 (2 alpha + 1)) = 0.1389
     assert lams.mean().item() == pytest.approx(0.5, abs=0.05)
     assert lams.var().item() == pytest.approx(1 / (4 * 1.8), abs=0.03)
@@ -38,12 +40,23 @@ def test_mixup_loss_is_the_mixed_cross_entropy():
     x, y = torch.randn(5, 4, generator=gen), torch.tensor([0, 1, 2, 0, 1])
     perm, lam = torch.tensor([4, 3, 2, 1, 0]), torch.tensor(0.3)
     batch = Batch(x, y, {PERM: perm, LAM: lam})
-    loss, _ = algo.loss(state, batch, context(0, state))
+    loss, metrics = algo.loss(state, batch, context(0, state))
     logits = setup.model.logits(state, 0.3 * x + 0.7 * x[perm])
     expected = 0.3 * F.cross_entropy(logits, y) + 0.7 * F.cross_entropy(logits, y[perm])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics.keys() == {"ce"} and metrics["ce"].item() == pytest.approx(expected.item(), rel=1e-6)
     (stage,) = algo.stages(context(0, state))
     assert stage.draws is not None
+
+
+def test_mixup_stage_draws_lam_from_the_configured_beta():
+    setup = tiny_setup()
+    algo = build_algorithm("mixup", {"alpha": 0.4}, setup)
+    (stage,) = algo.stages(context(0, initial_state(setup)))
+    got = stage.draws(torch.Generator().manual_seed(5), 8)
+    want = mixup_draws(0.4)(torch.Generator().manual_seed(5), 8)
+    assert torch.equal(got[PERM], want[PERM]) and torch.equal(got[LAM], want[LAM])
+    assert not torch.equal(got[LAM], mixup_draws(1.0)(torch.Generator().manual_seed(5), 8)[LAM])
 
 
 def test_averaged_data_means_disjoint_groups():
