@@ -202,3 +202,17 @@ def test_groupdro_learns(groups, tmp_path):
             assert q.max() - q.min() > 1e-4
     else:
         assert (ckpt.server.extra[CLIENT_LOGQ] > 0).all()
+
+
+def test_the_worst_group_metric_is_the_largest_loss_of_a_group_the_client_holds():
+    """``worst_group_loss`` (the q step's metric) is max_g L_g over the client's classes: a class it lacks (here
+    class 1) has no loss and is no group, so it neither enters the maximum nor makes it undefined."""
+    setup = tiny_setup()
+    algo = build_algorithm("groupdro", {"eta": 0.5}, setup)
+    ctx = client_ctx(algo, perturbed(initial_state(setup), 0.5, seed=3), torch.tensor([0, 0, 2, 2]))
+    state = algo.start_state(ctx)
+    batch = Batch(torch.randn(4, 4, generator=torch.Generator().manual_seed(7)), torch.tensor([0, 2, 2, 0]))
+    per_sample = F.cross_entropy(setup.model.logits(state, batch.x), batch.y, reduction="none").detach()
+    by_class = [per_sample[batch.y == c].mean().item() for c in (0, 2)]
+    _, metrics = algo.q_loss(state, batch, ctx)
+    assert metrics["worst_group_loss"].item() == pytest.approx(max(by_class), rel=1e-6)
