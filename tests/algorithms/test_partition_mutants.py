@@ -1,0 +1,54 @@
+"""Partitions (:mod:`hetfl.data.partition`) beyond ``tests/data/test_partition.py``: the concept-shift label
+maps when the classes are few enough for collisions to happen, and the refusals' whole messages (a message
+names the key, its value as given, and what is allowed: a description in angle brackets shown as is)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from hetfl.data.partition import Partition, PartitionError, concept_permutations, split_shards
+
+
+@pytest.mark.parametrize(("num_classes", "groups"), [(3, 6), (3, 4), (4, 24), (10, 3)])
+def test_concept_maps_are_distinct_int_permutations_one_per_group(num_classes, groups):
+    """3 classes, 6 groups: the 6 label maps must be all of S_3, the identity first (a repeated map would
+    silently merge two concept groups)."""
+    perms = concept_permutations(num_classes, groups, np.random.default_rng(0))
+    assert len(perms) == groups
+    assert all(p.dtype == np.int64 and sorted(p.tolist()) == list(range(num_classes)) for p in perms)
+    assert perms[0].tolist() == list(range(num_classes))
+    assert len({tuple(p.tolist()) for p in perms}) == groups
+    if groups == math.factorial(num_classes):
+        assert {tuple(p.tolist()) for p in perms} == set(itertools.permutations(range(num_classes)))
+
+
+def test_a_partition_of_mismatched_lengths_says_how_many_entries_it_got():
+    idx = [np.array([0, 1]), np.array([2])]
+    with pytest.raises(PartitionError) as err:
+        Partition(idx, idx[:1])
+    assert str(err.value) == "Partition.test = <1 entries>: needs one entry per client (2)"
+    with pytest.raises(PartitionError) as err:
+        Partition(idx, idx, group=[0, 1, 2])
+    assert str(err.value) == "Partition.group = <3 entries>: needs one entry per client (2)"
+
+
+def test_shards_per_class_are_proportional_to_class_sizes_capped_at_the_clients():
+    """split_shards' docstring: each class gets a number of shards proportional to its size, at least one and
+    at most ``num_clients``. Classes of 600, 300 and 100 samples, 4 clients x 2 shards = 8 shards: exact shares
+    4.8, 2.4 and 0.8; the first capped at 4 clients, the 4 left shared 2.4 : 0.8 -> 3 and 1. As no client
+    holds two shards of one class, a class's shard count is the number of clients holding it."""
+    y = np.repeat([0, 1, 2], [600, 300, 100])
+    for seed in range(3):
+        parts = split_shards(y, 4, np.random.default_rng(seed), 2)
+        holders = [sum(int(np.any(y[p] == c)) for p in parts) for c in range(3)]
+        assert holders == [4, 3, 1], seed
+        assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    # 5 classes of 500, 200, 150, 100, 50 samples, 10 clients x 2 shards: shares 10, 4, 3, 2, 1 exactly
+    y = np.repeat(np.arange(5), [500, 200, 150, 100, 50])
+    parts = split_shards(y, 10, np.random.default_rng(0), 2)
+    assert [sum(int(np.any(y[p] == c)) for p in parts) for c in range(5)] == [10, 4, 3, 2, 1]
+    assert all(len(p) == 100 for p in parts)  # equal shards of 50: every client 100 samples
