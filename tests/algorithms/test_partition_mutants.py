@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from hetfl.data.partition import Partition, PartitionError, concept_permutations, split_shards
+from hetfl.data.partition import Partition, PartitionError, _deal_distinct, concept_permutations, split_shards
 
 
 @pytest.mark.parametrize(("num_classes", "groups"), [(3, 6), (3, 4), (4, 24), (10, 3)])
@@ -52,3 +52,13 @@ def test_shards_per_class_are_proportional_to_class_sizes_capped_at_the_clients(
     parts = split_shards(y, 10, np.random.default_rng(0), 2)
     assert [sum(int(np.any(y[p] == c)) for p in parts) for c in range(5)] == [10, 4, 3, 2, 1]
     assert all(len(p) == 100 for p in parts)  # equal shards of 50: every client 100 samples
+
+
+def test_a_repaired_deal_stays_random_not_the_round_robin_fallback():
+    """MNIST's 200 shards (20 per class) over 100 clients: the fallback pairs class c with class c + 5 only; the
+    random deal with repairs gives many pairs, every shard dealt once, no client holding a class twice."""
+    shard_class = np.repeat(np.arange(10), 20)
+    deal = _deal_distinct(shard_class, 100, 2, np.random.default_rng(0))
+    assert sorted(deal.ravel().tolist()) == list(range(200))
+    pairs = {tuple(sorted(shard_class[row].tolist())) for row in deal}
+    assert all(a != b for a, b in pairs) and len(pairs) > 20
