@@ -10,7 +10,15 @@ import math
 import numpy as np
 import pytest
 
-from hetfl.data.partition import Partition, PartitionError, _deal_distinct, concept_permutations, split_shards
+from hetfl.data.partition import (
+    Partition,
+    PartitionError,
+    _deal_distinct,
+    concept_permutations,
+    make_partition,
+    split_groups,
+    split_shards,
+)
 
 
 @pytest.mark.parametrize(("num_classes", "groups"), [(3, 6), (3, 4), (4, 24), (10, 3)])
@@ -62,3 +70,17 @@ def test_a_repaired_deal_stays_random_not_the_round_robin_fallback():
     assert sorted(deal.ravel().tolist()) == list(range(200))
     pairs = {tuple(sorted(shard_class[row].tolist())) for row in deal}
     assert all(a != b for a, b in pairs) and len(pairs) > 20
+
+
+def test_a_domain_needs_as_many_samples_as_its_clients_and_says_which_falls_short():
+    """A group of exactly ``clients_per_domain`` samples gives each of its clients one; one fewer is refused
+    naming the first group short of samples and its count."""
+    y = np.arange(9) % 3
+    groups = np.array([0, 0, 1, 1, 1, 1, 2, 2, 2])  # group 0: 2 samples
+    part = split_groups(groups, np.random.default_rng(0), 2)
+    assert [len(p) for p in part[0]][:2] == [1, 1] and part[1] == [0, 0, 1, 1, 2, 2]
+    assert sorted(np.concatenate(part[0]).tolist()) == list(range(9))
+    with pytest.raises(PartitionError) as err:
+        make_partition("domain", y, y, 9, seed=0, train_groups=np.array([5, 5, 7, 7, 7, 9, 9, 9, 9]),
+                       test_groups=np.array([5, 5, 7, 7, 7, 9, 9, 9, 9]), clients_per_domain=3)
+    assert str(err.value) == "data.clients_per_domain = 3: group 5 has only 2 training samples"
