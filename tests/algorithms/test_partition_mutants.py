@@ -84,3 +84,23 @@ def test_a_domain_needs_as_many_samples_as_its_clients_and_says_which_falls_shor
         make_partition("domain", y, y, 9, seed=0, train_groups=np.array([5, 5, 7, 7, 7, 9, 9, 9, 9]),
                        test_groups=np.array([5, 5, 7, 7, 7, 9, 9, 9, 9]), clients_per_domain=3)
     assert str(err.value) == "data.clients_per_domain = 3: group 5 has only 2 training samples"
+
+
+def test_shards_at_exactly_the_cap_are_dealt_and_impossible_ones_refused_whole():
+    """Every class in at most one shard per client: two classes of 50 over 2 clients x 2 shards need exactly
+    the 4 shards the cap allows (each client both classes); the refusals name the key, k and the reason."""
+    y = np.repeat([0, 1], 50)
+    parts = split_shards(y, 2, np.random.default_rng(0), 2)
+    assert [sorted(set(y[p].tolist())) for p in parts] == [[0, 1], [0, 1]]
+    cases = [
+        (np.repeat([0, 1], 10), 2, 3, "data.classes_per_client = 3: only 2 classes occur in the training labels"),
+        (np.repeat(np.arange(5), 10), 2, 2, "data.classes_per_client = 2: 2 clients x 2 shards cannot cover the "
+                                           "5 classes; use more clients or more classes per client"),
+        (np.repeat([0, 1, 2], [1, 1, 50]), 3, 2, "data.classes_per_client = 2: the class sizes [1, 1, 50] cannot "
+                                                 "give each of 3 clients 2 distinct classes; use fewer clients or "
+                                                 "classes per client"),
+    ]
+    for labels, clients, k, message in cases:
+        with pytest.raises(PartitionError) as err:
+            split_shards(labels, clients, np.random.default_rng(0), k)
+        assert str(err.value) == message
