@@ -16,6 +16,7 @@ from hetfl.data.partition import (
     _deal_distinct,
     concept_permutations,
     make_partition,
+    split_dirichlet,
     split_groups,
     split_shards,
 )
@@ -104,3 +105,34 @@ def test_shards_at_exactly_the_cap_are_dealt_and_impossible_ones_refused_whole()
         with pytest.raises(PartitionError) as err:
             split_shards(labels, clients, np.random.default_rng(0), k)
         assert str(err.value) == message
+
+
+def niid_bench_dirichlet(labels, num_clients, rng, alpha, min_size):
+    """NIID-Bench's Dirichlet loop (Li et al., ICDE 2022, ``partition_data``, 'noniid-labeldir'), written as
+    there, with hetfl's draw order per class (the proportions, then the class's shuffle): a client already
+    holding N / num_clients samples gets none of the next class; redrawn until every client has min_size."""
+    n = len(labels)
+    smallest = -1
+    while smallest < min_size:
+        batches = [[] for _ in range(num_clients)]
+        for k in range(labels.max() + 1):
+            idx_k = np.flatnonzero(labels == k)
+            if not len(idx_k):
+                continue
+            proportions = rng.dirichlet(np.repeat(alpha, num_clients))
+            idx_k = rng.permutation(idx_k)
+            proportions = np.array([p * (len(b) < n / num_clients) for p, b in zip(proportions, batches, strict=True)])
+            proportions = proportions / proportions.sum()
+            cuts = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+            batches = [b + part.tolist() for b, part in zip(batches, np.split(idx_k, cuts), strict=True)]
+        smallest = min(len(b) for b in batches)
+    return [np.sort(np.array(b, dtype=np.int64)) for b in batches]
+
+
+@pytest.mark.parametrize(("alpha", "min_size", "clients"), [(0.1, 0, 5), (0.5, 10, 8), (100.0, 1, 4), (0.05, 15, 6)])
+def test_dirichlet_split_is_niid_benchs_loop(alpha, min_size, clients):
+    y = np.random.default_rng(7).integers(0, 10, 600)
+    y[y == 3] = 4  # a label that does not occur
+    got = split_dirichlet(y, clients, np.random.default_rng(1), alpha, min_size, 1000)
+    want = niid_bench_dirichlet(y, clients, np.random.default_rng(1), alpha, min_size)
+    assert [p.tolist() for p in got] == [p.tolist() for p in want]
