@@ -15,8 +15,11 @@ from hetfl.data.partition import (
     PartitionError,
     _deal_distinct,
     concept_permutations,
+    dominant_classes,
+    group_test,
     make_partition,
     split_dirichlet,
+    split_dominant,
     split_groups,
     split_shards,
 )
@@ -136,3 +139,28 @@ def test_dirichlet_split_is_niid_benchs_loop(alpha, min_size, clients):
     got = split_dirichlet(y, clients, np.random.default_rng(1), alpha, min_size, 1000)
     want = niid_bench_dirichlet(y, clients, np.random.default_rng(1), alpha, min_size)
     assert [p.tolist() for p in got] == [p.tolist() for p in want]
+
+
+def test_dominant_classes_step_by_one_when_there_are_as_many_groups_as_classes():
+    assert dominant_classes(10, 5, 3) == [[0, 1, 2], [2, 3, 4], [4, 5, 6], [6, 7, 8], [8, 9, 0]]  # FedPAC's sets
+    assert dominant_classes(4, 4, 2) == [[0, 1], [1, 2], [2, 3], [3, 0]]
+
+
+def test_a_dominant_split_may_use_every_sample_of_a_class_and_refuses_a_missing_class_clearly():
+    y = np.repeat([0, 1], 5)
+    parts, wanted = split_dominant(y, 1, np.random.default_rng(0), 2, 10, 0.0, 1, 2)
+    assert wanted.tolist() == [[5, 5]] and parts[0].tolist() == list(range(10))
+    with pytest.raises(PartitionError) as err:
+        split_dominant(np.repeat([0, 1], 50), 2, np.random.default_rng(0), 3, 30, 0.2, 1, 3)
+    assert str(err.value).startswith("data.samples_per_client = 30: 2 clients need 20 training samples of class 2 "
+                                     "but only 0 exist")
+
+
+@pytest.mark.parametrize("test_groups", [[0, 0, 2, 2], [0, 0, 1, 1]])
+def test_a_group_without_test_samples_gives_its_clients_an_empty_test_split(test_groups):
+    """Client c of group ``owner[c]``: the groups' test samples whole (one client per group); a group absent
+    from the test split (in the middle or past the last test group) gets an empty, int64 split."""
+    got = group_test(np.array(test_groups), [0, 1, 2], np.random.default_rng(0))
+    want = {0: [0, 1], 1: [2, 3] if test_groups[2] == 1 else [], 2: [2, 3] if test_groups[2] == 2 else []}
+    assert [g.tolist() for g in got] == [want[0], want[1], want[2]]
+    assert all(g.dtype == np.int64 for g in got)
