@@ -18,6 +18,7 @@ from hetfl.data.partition import (
     dominant_classes,
     group_test,
     make_partition,
+    personal_test,
     split_dirichlet,
     split_dominant,
     split_groups,
@@ -164,3 +165,11 @@ def test_a_group_without_test_samples_gives_its_clients_an_empty_test_split(test
     want = {0: [0, 1], 1: [2, 3] if test_groups[2] == 1 else [], 2: [2, 3] if test_groups[2] == 2 else []}
     assert [g.tolist() for g in got] == [want[0], want[1], want[2]]
     assert all(g.dtype == np.int64 for g in got)
+
+
+def test_a_client_without_samples_or_without_matching_test_classes_gets_an_empty_int64_test_split():
+    train, test = np.array([0, 0, 1, 2, 2]), np.array([0, 0, 1, 1, 0])
+    parts = [np.array([0, 1, 2]), np.zeros(0, dtype=np.int64), np.array([3, 4])]  # client 2: only class 2
+    got = personal_test(train, test, parts, 3, 3, np.random.default_rng(0))
+    assert [g.dtype for g in got] == [np.int64] * 3
+    assert sorted(test[got[0]].tolist()) == [0, 0, 1] and got[1].size == 0 and got[2].size == 0
