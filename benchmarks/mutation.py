@@ -123,6 +123,14 @@ TARGETS = (
     Target("groupdro", "src/hetfl/algorithms/groupdro.py", ("tests/algorithms/test_groupdro.py",)),
     Target("mixup", "src/hetfl/algorithms/mixup.py", ("tests/algorithms/test_mixup.py",)),
     Target("fedmix", "src/hetfl/algorithms/fedmix.py", ("tests/algorithms/test_mixup.py",)),
+    # the shared core (session 26)
+    Target("schedule", "src/hetfl/engine/schedule.py",
+           ("tests/engine/test_schedule.py", "tests/algorithms/test_schedule_mutants.py")),
+    Target("optim", "src/hetfl/optim.py", ("tests/test_optim.py",)),
+    Target("evaluate", "src/hetfl/engine/evaluate.py", ("tests/algorithms/test_evaluate_mutants.py",)),
+    Target("augment", "src/hetfl/data/augment.py",
+           ("tests/data/test_augment.py", "tests/engine/test_federated_data.py")),
+    Target("partition", "src/hetfl/data/partition.py", ("tests/data/test_partition.py",)),
     Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
     Target("ledger", "src/hetfl/engine/ledger.py", ("tests/engine/test_ledger.py",)),
 )

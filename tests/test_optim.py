@@ -58,3 +58,25 @@ def test_the_in_place_multi_tensor_update_equals_the_functional_one(cfg, rate):
             assert torch.equal(got[n], want[n]), (cfg, first, n)
             if cfg.momentum:
                 assert torch.equal(got_state[n], want_state[n]), (cfg, first, n)
+
+
+def test_the_rate_given_to_the_in_place_update_overrides_the_configs():
+    """The vectorised executor passes the round's rate (a cosine schedule's, in a tensor) with a config
+    that still holds the starting ``lr``: the step must use the rate given, as ``sgd_update`` with that lr."""
+    cfg = SGDConfig(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    params, grads, names = tensors(3), tensors(4), list(tensors(3))
+    for rate in (torch.tensor(0.025), 0.025):
+        want, _ = sgd_update(params, grads, {}, SGDConfig(lr=0.025, momentum=0.9, weight_decay=1e-3), first_step=True)
+        got = {n: p.clone() for n, p in params.items()}
+        bufs = [torch.zeros_like(params[n]) for n in names]
+        sgd_update_([got[n] for n in names], [grads[n] for n in names], bufs, cfg, first_step=True, lr=rate)
+        for n in names:
+            assert torch.equal(got[n], want[n]), (rate, n)
+
+
+def test_optimiser_state_is_a_zero_buffer_per_parameter_only_with_momentum():
+    params = tensors(5)
+    assert sgd_init(params, SGDConfig(lr=0.1)) == {}
+    state = sgd_init(params, SGDConfig(lr=0.1, momentum=0.9))
+    assert state.keys() == params.keys()
+    assert all(torch.equal(state[n], torch.zeros_like(p)) for n, p in params.items())
