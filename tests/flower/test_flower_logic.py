@@ -146,6 +146,22 @@ def test_a_node_that_answers_the_greeting_late_joins_at_the_next_phase(tmp_path)
     assert federation.nodes == {0: grid.ids[0], 1: grid.ids[1], 2: grid.ids[2]}
 
 
+def crash_scaffold_in_round(crash_round: int, monkeypatch) -> Any:
+    """SCAFFOLD's server raises ``RuntimeError("simulated crash")`` when it aggregates round ``crash_round``;
+    returns the real ``aggregate``, to put back for the resume."""
+    from hetfl.algorithms.scaffold import Scaffold
+
+    aggregate = Scaffold.aggregate
+
+    def crash(self, server, uploads, round):
+        if round == crash_round:
+            raise RuntimeError("simulated crash")
+        return aggregate(self, server, uploads, round)
+
+    monkeypatch.setattr(Scaffold, "aggregate", crash)
+    return aggregate
+
+
 def test_a_crashed_run_resumes_with_the_node_states_of_its_checkpoint(tmp_path, monkeypatch):
     """SCAFFOLD crashes after its nodes trained round 3 (their round-3 control variates written, the
     checkpoint still at round 2); resumed as a new Flower run (fresh node contexts: only the nodes'
@@ -154,14 +170,7 @@ def test_a_crashed_run_resumes_with_the_node_states_of_its_checkpoint(tmp_path, 
 
     overrides = [*SMALL, "train.rounds=4", "algorithm.name=scaffold"]
     Experiment(config.load(None, overrides)).run(tmp_path / "reference")
-    aggregate = Scaffold.aggregate
-
-    def crash_in_round_3(self, server, uploads, round):
-        if round == 3:
-            raise RuntimeError("simulated crash")
-        return aggregate(self, server, uploads, round)
-
-    monkeypatch.setattr(Scaffold, "aggregate", crash_in_round_3)
+    aggregate = crash_scaffold_in_round(3, monkeypatch)
     run = tmp_path / "flower"
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_on(LoopbackGrid(3), overrides, run)
@@ -466,14 +475,7 @@ def test_a_run_resumed_after_a_straggler_goes_back_to_its_accepted_state(tmp_pat
 
     overrides = [*SMALL, "train.rounds=4", "algorithm.name=scaffold", "runtime.flower_timeout_s=0.3"]
     run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "reference")
-    aggregate = Scaffold.aggregate
-
-    def crash_in_round_3(self, server, uploads, round):
-        if round == 3:
-            raise RuntimeError("simulated crash")
-        return aggregate(self, server, uploads, round)
-
-    monkeypatch.setattr(Scaffold, "aggregate", crash_in_round_3)
+    aggregate = crash_scaffold_in_round(3, monkeypatch)
     run = tmp_path / "flower"
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_on(RoundGrid(3, 2, 2, "late"), overrides, run)
