@@ -10,7 +10,6 @@ kept: decoding gives back a tensor ``torch.equal`` to the original with the same
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Iterable
 from typing import Any
@@ -18,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
+
+from hetfl.privacy import release_digest
 
 Tensors = dict[str, torch.Tensor]
 RAW_STYPE = "hetfl.torch"
@@ -79,9 +80,5 @@ def client_data_digest(data: Any, client: int) -> str:
     wherever the client's sample count does not depend on the data (IID, fixed samples per client)."""
     train_x, train_y = data.client_train_split(client)
     test = data.client_tests[client]
-    h = hashlib.sha256()
-    for t in (train_x, train_y, test.x, test.y):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+    named = (("train.x", train_x), ("train.y", train_y), ("test.x", test.x), ("test.y", test.y))
+    return release_digest(named)[:32]
