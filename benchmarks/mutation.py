@@ -60,6 +60,8 @@ E2E_CCVR_DP = ("--deselect",
 # the tests that start processes (the README's SecAgg+ command on Flower's Ray simulation: slow, and it reads the
 # README, which the scratch copy does not hold); the in-process protocol tests of the same file cover the codec
 NO_PROCESSES = ("-m", "not processes")
+# the end-to-end runs marked slow (whole runs; the unit tests of the same files cover their code)
+NOT_SLOW = ("-m", "not slow")
 
 TARGETS = (
     # the four seed methods
@@ -123,6 +125,12 @@ TARGETS = (
     Target("groupdro", "src/hetfl/algorithms/groupdro.py", ("tests/algorithms/test_groupdro.py",)),
     Target("mixup", "src/hetfl/algorithms/mixup.py", ("tests/algorithms/test_mixup.py",)),
     Target("fedmix", "src/hetfl/algorithms/fedmix.py", ("tests/algorithms/test_mixup.py",)),
+    # the Algorithm base class (session 27): its hooks' FedAvg defaults, the loss contract, head transforms, the
+    # model caller, cross-entropy and the weighted mean; the local step's engine path and CCVR's head transform
+    Target("algorithm_base", "src/hetfl/algorithms/base.py",
+           ("tests/algorithms/test_base_mutants.py", "tests/algorithms/test_cross_entropy.py",
+            "tests/algorithms/test_baselines.py", "tests/engine/test_local_step.py", "tests/algorithms/test_ccvr.py"),
+           (*NOT_SLOW, *E2E_CCVR)),
     # the shared core (session 26)
     Target("schedule", "src/hetfl/engine/schedule.py",
            ("tests/engine/test_schedule.py", "tests/algorithms/test_schedule_mutants.py")),
