@@ -170,7 +170,7 @@ def test_a_steps_casts_do_not_grow_with_the_layers():
     assert shallow < shallow_autocast
 
 
-VECTORISED = [*SYNTHETIC, "train.clients_per_round=6", "train.local_epochs=1", "model.options={hidden = [32, 32]}",
+VECTORISED = [*SYNTHETIC, "train.clients_per_round=6", "train.local_epochs=2", "model.options={hidden = [32, 32]}",
               "train.momentum=0.9", "train.precision=bf16"]
 
 
