@@ -15,6 +15,7 @@ from torch.func import vmap
 
 from hetfl import config
 from hetfl.algorithms.base import Batch, ClientContext, ModelCaller, Stage, cross_entropy
+from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import autograd_grad, functional_grad, low_copies, step_gradients, train_client
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
@@ -229,3 +230,23 @@ def test_kept_buffers_copy_each_rounds_start_states():
     for a, b in zip(*runs, strict=True):
         for name in a.state:
             assert torch.equal(a.state[name], b.state[name]), name
+
+
+def test_the_memory_probe_counts_a_clients_copies(monkeypatch):
+    """What each further client of a vmapped group adds includes its row of bfloat16 copies (half its weights'
+    float32 bytes); the probe's arithmetic on the CPU, with CUDA's memory counters standing in."""
+    exp = Experiment(config.load(None, [*VECTORISED, "algorithm.name=fedavg"]))
+    ctx = round_contexts(exp, exp.initial_server(), {}, 1)[0]
+    ctx.extras = exp.algorithm.begin(ctx)
+    plan = vectorized.ClientPlan(ctx, exp.algorithm.stages(ctx), exp.algorithm.start_state(ctx))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5_000)
+    names = exp.algorithm.model.low_precision_names
+    settings = {"batch_size": 16, "drop_last": False, "max_grad_norm": 0.0, "buffers": (), "precision": "bf16",
+                "low_names": names}
+    state_bytes = sum(t.nbytes for t in plan.start.values())
+    copy_bytes = sum(plan.start[n].nbytes for n in names) // 2
+    assert copy_bytes > 0
+    assert vectorized.probe_client_bytes(plan, exp.data, seed=0, **settings) == 4_000 + state_bytes + copy_bytes

@@ -887,7 +887,9 @@ def probe_client_bytes(plan: ClientPlan, data: FederatedData, *, seed: int, **se
     torch.cuda.reset_peak_memory_stats(device)
     group.body(stage, 0, first)
     torch.cuda.synchronize(device)
-    return max(1, torch.cuda.max_memory_allocated(device) - base + sum(t.nbytes for t in plan.start.values()))
+    # the client's state and, in bf16, its weights' bfloat16 copies (group.buffers.low: a row each)
+    kept = sum(t.nbytes for t in plan.start.values()) + sum(t[0].nbytes for t in group.buffers.low.values())
+    return max(1, torch.cuda.max_memory_allocated(device) - base + kept)
 
 
 # share of the free memory a vmapped group may take (the rest: the allocator's slack, evaluation)
