@@ -15,6 +15,8 @@ from torch.func import vmap
 
 from hetfl import config
 from hetfl.algorithms.base import Batch, ClientContext, ModelCaller, Stage, cross_entropy
+from hetfl.algorithms.ccvr import FEATURE_BETA
+from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import autograd_grad, functional_grad, low_copies, step_gradients, train_client
@@ -80,6 +82,21 @@ def test_the_step_with_copies_is_autocasts_step_to_the_bit(loss):
     assert want[2].item() == got[2].item()
     for name, g in want[0].items():
         assert got[0][name].dtype == torch.float32
+        assert torch.equal(got[0][name], g), name
+
+
+@pytest.mark.parametrize("key", [CLASSIFIER_NORM, FEATURE_BETA])
+def test_a_head_transform_reads_the_float32_classifier_as_under_autocast(key):
+    """clsnorm's normalised rows and CCVR's transformed features: ``ModelCaller`` applies the classifier itself,
+    from the state's float32 weight (normalised in float32), as under autocast; the model's own classifier call
+    (its logits unused) reads the copy and gives it no gradient."""
+    model, state, ctx, batch = setup()
+    state[key] = torch.tensor(0.5)
+    stage = stage_of(model, "plain")
+    low = low_copies(state, model.low_precision_names, "bf16")
+    want = step_gradients(stage, state, batch, ctx, grad_fn=autograd_grad, precision="bf16")
+    got = step_gradients(stage, state, batch, ctx, grad_fn=autograd_grad, precision="bf16", low=low)
+    for name, g in want[0].items():
         assert torch.equal(got[0][name], g), name
 
 
