@@ -3,9 +3,10 @@
 Under bfloat16 autocast every convolution and linear layer casts its float32 weight and bias to
 bfloat16 in the forward pass (one kernel each, at every use: hetfl's autocast keeps no cache, a
 captured CUDA graph must not reuse casts made before it), and the backward pass casts each of their
-bfloat16 gradients back to float32 (one kernel each): two kernels per tensor and step, 31 of a
-vectorised step's 96 operations in CCVR's Table 2 shape (``benchmarks/results/step_ops_cpu.md``),
-and a step at federated batch sizes is bound by its number of kernels.
+bfloat16 gradients back to float32 (one kernel each): two kernels per tensor and step, 28 of the 31
+casts of a vectorised step's 95 operations in CCVR's Table 2 shape, and a step at federated batch
+sizes is bound by its number of kernels. With the copies the step has 5 casts and 69 operations
+(float32: 64), cnn2's 50 instead of 64 (float32: 45) (``benchmarks/results/step_ops_cpu.md``).
 
 Mixed precision with float32 master weights does the same arithmetic with two multi-tensor kernels:
 the executor keeps a bfloat16 copy of the float32 weights that the convolutions and linear layers
