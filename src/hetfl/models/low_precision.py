@@ -26,6 +26,12 @@ reaches its master in float32, summed there with the master's other uses, as aut
 casts are (``tests/engine/test_low_precision.py``). One assumption: a layer is called once per model
 call (no module applied twice in a forward pass, which autocast would cast twice and whose two
 gradients it would sum in float32, where the copy sums them in bfloat16): true of hetfl's models.
+
+On CUDA, ``_foreach_copy_`` takes its multi-tensor path across dtypes where each list holds one dtype
+and the two lists the same sizes and strides (PyTorch's ``foreach_tensor_copy_list_kernel_cuda_``):
+true of the copies and masters (views of buffers of one layout) and of the gradients cast up (into
+``empty_like`` tensors); otherwise it copies one tensor at a time, with the same values. The GPU's
+kernel count is not measured yet (the CPU counts the dispatched operations).
 """
 
 from __future__ import annotations
