@@ -8,7 +8,8 @@ without the capture) on the CPU under a dispatch-mode counter and reports, per s
 
 - the operations of the round's calls, split into calls that read their rows as views (a range
   of rows) and calls that gather them by index (and scatter them back);
-- where they come from: the data (gather, crops, normalisation), autocast's casts, the model's
+- where they come from: the data (gather, crops, normalisation), autocast's casts (since session 27
+  also the multi-tensor casts of a bf16 step's weight copies, ``hetfl.models.low_precision``), the model's
   forward and backward with the loss, the SGD update, the bookkeeping (metric sums, state
   gathers/writes) (since session 15; before, "model, loss, data" was one kind, and the bookkeeping
   was every ``add_``/``copy_``/index op wherever it ran);
@@ -46,6 +47,7 @@ VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.per
          "aten.select", "aten.unsqueeze", "aten.squeeze", "aten.detach", "aten.alias", "aten.reshape",
          "aten.as_strided", "aten.unbind", "aten.split", "aten.split_with_sizes", "aten.empty", "aten.empty_like",
          "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+CAST_ALL = "aten._foreach_copy_ (cast)"
 BOOKKEEPING = {"aten.index_select", "aten.index_copy_", "aten.index_add_", "aten.add_", "aten.copy_"}
 
 
@@ -61,6 +63,8 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
+        if name == "aten._foreach_copy_" and args[0] and args[0][0].dtype != args[1][0].dtype:
+            name = CAST_ALL  # a bf16 step's casts of all its weights, one multi-tensor copy
         out = func(*args, **(kwargs or {}))
         if name not in VIEWS:
             self.ops[(self.phase, name)] += 1
@@ -73,7 +77,7 @@ def kind(phase: str, op: str) -> str:
     """Where an operation comes from: autocast's casts, the model's forward and backward with the loss
     (inside the vmapped gradients), the SGD update, the bookkeeping (metric sums, state gathers and writes)
     or the data (the batch's gather, crops, normalisation)."""
-    if op == "aten._to_copy":
+    if op in ("aten._to_copy", CAST_ALL):
         return "casts"
     if phase == "model":
         return "model, loss"

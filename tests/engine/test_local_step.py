@@ -24,8 +24,10 @@ SETTINGS = {"fedetf": ["algorithm.pers_cycles=1", "algorithm.pers_epochs=1"]}
 
 
 def functional_step_(stage, state, opt_state, batch, ctx, first_step, max_grad_norm=0.0, buffers=(),  # type: ignore[no-untyped-def]
-                     precision="fp32"):
-    """``sgd_step_``'s interface over the functional step: new tensors, put in the caller's dicts."""
+                     precision="fp32", low=None):
+    """``sgd_step_``'s interface over the functional step: new tensors, put in the caller's dicts (float32:
+    no bfloat16 weight copies)."""
+    assert low is None
     new, opt, loss, metrics = sgd_step(stage, state, opt_state, batch, ctx, first_step, max_grad_norm,
                                        buffers=buffers, precision=precision)
     state.update(new)

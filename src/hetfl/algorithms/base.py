@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from hetfl.models.low_precision import low_precision_names, substitute
 from hetfl.optim import SGDConfig
 from hetfl.privacy import Release
 
@@ -148,11 +149,14 @@ class ModelCaller:
         self.param_names = tuple(name for name, _ in model.named_parameters())
         self.buffer_names = tuple(name for name, _ in model.named_buffers())
         self.state_names = self.param_names + self.buffer_names
+        # the parameters a bf16 step reads from bfloat16 copies (hetfl.models.low_precision)
+        self.low_precision_names = low_precision_names(model)
 
     def __call__(
         self, state: Tensors, x: torch.Tensor, features: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        own = {name: state[name] for name in self.state_names}
+        # in a bf16 step, the trained float32 weights' bfloat16 copies (hetfl.models.low_precision)
+        own = substitute({name: state[name] for name in self.state_names})
         transforms = _active_transforms(state)
         if not transforms:
             return functional_call(self.module, own, (x,), {"return_features": features})

@@ -72,18 +72,20 @@ class StepContext(ClientContext):
 def vmapped_step(stage: Stage, context: Callable[[Tensors, Tensors, Tensors], ClientContext], max_norm: float,
                  buffers: tuple[str, ...], precision: str, in_dims: tuple[Any, ...], state: Tensors, x: torch.Tensor,
                  y: torch.Tensor, draws: Tensors, payload: Tensors, cstate: Tensors,
-                 extras: Tensors) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
+                 extras: Tensors, low: Tensors) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
     """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every client row, vmapped over the
     rows of the tensors (``in_dims``): the rows' gradients, model buffers, losses and metrics. Each
     row's context is ``context(payload, client state, extras)`` of its own tensors: the eager step's
-    template (which records the round's values read), or, compiled, a :class:`StepContext`."""
+    template (which records the round's values read), or, compiled, a :class:`StepContext`. ``low``: the
+    rows' bfloat16 copies of their weights that a bf16 step reads (:mod:`hetfl.models.low_precision`;
+    empty: autocast casts them, as a compiled step does, whose casts Inductor fuses)."""
 
-    def one(state_c, x_c, y_c, draws_c, payload_c, cstate_c, extras_c):  # type: ignore[no-untyped-def]
+    def one(state_c, x_c, y_c, draws_c, payload_c, cstate_c, extras_c, low_c):  # type: ignore[no-untyped-def]
         ctx = context(payload_c, cstate_c, extras_c)
         return step_gradients(stage, state_c, Batch(x_c, y_c, draws_c), ctx, max_norm, grad_fn=functional_grad,
-                              buffers=buffers, precision=precision)
+                              buffers=buffers, precision=precision, low=low_c)
 
-    return vmap(one, in_dims=in_dims, randomness="error")(state, x, y, draws, payload, cstate, extras)
+    return vmap(one, in_dims=(*in_dims, 0), randomness="error")(state, x, y, draws, payload, cstate, extras, low)
 
 
 # torch.compile's backend: Inductor (generated fused kernels). The tests trace with "aot_eager" (Dynamo and

@@ -20,6 +20,7 @@ from torch.func import grad
 
 from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors, check_loss_output
 from hetfl.engine.schedule import batch_schedule
+from hetfl.models.low_precision import bf16_copies, low_precision_weights, refresh_copies
 from hetfl.optim import sgd_init, sgd_update, sgd_update_
 from hetfl.rng import torch_generator
 
@@ -78,6 +79,13 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
+def weights_read_low(state: Tensors, low: Tensors | None) -> contextlib.AbstractContextManager:
+    """The model calls on ``state`` read ``low``'s bfloat16 copies of its weights (none without ``low``)."""
+    if not low:
+        return contextlib.nullcontext()
+    return low_precision_weights({name: (state[name], copy) for name, copy in low.items()})
+
+
 def step_gradients(
     stage: Stage,
     state: Tensors,
@@ -87,6 +95,7 @@ def step_gradients(
     grad_fn: GradFn = autograd_grad,
     buffers: tuple[str, ...] = (),
     precision: str = "fp32",
+    low: Tensors | None = None,
 ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
     """The first half of a step of ``stage``: returns (gradients of its trainable tensors after its
     gradient transform and clipping, the model buffers the forward pass updated, loss, metrics).
@@ -94,7 +103,10 @@ def step_gradients(
     The buffers are the model's ``buffers`` that the stage does not train (BatchNorm running
     statistics), updated by the forward pass on copies made inside the differentiated function,
     so that ``torch.func`` transforms see no mutation of captured tensors. ``precision = "bf16"``
-    runs the loss under bfloat16 autocast; the gradients stay float32.
+    runs the loss under bfloat16 autocast; the gradients stay float32. ``low``: bfloat16 copies of
+    some of ``state``'s float32 weights (equal to them rounded), which the model's layers then read
+    instead of casting the weights at each use (:mod:`hetfl.models.low_precision`: the same values,
+    two multi-tensor casts a model call instead of two casts a weight).
     """
     trainable = {name: state[name] for name in stage.trainable}
     frozen = {name: t for name, t in state.items() if name not in trainable}
@@ -102,8 +114,9 @@ def step_gradients(
 
     def objective(train: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors, Tensors]]:
         copies = {name: frozen[name].clone() for name in mutable}
-        with autocast(precision, batch.x.device):
-            loss, metrics = check_loss_output(stage, stage.loss({**frozen, **copies, **train}, batch, ctx))
+        full = {**frozen, **copies, **train}
+        with autocast(precision, batch.x.device), weights_read_low(full, low):
+            loss, metrics = check_loss_output(stage, stage.loss(full, batch, ctx))
         loss = loss.float()
         return loss, (loss.detach(), {k: v.detach() for k, v in metrics.items()}, copies)
 
@@ -157,23 +170,37 @@ def sgd_step_(
     max_grad_norm: float = 0.0,
     buffers: tuple[str, ...] = (),
     precision: str = "fp32",
+    low: Tensors | None = None,
 ) -> tuple[torch.Tensor, Tensors]:
     """:func:`sgd_step` in place: the stage's trainable tensors of ``state`` and its momentum buffers
     ``opt_state`` are updated where they are (:func:`hetfl.optim.sgd_update_`, the same arithmetic to the
-    bit), and the updated model buffers are put in ``state``; returns (loss, metrics).
+    bit), and the updated model buffers are put in ``state``; returns (loss, metrics). ``low``: the
+    bfloat16 copies of ``state``'s weights that the step reads (:func:`step_gradients`), refreshed after
+    the update in one multi-tensor copy.
 
     For a state the caller owns (:func:`run_stages` trains a copy of its start): no new parameter
     tensors a step. On one CPU thread a round of the 2-conv CNN at batch 10 took 1.08x as long with
     the functional update (``benchmarks/results/sequential_update_cpu.md``)."""
     grads, new_buffers, loss, metrics = step_gradients(stage, state, batch, ctx, max_grad_norm, autograd_grad,
-                                                       buffers, precision)
+                                                       buffers, precision, low)
     names = list(stage.trainable)
     params = [state[n] for n in names]
     metrics = unaliased(metrics, params)
     sgd_update_(params, [grads[n] for n in names], [opt_state[n] for n in names] if opt_state else [], stage.sgd,
                 first_step)
+    if low:
+        refresh_copies(low, state, names)
     state.update(new_buffers)
     return loss, metrics
+
+
+def low_copies(state: Tensors, names: Sequence[str], precision: str) -> Tensors | None:
+    """bfloat16 copies of ``state``'s float32 weights named in ``names``, which a ``bf16`` step reads
+    (:mod:`hetfl.models.low_precision`); None in ``fp32``."""
+    names = [n for n in names if n in state and state[n].dtype == torch.float32]
+    if precision != "bf16" or not names:
+        return None
+    return dict(zip(names, bf16_copies([state[n] for n in names]), strict=True))
 
 
 def run_stages(
@@ -189,17 +216,21 @@ def run_stages(
     stream: int = 0,
     buffers: tuple[str, ...] = (),
     precision: str = "fp32",
+    low_names: tuple[str, ...] = (),
 ) -> LocalResult:
     """Run ``stages`` on client ``ctx.client_id``'s data, starting from ``start``.
 
     Batch order and augmentation come from generators derived from
     ``(seed, round, client, stream)`` (stream 0: training, 1: fine-tuning at
     evaluation), so a client's result does not depend on what ran before it.
+    In ``bf16`` the steps read bfloat16 copies of the weights named in ``low_names``
+    (:func:`step_gradients`), made here and refreshed after each update: derived state, never returned.
     """
     client = ctx.client_id
     batch_gen = torch_generator(seed, "batches", ctx.round, client, stream)
     augment_gen = torch_generator(seed, "augment", ctx.round, client, stream)
     state = {name: t.detach().clone() for name, t in start.items()}
+    low = low_copies(state, low_names, precision)
     n_samples = data.client_sizes[client]
     steps, loss_sum = 0, torch.zeros((), device=data.device)
     metric_sums: dict[str, torch.Tensor] = {}
@@ -214,12 +245,14 @@ def run_stages(
                 batch.draws = {k: v.to(data.device) for k, v in stage.draws(draw_gen, len(batch.y)).items()}
             if adversary is not None:
                 _, adv_metrics = sgd_step_(adversary, state, adv_state, batch, ctx, first_step=(i == 0),
-                                           max_grad_norm=max_grad_norm, buffers=buffers, precision=precision)
+                                           max_grad_norm=max_grad_norm, buffers=buffers, precision=precision,
+                                           low=low)
                 for key, value in adv_metrics.items():
                     key = f"{adversary.name}/{key}"
                     metric_sums[key] = metric_sums.get(key, 0.0) + value.float()
             loss, metrics = sgd_step_(stage, state, opt_state, batch, ctx, first_step=(i == 0),
-                                      max_grad_norm=max_grad_norm, buffers=buffers, precision=precision)
+                                      max_grad_norm=max_grad_norm, buffers=buffers, precision=precision,
+                                      low=low)
             steps += 1
             loss_sum += loss
             for key, value in metrics.items():
@@ -248,4 +281,5 @@ def train_client(
         max_grad_norm=train_cfg.max_grad_norm,  # type: ignore[attr-defined]
         buffers=algorithm.model.buffer_names,
         precision=getattr(train_cfg, "precision", "fp32"),
+        low_names=algorithm.model.low_precision_names,
     )

@@ -56,6 +56,7 @@ from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, run_stages, step_gradients, unaliased
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
 from hetfl.models.layers import CONV_BATCHING, client_batching
+from hetfl.models.low_precision import bf16_copies, refresh_copies
 from hetfl.optim import sgd_init, sgd_update_
 from hetfl.rng import torch_generator
 
@@ -196,12 +197,16 @@ class GroupBuffers:
     payloads, persistent states and extras (a row per client, plus the scratch row ``k`` that
     padding entries of a call point at), each stage's optimiser states and the per-row sums of
     loss and metrics. Kept across rounds (for the compiled steps that read them) and loaded
-    with a round's values by :meth:`load`."""
+    with a round's values by :meth:`load`. ``low``: bfloat16 copies of the states' weights named in
+    ``low_names`` (a bf16 step reads them: :mod:`hetfl.models.low_precision`), kept equal to them rounded
+    (refreshed after each update); derived, never a result."""
 
-    def __init__(self, plans: list[ClientPlan], device: torch.device) -> None:
+    def __init__(self, plans: list[ClientPlan], device: torch.device, low_names: tuple[str, ...] = ()) -> None:
         self.k, self.device = len(plans), device
         ctxs = [p.seen for p in plans]
         self.state = self._rows([p.start for p in plans])
+        names = [n for n in low_names if n in self.state and self.state[n].dtype == torch.float32]
+        self.low = dict(zip(names, bf16_copies([self.state[n] for n in names]), strict=True))
         self.payload, self.payload_dims = self._shared_or_rows([c.payload for c in ctxs])
         self.cstate, self.cstate_dims = self._shared_or_rows([c.state for c in ctxs])
         self.extras, self.extras_dims = self._shared_or_rows([c.extras for c in ctxs])
@@ -250,6 +255,7 @@ class GroupBuffers:
                     buffer.copy_(dicts[0][name])
                 else:
                     buffer.copy_(torch.stack([*(d[name] for d in dicts), dicts[0][name]]))
+        refresh_copies(self.low, self.state, list(self.low))
         for name, buffer in self.shared.items():
             buffer.copy_(plans[0].seen.shared[name])
         for d in (*self.opt, *self.adv_opt):
@@ -266,8 +272,9 @@ class GroupBuffers:
                 adv_lr.fill_(stage.adversary.sgd.lr)
 
     def tensors(self, stage_index: int) -> list[Tensors]:
-        """What a stage's steps write: the states, its optimiser states and the sums."""
-        return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums]
+        """What a stage's steps write: the states, its optimiser states, the sums and the states' bfloat16
+        copies."""
+        return [self.state, self.opt[stage_index], self.adv_opt[stage_index], self.sums, self.low]
 
 
 def channels_last_for_vmap(x: torch.Tensor) -> torch.Tensor:
@@ -312,6 +319,7 @@ class VectorizedGroup:
         max_grad_norm: float, buffers: tuple[str, ...], precision: str = "fp32", step_mode: str = "eager",
         log: Log | None = None, cache: VectorizedCache | None = None, block_steps: int | None = None,
         channels_last: bool = False, conv_batching: str = "grouped", compile_steps: bool = False,
+        low_names: tuple[str, ...] = (),
     ) -> None:
         if step_mode not in STEP_MODES:
             raise ValueError(f"step_mode = {step_mode!r}: must be one of {STEP_MODES}")
@@ -320,6 +328,8 @@ class VectorizedGroup:
         if conv_batching not in CONV_BATCHING:
             raise ValueError(f"conv_batching = {conv_batching!r}: must be one of {CONV_BATCHING}")
         self.plans, self.data, self.model_buffers, self.precision = plans, data, buffers, precision
+        # bf16: the weights the steps read from bfloat16 copies (hetfl.models.low_precision)
+        self.low_names = low_names if precision == "bf16" else ()
         self.batch_size, self.drop_last, self.max_grad_norm = batch_size, drop_last, max_grad_norm
         self.step_mode, self.log = step_mode, log
         self.channels_last = channels_last and len(data.info.input_shape) == 3
@@ -352,7 +362,7 @@ class VectorizedGroup:
                 kept.load(self.plans)
                 return kept
             self.cache.forget(lambda key: key == self.key)  # compiled for buffers that are replaced
-        made = GroupBuffers(self.plans, self.data.device)
+        made = GroupBuffers(self.plans, self.data.device, self.low_names)
         if self.cache is not None:
             self.cache.buffers[self.key] = made
         return made
@@ -422,18 +432,20 @@ class VectorizedGroup:
     # ---------------------------------------------------------------- one step
     def vmapped_gradients(
         self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
+        low: Tensors,
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
         """:func:`~hetfl.engine.local.step_gradients` of ``stage`` for every row of ``state``, vmapped
         (:func:`hetfl.engine.compiled_step.vmapped_step`; compiled with ``runtime.compile``): the rows'
         gradients, updated model buffers, losses and metrics. Uncompiled, a step of one row of a group of
-        several runs unbatched (:meth:`single_client_gradients`)."""
+        several runs unbatched (:meth:`single_client_gradients`). ``low``: the rows' bfloat16 copies of
+        their weights, read by an uncompiled bf16 step (a compiled one casts, and Inductor fuses the casts)."""
         b = self.buffers
         settings = (self.max_grad_norm, self.model_buffers, self.precision,
                     (0, 0, 0, 0, b.payload_dims, b.cstate_dims, b.extras_dims))
         tensors = (state, batch.x, batch.y, batch.draws, payload, cstate, extras)
         if self.compiles(batch.y.shape[1]) and (key := stage_key(stage)) not in self.uncompilable:
             try:
-                return run_compiled(stage, self.step_context, *settings, *tensors)
+                return run_compiled(stage, self.step_context, *settings, *tensors, {})
             except torch.cuda.OutOfMemoryError:  # the chunk is halved (train_clients_vectorized), still compiled
                 raise
             except Exception as err:  # Dynamo's and Inductor's errors have no common base
@@ -442,9 +454,9 @@ class VectorizedGroup:
                     self.log(f"vectorized: torch.compile could not compile stage {stage.name!r}; running it "
                              f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         if batch.y.shape[0] == 1 and b.k > 1:
-            return self.single_client_gradients(stage, state, batch, payload, cstate, extras)
+            return self.single_client_gradients(stage, state, batch, payload, cstate, extras, low)
         with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
-            return vmapped_step(stage, self.template.with_tensors, *settings, *tensors)
+            return vmapped_step(stage, self.template.with_tensors, *settings, *tensors, low)
 
     def compiles(self, size: int) -> bool:
         """Whether steps on batches of ``size`` samples are compiled (``runtime.compile``): only full
@@ -455,6 +467,7 @@ class VectorizedGroup:
 
     def single_client_gradients(
         self, stage: Stage, state: Tensors, batch: Batch, payload: Tensors, cstate: Tensors, extras: Tensors,
+        low: Tensors,
     ) -> tuple[Tensors, Tensors, torch.Tensor, Tensors]:
         """:meth:`vmapped_gradients` of a step of one row, unbatched: the sequential executor's
         :func:`~hetfl.engine.local.step_gradients` (reverse-mode autograd, PyTorch's layers as they
@@ -478,7 +491,7 @@ class VectorizedGroup:
                                          row(extras, b.extras_dims))
         grads, new_buffers, loss, metrics = step_gradients(
             stage, row(state), Batch(batch.x[0], batch.y[0], row(batch.draws)), ctx, self.max_grad_norm,
-            buffers=self.model_buffers, precision=self.precision)
+            buffers=self.model_buffers, precision=self.precision, low=row(low))
 
         def batched(tensors: Tensors) -> Tensors:
             return {n: t.unsqueeze(0) for n, t in tensors.items()}
@@ -528,13 +541,17 @@ class VectorizedGroup:
         # the rows' states: views of the buffers (a range of rows), or gathered copies written back after
         # the step
         state = {n: take(t) for n, t in b.state.items()}
+        # their bfloat16 copies (bf16): views of the kept copies, or, for gathered rows, made from the gathered
+        # states in one multi-tensor cast (rather than gathered and scattered one tensor at a time)
+        low = {n: take(t) for n, t in b.low.items()} if rows is None else \
+            dict(zip(b.low, bf16_copies([state[n] for n in b.low]), strict=True))
         metrics: Tensors = {}
         if stage.adversary is not None:
             _, adv_metrics = self.train(stage.adversary, state, b.adv_opt[index], b.adv_lr[index], batch, payload,
-                                        cstate, extras, first, rows, take)
+                                        cstate, extras, first, rows, take, low)
             metrics.update({f"{stage.adversary.name}/{key}": value for key, value in adv_metrics.items()})
         loss, stage_metrics = self.train(stage, state, b.opt[index], b.lr[index], batch, payload, cstate, extras,
-                                         first, rows, take)
+                                         first, rows, take, low)
         for key, value in {"": loss, **metrics, **stage_metrics}.items():
             if key not in b.sums:
                 if is_capturing():
@@ -547,12 +564,14 @@ class VectorizedGroup:
 
     def train(self, stage: Stage, state: Tensors, opt: Tensors, lr: torch.Tensor, batch: Batch, payload: Tensors,
               cstate: Tensors, extras: Tensors, first: bool, rows: torch.Tensor | None,
-              take: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
+              take: Callable[[torch.Tensor], torch.Tensor], low: Tensors) -> tuple[torch.Tensor, Tensors]:
         """One SGD step of ``stage`` for the step's rows (``take``: a buffer's rows, as views or, with
         ``rows``, gathered): the vmapped gradients, then :func:`hetfl.optim.sgd_update_` at the rate
         ``lr`` (a device tensor) on all rows at once, in place in ``state`` (and so in the group's
-        buffers) and in the stage's optimiser state ``opt``; returns (losses, metrics)."""
-        grads, new_buffers, loss, metrics = self.vmapped_gradients(stage, state, batch, payload, cstate, extras)
+        buffers) and in the stage's optimiser state ``opt``; returns (losses, metrics). The rows' bfloat16
+        copies ``low`` of the updated weights are refreshed after it (one multi-tensor copy; gathered rows: the
+        kept copies of all rows too, from the buffers the rows were written back to)."""
+        grads, new_buffers, loss, metrics = self.vmapped_gradients(stage, state, batch, payload, cstate, extras, low)
         for name, value in new_buffers.items():
             state[name].copy_(value)
         names = list(grads)
@@ -560,9 +579,11 @@ class VectorizedGroup:
         mine = {n: take(t) for n, t in opt.items()}
         sgd_update_([state[n] for n in names], [grads[n] for n in names], [mine[n] for n in names] if mine else [],
                     stage.sgd, first, lr)
+        refresh_copies(low, state, names)
         if rows is not None:  # gathered copies: back into the buffers' rows
             self.write(self.buffers.state, {n: state[n] for n in (*new_buffers, *names)}, rows)
             self.write(opt, mine, rows)
+            refresh_copies(self.buffers.low, self.buffers.state, names)
         return loss, metrics
 
     @staticmethod
@@ -866,7 +887,9 @@ def probe_client_bytes(plan: ClientPlan, data: FederatedData, *, seed: int, **se
     torch.cuda.reset_peak_memory_stats(device)
     group.body(stage, 0, first)
     torch.cuda.synchronize(device)
-    return max(1, torch.cuda.max_memory_allocated(device) - base + sum(t.nbytes for t in plan.start.values()))
+    # the client's state and, in bf16, its weights' bfloat16 copies (group.buffers.low: a row each)
+    kept = sum(t.nbytes for t in plan.start.values()) + sum(t[0].nbytes for t in group.buffers.low.values())
+    return max(1, torch.cuda.max_memory_allocated(device) - base + kept)
 
 
 # share of the free memory a vmapped group may take (the rest: the allocator's slack, evaluation)
@@ -920,7 +943,8 @@ def train_clients_vectorized(
     results: list[LocalResult | None] = [None] * len(plans)
     settings = {"batch_size": train_cfg.batch_size, "drop_last": train_cfg.drop_last,
                 "max_grad_norm": train_cfg.max_grad_norm, "buffers": algorithm.model.buffer_names,
-                "precision": getattr(train_cfg, "precision", "fp32")}
+                "precision": getattr(train_cfg, "precision", "fp32"),
+                "low_names": algorithm.model.low_precision_names}
     memo = {} if memo is None else memo
     for key, members in groups.items():
         # largest clients first: the rows still training are then a prefix (hetfl.engine.step_plan)
