@@ -154,3 +154,105 @@ def test_a_plugins_method_on_flower_gives_the_sequential_numbers(registry, tmp_p
                  and not k.startswith("flower_")} for row in rows]
 
     assert lines("flower") == lines("seq") and lines("seq")[-1]["train_prox"] > 0
+
+
+# ------------------------------------------------------------------ loading a plug-in: a first plug-in's mistakes
+def _plugin(folder, name: str, text: str):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+DOUBLED_FEDAVG = '''
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm, cross_entropy
+
+
+@register
+class MyAvg(Algorithm):
+    name = "NAME"
+    citation = "a test"
+
+    def loss(self, state, batch, ctx):
+        ce = 2 * cross_entropy(self.model.logits(state, batch.x), batch.y)
+        return ce, {"ce": ce.detach()}
+'''
+
+
+@pytest.mark.parametrize("name", ["fedavg", "ccvr"])
+def test_a_plugin_method_named_like_a_built_in_one_is_refused(registry, tmp_path, capsys, name):
+    """A plug-in whose method is called 'fedavg' replaced hetfl's FedAvg in every run of that process, silently
+    (session 27: `hetfl run --plugin clash.py` ran the plug-in's loss as FedAvg, exit 0)."""
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "clash.py", DOUBLED_FEDAVG.replace("NAME", name))
+    assert main(["run", "--plugin", str(plugin), "--set", "train.rounds=1", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfl: error: --plugin {plugin}: MyAvg.name = {name!r} is ")
+    assert "built-in" in err and "a name of its own" in err
+    assert not (tmp_path / "r").exists()
+    assert algorithms.algorithm_class("fedavg").__module__ == "hetfl.algorithms.fedavg"
+
+
+def test_two_plugins_registering_one_name_are_refused_and_loading_one_twice_is_not(registry, tmp_path):
+    """Two files giving one method name: the second replaced the first, silently; one file loaded twice (a
+    notebook calling hetfl.run(plugins=...) again) is the same method, loaded again."""
+    from hetfl.algorithms.base import MethodError
+
+    first = _plugin(tmp_path / "a", "variant.py", DOUBLED_FEDAVG.replace("NAME", "mine"))
+    second = _plugin(tmp_path / "b", "other.py", DOUBLED_FEDAVG.replace("NAME", "mine"))
+    algorithms.load_plugin(str(first))
+    algorithms.load_plugin(str(first))
+    with pytest.raises(MethodError, match=f"--plugin {second}: MyAvg.name = 'mine' is already registered by "
+                                          f"MyAvg of {first}"):
+        algorithms.load_plugin(str(second))
+
+
+def test_two_plugin_files_of_one_name_in_two_folders_both_reach_the_workers(registry, tmp_path):
+    """Both were imported as the module hetfl_plugin_<stem>: the second took the first's place in the list of
+    plug-in files that --jobs workers and Flower's nodes load, so the first's methods were unknown there."""
+    first = _plugin(tmp_path / "a", "method.py", DOUBLED_FEDAVG.replace("NAME", "mine_a"))
+    second = _plugin(tmp_path / "b", "method.py", DOUBLED_FEDAVG.replace("NAME", "mine_b"))
+    algorithms.load_plugin(str(first))
+    algorithms.load_plugin(str(second))
+    assert algorithms.plugin_files()[-2:] == [str(first.resolve()), str(second.resolve())]
+    assert algorithms.registered_outside_files(["mine_a", "mine_b"]) == []
+
+
+def test_a_plugin_class_without_register_is_named_with_the_fix(registry, tmp_path, capsys):
+    """The error said that a plug-in's method needs --plugin FILE, which was given: it names the class the file
+    defines with that name and the missing @register."""
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "noreg.py", DOUBLED_FEDAVG.replace("@register\n", "").replace("NAME", "noreg"))
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=noreg", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"MyAvg in {plugin} has name = 'noreg' but is not registered: put @register" in err, err
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=other", "--out", str(tmp_path / "r")]) == 2
+    assert f"the plug-in files loaded ({plugin}) registered none: " in capsys.readouterr().err
+
+
+IMPORT_ERRORS = {
+    "import numpyy\n": ("ModuleNotFoundError: No module named 'numpyy'", 2),
+    "x = 1\ny = undefined_name\n": ("NameError: name 'undefined_name' is not defined", 3),
+    "x = 1\ndef f(:\n    pass\n": ("SyntaxError", 3),
+}
+
+
+@pytest.mark.parametrize("body", IMPORT_ERRORS)
+def test_a_plugin_that_fails_to_import_says_which_file_line_and_error(registry, tmp_path, capsys, body):
+    """A plug-in that raised on import gave a Python traceback and exit code 1: now one line naming the file, the
+    line and the error, exit code 2 (in Python the MethodError keeps the original error as its cause)."""
+    from hetfl.algorithms.base import MethodError
+    from hetfl.cli import main
+
+    said, line = IMPORT_ERRORS[body]
+    plugin = _plugin(tmp_path, "broken.py", "from hetfl.algorithms import register\n" + body)
+    assert main(["list", "--plugin", str(plugin), "algorithms"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfl: error: --plugin {plugin}: importing it failed at {plugin}:{line}: {said}"), err
+    with pytest.raises(MethodError) as raised:
+        algorithms.load_plugin(str(plugin))
+    assert raised.value.__cause__ is not None
+    assert not [m for m in __import__("sys").modules if m.startswith("hetfl_plugin_broken")]
