@@ -256,3 +256,93 @@ def test_a_plugin_that_fails_to_import_says_which_file_line_and_error(registry, 
         algorithms.load_plugin(str(plugin))
     assert raised.value.__cause__ is not None
     assert not [m for m in __import__("sys").modules if m.startswith("hetfl_plugin_broken")]
+
+
+# ------------------------------------------------------------------ hooks that return the wrong thing
+WRONG_HOOKS = '''
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+
+WRONG = "HOOK"
+
+
+@register
+class Wrong(Algorithm):
+    name = "wrong_hooks"
+    citation = "a test"
+
+    def init_server(self, model_state):
+        out = super().init_server(model_state)
+        return out.model if WRONG == "init_server" else out
+
+    def payload(self, server, client_id):
+        out = super().payload(server, client_id)
+        return list(out.values()) if WRONG == "payload" else out
+
+    def init_client_state(self, client_id, server):
+        return None if WRONG == "init_client_state" else {}
+
+    def begin(self, ctx):
+        return None if WRONG == "begin" else {}
+
+    def start_state(self, ctx):
+        out = super().start_state(ctx)
+        return {**out, "step": 3} if WRONG == "start_state" else out
+
+    def stages(self, ctx):
+        out = super().stages(ctx)
+        return out[0] if WRONG == "stages" else out
+
+    def finish(self, ctx, local, steps):
+        upload, state = super().finish(ctx, local, steps)
+        if WRONG == "finish":
+            return upload
+        return (upload, None) if WRONG == "finish_state" else (upload, state)
+
+    def aggregate(self, server, uploads, round):
+        out = super().aggregate(server, uploads, round)
+        return out.model if WRONG == "aggregate" else out
+
+    def client_model(self, server, client_state, client_id):
+        out = super().client_model(server, client_state, client_id)
+        return {k: v for k, v in list(out.items())[1:]} if WRONG == "client_model" else out
+'''
+HOOK_ERRORS = {
+    "init_server": "must return a ServerState(model=..., extra=...) of dicts of name -> tensor; it returned a dict",
+    "payload": "must return a dict of name -> tensor; it returned a list",
+    "init_client_state": "must return a dict of name -> tensor; it returned None",
+    "begin": "must return a dict of name -> tensor; it returned None",
+    "start_state": "must return a dict of name -> tensor; its entry 'step' is a int",
+    "stages": "must return a list of Stage; it returned a Stage",
+    "finish": "must return (upload, state): two dicts of name -> tensor; it returned a dict",
+    "finish_state": "must return (upload, state): two dicts of name -> tensor; its state is None",
+    "aggregate": "must return a ServerState(model=..., extra=...) of dicts of name -> tensor; it returned a dict",
+    "client_model": "must return a dict of name -> tensor holding the model's every tensor; it lacks",
+}
+
+
+@pytest.mark.parametrize("hook", HOOK_ERRORS)
+def test_a_plugin_hook_returning_the_wrong_thing_stops_the_run_naming_the_hook_and_its_line(tmp_path, capsys,
+                                                                                            hook):
+    """Only `loss` was checked: another hook's wrong value failed deep in the engine with a traceback
+    ("'dict' object has no attribute 'model'" for an aggregate that returned the model), or ran on (a begin or
+    init_client_state returning None). Now one line names the class, the hook, its file and line, what it must
+    return and what it returned; exit code 2."""
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "wrong.py", WRONG_HOOKS.replace("HOOK", hook))
+    argv = ["run", "--plugin", str(plugin), "--set", "algorithm.name=wrong_hooks", "--set", "train.rounds=1",
+            "--set", "train.local_steps=1", "--quiet", "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    method = hook.removesuffix("_state") if hook == "finish_state" else hook
+    line = next(n for n, text in enumerate(plugin.read_text().splitlines(), 1) if f"def {method}(" in text)
+    assert err.startswith(f"hetfl: error: Wrong.{method} ({plugin}:{line}) {HOOK_ERRORS[hook]}"), err
+
+
+def test_a_plugin_whose_hooks_return_the_right_things_runs_as_before(tmp_path):
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "right.py", WRONG_HOOKS.replace("HOOK", "none"))
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=wrong_hooks", "--set", "train.rounds=1",
+                 "--set", "train.local_steps=1", "--quiet", "--out", str(tmp_path / "r")]) == 0

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, model_provides
+from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, checked_hooks, model_provides
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
@@ -91,6 +91,7 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
                               "ctx): the state dict it trains, the batch (batch.x, batch.y) and the client's "
                               "context") from None
     check_name_free(cls)
+    checked_hooks(cls)
     _CLASSES[cls.name] = cls
     return cls
 
