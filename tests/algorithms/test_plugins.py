@@ -346,3 +346,33 @@ def test_a_plugin_whose_hooks_return_the_right_things_runs_as_before(tmp_path):
     plugin = _plugin(tmp_path, "right.py", WRONG_HOOKS.replace("HOOK", "none"))
     assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=wrong_hooks", "--set", "train.rounds=1",
                  "--set", "train.local_steps=1", "--quiet", "--out", str(tmp_path / "r")]) == 0
+
+
+class ReadsUndeclared(Algorithm):
+    """Declares that its steps read only the payload, and reads its client state in the loss."""
+
+    name = "reads_undeclared"
+    citation = "a test"
+    step_reads = frozenset({"payload"})
+
+    def init_client_state(self, client_id, server):
+        return {"anchor/" + n: server.model[n].clone() for n in self.model.param_names}
+
+    def loss(self, state, batch, ctx):
+        ce = cross_entropy(self.model.logits(state, batch.x), batch.y)
+        prox = sum((state[n] - ctx.state["anchor/" + n]).pow(2).sum() for n in self.model.param_names)
+        return ce + 0.01 * prox, {"ce": ce.detach()}
+
+
+def test_a_step_reading_a_dict_its_step_reads_leaves_out_is_a_method_error_naming_the_line(registry):
+    """The refusal was a LookupError: `hetfl run` printed a traceback and exited 1, as for a bug of hetfl's. It is
+    a method's broken declaration: a MethodError (exit 2, one line, the --resume hint) naming the loss's line."""
+    from hetfl.algorithms.base import MethodError
+
+    register(ReadsUndeclared)
+    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=reads_undeclared", "train.local_steps=2"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    with pytest.raises(MethodError, match=r"\(at .*test_plugins\.py:\d+, in .*\), but its algorithm.s step_reads "
+                                         r"leaves .state. out"):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                                 train_cfg=exp.cfg.train)

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, MethodError, Stage, Tensors
 from hetfl.engine import step_plan
 from hetfl.engine.compiled_step import (
     PER_CLIENT_VALUES,
@@ -70,7 +70,9 @@ from hetfl.rng import torch_generator
 Log = Callable[[str], None]
 
 
-_NOT_THE_METHODS = (str(Path(torch.__file__).parent), str(Path(__file__).parent))  # torch's and the engine's code
+# torch's code, the engine's and the model caller's (hetfl.algorithms.base): not where a method reads or calls
+_NOT_THE_METHODS = (str(Path(torch.__file__).parent), str(Path(__file__).parent),
+                    str(Path(__file__).parents[1] / "algorithms" / "base.py"))
 
 
 def where_in_method(err: BaseException) -> str:
@@ -189,8 +191,9 @@ class TemplateContext(ClientContext):
         return ctx
 
 
-class StepReadError(LookupError):
-    """A step read a context dict that its algorithm's ``step_reads`` leaves out."""
+class StepReadError(MethodError, LookupError):
+    """A step read a context dict that its algorithm's ``step_reads`` leaves out: the method's declaration is
+    wrong (a :class:`MethodError`: ``hetfl`` exits 2 with the message, naming the step's line)."""
 
 
 class NotReadBySteps(Mapping[str, torch.Tensor]):
@@ -203,7 +206,9 @@ class NotReadBySteps(Mapping[str, torch.Tensor]):
         self.name = name
 
     def _refuse(self, use: str) -> StepReadError:
-        return StepReadError(f"a step used ctx.{self.name}{use}, but its algorithm's step_reads leaves "
+        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_NOT_THE_METHODS)]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+        return StepReadError(f"a step used ctx.{self.name}{use}{where}, but its algorithm's step_reads leaves "
                              f"{self.name!r} out: add it to the algorithm's step_reads")
 
     def __getitem__(self, key: str) -> torch.Tensor:
