@@ -376,3 +376,51 @@ def test_a_step_reading_a_dict_its_step_reads_leaves_out_is_a_method_error_namin
                                          r"leaves .state. out"):
         train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
                                  train_cfg=exp.cfg.train)
+
+
+BAD_STAGE = '''
+import dataclasses
+
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+
+WRONG = "HOW"
+
+
+@register
+class BadStage(Algorithm):
+    name = "bad_stage"
+    citation = "a test"
+
+    def stages(self, ctx):
+        (stage,) = super().stages(ctx)
+        if WRONG == "trainable":
+            return [dataclasses.replace(stage, trainable=("classifier.weights",))]
+        if WRONG == "draws":
+            return [dataclasses.replace(stage, draws=lambda generator, size: {"lam": 0.5})]
+        return [dataclasses.replace(stage, grad_transform=lambda grads, state, ctx: None)]
+'''
+STAGE_ERRORS = {
+    "trainable": "stage 'local' of BadStage trains 'classifier.weights', which the state it starts from "
+                 "(start_state) does not hold",
+    "draws": "stage 'local' of BadStage: its draws must return a dict of name -> tensor; its entry 'lam' is a float",
+    "grad_transform": "stage 'local' of BadStage: its grad_transform must return a dict of name -> tensor; it "
+                      "returned None",
+}
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+@pytest.mark.parametrize("how", STAGE_ERRORS)
+def test_a_plugin_stage_with_a_wrong_name_draw_or_gradient_transform_is_named(tmp_path, capsys, how, executor):
+    """A trainable name the state lacks (a typo) was a KeyError, draws of a float an AttributeError ('float' object
+    has no attribute 'to'), a gradient transform returning None a TypeError, each with a traceback from the
+    engine: now one line naming the stage, the method and what is wrong, exit 2."""
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "stage.py", BAD_STAGE.replace("HOW", how))
+    argv = ["run", "--plugin", str(plugin), "--set", "algorithm.name=bad_stage", "--set", "train.rounds=1",
+            "--set", "train.local_steps=1", "--set", f"runtime.executor={executor}", "--set",
+            "runtime.vmap_on_cpu=true", "--quiet", "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert STAGE_ERRORS[how] in err, err

@@ -368,6 +368,34 @@ class Stage:
     adversary: Stage | None = None
 
 
+def _stage_where(stage: Stage) -> str:
+    """``stage 'NAME' of CLASS``: the stage and the method whose loss it runs, for an error's message."""
+    owner = getattr(stage.loss, "__self__", None)
+    method = type(owner).__name__ if owner is not None else getattr(stage.loss, "__qualname__", "?").split(".")[0]
+    return f"stage {stage.name!r} of {method}"
+
+
+def check_stage_start(stages: Sequence[Stage], start: Mapping[str, torch.Tensor]) -> None:
+    """A :class:`MethodError` when a stage (or its adversary) trains a tensor that the state it starts from
+    (``start_state``) does not hold: a typo in ``trainable``, named before the first step."""
+    for stage in stages:
+        for part in (stage, stage.adversary):
+            missing = [] if part is None else [n for n in part.trainable if n not in start]
+            if missing:
+                raise MethodError(f"{_stage_where(part)} trains {missing[0]!r}, which the state it starts from "
+                                  f"(start_state) does not hold; it holds {', '.join(list(start)[:6])}"
+                                  f"{', ...' if len(start) > 6 else ''} (self.setup.groups names the model's parts)")
+
+
+def checked_stage_output(stage: Stage, part: str, value: Any) -> Any:
+    """``value``, what ``stage``'s ``part`` (``draws``, ``grad_transform``) returned, when it is a dict of name ->
+    tensor; else a :class:`MethodError` naming the stage, the method and what it returned."""
+    problem = _tensor_dict_problem(value)
+    if problem is not None:
+        raise MethodError(f"{_stage_where(stage)}: its {part} must return {TENSORS}; {problem}")
+    return value
+
+
 @dataclass
 class Upload:
     """What one client sends back after a round."""

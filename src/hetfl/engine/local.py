@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import grad
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors, check_loss_output
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    Stage,
+    Tensors,
+    check_loss_output,
+    check_stage_start,
+    checked_stage_output,
+)
 from hetfl.engine.schedule import batch_schedule
 from hetfl.optim import sgd_init, sgd_update, sgd_update_
 from hetfl.rng import torch_generator
@@ -109,7 +118,7 @@ def step_gradients(
 
     grads, (loss, metrics, new_buffers) = grad_fn(objective, trainable)
     if stage.grad_transform is not None:
-        grads = stage.grad_transform(grads, state, ctx)
+        grads = checked_stage_output(stage, "grad_transform", stage.grad_transform(grads, state, ctx))
     if max_grad_norm > 0:
         grads = clip_grads(grads, max_grad_norm)
     return grads, new_buffers, loss, metrics
@@ -196,6 +205,7 @@ def run_stages(
     ``(seed, round, client, stream)`` (stream 0: training, 1: fine-tuning at
     evaluation), so a client's result does not depend on what ran before it.
     """
+    check_stage_start(stages, start)
     client = ctx.client_id
     batch_gen = torch_generator(seed, "batches", ctx.round, client, stream)
     augment_gen = torch_generator(seed, "augment", ctx.round, client, stream)
@@ -211,7 +221,8 @@ def run_stages(
         adv_state = sgd_init({n: state[n] for n in adversary.trainable}, adversary.sgd) if adversary else {}
         for i, batch in enumerate(data.train_batches(client, schedule, augment_gen)):
             if stage.draws is not None:
-                batch.draws = {k: v.to(data.device) for k, v in stage.draws(draw_gen, len(batch.y)).items()}
+                drawn = checked_stage_output(stage, "draws", stage.draws(draw_gen, len(batch.y)))
+                batch.draws = {k: v.to(data.device) for k, v in drawn.items()}
             if adversary is not None:
                 _, adv_metrics = sgd_step_(adversary, state, adv_state, batch, ctx, first_step=(i == 0),
                                            max_grad_norm=max_grad_norm, buffers=buffers, precision=precision)

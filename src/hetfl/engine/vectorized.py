@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, MethodError, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, MethodError, Stage, Tensors, check_stage_start
 from hetfl.engine import step_plan
 from hetfl.engine.compiled_step import (
     PER_CLIENT_VALUES,
@@ -139,7 +139,9 @@ class ClientPlan:
         """``ctx``'s round under ``algorithm``: its extras (``begin``, set on ``ctx``), stages and start."""
         ctx.extras = algorithm.begin(ctx)
         unread = frozenset(STEP_DICTS) - algorithm.step_reads
-        return cls(ctx, algorithm.stages(ctx), algorithm.start_state(ctx), unread)
+        stages, start = algorithm.stages(ctx), algorithm.start_state(ctx)
+        check_stage_start(stages, start)
+        return cls(ctx, stages, start, unread)
 
     def key(self) -> tuple[Any, ...]:
         ctx = self.seen
