@@ -15,10 +15,9 @@ from tests.helpers.executors import ATOL, SYNTHETIC, round_contexts
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """The method registry as it is, restored after the test (a test's plug-ins register into it)."""
-    monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
-    monkeypatch.setattr(algorithms, "_PLUGIN_FILES", dict(algorithms._PLUGIN_FILES))
+def registry():
+    """The method registry, which a test's plug-ins register into (restored after every test by
+    tests/conftest.py's own_method_registry)."""
     return algorithms._CLASSES
 
 
