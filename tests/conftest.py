@@ -60,6 +60,22 @@ def one_torch_thread():
         torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def own_method_registry():
+    """Every test starts with the methods registered before it and no plug-in file a test loaded: a test's
+    plug-in (a file in its tmp_path) neither clashes with another test's copy of it (one method name, two files:
+    refused, hetfl.algorithms.check_name_free) nor is listed for the processes a later test starts (--jobs
+    workers, Flower's simulated nodes load every plug-in file of the process)."""
+    from hetfl import algorithms
+
+    classes, files = dict(algorithms._CLASSES), dict(algorithms._PLUGIN_FILES)
+    yield
+    algorithms._CLASSES.clear()
+    algorithms._CLASSES.update(classes)
+    algorithms._PLUGIN_FILES.clear()
+    algorithms._PLUGIN_FILES.update(files)
+
+
 @pytest.fixture
 def one_thread():
     """Run a test on one torch thread (now the default for every test: kept for the modules that ask

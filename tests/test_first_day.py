@@ -491,9 +491,11 @@ def test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it(tmp_path, monk
     from hetfl.cli import main
 
     monkeypatch.setattr(algorithms, "_CLASSES", dict(algorithms._CLASSES))
+    monkeypatch.setattr(algorithms, "_PLUGIN_FILES", dict(algorithms._PLUGIN_FILES))
     argv = [*_readme_plugin_example(tmp_path), "--set", "train.rounds=1", "--set", "runtime.threads=1", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "r")]) == 0
     del algorithms._CLASSES["featnorm"]  # a new process: the plug-in is not loaded
+    algorithms._PLUGIN_FILES.clear()
     (tmp_path / "r" / "summary.json").unlink()  # as if interrupted in its last round
     before = sorted(p.name for p in (tmp_path / "r").iterdir())
     capsys.readouterr()

@@ -483,8 +483,9 @@ def test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refuse
     an empty dict; so is asking it whether it is empty."""
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=moon", "train.local_steps=2"]))
     monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
-    with pytest.raises(StepReadError, match=r"a step used ctx\.payload\['.*'\], but its algorithm's step_reads "
-                                            r"leaves 'payload' out: add it to the algorithm's step_reads"):
+    with pytest.raises(StepReadError, match=r"a step used ctx\.payload\['.*'\] \(at .*moon\.py:\d+, in loss\), but its "
+                                            r"algorithm's step_reads leaves 'payload' out: add it to the algorithm's "
+                                            r"step_reads"):
         train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
                                  seed=exp.cfg.seed, train_cfg=exp.cfg.train)
     guard = NotReadBySteps("state")

@@ -6,11 +6,13 @@ their settings live in a sub-table of ``algorithm`` named after the step.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
 import sys
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, model_provides
+from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, checked_hooks, model_provides
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
@@ -88,8 +90,31 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
             raise MethodError(f"{cls.__name__}.loss{inspect.signature(cls.loss)} must take (self, state, batch, "
                               "ctx): the state dict it trains, the batch (batch.x, batch.y) and the client's "
                               "context") from None
+    check_name_free(cls)
+    checked_hooks(cls)
     _CLASSES[cls.name] = cls
     return cls
+
+
+def _origin(cls: type) -> str:
+    """Where ``cls`` is defined: its plug-in file (or module) and qualified name."""
+    module = sys.modules.get(cls.__module__)
+    return f"{cls.__qualname__} of {getattr(module, '__file__', None) or cls.__module__}"
+
+
+def check_name_free(cls: type[Algorithm]) -> None:
+    """Refuse a method name that is taken: by a built-in method or post-hoc step (the plug-in's class would
+    replace it in every run of the process, silently), or by another class (a second plug-in file). The same
+    class defined again (its file loaded again, a notebook's cell run again) replaces itself."""
+    kind = "method" if cls.name in _REGISTRY else "post-hoc step" if cls.name in _POSTHOC else None
+    if kind is not None:
+        raise MethodError(f"{cls.__name__}.name = {cls.name!r} is the name of hetfl's built-in {kind}; give the "
+                          f"method a name of its own (e.g. name = \"my_{cls.name}\"); to change how {cls.name} "
+                          f"works, subclass it under another name")
+    known = _CLASSES.get(cls.name)
+    if known is not None and _origin(known) != _origin(cls):
+        raise MethodError(f"{cls.__name__}.name = {cls.name!r} is already registered by {_origin(known)}; give "
+                          "each method a name of its own")
 
 
 def available() -> list[str]:
@@ -108,30 +133,71 @@ def algorithm_class(name: str) -> type[Algorithm]:
                           "hetfl list algorithms)")
     if name not in available():
         raise ConfigError("algorithm.name", name, "unknown method; " + did_you_mean(name, available())
-                          + "allowed: " + ", ".join(available()) + "; a method defined in a plug-in file needs "
-                          "--plugin FILE (plugins= in Python), also when resuming its run")
+                          + "allowed: " + ", ".join(available()) + "; " + _plugin_hint(name))
     module, cls = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
+def _plugin_hint(name: str) -> str:
+    """What to do about a method ``name`` that nothing registered: pass its plug-in file, or, where a loaded
+    plug-in file defines a class of that name without registering it, add @register."""
+    if not _PLUGIN_FILES:
+        return "a method defined in a plug-in file needs --plugin FILE (plugins= in Python), also when resuming its run"
+    unregistered = [f"{cls.__qualname__} in {_PLUGIN_FILES[module]}" for module in _PLUGIN_FILES
+                    for cls in vars(sys.modules[module]).values()
+                    if inspect.isclass(cls) and issubclass(cls, Algorithm) and cls.__module__ == module
+                    and cls.name == name and _CLASSES.get(name) is not cls]
+    if unregistered:
+        return (f"{', '.join(unregistered)} has name = {name!r} but is not registered: put @register (from "
+                "hetfl.algorithms) on the line above its class statement")
+    registered = sorted(n for n, cls in _CLASSES.items() if cls.__module__ in _PLUGIN_FILES)
+    return (f"the plug-in files loaded ({', '.join(_PLUGIN_FILES.values())}) registered "
+            f"{', '.join(registered) if registered else 'none'}: a method of a plug-in needs @register on its class "
+            "and its file in --plugin FILE, also when resuming its run")
+
+
 #: plug-in files imported by :func:`load_plugin`: module name -> absolute path (what another process loads
-#: to know the same methods: ``hetfl compare --jobs``)
+#: to know the same methods: ``hetfl compare --jobs``, Flower's simulated nodes)
 _PLUGIN_FILES: dict[str, str] = {}
 
 
+def plugin_module_name(file: Path) -> str:
+    """The module name a plug-in file is imported as: its stem and a digest of its absolute path, so that two
+    files of one name in two folders are two modules (and both are listed by :func:`plugin_files`)."""
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:10]
+    return f"hetfl_plugin_{file.stem}_{digest}"
+
+
 def load_plugin(path: str) -> None:
-    """Import a Python file that registers methods (``hetfl run --plugin FILE``)."""
+    """Import a Python file that registers methods (``hetfl run --plugin FILE``). A :class:`MethodError` names
+    the file when the import fails (with the line and the error; the error is its ``__cause__``) or a method it
+    registers breaks the interface."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError("--plugin", path, "no such file")
-    spec = importlib.util.spec_from_file_location(f"hetfl_plugin_{file.stem}", file)
+    name = plugin_module_name(file)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     except MethodError as err:
+        sys.modules.pop(name, None)
         raise MethodError(f"--plugin {path}: {err}") from None
-    _PLUGIN_FILES[spec.name] = str(file.resolve())  # type: ignore[union-attr]
+    except Exception as err:  # anything the researcher's file raises: one line naming where, not a traceback
+        sys.modules.pop(name, None)
+        raise MethodError(f"--plugin {path}: importing it failed at {_failed_line(err, file)}: "
+                          f"{type(err).__name__}: {err}") from err
+    _PLUGIN_FILES[name] = str(file.resolve())
+
+
+def _failed_line(err: Exception, file: Path) -> str:
+    """``FILE:LINE`` of ``file`` where importing it raised ``err`` (a syntax error's own line)."""
+    if isinstance(err, SyntaxError) and err.lineno is not None:
+        return f"{file}:{err.lineno}"
+    resolved = str(file.resolve())
+    lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if str(Path(f.filename).resolve()) == resolved]
+    return f"{file}:{lines[-1]}" if lines else str(file)
 
 
 def plugin_files() -> list[str]:

@@ -25,6 +25,8 @@ and in checkpoints), and never draws random numbers from global state.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -73,6 +75,104 @@ def check_loss_output(stage: Stage, out: Any) -> tuple[torch.Tensor, Mapping[str
                 if isinstance(part, (int, float)) else ""
             raise broken(f"its part {name!r} is a {type(part).__name__}{hint}")
     return loss, parts
+
+
+# ------------------------------------------------------- what a plug-in's hooks must return
+def _tensor_dict_problem(value: Any, what: str = "it") -> str | None:
+    """Why ``value`` is not a dict of name -> tensor (``what`` names it in the answer), or None."""
+    if not isinstance(value, Mapping):
+        return f"{what} returned {'None' if value is None else f'a {type(value).__name__}'}" if what == "it" \
+            else f"{what} is {'None' if value is None else f'a {type(value).__name__}'}"
+    for name, tensor in value.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            return f"its entry {name!r} is a {type(tensor).__name__}"
+    return None
+
+
+def _server_problem(value: Any) -> str | None:
+    if not isinstance(value, ServerState):
+        return f"it returned {'None' if value is None else f'a {type(value).__name__}'}"
+    return _tensor_dict_problem(value.model, "its model") or _tensor_dict_problem(value.extra, "its extra")
+
+
+def _stages_problem(value: Any) -> str | None:
+    if not isinstance(value, list):
+        return f"it returned {'None' if value is None else f'a {type(value).__name__}'}"
+    wrong = [type(s).__name__ for s in value if not isinstance(s, Stage)]
+    return f"it holds a {wrong[0]}" if wrong else None
+
+
+def _finish_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        return (f"it returned a tuple of {len(value)}" if isinstance(value, tuple) else
+                f"it returned {'None' if value is None else f'a {type(value).__name__}'}")
+    return _tensor_dict_problem(value[0], "its upload") or _tensor_dict_problem(value[1], "its state")
+
+
+def _client_model_problem(value: Any, method: Any) -> str | None:
+    problem = _tensor_dict_problem(value)
+    if problem is None:
+        missing = [n for n in method.model.state_names if n not in value]
+        problem = f"it lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") \
+            if missing else None
+    return problem
+
+
+TENSORS = "a dict of name -> tensor"
+SERVER = "a ServerState(model=..., extra=...) of dicts of name -> tensor"
+#: the hooks whose values a plug-in's class is checked for (:func:`checked_hooks`): what each must return and
+#: why a value is not that (``(value, method) -> problem or None``)
+HOOK_CONTRACTS: dict[str, tuple[str, Callable[[Any, Any], str | None]]] = {
+    "init_server": (SERVER, lambda v, m: _server_problem(v)),
+    "payload": (TENSORS, lambda v, m: _tensor_dict_problem(v)),
+    "aggregate": (SERVER, lambda v, m: _server_problem(v)),
+    "setup_query": (TENSORS, lambda v, m: _tensor_dict_problem(v)),
+    "setup_aggregate": (SERVER, lambda v, m: _server_problem(v)),
+    "init_client_state": (TENSORS, lambda v, m: _tensor_dict_problem(v)),
+    "begin": (TENSORS, lambda v, m: _tensor_dict_problem(v)),
+    "start_state": (TENSORS, lambda v, m: _tensor_dict_problem(v)),
+    "stages": ("a list of Stage", lambda v, m: _stages_problem(v)),
+    "personalize_stages": ("a list of Stage", lambda v, m: _stages_problem(v)),
+    "finish": ("(upload, state): two dicts of name -> tensor", lambda v, m: _finish_problem(v)),
+    "client_model": (f"{TENSORS} holding the model's every tensor", _client_model_problem),
+}
+
+
+def _where(fn: Callable[..., Any]) -> str:
+    """``FILE:LINE`` of ``fn``'s definition, or its qualified name where the source is not to be found."""
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return getattr(fn, "__qualname__", "?")
+
+
+def checked_hook(hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a method's ``hook``, checked for what it returns (:data:`HOOK_CONTRACTS`): a
+    :class:`MethodError` naming the class, the hook, where it is defined, what it must return and what it
+    returned, instead of a failure deep in the engine or a run that goes on with a wrong value."""
+    what, problem_of = HOOK_CONTRACTS[hook]
+    where = _where(fn)
+
+    @functools.wraps(fn)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(self, *args, **kwargs)
+        problem = problem_of(out, self)
+        if problem is not None:
+            raise MethodError(f"{type(self).__name__}.{hook} ({where}) must return {what}; {problem}")
+        return out
+
+    checked.__hetfl_checked__ = True  # type: ignore[attr-defined]
+    return checked
+
+
+def checked_hooks(cls: type) -> None:
+    """Check the values of the hooks of ``cls`` that code outside hetfl defines (a plug-in's, a notebook's):
+    hetfl's own methods are tested, a researcher's first plug-in is not (``register`` calls this)."""
+    for hook in HOOK_CONTRACTS:
+        fn = getattr(cls, hook)
+        if getattr(fn, "__hetfl_checked__", False) or getattr(fn, "__module__", "").startswith("hetfl."):
+            continue
+        setattr(cls, hook, checked_hook(hook, fn))
 
 
 @dataclass(frozen=True)
@@ -270,6 +370,34 @@ class Stage:
     grad_transform: GradFn | None = None
     draws: DrawFn | None = None
     adversary: Stage | None = None
+
+
+def _stage_where(stage: Stage) -> str:
+    """``stage 'NAME' of CLASS``: the stage and the method whose loss it runs, for an error's message."""
+    owner = getattr(stage.loss, "__self__", None)
+    method = type(owner).__name__ if owner is not None else getattr(stage.loss, "__qualname__", "?").split(".")[0]
+    return f"stage {stage.name!r} of {method}"
+
+
+def check_stage_start(stages: Sequence[Stage], start: Mapping[str, torch.Tensor]) -> None:
+    """A :class:`MethodError` when a stage (or its adversary) trains a tensor that the state it starts from
+    (``start_state``) does not hold: a typo in ``trainable``, named before the first step."""
+    for stage in stages:
+        for part in (stage, stage.adversary):
+            missing = [] if part is None else [n for n in part.trainable if n not in start]
+            if missing:
+                raise MethodError(f"{_stage_where(part)} trains {missing[0]!r}, which the state it starts from "
+                                  f"(start_state) does not hold; it holds {', '.join(list(start)[:6])}"
+                                  f"{', ...' if len(start) > 6 else ''} (self.setup.groups names the model's parts)")
+
+
+def checked_stage_output(stage: Stage, part: str, value: Any) -> Any:
+    """``value``, what ``stage``'s ``part`` (``draws``, ``grad_transform``) returned, when it is a dict of name ->
+    tensor; else a :class:`MethodError` naming the stage, the method and what it returned."""
+    problem = _tensor_dict_problem(value)
+    if problem is not None:
+        raise MethodError(f"{_stage_where(stage)}: its {part} must return {TENSORS}; {problem}")
+    return value
 
 
 @dataclass

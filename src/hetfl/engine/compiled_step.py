@@ -44,6 +44,32 @@ from hetfl.engine.local import functional_grad, step_gradients
 RECOMPILE_LIMIT = 1024
 
 
+#: a client context's plain values that differ between the clients of a vectorised group, which one step trains
+#: at once: a step sees no client's own value of these (the sequential executor's step does)
+PER_CLIENT_VALUES = ("client_id", "num_samples", "features", "inputs")
+
+
+class PerClientValueRead(RuntimeError):
+    """A vectorised step read one of :data:`PER_CLIENT_VALUES`. A RuntimeError, as vmap's own refusals (``.item()``,
+    a random op): the vectorised executor runs the group's clients one at a time instead, saying why."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"a step read ctx.{name}, which differs between the clients that one vectorised step trains, so the "
+            f"step cannot see its client's own value; the sequential executor's step can. To keep the clients "
+            f"vectorised, read ctx.{name} in the method's begin() and hand the step a tensor in the extras it "
+            f"returns (`{{\"my.size\": torch.tensor(float(ctx.num_samples))}}`, read as ctx.extras[\"my.size\"])")
+
+
+def _per_client(name: str) -> property:
+    """An attribute of :class:`StepContext` that no vectorised step may read (:class:`PerClientValueRead`)."""
+
+    def refuse(self: StepContext) -> Any:
+        raise PerClientValueRead(name)
+
+    return property(refuse, doc=f"``{name}``: differs between the clients of a step (refused)")
+
+
 def _from_base(name: str) -> property:
     """A read-only attribute of :class:`StepContext`: the template's value, read when the step reads it."""
     return property(lambda self: getattr(self.base, name), doc=f"the round's ``{name}`` (``base.{name}``)")
@@ -56,12 +82,12 @@ class StepContext(ClientContext):
     :class:`hetfl.engine.vectorized.TemplateContext` records reads with a ``__getattribute__`` hook,
     which Dynamo cannot trace)."""
 
-    client_id = _from_base("client_id")
+    client_id = _per_client("client_id")
     round = _from_base("round")
-    num_samples = _from_base("num_samples")
+    num_samples = _per_client("num_samples")
     lr = _from_base("lr")
-    features = _from_base("features")
-    inputs = _from_base("inputs")
+    features = _per_client("features")
+    inputs = _per_client("inputs")
     shared = _from_base("shared")
 
     def __init__(self, base: ClientContext, payload: Tensors, state: Tensors, extras: Tensors) -> None:

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import grad
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors, check_loss_output
+from hetfl.algorithms.base import (
+    Algorithm,
+    Batch,
+    ClientContext,
+    Stage,
+    Tensors,
+    check_loss_output,
+    check_stage_start,
+    checked_stage_output,
+)
 from hetfl.engine.schedule import batch_schedule
 from hetfl.models.low_precision import bf16_copies, low_precision_weights, refresh_copies
 from hetfl.optim import sgd_init, sgd_update, sgd_update_
@@ -122,7 +131,7 @@ def step_gradients(
 
     grads, (loss, metrics, new_buffers) = grad_fn(objective, trainable)
     if stage.grad_transform is not None:
-        grads = stage.grad_transform(grads, state, ctx)
+        grads = checked_stage_output(stage, "grad_transform", stage.grad_transform(grads, state, ctx))
     if max_grad_norm > 0:
         grads = clip_grads(grads, max_grad_norm)
     return grads, new_buffers, loss, metrics
@@ -226,6 +235,7 @@ def run_stages(
     In ``bf16`` the steps read bfloat16 copies of the weights named in ``low_names``
     (:func:`step_gradients`), made here and refreshed after each update: derived state, never returned.
     """
+    check_stage_start(stages, start)
     client = ctx.client_id
     batch_gen = torch_generator(seed, "batches", ctx.round, client, stream)
     augment_gen = torch_generator(seed, "augment", ctx.round, client, stream)
@@ -242,7 +252,8 @@ def run_stages(
         adv_state = sgd_init({n: state[n] for n in adversary.trainable}, adversary.sgd) if adversary else {}
         for i, batch in enumerate(data.train_batches(client, schedule, augment_gen)):
             if stage.draws is not None:
-                batch.draws = {k: v.to(data.device) for k, v in stage.draws(draw_gen, len(batch.y)).items()}
+                drawn = checked_stage_output(stage, "draws", stage.draws(draw_gen, len(batch.y)))
+                batch.draws = {k: v.to(data.device) for k, v in drawn.items()}
             if adversary is not None:
                 _, adv_metrics = sgd_step_(adversary, state, adv_state, batch, ctx, first_step=(i == 0),
                                            max_grad_norm=max_grad_norm, buffers=buffers, precision=precision,

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetfl.algorithms.base import Stage, Tensors
+from hetfl.algorithms.base import Stage, Tensors, checked_stage_output
 from hetfl.engine.schedule import batch_schedule_flat
 
 # most steps of one call (runtime.graph_steps): a captured call replays them all at once. Each call shape is
@@ -233,7 +233,8 @@ def _row(sizes: list[int], flat_global: torch.Tensor | None, batch_size: int, st
     gathered at once (a round of CCVR's 10 epochs has 7,860)."""
     flat = torch.zeros(0, dtype=torch.long) if flat_global is None else flat_global  # None: no batches
     offsets = [0, *itertools.accumulate(sizes)]
-    draws = [stage.draws(draw_gen, n) for n in sizes] if stage.draws is not None else [{}] * len(sizes)
+    draws = [checked_stage_output(stage, "draws", stage.draws(draw_gen, n)) for n in sizes] \
+        if stage.draws is not None else [{}] * len(sizes)
     full = [j for j, n in enumerate(sizes) if n == batch_size]
     columns = torch.tensor([offsets[j] for j in full], dtype=torch.long).view(-1, 1) + torch.arange(batch_size)
     place = {j: i for i, j in enumerate(full)}  # batch -> its row among the full batches

@@ -42,16 +42,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import Algorithm, Batch, ClientContext, Stage, Tensors
+from hetfl.algorithms.base import Algorithm, Batch, ClientContext, MethodError, Stage, Tensors, check_stage_start
 from hetfl.engine import step_plan
-from hetfl.engine.compiled_step import StepContext, run_compiled, vmapped_step
+from hetfl.engine.compiled_step import (
+    PER_CLIENT_VALUES,
+    PerClientValueRead,
+    StepContext,
+    run_compiled,
+    vmapped_step,
+)
 from hetfl.engine.data import FederatedData
 from hetfl.engine.local import LocalResult, run_stages, step_gradients, unaliased
 from hetfl.engine.step_plan import Call, StagePlan, plan_round
@@ -61,6 +69,21 @@ from hetfl.optim import sgd_init, sgd_update_
 from hetfl.rng import torch_generator
 
 Log = Callable[[str], None]
+
+
+# torch's code, the engine's and the model caller's (hetfl.algorithms.base): not where a method reads or calls
+_NOT_THE_METHODS = (str(Path(torch.__file__).parent), str(Path(__file__).parent),
+                    str(Path(__file__).parents[1] / "algorithms" / "base.py"))
+
+
+def where_in_method(err: BaseException) -> str:
+    """`` (at FILE:LINE, in FUNCTION)``: the innermost line of ``err``'s traceback in a method's code, not in torch's
+    or the engine's (the loss line that called ``.item()``), so that a fallback's message says where; '' if none."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_NOT_THE_METHODS)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
 
 
 def callable_key(fn: Callable[..., Any] | None) -> Any:
@@ -117,7 +140,9 @@ class ClientPlan:
         """``ctx``'s round under ``algorithm``: its extras (``begin``, set on ``ctx``), stages and start."""
         ctx.extras = algorithm.begin(ctx)
         unread = frozenset(STEP_DICTS) - algorithm.step_reads
-        return cls(ctx, algorithm.stages(ctx), algorithm.start_state(ctx), unread)
+        stages, start = algorithm.stages(ctx), algorithm.start_state(ctx)
+        check_stage_start(stages, start)
+        return cls(ctx, stages, start, unread)
 
     def key(self) -> tuple[Any, ...]:
         ctx = self.seen
@@ -136,11 +161,15 @@ class TemplateContext(ClientContext):
     """The context a vmapped step sees: one client's, with the per-client tensors swapped in
     inside ``vmap``. It records which of the round's plain values (``round``, ``lr``...) the
     step reads, so that a compiled step (a CUDA graph, in which such a value is a constant) is
-    reused in a later round only where those values are the same."""
+    reused in a later round only where those values are the same. The values that differ between the
+    group's clients (``client_id``, ``num_samples``, ``features``, ``inputs``) a step cannot read:
+    :class:`~hetfl.engine.compiled_step.PerClientValueRead`, and the group runs one client at a time."""
 
-    SCALARS = ("round", "lr", "client_id", "num_samples")
+    SCALARS = ("round", "lr")
 
     def __getattribute__(self, name: str) -> Any:
+        if name in PER_CLIENT_VALUES:
+            raise PerClientValueRead(name)
         if name in TemplateContext.SCALARS:
             object.__getattribute__(self, "reads").add(name)
         return object.__getattribute__(self, name)
@@ -165,8 +194,9 @@ class TemplateContext(ClientContext):
         return ctx
 
 
-class StepReadError(LookupError):
-    """A step read a context dict that its algorithm's ``step_reads`` leaves out."""
+class StepReadError(MethodError, LookupError):
+    """A step read a context dict that its algorithm's ``step_reads`` leaves out: the method's declaration is
+    wrong (a :class:`MethodError`: ``hetfl`` exits 2 with the message, naming the step's line)."""
 
 
 class NotReadBySteps(Mapping[str, torch.Tensor]):
@@ -179,7 +209,9 @@ class NotReadBySteps(Mapping[str, torch.Tensor]):
         self.name = name
 
     def _refuse(self, use: str) -> StepReadError:
-        return StepReadError(f"a step used ctx.{self.name}{use}, but its algorithm's step_reads leaves "
+        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_NOT_THE_METHODS)]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+        return StepReadError(f"a step used ctx.{self.name}{use}{where}, but its algorithm's step_reads leaves "
                              f"{self.name!r} out: add it to the algorithm's step_reads")
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -977,7 +1009,8 @@ def train_clients_vectorized(
                 continue
             except RuntimeError as err:  # an op without a batching rule, .item(), random ops...
                 if log is not None:
-                    log(f"vectorized: falling back to sequential clients for {algorithm.name}: {err}")
+                    log(f"vectorized: falling back to sequential clients for {algorithm.name}{where_in_method(err)}: "
+                        f"{err}")
                 out = [run_stages(plans[i].stages, plans[i].start, plans[i].ctx, data, seed=seed, **settings)
                        for i in chunk]
             for i, result in zip(chunk, out, strict=True):

@@ -66,7 +66,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 
 from hetfl import config as config_mod
-from hetfl.algorithms import algorithm_class, parse_name, posthoc_class, step_hyper
+from hetfl.algorithms import algorithm_class, load_plugin, parse_name, plugin_files, posthoc_class, step_hyper
 from hetfl.algorithms.base import SHARED, ServerState
 from hetfl.algorithms.dp_moments import NOISE_SOURCES
 from hetfl.data.base import DatasetError
@@ -78,7 +78,7 @@ from hetfl.files import atomic_write_text
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
 from hetfl.flower.codec import client_data_digest, decode_tensor, from_record, to_record
-from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
+from hetfl.flower.protocol import PLUGINS_ENV, TRUSTED_ROOTS_ENV
 from hetfl.privacy import release_digest
 
 _RUNTIME: dict[tuple[str, str, int, tuple], Experiment] = {}
@@ -115,6 +115,7 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
             cfg = replace(cfg, data=replace(cfg.data, root=data_root))
         _RUNTIME.clear()
         _DIGESTS.clear()  # keyed by the experiment's id, which a new one may reuse
+        load_listed_plugins()
         try:
             _RUNTIME[key] = Experiment(cfg)
         except DatasetError as err:  # named as this node's setting: the server's data.root is not the node's to set
@@ -125,6 +126,16 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         if threads:  # the node's own setting wins over the config's runtime.threads
             torch.set_num_threads(threads)
     return _RUNTIME[key]
+
+
+def load_listed_plugins() -> None:
+    """Load the plug-in files the server's process loaded (:data:`PLUGINS_ENV`, set by the simulation) that this
+    process has not: a simulated node is a process of its own (a Ray worker), which would not know their
+    methods."""
+    loaded = set(plugin_files())
+    for path in os.environ.get(PLUGINS_ENV, "").split(os.pathsep):
+        if path and path not in loaded:
+            load_plugin(path)
 
 
 def privacy_floor(node_config: Any) -> dict[str, Any]:

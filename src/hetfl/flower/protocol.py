@@ -52,3 +52,6 @@ NODES_DIR = "flower_nodes"  # simulation: the nodes' client-state store inside t
 #: environment variable listing (os.pathsep-separated) the folders under which a node without a state-dir of its
 #: own may keep client state where the server's ``state-root`` says (the simulation sets it: hetfl.flower.node)
 TRUSTED_ROOTS_ENV = "HETFL_TRUSTED_STATE_ROOTS"
+#: environment variable listing (os.pathsep-separated) the plug-in files (``--plugin FILE``) a simulated node loads
+#: before it builds its experiment: the methods they register are the server's (the simulation sets it)
+PLUGINS_ENV = "HETFL_PLUGIN_FILES"

@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetfl.algorithms import plugin_files, registered_outside_files
 from hetfl.engine.rundir import check_no_run, lock_run_dir
 from hetfl.flower import INSTALL_HINT, check_flower, offline_defaults, require_flwr
 from hetfl.flower.client_app import app as client_app
-from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
+from hetfl.flower.protocol import NODES_DIR, PLUGINS_ENV, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation
 from hetfl.params import ConfigError
 
@@ -47,6 +48,7 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
                           f"the simulation needs Ray, which is not installed: {INSTALL_HINT}")
     for exp, _, _ in jobs:
         check_flower(exp.cfg)  # settings the Flower executor cannot honour, before any run directory is touched
+    check_nodes_know([exp.cfg.algorithm.name for exp, _, _ in jobs])
     offline_defaults()
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
@@ -72,11 +74,24 @@ def run_simulations(jobs: list[tuple[Experiment, str | Path, bool]], *, reporter
         for _, run_dir, resume in jobs:
             if locks.enter_context(lock_run_dir(Path(run_dir))) and not resume:
                 check_no_run(Path(run_dir))
-        with _trusted_state_roots([str(Path(run_dir).resolve() / NODES_DIR) for _, run_dir, _ in jobs]):
+        with _trusted_state_roots([str(Path(run_dir).resolve() / NODES_DIR) for _, run_dir, _ in jobs]), \
+                _listed(PLUGINS_ENV, plugin_files()):
             _simulate(server_app, client_app, jobs, stop, verbose)
     if len(summaries) != len(jobs):
         raise RuntimeError("the Flower simulation ended before its runs finished (see the log above)")
     return summaries
+
+
+def check_nodes_know(methods: list[str]) -> None:
+    """Refuse, before anything runs, a method that the simulated nodes (Ray's worker processes) cannot import:
+    one registered in this process by code outside a plug-in file (a notebook's cell). A plug-in file's methods
+    they load themselves (:data:`PLUGINS_ENV`)."""
+    unknown = registered_outside_files(methods)
+    if unknown:
+        raise ConfigError("runtime.executor", "flower",
+                          f"the method(s) {', '.join(unknown)} were registered in this process, not by a plug-in "
+                          "file, so the simulation's nodes (separate processes) cannot know them; put them in a "
+                          "file and pass it as --plugin FILE (plugins= in Python)")
 
 
 @contextlib.contextmanager
@@ -84,15 +99,23 @@ def _trusted_state_roots(roots: list[str]) -> Iterator[None]:
     """The simulation's nodes may keep client state in the run folders' ``flower_nodes/`` that the server
     names: the folders listed in the environment the nodes (Ray's workers, started now) inherit, for the
     simulation's duration. A node trusts no server-chosen folder otherwise (:func:`hetfl.flower.node.state_root`)."""
-    before = os.environ.get(TRUSTED_ROOTS_ENV)
-    os.environ[TRUSTED_ROOTS_ENV] = os.pathsep.join([*roots, *([before] if before else [])])
+    with _listed(TRUSTED_ROOTS_ENV, roots):
+        yield
+
+
+@contextlib.contextmanager
+def _listed(variable: str, values: list[str]) -> Iterator[None]:
+    """``values`` listed (os.pathsep-separated) in the environment variable ``variable`` before what it held, for
+    the simulation's duration: the nodes (Ray's workers, started inside) inherit it."""
+    before = os.environ.get(variable)
+    os.environ[variable] = os.pathsep.join([*values, *([before] if before else [])])
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(TRUSTED_ROOTS_ENV, None)
+            os.environ.pop(variable, None)
         else:
-            os.environ[TRUSTED_ROOTS_ENV] = before
+            os.environ[variable] = before
 
 
 def _simulate(server_app: Any, client_app: Any, jobs: list[tuple[Experiment, str | Path, bool]],
