@@ -175,13 +175,18 @@ def test_off_by_default_the_step_is_not_compiled(monkeypatch):
 
 
 def test_the_compiled_steps_context_reads_its_values_from_the_template_and_its_tensors_from_the_row():
+    """The round's values come from the template, the tensors from the row; what differs between the clients
+    of one step (their id, size, features, inputs) is refused, so that the executor trains them one at a time."""
     base = ClientContext(client_id=3, round=7, num_samples=40, lr=0.05, payload={}, state={},
                                     shared={"m": torch.ones(1)})
     payload, state, extras = {"w": torch.zeros(2)}, {"c": torch.ones(2)}, {"e": torch.full((2,), 2.0)}
     ctx = StepContext(base, payload, state, extras)
-    assert (ctx.client_id, ctx.round, ctx.num_samples, ctx.lr) == (3, 7, 40, 0.05)
+    assert (ctx.round, ctx.lr) == (7, 0.05)
     assert ctx.payload is payload and ctx.state is state and ctx.extras is extras
-    assert ctx.shared is base.shared and ctx.features is None and ctx.inputs is None
+    assert ctx.shared is base.shared
+    for name in compiled_step.PER_CLIENT_VALUES:
+        with pytest.raises(compiled_step.PerClientValueRead, match=f"a step read ctx.{name}, which differs"):
+            getattr(ctx, name)
 
 
 def test_compile_without_vmapped_clients_says_it_does_nothing(tmp_path, caplog):
