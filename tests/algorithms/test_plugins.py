@@ -3,6 +3,8 @@ plug-in's method the numbers they give a built-in one (session 27's audit, bench
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hetfl import algorithms, config
@@ -423,3 +425,105 @@ def test_a_plugin_stage_with_a_wrong_name_draw_or_gradient_transform_is_named(tm
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert STAGE_ERRORS[how] in err, err
+
+
+SCALED_PLUGIN = '''
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm, cross_entropy
+
+SCALE = {scale}
+
+
+@register
+class Scaled(Algorithm):
+    name = "scaledce"
+    citation = "a test"
+
+    def loss(self, state, batch, ctx):
+        ce = cross_entropy(self.model.logits(state, batch.x), batch.y)
+        return SCALE * ce, {{"ce": ce.detach()}}
+'''
+
+
+def test_a_run_of_an_edited_plugin_is_not_taken_for_the_run_of_its_old_code(tmp_path):
+    """A run's identity was its resolved configuration alone, which does not see a plug-in's code: after the
+    plug-in file was edited, ``hetfl.run`` into the same folder handed back the old code's numbers as this
+    code's (session 27's audit: 64.34% reused where the edited method gives 60.25%), and ``hetfl compare`` and
+    sweeps reused such runs likewise. The file's content is now part of the identity
+    (``algorithm.plugin_source``): the unchanged file reuses its run, an edited one is refused naming the key,
+    also when resuming."""
+    import hetfl
+    from hetfl.engine.rundir import RunDirError
+
+    plugin = tmp_path / "scaled.py"
+    plugin.write_text(SCALED_PLUGIN.format(scale=1.0))
+    overrides = ["algorithm.name=scaledce", "train.rounds=2", "train.local_steps=2"]
+    first = hetfl.run(overrides=overrides, out=tmp_path / "run", plugins=[plugin])
+    assert first.status == "ran"
+    recorded = (tmp_path / "run" / "config.toml").read_text()
+    assert 'plugin_source = "scaled.py sha256:' in recorded
+    assert hetfl.run(overrides=overrides, out=tmp_path / "run", plugins=[plugin]).status == "reused"
+
+    plugin.write_text(SCALED_PLUGIN.format(scale=0.5))  # the researcher edits the method
+    with pytest.raises(RunDirError, match="algorithm.plugin_source: 'scaled.py sha256:"):
+        hetfl.run(overrides=overrides, out=tmp_path / "run", plugins=[plugin])
+    with pytest.raises(RunDirError, match="algorithm.plugin_source"):
+        hetfl.run(tmp_path / "run" / "config.toml", out=tmp_path / "run", resume=True, plugins=[plugin])
+    edited = hetfl.run(overrides=overrides, out=tmp_path / "edited", plugins=[plugin])
+    assert edited.status == "ran" and edited.summary["setting_id"] != first.summary["setting_id"]
+
+
+def test_a_built_in_methods_identity_holds_no_plugin_source():
+    """Built-in methods' configurations (and so every run written before plug-ins had a source) are unchanged."""
+    from hetfl.engine.identity import canonical_tree
+
+    cfg = config.load(None, ["algorithm.name=fedavg+ccvr"])
+    assert "plugin_source" not in canonical_tree(config.to_tree(cfg))["algorithm"]
+    assert algorithms.plugin_source("fedavg+ccvr") == ""
+
+
+def test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new(tmp_path, capsys, monkeypatch):
+    """A run stopped after a checkpoint, then resumed after its plug-in was edited, would be rounds of the old
+    code continued by the new one: refused, saying so. Stopped before any checkpoint (the README's first-method
+    mistake, fixed, then ``--resume``), it starts again from round 1 under the new code, which its config.toml
+    then records."""
+    from hetfl.cli import main
+    from hetfl.engine import experiment as experiment_mod
+
+    plugin = tmp_path / "scaled.py"
+    plugin.write_text(SCALED_PLUGIN.format(scale=1.0))
+    out = tmp_path / "run"
+    argv = ["--plugin", str(plugin), "--set", "algorithm.name=scaledce", "--set", "train.rounds=3",
+            "--set", "train.local_steps=2", "--quiet"]
+    real_round = experiment_mod.Experiment.round
+
+    def stop_in_round_3(self, server, clients, r, reporter):
+        if r == 3:
+            raise KeyboardInterrupt
+        return real_round(self, server, clients, r, reporter)
+
+    monkeypatch.setattr(experiment_mod.Experiment, "round", stop_in_round_3)
+    assert main(["run", *argv, "--out", str(out)]) == 130  # stopped as by Ctrl-C, two rounds written
+    monkeypatch.setattr(experiment_mod.Experiment, "round", real_round)
+    plugin.write_text(SCALED_PLUGIN.format(scale=0.5))
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "--plugin", str(plugin), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "computed by another version of the plug-in file (algorithm.plugin_source: 'scaled.py sha256:" in err
+    assert "run it afresh" in err
+
+    fresh = tmp_path / "fresh"
+    argv0 = [*argv, "--set", "runtime.checkpoint_every=0"]
+    plugin.write_text(SCALED_PLUGIN.format(scale=1.0))
+    monkeypatch.setattr(experiment_mod.Experiment, "round", stop_in_round_3)
+    assert main(["run", *argv0, "--out", str(fresh)]) == 130
+    monkeypatch.setattr(experiment_mod.Experiment, "round", real_round)
+    plugin.write_text(SCALED_PLUGIN.format(scale=0.5))
+    assert main(["run", "--resume", str(fresh), "--plugin", str(plugin), "--quiet"]) == 0
+    assert algorithms.plugin_source("scaledce") in (fresh / "config.toml").read_text()
+    rerun = tmp_path / "rerun"
+    assert main(["run", *argv0, "--out", str(rerun)]) == 0
+    assert (fresh / "metrics.jsonl").read_text().count("\n") == 3
+    strip = lambda line: {k: v for k, v in json.loads(line).items() if not k.endswith("time_s")}  # noqa: E731
+    assert [strip(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()] == \
+        [strip(x) for x in (rerun / "metrics.jsonl").read_text().splitlines()]

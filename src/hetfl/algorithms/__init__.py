@@ -200,6 +200,27 @@ def _failed_line(err: Exception, file: Path) -> str:
     return f"{file}:{lines[-1]}" if lines else str(file)
 
 
+#: the resolved configuration's key (``algorithm.plugin_source``) that holds a plug-in method's code, as
+#: :func:`plugin_source` gives it: part of the run's identity (:mod:`hetfl.engine.identity`)
+PLUGIN_SOURCE = "plugin_source"
+
+
+def plugin_source(full_name: str) -> str:
+    """The code of the method ``full_name`` as far as it is no part of hetfl: ``"FILE sha256:DIGEST"`` of the
+    plug-in file that registered its trainer (its name and the first 16 hex digits of its content's SHA-256), or
+    ``""`` for hetfl's own methods and for a class registered outside a plug-in file (a notebook's cell: no file
+    to read). A run's identity is its resolved configuration, which holds this, so that a run of a plug-in is
+    not reused, resumed or tabled as the run of the same plug-in file edited since. Only that file is read:
+    modules it imports are not."""
+    trainer, _ = parse_name(full_name)
+    cls = _CLASSES.get(trainer)
+    path = None if cls is None else _PLUGIN_FILES.get(cls.__module__)
+    if path is None:
+        return ""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return f"{Path(path).name} sha256:{digest}"
+
+
 def plugin_files() -> list[str]:
     """The plug-in files this process has loaded, in load order."""
     return list(_PLUGIN_FILES.values())
@@ -258,9 +279,10 @@ def posthoc_class(name: str) -> type[PostHoc]:
 
 def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
     """Validated settings of the trainer of ``full_name`` (unknown keys are errors);
-    the settings of each post-hoc step (sub-table ``algorithm.<step>``) are validated too."""
+    the settings of each post-hoc step (sub-table ``algorithm.<step>``) are validated too.
+    ``algorithm.plugin_source`` (:func:`plugin_source`) is no setting of the method: left out."""
     trainer, steps = parse_name(full_name)
-    own = {k: v for k, v in params.items() if k not in steps}
+    own = {k: v for k, v in params.items() if k not in steps and k != PLUGIN_SOURCE}
     for step in steps:
         step_hyper(step, params.get(step, {}))
     try:

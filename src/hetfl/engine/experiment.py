@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms import build_algorithm, build_posthoc, check_model_parts, hyperparameters, parse_name
+from hetfl.algorithms import (
+    PLUGIN_SOURCE,
+    build_algorithm,
+    build_posthoc,
+    check_model_parts,
+    hyperparameters,
+    parse_name,
+)
 from hetfl.algorithms.base import (
     SHARED,
     Batch,
@@ -343,17 +350,25 @@ class Experiment:
         self.run_dir = run_dir
         ckpt = load_checkpoint(run_dir, self.device) if resume else None
         self.trained_in = ckpt.info.get(TRAINED_IN_KEY) if ckpt else None
+        code_edited = False  # the plug-in file edited since a run that made no checkpoint: it restarts under it
         if ckpt is not None:
             changed = config_changes(ckpt.info.get("config"), cfg)
+            if changed and changed == plugin_edits(changed):
+                raise RunDirError(f"{run_dir}: its checkpoint's rounds were computed by another version of the "
+                                  f"plug-in file ({changed[0]}; there -> now); continuing them with this code would "
+                                  "mix the two in one run: run it afresh (another --out, or delete the folder)")
             if changed:
                 raise RunDirError(f"{run_dir}: the checkpoint belongs to a different configuration "
                                   f"({'; '.join(changed[:5])})")
         elif resume and (run_dir / CONFIG_NAME).exists():
             # no checkpoint yet (stopped before the first): the run's config.toml is the configuration it ran
-            # with; another one would count the releases already made as its own (privacy_ledger.json)
+            # with; another one would count the releases already made as its own (privacy_ledger.json). Only its
+            # plug-in's code may differ (a first method fixed after its first step failed, as the error says):
+            # the run starts from round 1 again, so no number of the old code is kept, and config.toml says so
             saved = saved_config(run_dir / CONFIG_NAME)
             changed = config_changes(saved, cfg) if saved is not None else [f"{CONFIG_NAME} cannot be read"]
-            if changed:
+            code_edited = bool(changed) and changed == plugin_edits(changed)
+            if changed and not code_edited:
                 raise RunDirError(f"{run_dir / CONFIG_NAME}: the interrupted run there (no checkpoint yet) has a "
                                   f"different configuration ({'; '.join(changed[:5])}; there -> now)")
         if resume and (run_dir / SUMMARY_NAME).exists():
@@ -372,7 +387,7 @@ class Experiment:
         tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
-            if not resume or not (run_dir / CONFIG_NAME).exists():
+            if not resume or not (run_dir / CONFIG_NAME).exists() or code_edited:
                 atomic_write_text(run_dir / CONFIG_NAME, config_mod.dumps(cfg))
             with tracker.session(cfg, run_dir, metrics_log.history) as self.tracker:
                 return self.round_loop(run_dir, ckpt, metrics_log, reporter)
@@ -671,6 +686,12 @@ class Experiment:
             "_server": new_server,
         }
 
+
+
+def plugin_edits(changed: list[str]) -> list[str]:
+    """Of :func:`~hetfl.engine.setup.config_changes`' lines, those saying the plug-in file's code changed
+    (``algorithm.plugin_source``, :func:`hetfl.algorithms.plugin_source`)."""
+    return [line for line in changed if line.startswith(f"algorithm.{PLUGIN_SOURCE}:")]
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:

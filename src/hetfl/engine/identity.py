@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl import config as config_mod
-from hetfl.algorithms import hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import PLUGIN_SOURCE, hyperparameters, parse_name, step_hyper
 from hetfl.engine.rundir import RunDirError
 from hetfl.params import ConfigError, to_dict
 
@@ -136,6 +136,8 @@ def canonical_tree(tree: dict[str, Any]) -> dict[str, Any]:
     _, steps = parse_name(cfg.algorithm.name)
     full = {**to_dict(hyperparameters(cfg.algorithm.name, params)),
             **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
+    if PLUGIN_SOURCE in params:  # the plug-in's code the run ran, as recorded (never today's file)
+        full[PLUGIN_SOURCE] = params[PLUGIN_SOURCE]
     return config_mod.to_tree(dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=full)))
 
 

@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from hetfl import config as config_mod
-from hetfl.algorithms import check_model_parts, hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import (
+    PLUGIN_SOURCE,
+    check_model_parts,
+    hyperparameters,
+    parse_name,
+    plugin_source,
+    step_hyper,
+)
 from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition, make_partition
@@ -88,6 +95,9 @@ def resolve(cfg: RunConfig, dataset: Dataset) -> RunConfig:
     _, steps = parse_name(cfg.algorithm.name)
     hyper = to_dict(hyperparameters(cfg.algorithm.name, params))
     full_params = {**hyper, **{s: to_dict(step_hyper(s, params.get(s, {}))) for s in steps}}
+    source = plugin_source(cfg.algorithm.name)  # a plug-in's code as it is now (not a value the config carried)
+    if source:
+        full_params[PLUGIN_SOURCE] = source
     algorithm = dataclasses.replace(cfg.algorithm, params=full_params)
     return dataclasses.replace(cfg, data=data, model=model, algorithm=algorithm)
 
