@@ -443,8 +443,19 @@ class VectorizedGroup:
                              f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         if batch.y.shape[0] == 1 and b.k > 1:
             return self.single_client_gradients(stage, state, batch, payload, cstate, extras)
-        with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
+        # hetfl's layers batch the clients without layout copies (the pooling only where the step is replayed)
+        with client_batching(self.conv_batching, pool_layout=self.replayed()):
             return vmapped_step(stage, self.template.with_tensors, *settings, *tensors)
+
+    def replayed(self) -> bool:
+        """Whether the step being run is recorded to be replayed: a CUDA graph's capture, or any step of the
+        ``static`` mode, which stands for one on any device. Only there does the pooling keep the layout
+        (:class:`hetfl.models.layers.MaxPool2d`'s ``autograd.Function``: its Python cost under ``vmap`` and
+        ``grad`` paid once, the copies it saves at every replay); an eager step pays that cost at every step
+        and is bound by its host time, so it pools with PyTorch's rule (the copies instead; the same values
+        and gradients, bit for bit). simple_cnn at batch 2 on one CPU thread: 3.6x the Python calls a step
+        with the layout rule (``benchmarks/results/step_host_time_cpu.md``)."""
+        return self.step_mode == "static" or is_capturing()
 
     def compiles(self, size: int) -> bool:
         """Whether steps on batches of ``size`` samples are compiled (``runtime.compile``): only full
