@@ -200,8 +200,8 @@ def _pair(v: int | tuple[int, ...]) -> list[int]:
 
 class MaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` (same arguments, same results) that keeps the layout of a vmapped input inside
-    :func:`client_batching` with ``pool_layout`` (module docstring). Dilation and ``return_indices`` go to PyTorch's own
-    pooling; so does evaluation without gradients, which needs no indices."""
+    :func:`client_batching` with ``pool_layout`` (module docstring). Dilation and ``return_indices`` go to
+    PyTorch's own pooling; so does evaluation without gradients, which needs no indices."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _pool_layout() or self.return_indices or _pair(self.dilation) != [1, 1] \
