@@ -17,7 +17,10 @@
     ("vmap_compiled"). c/a, c/b and c/d use the fastest of the vectorised variants. On request, on
     CUDA, "vectorized_plain" (on a CPU "vmap_plain"): the eager step without hetfl's batching rules (a
     measurement of their host overhead, not a setting, and never the "best" variant), and
-    "graph_bf16_plain": the same captured, what those rules do to the kernels' time.
+    "graph_bf16_plain": the same captured, what those rules do to the kernels' time; and "vectorized_cl":
+    the eager step with channels-last image batches (``runtime.channels_last = true``), as session 11's
+    "(c) vectorized" ran (that was the default then; off since): issue 29's eager step measured 2x slower
+    in session 17 than in session 11 on an H100, whose host time on a CPU had not grown as much.
 (d) the ceiling: one model trained with batches as large as all clients'
     batches of a step together (the same samples, no federation); on CUDA also
     (d') that ceiling in bfloat16 autocast, the like-for-like bound of the bf16
@@ -74,7 +77,7 @@ def plain_layers(on: bool) -> contextlib.AbstractContextManager:
     """A measurement, not a setting: the vectorised step without hetfl's batching rules (its layers in
     their plain PyTorch forms under vmap, as before session 14), to tell whether their autograd Functions'
     host overhead is what slowed the eager step on a GPU since session 11."""
-    return mock.patch.object(vectorized, "client_batching", lambda conv="grouped": contextlib.nullcontext()) \
+    return mock.patch.object(vectorized, "client_batching", lambda *_, **__: contextlib.nullcontext()) \
         if on else contextlib.nullcontext()
 
 
@@ -281,6 +284,7 @@ COLUMNS = {"peer": "(a) peer", "sequential": "(b) sequential", "vectorized": "(c
            "graph_bf16_pc": "(c) + graph, bf16, per-client convs", "vmap_pc": "(c') vmap, per-client convs",
            "graph_compiled": "(c) + graph, compiled", "graph_bf16_compiled": "(c) + graph, bf16, compiled",
            "vmap_compiled": "(c') vmap, compiled", "vectorized_plain": "(c) vectorized, plain layers",
+           "vectorized_cl": "(c) vectorized, channels-last",
            "vmap_plain": "(c') vmap, plain layers", "graph_bf16_b16": "(c) + graph, bf16, 16 steps a graph",
            "graph_bf16_noahead": "(c) + graph, bf16, plan not drawn ahead",
            "graph_bf16_plain": "(c) + graph, bf16, plain layers",
@@ -296,6 +300,8 @@ GRAPH_VARIANTS = {"graph": _GRAPH, "graph_bf16": [*_GRAPH, "train.precision=bf16
                   "graph_bf16_cl": [*_GRAPH, "train.precision=bf16", "runtime.channels_last=true"],
                   "graph_compiled": [*_GRAPH, _COMPILE],
                   "vectorized_plain": ["runtime.executor=vectorized", "runtime.cuda_graph=false"],
+                  "vectorized_cl": ["runtime.executor=vectorized", "runtime.cuda_graph=false",
+                                    "runtime.channels_last=true"],
                   "graph_bf16_compiled": [*_GRAPH, "train.precision=bf16", _COMPILE],
                   # calls of up to 16 steps (the default until session 19: 4), a graph each
                   "graph_bf16_b16": [*_GRAPH, "train.precision=bf16", "runtime.graph_steps=16"],
@@ -309,7 +315,7 @@ CPU_VARIANTS = {"vmap": _VMAP, "vmap_pc": [*_VMAP, _PER_CLIENT], "vmap_compiled"
                 "vmap_plain": _VMAP}
 # run only when --variants names them: channels-last (measured slower), compiled (a compile per step shape)
 ON_REQUEST = ("graph_bf16_cl", "graph_compiled", "graph_bf16_compiled", "vmap_compiled", "vectorized_plain",
-              "vmap_plain", "graph_bf16_b16", "graph_bf16_noahead", "graph_bf16_plain")
+              "vectorized_cl", "vmap_plain", "graph_bf16_b16", "graph_bf16_noahead", "graph_bf16_plain")
 # run with hetfl's layers in their plain forms inside the vmapped step (plain_layers)
 PLAIN_LAYERS = ("vectorized_plain", "vmap_plain", "graph_bf16_plain")
 # run without the next round's plan drawn ahead (no_plans_ahead)

@@ -524,6 +524,6 @@ def test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new(tmp_p
     rerun = tmp_path / "rerun"
     assert main(["run", *argv0, "--out", str(rerun)]) == 0
     assert (fresh / "metrics.jsonl").read_text().count("\n") == 3
-    strip = lambda line: {k: v for k, v in json.loads(line).items() if not k.endswith("time_s")}  # noqa: E731
+    strip = lambda line: {k: v for k, v in json.loads(line).items() if not k.endswith("time_s")}
     assert [strip(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()] == \
         [strip(x) for x in (rerun / "metrics.jsonl").read_text().splitlines()]

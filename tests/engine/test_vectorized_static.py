@@ -29,6 +29,7 @@ from hetfl.engine.vectorized import (
     VectorizedGroup,
     train_clients_vectorized,
 )
+from tests.helpers import MNIST, needs_shared_data
 from tests.helpers.executors import (
     SYNTHETIC,
     compare_one_round,
@@ -141,6 +142,45 @@ def test_a_capture_that_fails_falls_back_to_eager_steps_with_the_reason(monkeypa
     assert_same_clients(vec, seq)
     assert len(captures) == 1
     assert any("capture failed" in n and "not permitted" in n for n in notes), notes
+
+
+@needs_shared_data
+def test_a_capture_records_the_pooling_that_keeps_the_layout_and_eager_runs_pytorchs(monkeypatch):
+    """In graph mode a call's eager runs (its reference, a replay's stand-in here) pool with PyTorch's rule,
+    cheaper on the host at every step, and the capture records hetfl's layout rule (hetfl.models.layers.MaxPool2d:
+    no layout copies among the kernels replayed at every step); the two agree, so the graphs are kept."""
+    from hetfl.models import layers
+
+    pooled = {"eager": 0, "capture": 0}
+    phase = ["eager"]
+    apply = layers._MaxPool2d.apply
+    monkeypatch.setattr(layers._MaxPool2d, "apply",
+                        lambda *a: (pooled.__setitem__(phase[0], pooled[phase[0]] + 1), apply(*a))[1])
+    capturing = vectorized.is_capturing
+    graphs: list[StandInGraph] = []
+
+    def capture(self):
+        tensors = self.group.buffers.tensors(self.index)
+        before = [{n: t.clone() for n, t in d.items()} for d in tensors]
+        monkeypatch.setattr(vectorized, "is_capturing", lambda: True)
+        phase[0] = "capture"
+        try:
+            self.group.body(self.stage, self.index, self.inputs)  # what a capture records
+        finally:
+            phase[0] = "eager"
+            monkeypatch.setattr(vectorized, "is_capturing", capturing)
+        vectorized.restore(tensors, before)  # a capture runs nothing
+        graphs.append(StandInGraph(self, corrupt=False))
+        self.graph = graphs[-1]
+
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=48", "data.num_clients=3", "model.name=simple_cnn", "train.batch_size=16",
+        "train.local_steps=10", "train.momentum=0.9", "runtime.device=cpu", "runtime.progress=false"]))
+    vec, notes, seq = graph_round(monkeypatch, capture, exp=exp)
+    assert_same_clients(vec, seq)
+    assert not notes and graphs and sum(g.replays for g in graphs) > len(graphs)
+    assert pooled["capture"] > 0 and pooled["eager"] == 0
 
 
 @pytest.mark.slow  # 3 rounds of 4 methods, ~4 s

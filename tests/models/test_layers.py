@@ -553,3 +553,33 @@ def test_an_unknown_conv_batching_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"conv = 'loop': must be one of \('grouped', 'per_client'\)"), \
             client_batching("loop"):
         pass
+
+
+# ---------------------------------------------------------------- the pooling's rule where host time counts
+def test_without_the_pooling_layout_rule_the_pooling_is_pytorchs_under_vmap(monkeypatch):
+    """``client_batching(pool_layout=False)`` (an eager vectorised step, bound by its host time): MaxPool2d
+    runs PyTorch's batching rule, no autograd.Function (which functorch runs through Python machinery at
+    every call under vmap and grad), with the same gradients bit for bit; the linear layer keeps its form.
+    Nested, the inner setting holds inside and the outer one comes back after it."""
+    ran: Counter[str] = Counter()
+    original = layers._MaxPool2d.apply
+    monkeypatch.setattr(layers._MaxPool2d, "apply", lambda *a: (ran.update(["pool"]), original(*a))[1])
+    reference, ours = pools(dict(kernel_size=2))
+    params, x = client_params(3), torch.randn(3, 5, 3, 20, 20)
+    want = vmap(grad(net(reference)))(params, x)
+    with client_batching(pool_layout=False):
+        got = vmap(grad(net(ours)))(params, x)
+        assert not ran
+        with OpCounter() as counter:
+            Linear(40, 7)(torch.randn(3, 40))
+        assert counter.ops["aten.mm"] == 1 and not counter.ops["aten.addmm"]
+        with client_batching():
+            assert torch.equal(vmap(grad(net(ours)))(params, x)[0], want[0])
+        assert ran["pool"] > 0
+        ran.clear()
+        vmap(grad(net(ours)))(params, x)
+        assert not ran
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    vmap(grad(net(ours)))(params, x)  # the fixture's client_batching(): the layout rule again
+    assert ran["pool"] > 0

@@ -487,8 +487,23 @@ class VectorizedGroup:
                              f"uncompiled: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         if batch.y.shape[0] == 1 and b.k > 1:
             return self.single_client_gradients(stage, state, batch, payload, cstate, extras, low)
-        with client_batching(self.conv_batching):  # hetfl's layers batch the clients without layout copies
-            return vmapped_step(stage, self.template.with_tensors, *settings, *tensors, low)
+        # hetfl's layers batch the clients without layout copies (the pooling only where the step is replayed);
+        # bf16's weight copies likewise: read through autograd.Functions, whose Python cost under vmap and grad
+        # an eager step would pay at every step (cnn2, 10 clients, 4 steps: 24,162 Python calls a round with
+        # them, 9,206 without); eager, autocast casts the weights, to the same values
+        with client_batching(self.conv_batching, pool_layout=self.replayed()):
+            return vmapped_step(stage, self.template.with_tensors, *settings, *tensors,
+                                low if self.replayed() else {})
+
+    def replayed(self) -> bool:
+        """Whether the step being run is recorded to be replayed: a CUDA graph's capture, or any step of the
+        ``static`` mode, which stands for one on any device. Only there does the pooling keep the layout
+        (:class:`hetfl.models.layers.MaxPool2d`'s ``autograd.Function``: its Python cost under ``vmap`` and
+        ``grad`` paid once, the copies it saves at every replay); an eager step pays that cost at every step
+        and is bound by its host time, so it pools with PyTorch's rule (the copies instead; the same values
+        and gradients, bit for bit). simple_cnn at batch 2 on one CPU thread: 3.6x the Python calls a step
+        with the layout rule (``benchmarks/results/step_host_time_cpu.md``)."""
+        return self.step_mode == "static" or is_capturing()
 
     def compiles(self, size: int) -> bool:
         """Whether steps on batches of ``size`` samples are compiled (``runtime.compile``): only full

@@ -27,6 +27,14 @@ simple_cnn at batch 2 on a CPU, none measurable at batch 64, since functorch reb
 Both take these paths only inside :func:`client_batching` (the vectorised executor's vmapped step):
 elsewhere they are PyTorch's modules as they are (:class:`MaxPool2d` without an
 ``autograd.Function``'s Python cost per call: a sequential step on a GPU is bound by that host time).
+That cost is larger under ``vmap`` and ``grad``: functorch runs each ``autograd.Function`` through Python
+(a new single-level Function class per call and level, the arguments bound by signature, pytrees of
+inputs and outputs), forward and backward. In a vmapped step of simple_cnn at batch 2 its two poolings
+tripled the step's Python calls (4,881 -> 17,619; ``benchmarks/results/step_host_time_cpu.md``, session
+27). So the vectorised executor keeps the layout rule only where a step is recorded once and replayed
+(a CUDA graph's capture, and the ``static`` mode that stands for it), and its eager steps, which pay
+their host time at every step, pool with PyTorch's own rule (``client_batching(pool_layout=False)``:
+the copies instead, the same values and gradients bit for bit).
 
 :class:`Conv2d` is ``nn.Conv2d`` with a choice of how per-client weights are batched
 (``client_batching(conv=...)``, the config key ``runtime.conv_batching``): ``"grouped"`` is PyTorch's own
@@ -59,22 +67,28 @@ CONV_BATCHING = ("grouped", "per_client")
 
 
 @contextlib.contextmanager
-def client_batching(conv: str = "grouped") -> Iterator[None]:
-    """Inside (in this thread): :class:`MaxPool2d` and :class:`Linear` use their batching rules, for a
-    ``vmap`` over clients, and :class:`Conv2d` batches per-client weights as ``conv`` says (one of
-    :data:`CONV_BATCHING`; module docstring)."""
+def client_batching(conv: str = "grouped", pool_layout: bool = True) -> Iterator[None]:
+    """Inside (in this thread): :class:`MaxPool2d` (with ``pool_layout``) and :class:`Linear` use their
+    batching rules, for a ``vmap`` over clients, and :class:`Conv2d` batches per-client weights as ``conv``
+    says (one of :data:`CONV_BATCHING`; module docstring). ``pool_layout = False``: :class:`MaxPool2d` is
+    PyTorch's own, for a step whose host time counts at every step (module docstring)."""
     if conv not in CONV_BATCHING:
         raise ValueError(f"conv = {conv!r}: must be one of {CONV_BATCHING}")
-    depth, before = getattr(_state, "depth", 0), getattr(_state, "conv", "grouped")
-    _state.depth, _state.conv = depth + 1, conv
+    depth = getattr(_state, "depth", 0)
+    before = getattr(_state, "conv", "grouped"), getattr(_state, "pool_layout", True)
+    _state.depth, _state.conv, _state.pool_layout = depth + 1, conv, pool_layout
     try:
         yield
     finally:
-        _state.depth, _state.conv = depth, before
+        _state.depth, (_state.conv, _state.pool_layout) = depth, before
 
 
 def _client_batching() -> bool:
     return getattr(_state, "depth", 0) > 0
+
+
+def _pool_layout() -> bool:
+    return _client_batching() and _state.pool_layout
 
 
 def _per_client_convolutions() -> bool:
@@ -186,11 +200,11 @@ def _pair(v: int | tuple[int, ...]) -> list[int]:
 
 class MaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` (same arguments, same results) that keeps the layout of a vmapped input inside
-    :func:`client_batching` (module docstring). Dilation and ``return_indices`` go to PyTorch's own
-    pooling; so does evaluation without gradients, which needs no indices."""
+    :func:`client_batching` with ``pool_layout`` (module docstring). Dilation and ``return_indices`` go to
+    PyTorch's own pooling; so does evaluation without gradients, which needs no indices."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _client_batching() or self.return_indices or _pair(self.dilation) != [1, 1] \
+        if not _pool_layout() or self.return_indices or _pair(self.dilation) != [1, 1] \
                 or not torch.is_grad_enabled():
             return super().forward(x)
         # nn.MaxPool2d sets stride = kernel_size where none was given
