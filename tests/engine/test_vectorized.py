@@ -71,14 +71,15 @@ def test_sampled_clients_and_step_mode():
                                                 pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow),
                                                 ("cnn2", "{}")])
 def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):
-    """Per-client BatchNorm running statistics are kept per client under vmap.
+    """Per-client BatchNorm running statistics are kept per client under vmap (two clients suffice:
+    their statistics differ, and running statistics averaged over the clients fail the comparison).
 
     (With batches of 8 and lr 0.05, BatchNorm training here is so ill-conditioned that a
     1e-7 perturbation of the start moves the sequential result by 2e-3: the comparison
     uses a well-conditioned setting so that it tests the executor, not the rounding.)"""
     exp = Experiment(config.load(None, [
         "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
-        "data.samples_per_client=32", "data.num_clients=3", f"model.name={model}", f"model.options={options}",
+        "data.samples_per_client=32", "data.num_clients=2", f"model.name={model}", f"model.options={options}",
         "train.batch_size=16", "train.local_steps=2", "train.lr=0.01", "train.momentum=0.9",
         "runtime.progress=false", "algorithm.name=fedprox",
     ]))
@@ -254,12 +255,13 @@ def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_say
                                                 pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow)])
 def test_channels_last_batches_give_the_nchw_clients(model, options):
     """Image batches laid out channels-last for cuDNN (runtime.channels_last) hold the same values:
-    the clients equal those trained on NCHW batches to float rounding. (ResNet-18 with BatchNorm on
+    the clients equal those trained on NCHW batches to float rounding (two clients: the layout is one
+    copy of the batch whatever the number of clients). (ResNet-18 with BatchNorm on
     batches of 16 amplifies a convolution's other summation order to 1e-3 within two steps, as the
     executor comparisons above note; one BatchNorm step agrees to 1e-7 in either layout.)"""
     exp = Experiment(config.load(None, [
         "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
-        "data.samples_per_client=32", "data.num_clients=3", f"model.name={model}", f"model.options={options}",
+        "data.samples_per_client=32", "data.num_clients=2", f"model.name={model}", f"model.options={options}",
         "train.batch_size=16", "train.local_steps=2", "train.lr=0.01", "train.momentum=0.9",
         "runtime.progress=false", "algorithm.name=fedavg", "runtime.device=cpu",
     ]))
