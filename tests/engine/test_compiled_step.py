@@ -22,7 +22,7 @@ from hetfl.engine.compiled_step import StepContext
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from tests.helpers import MNIST, needs_shared_data
-from tests.helpers.executors import SYNTHETIC, compare_one_round, round_contexts
+from tests.helpers.executors import CAPPED, SYNTHETIC, compare_one_round, round_contexts
 
 needs_cpp_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                                         reason="Inductor compiles the CPU kernels with a C++ compiler")
@@ -64,7 +64,8 @@ def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_call
 def test_only_full_batches_are_compiled(monkeypatch):
     """A compile per step shape, and each client's short last batch of an epoch is a shape of its own
     (CCVR's Table 2 round: 19 step shapes, 9 of them one short batch): those few steps run uncompiled,
-    the full batches that recur compiled, and the clients are the sequential ones."""
+    the full batches that recur compiled, and the clients are the sequential ones (devices capped at
+    300 samples: the six sampled clients still end their epoch on short batches)."""
     sizes: dict[str, set[int]] = {"compiled": set(), "uncompiled": set()}
     real_compiled, real_vmapped = vectorized.run_compiled, vectorized.vmapped_step
 
@@ -85,7 +86,7 @@ def test_only_full_batches_are_compiled(monkeypatch):
     monkeypatch.setattr(vectorized, "run_compiled", compiled)
     monkeypatch.setattr(vectorized, "vmapped_step", vmapped)
     monkeypatch.setattr(vectorized.VectorizedGroup, "single_client_gradients", single)
-    exp = Experiment(config.load(None, [*SYNTHETIC, "train.clients_per_round=6", "train.local_epochs=1",
+    exp = Experiment(config.load(None, [*SYNTHETIC, CAPPED, "train.clients_per_round=6", "train.local_epochs=1",
                                         "runtime.compile=true", "algorithm.name=fedavg"]))
     notes: list[str] = []
     compare_one_round(exp, step_mode=("eager", "static"), notes=notes)

@@ -31,6 +31,7 @@ from hetfl.engine.vectorized import (
 )
 from tests.helpers import MNIST, needs_shared_data
 from tests.helpers.executors import (
+    CAPPED,
     SYNTHETIC,
     compare_one_round,
     local_training,
@@ -41,6 +42,9 @@ from tests.helpers.executors import (
 # one epoch: still clients of very different sizes (short last batches, clients that finish
 # early while others take full batches: calls of shrinking ranges of rows)
 SMALL = [*SYNTHETIC, "train.local_epochs=1", "train.momentum=0.5"]
+# the same on devices capped at 300 samples (42 to 240 to train on: the same kinds of calls, in fewer
+# steps), for the tests of the plan and its cache that run several rounds
+SMALL_CAPPED = [*SMALL, CAPPED]
 
 
 def test_static_calls_pad_gathered_rows_with_the_scratch_row(compiled_runs, monkeypatch):
@@ -50,7 +54,7 @@ def test_static_calls_pad_gathered_rows_with_the_scratch_row(compiled_runs, monk
     from hetfl.engine import step_plan
 
     monkeypatch.setattr(step_plan, "bucket_width", lambda width, rows: width + 1)
-    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=scaffold", "train.momentum=0.9"]))
+    exp = Experiment(config.load(None, [*SYNTHETIC, CAPPED, "algorithm.name=scaffold", "train.momentum=0.9"]))
     compare_one_round(exp, step_mode="static")
     assert compiled_runs["blocks"] > 0 and compiled_runs["padded"] > 0
 
@@ -196,7 +200,7 @@ def test_graphs_are_kept_across_rounds_and_recaptured_when_a_step_reads_the_roun
             self.graph = graphs[-1]
 
         cache = VectorizedCache()
-        exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}"]))
+        exp = Experiment(config.load(None, [*SMALL_CAPPED, f"algorithm.name={method}"]))
         vec, _, seq = graph_round(monkeypatch, capture, round_=1, cache=cache, exp=exp)
         assert_same_clients(vec, seq)
         first = len(graphs)
@@ -293,7 +297,7 @@ def test_a_plan_drawn_for_a_draw_function_that_holds_other_values_is_not_taken(d
     an old one's identity), so the next round plans itself, and its clients are the sequential ones."""
     from hetfl.algorithms.mixup import LAM, mixup_draws
 
-    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=mixup"]))
+    exp = Experiment(config.load(None, [*SMALL_CAPPED, "algorithm.name=mixup"]))
     stages = exp.algorithm.stages
     this_round: dict = {}  # the round's draw function, one for all its clients (so one group)
 
@@ -368,7 +372,7 @@ def test_a_plan_drawn_ahead_is_missed_where_the_structure_the_steps_read_changes
     if step_reads is not None:
         from hetfl.algorithms.moon import Moon
         monkeypatch.setattr(Moon, "step_reads", step_reads)
-    base = [*SMALL, "algorithm.name=moon", "train.rounds=4"]
+    base = [*SMALL_CAPPED, "algorithm.name=moon", "train.rounds=4"]
     finals = {}
     for executor in ("vectorized", "sequential"):
         exp = Experiment(config.load(None, [*base, f"runtime.executor={executor}", "runtime.vmap_on_cpu=true"]))
@@ -432,7 +436,7 @@ def test_a_learning_rate_that_changes_every_round_reuses_the_graphs(monkeypatch)
         self.graph = graphs[-1]
 
     cache = VectorizedCache()
-    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox", "train.lr_schedule=cosine",
+    exp = Experiment(config.load(None, [*SMALL_CAPPED, "algorithm.name=fedprox", "train.lr_schedule=cosine",
                                         "train.rounds=4", "train.weight_decay=1e-3"]))
     vec, notes, seq = graph_round(monkeypatch, capture, round_=1, cache=cache, exp=exp)
     assert_same_clients(vec, seq)
