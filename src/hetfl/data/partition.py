@@ -729,10 +729,11 @@ def make_partition(
                 raise _error("data.angles", angles, "angles must be finite numbers (degrees)")
         rotation = rotation_angles(num_clients, angles)
     elif name == "concept":
-        limit = math.factorial(min(num_classes, 20))
+        limit = math.factorial(min(num_classes, 20))  # past 20 classes: more maps than any number of clients
         if concept_groups > min(num_clients, limit):
+            maps = limit if num_classes <= 20 else f"{num_classes}!"  # the true count, not the cap
             raise _error("data.concept_groups", concept_groups,
-                         f"must be at most the {num_clients} clients and the {limit} label permutations of "
+                         f"must be at most the {num_clients} clients and the {maps} label permutations of "
                          f"{num_classes} classes")
         perms = concept_permutations(num_classes, concept_groups, perm_rng)
         group = [i % concept_groups for i in range(num_clients)]

@@ -1,0 +1,152 @@
+"""Partitions (:mod:`hetfl.data.partition`): tests written for the survivors of its mutation run (session 27,
+``benchmarks/results/mutation/partition.survivors.txt``), beside ``tests/algorithms/test_partition_mutants.py``
+(session 26). Each checks a property a user can see: the refusals' whole messages (the key, its value as given
+and what is allowed), sizes, coverage and the draws' dependence on the seed only."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from hetfl.data.partition import PartitionError, make_partition
+
+
+def refusal(name: str, labels: np.ndarray, num_clients: int, **settings: object) -> str:
+    with pytest.raises(PartitionError) as err:
+        make_partition(name, labels, labels, num_clients, seed=settings.pop("seed", 0), **settings)
+    return str(err.value)
+
+
+def test_too_many_concept_groups_are_refused_with_the_true_count_of_label_maps():
+    """The refusal states the two limits: the clients and the label permutations of the classes. Past 20
+    classes the check caps the count at 20! (any number of clients is below it), but the message must not
+    claim that 100 classes have 20! = 2432902008176640000 permutations."""
+    few = np.arange(30) % 3
+    assert refusal("concept", few, 10, concept_groups=7) == (
+        "data.concept_groups = 7: must be at most the 10 clients and the 6 label permutations of 3 classes")
+    many = np.arange(200) % 100
+    assert refusal("concept", many, 5, concept_groups=6) == (
+        "data.concept_groups = 6: must be at most the 5 clients and the 100! label permutations of 100 classes")
+
+
+Y = np.random.default_rng(0).integers(0, 10, 500)  # 500 samples of 10 classes, every class present
+DIRICHLET = {"name": "dirichlet", "train_labels": Y, "test_labels": Y, "num_clients": 5, "seed": 0}
+REFUSALS = [
+    ({"name": "zipf"},
+     "data.partition = 'zipf': allowed: iid, dirichlet, shards, dominant, quantity, domain, natural, rotation, "
+     "concept"),
+    ({"num_clients": 0}, "data.num_clients = 0: must be an integer in [1, 500] (at most the 500 training samples)"),
+    ({"num_clients": 501},
+     "data.num_clients = 501: must be an integer in [1, 500] (at most the 500 training samples)"),
+    ({"num_clients": 2.5},
+     "data.num_clients = 2.5: must be an integer in [1, 500] (at most the 500 training samples)"),
+    ({"num_clients": True},
+     "data.num_clients = True: must be an integer in [1, 500] (at most the 500 training samples)"),
+    ({"seed": -1}, "seed = -1: must be a non-negative integer"),
+    ({"seed": True}, "seed = True: must be a non-negative integer"),
+    ({"seed": 1.0}, "seed = 1.0: must be a non-negative integer"),
+    ({"alpha": 0.0}, "data.alpha = 0.0: must be a finite number > 0"),
+    ({"alpha": "x"}, "data.alpha = 'x': must be a finite number > 0"),
+    ({"alpha": float("inf")}, "data.alpha = inf: must be a finite number > 0"),
+    ({"min_size": -1}, "data.min_size = -1: must be an integer >= 0"),
+    ({"min_size": 101}, "data.min_size = 101: 5 clients x 101 exceeds the 500 training samples"),
+    ({"name": "quantity", "min_size": 101}, "data.min_size = 101: 5 clients x 101 exceeds the 500 training samples"),
+    ({"name": "rotation", "base": "dirichlet", "min_size": 101},
+     "data.min_size = 101: 5 clients x 101 exceeds the 500 training samples"),
+    ({"max_retries": 0}, "max_retries = 0: must be an integer >= 1"),
+    ({"name": "shards", "classes_per_client": 0}, "data.classes_per_client = 0: must be an integer >= 1"),
+    ({"name": "shards", "classes_per_client": 11}, "data.classes_per_client = 11: must be in [1, 10]"),
+    ({"uniform_share": 1.5}, "data.uniform_share = 1.5: must be a finite number >= 0 and <= 1"),
+    ({"uniform_share": -0.1}, "data.uniform_share = -0.1: must be a finite number >= 0 and <= 1"),
+    ({"name": "dominant", "samples_per_client": 0}, "data.samples_per_client = 0: must be an integer >= 1"),
+    ({"name": "dominant", "dominant_groups": 0}, "data.dominant_groups = 0: must be an integer >= 1"),
+    ({"name": "dominant", "classes_per_group": 0}, "data.classes_per_group = 0: must be an integer >= 1"),
+    ({"name": "dominant", "classes_per_group": 11}, "data.classes_per_group = 11: must be in [1, 10]"),
+    ({"test_per_client": -1}, "data.test_per_client = -1: must be an integer >= 0"),
+    ({"quantity_sigma": -1.0}, "data.quantity_sigma = -1.0: must be a finite number >= 0"),
+    ({"name": "quantity", "quantity_sigma": 1000.0},
+     "data.quantity_sigma = 1000.0: the log-normal client sizes overflow (exp(sigma x a normal draw)); use a "
+     "smaller sigma (at 5 one client already holds most samples)"),
+    ({"clients_per_domain": 0}, "data.clients_per_domain = 0: must be an integer >= 1"),
+    ({"concept_groups": 0}, "data.concept_groups = 0: must be an integer >= 1"),
+    ({"name": "rotation", "base": "zipf"}, "data.base = 'zipf': allowed: iid, dirichlet"),
+    ({"name": "concept", "concept_groups": 6},
+     "data.concept_groups = 6: must be at most the 5 clients and the 3628800 label permutations of 10 classes"),
+    ({"name": "rotation", "angles": [1, 2]}, "data.angles = [1, 2]: needs one angle per client (5)"),
+    ({"name": "rotation", "angles": [1, 2, 3, 4, float("nan")]},
+     "data.angles = [1, 2, 3, 4, nan]: angles must be finite numbers (degrees)"),
+    ({"name": "rotation", "angles": [1, 2, 3, 4, "a"]},
+     "data.angles = [1, 2, 3, 4, 'a']: angles must be finite numbers (degrees)"),
+    ({"num_classes": 9}, "num_classes = 9: must be an integer >= 10 (largest label + 1)"),
+    ({"train_labels": np.zeros((10, 2), dtype=np.int64)}, "train_labels = <array of shape (10, 2)>: must be 1-D"),
+    ({"train_labels": np.array([0.5, 1.0, 2.0])}, "train_labels = <float64 array>: must hold integer labels"),
+    ({"test_labels": np.array([-1, 0, 1])}, "test_labels = <array with minimum -1>: labels must be >= 0"),
+    ({"train_labels": np.zeros(0, dtype=np.int64)},
+     "train_labels = <empty array>: there are no training samples to split"),
+    ({"alpha": 0.001, "min_size": 90, "max_retries": 2},
+     "data.min_size = 90: no Dirichlet(alpha=0.001) split of 500 samples over 5 clients gave every client that "
+     "many samples in 2 tries (best smallest client: BEST); use a larger data.alpha, a smaller data.min_size or "
+     "fewer clients"),
+]
+
+
+@pytest.mark.parametrize(("settings", "message"), REFUSALS, ids=[m.split(":")[0] for _, m in REFUSALS])
+def test_every_refusal_of_make_partition_is_one_whole_line(settings, message):
+    """The whole message, not a prefix: a refusal that names the wrong limit, drops the value or the allowed
+    range, or words the reason wrongly would pass a check of its key alone."""
+    args = {**DIRICHLET, **settings}
+    with pytest.raises(PartitionError) as err:
+        make_partition(args.pop("name"), args.pop("train_labels"), args.pop("test_labels"), args.pop("num_clients"),
+                       **args)
+    if "BEST" not in message:
+        assert str(err.value) == message
+        return
+    # the smallest client's best size over the tries is a draw: a count below min_size, not pinned
+    found = re.fullmatch(re.escape(message).replace("BEST", r"(\d+)"), str(err.value))
+    assert found and 0 < int(found.group(1)) < settings["min_size"]
+
+
+GROUPS = np.arange(12) % 3  # 3 groups of 4 samples
+GROUP_REFUSALS = [
+    ("natural", 4, {},
+     "data.num_clients = 4: the natural partition makes one client per group and this dataset has 3 groups; "
+     "set data.num_clients = 3"),
+    ("domain", 4, {}, "data.num_clients = 4: 3 domains x 1 clients per domain (data.clients_per_domain) = 3 clients"),
+    ("domain", 6, {}, "data.num_clients = 6: 3 domains x 1 clients per domain (data.clients_per_domain) = 3 "
+                      "clients; set data.clients_per_domain = 2 for 6 clients"),
+    ("domain", 3, {"test_groups": None}, "data.partition = 'domain': needs a dataset with natural groups (domains "
+                                         "or devices); test_groups is None"),
+    ("natural", 3, {"train_groups": None}, "data.partition = 'natural': needs a dataset with natural groups "
+                                           "(domains or devices); train_groups is None"),
+    ("natural", 3, {"train_groups": GROUPS[:-1]},
+     "train_groups = <11 / 12 ids>: needs one group id per train / test sample (12 / 12)"),
+    ("natural", 3, {"test_groups": GROUPS[:-2]},
+     "train_groups = <12 / 10 ids>: needs one group id per train / test sample (12 / 12)"),
+    ("natural", 3, {"test_groups": GROUPS + 0.5}, "test_groups = <float64 array>: must hold integer labels"),
+    ("domain", 6, {"clients_per_domain": 3}, "data.num_clients = 6: 3 domains x 3 clients per domain "
+                                             "(data.clients_per_domain) = 9 clients; set data.clients_per_domain "
+                                             "= 2 for 6 clients"),
+]
+
+
+@pytest.mark.parametrize(("name", "clients", "settings", "message"), GROUP_REFUSALS)
+def test_group_partitions_refuse_a_mismatch_naming_the_count_that_would_fit(name, clients, settings, message):
+    args = {"train_groups": GROUPS, "test_groups": GROUPS, **settings}
+    assert refusal(name, GROUPS, clients, **args) == message
+
+
+def test_the_limits_themselves_are_allowed():
+    """Each bound is inclusive where the message says so: one client per sample, min_size filling every client
+    exactly, num_classes equal to the largest label + 1, uniform_share 0 and 1, concept groups = clients."""
+    y = np.arange(20) % 4
+    assert len(make_partition("iid", y, y, 20, seed=0).train) == 20
+    assert [len(p) for p in make_partition("quantity", y, y, 4, seed=0, min_size=5).train] == [5] * 4
+    assert make_partition("iid", y, y, 2, seed=0, num_classes=4).num_clients == 2
+    for share in (0.0, 1.0):
+        part = make_partition("dominant", y, y, 2, seed=0, uniform_share=share, samples_per_client=4,
+                              dominant_groups=2, classes_per_group=2)
+        assert [len(p) for p in part.train] == [4, 4]
+    assert make_partition("concept", y, y, 4, seed=0, concept_groups=4).group == [0, 1, 2, 3]
+    assert make_partition("iid", y, y, 2, seed=0, alpha=1e-9, quantity_sigma=0.0).num_clients == 2
