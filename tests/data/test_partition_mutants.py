@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hetfl.data.partition import PartitionError, make_partition
+from hetfl.data.partition import Partition, PartitionError, make_partition, partition_keys, unused_settings
 
 
 def refusal(name: str, labels: np.ndarray, num_clients: int, **settings: object) -> str:
@@ -150,3 +150,60 @@ def test_the_limits_themselves_are_allowed():
         assert [len(p) for p in part.train] == [4, 4]
     assert make_partition("concept", y, y, 4, seed=0, concept_groups=4).group == [0, 1, 2, 3]
     assert make_partition("iid", y, y, 2, seed=0, alpha=1e-9, quantity_sigma=0.0).num_clients == 2
+
+
+def test_each_scheme_reads_exactly_the_settings_its_docstring_names():
+    """make_partition's docstring: alpha (dirichlet, and a dirichlet base), min_size (dirichlet, quantity),
+    classes_per_client (shards), FedPAC's four settings (dominant), quantity_sigma (quantity),
+    clients_per_domain (domain), angles (rotation), base (rotation, concept), concept_groups (concept);
+    test_per_client for every label scheme (domain and natural keep each group's own test samples)."""
+    dominant = {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group"}
+    want = {
+        ("iid", "iid"): set(), ("dirichlet", "iid"): {"alpha", "min_size"}, ("shards", "iid"): {"classes_per_client"},
+        ("dominant", "iid"): dominant, ("quantity", "iid"): {"min_size", "quantity_sigma"},
+        ("rotation", "iid"): {"angles", "base"}, ("concept", "iid"): {"concept_groups", "base"},
+        ("rotation", "dirichlet"): {"angles", "base", "alpha", "min_size"},
+        ("concept", "dirichlet"): {"concept_groups", "base", "alpha", "min_size"},
+    }
+    for (name, base), keys in want.items():
+        assert partition_keys(name, base) == keys | {"test_per_client"}, (name, base)
+    assert partition_keys("domain") == {"clients_per_domain"} and partition_keys("natural") == set()
+    assert partition_keys("dirichlet", "dirichlet") == partition_keys("dirichlet")  # base only under the two
+
+
+def test_a_setting_a_scheme_ignores_gets_one_note_naming_the_schemes_that_read_it():
+    """One note per setting moved from its default and not read, in PARTITION_SETTINGS' order; a setting at its
+    default, or one the scheme reads, gets none."""
+    values = {"alpha": 0.1, "min_size": 10, "angles": [1.0], "test_per_client": 3}
+    defaults = {"alpha": 0.5, "min_size": 10, "test_per_client": 0}
+    tail = "; set data.partition to one of those to use it"
+    assert unused_settings("natural", "iid", values, defaults) == [
+        "data.alpha = 0.1 has no effect: the natural partition does not use it (it is read by dirichlet, rotation "
+        "with data.base = 'dirichlet', concept with data.base = 'dirichlet')" + tail,
+        "data.test_per_client = 3 has no effect: the natural partition does not use it (it is read by iid, "
+        "dirichlet, shards, dominant, quantity, rotation, concept)" + tail,
+        "data.angles = [1.0] has no effect: the natural partition does not use it (it is read by rotation)" + tail,
+    ]
+    assert unused_settings("rotation", "dirichlet", {"alpha": 0.1, "min_size": 3}, {"alpha": 0.5, "min_size": 10}) == []
+    assert unused_settings("rotation", "iid", {"alpha": 0.1, "min_size": 3}, {"alpha": 0.5, "min_size": 3}) == [
+        "data.alpha = 0.1 has no effect: the rotation partition does not use it (it is read by dirichlet, rotation "
+        "with data.base = 'dirichlet', concept with data.base = 'dirichlet')" + tail]
+
+
+def test_the_summary_line_counts_sizes_classes_groups_angles_and_distinct_label_maps():
+    """Client 0 holds labels 0, 0, 1 (2 classes), client 1 labels 2, 2, 2 (1), client 2 labels 1, 0 (2): 5/3
+    classes per client; groups 0, 1, 0 are 2 groups; angles given unsorted; two clients share a label map."""
+    y = np.array([0, 0, 1, 2, 2, 2, 1, 0])
+    perm = np.array([2, 0, 1])
+    part = Partition([np.array([0, 1, 2]), np.array([3, 4, 5]), np.array([6, 7])],
+                     [np.array([0]), np.array([1, 2, 3]), np.array([4, 5])], rotation=[30.0, 0.0, 12.5],
+                     label_perm=[np.arange(3), perm, perm.copy()], group=[0, 1, 0], scheme="concept")
+    head = ("concept partition: 3 clients; train 8 samples (2-3 per client, mean 2.7); test 1-3 per client")
+    tail = "; 2 groups; angles 0-30 deg; 2 label permutations"
+    assert part.summary() == head + tail
+    assert part.summary(y, 5) == head + "; classes per client 1.67 of 5" + tail
+    assert part.summary(y) == head + "; classes per client 1.67 of 3" + tail  # classes: the largest label + 1
+    plain = Partition([np.array([0]), np.array([1, 2])], [np.zeros(0, dtype=np.int64), np.array([0])])
+    assert plain.summary() == "2 clients; train 3 samples (1-2 per client, mean 1.5); test 0-1 per client"
+    assert Partition([], []).summary() == "0 clients"
+    assert Partition([], [], scheme="iid").summary() == "iid partition: 0 clients"
