@@ -10,7 +10,15 @@ import re
 import numpy as np
 import pytest
 
-from hetfl.data.partition import Partition, PartitionError, make_partition, partition_keys, unused_settings
+from hetfl.data.partition import (
+    Partition,
+    PartitionError,
+    _deal_distinct,
+    make_partition,
+    partition_keys,
+    split_shards,
+    unused_settings,
+)
 
 
 def refusal(name: str, labels: np.ndarray, num_clients: int, **settings: object) -> str:
@@ -207,3 +215,39 @@ def test_the_summary_line_counts_sizes_classes_groups_angles_and_distinct_label_
     assert plain.summary() == "2 clients; train 3 samples (1-2 per client, mean 1.5); test 0-1 per client"
     assert Partition([], []).summary() == "0 clients"
     assert Partition([], [], scheme="iid").summary() == "iid partition: 0 clients"
+
+
+class FirstDeal:
+    """A generator whose first ``permutation`` is the given deal (the rest are a seeded generator's draws)."""
+
+    def __init__(self, first: list[int], seed: int) -> None:
+        self.first, self.rng = first, np.random.default_rng(seed)
+
+    def permutation(self, n: int) -> np.ndarray:
+        if self.first is not None:
+            first, self.first = np.array(self.first), None
+            return first
+        return self.rng.permutation(n)
+
+    def integers(self, *args: object) -> object:
+        return self.rng.integers(*args)
+
+
+def test_a_deal_no_swap_can_repair_falls_back_to_the_round_robin_of_class_sorted_shards():
+    """_deal_distinct's docstring: if no swap removes a duplicate, the class-sorted shards are dealt round-robin
+    (position p to client p mod num_clients), the clients in random order. Three classes of 5 shards (ids 0-4,
+    5-9, 10-14) over 5 clients x 3: client 0 holds classes 0, 0, 1 and the only client without class 0 holds
+    1, 1, 1 (no class-2 shard to swap in), so client r gets shards p, p + 5, p + 10 for p = perm[r]."""
+    shard_class = np.repeat([0, 1, 2], 5)
+    stuck = [0, 1, 5, 6, 7, 8, 2, 10, 11, 3, 12, 13, 4, 14, 9]
+    deal = _deal_distinct(shard_class, 5, 3, FirstDeal(stuck, seed=3))
+    clients = np.random.default_rng(3).permutation(5)  # the fallback's one draw
+    assert deal.tolist() == [[p, p + 5, p + 10] for p in clients.tolist()]
+    assert clients.tolist() != list(range(5))  # the order is the draw's, not the clients' own
+    # reached from seeded draws too: every deal of 3 classes x 5 shards over 5 clients x 3 gives each client all
+    # 3 classes (seed 9 of these ends in the fallback), through split_shards in equal shards of 10 samples
+    y = np.repeat([0, 1, 2], 50)
+    for seed in range(12):
+        parts = split_shards(y, 5, np.random.default_rng(seed), 3)
+        assert all(sorted(set(y[p].tolist())) == [0, 1, 2] and len(p) == 30 for p in parts), seed
+        assert sorted(np.concatenate(parts).tolist()) == list(range(150))
