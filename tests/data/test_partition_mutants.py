@@ -5,7 +5,9 @@ and what is allowed), sizes, coverage and the draws' dependence on the seed only
 
 from __future__ import annotations
 
+import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -13,9 +15,12 @@ import pytest
 from hetfl.data.partition import (
     Partition,
     PartitionError,
+    _apportion,
     _deal_distinct,
     make_partition,
     partition_keys,
+    split_dirichlet,
+    split_quantity,
     split_shards,
     unused_settings,
 )
@@ -251,3 +256,73 @@ def test_a_deal_no_swap_can_repair_falls_back_to_the_round_robin_of_class_sorted
         parts = split_shards(y, 5, np.random.default_rng(seed), 3)
         assert all(sorted(set(y[p].tolist())) == [0, 1, 2] and len(p) == 30 for p in parts), seed
         assert sorted(np.concatenate(parts).tolist()) == list(range(150))
+
+
+def test_apportion_gives_the_largest_remainders_their_ceiling_and_ties_to_the_earlier_weights():
+    """Hamilton's method: floors of the exact shares, then one more for the largest remainders until the total
+    is reached; among equal remainders the earlier weights first (a stable sort: numpy's default sort orders
+    equal keys its own way, which may differ between CPUs, so the same seed could split differently)."""
+    assert _apportion(10, np.array([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]  # a single unit short
+    assert _apportion(7, np.array([0.45, 0.35, 0.2])).tolist() == [3, 3, 1]  # 3.15, 2.45, 1.4: the 0.45 wins
+    assert _apportion(6, np.array([1.0, 2.0, 3.0])).tolist() == [1, 2, 3]  # exact: nothing short
+    alternating = np.tile([1.0, 2.0], 10)  # 3 units over 20 weights: every 2 has share 0.2, every 1 share 0.1
+    assert np.flatnonzero(_apportion(3, alternating)).tolist() == [1, 3, 5]
+
+
+class FixedDirichlet:
+    """A generator whose Dirichlet draws are the given vectors (its shuffles a seeded generator's)."""
+
+    def __init__(self, draws: list[list[float]]) -> None:
+        self.draws, self.rng = list(draws), np.random.default_rng(0)
+
+    def dirichlet(self, alpha: np.ndarray) -> np.ndarray:
+        return np.array(self.draws.pop(0))
+
+    def permutation(self, x: object) -> np.ndarray:
+        return self.rng.permutation(x)
+
+
+def test_a_class_drawn_only_onto_full_clients_is_split_evenly_over_the_open_ones():
+    """Two classes of 6 over 3 clients (cap 12 / 3 = 4). Class 0 all to client 0, which is then full; class 1's
+    draw puts all its mass on client 0 too: masked, nothing is left, so it goes evenly to the open clients 1 and
+    2 (NIID-Bench's loop divides 0 by 0 there)."""
+    y = np.repeat([0, 1], 6)
+    parts = split_dirichlet(y, 3, FixedDirichlet([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), 0.5, 0, 1)
+    assert parts[0].tolist() == list(range(6))
+    assert [len(p) for p in parts] == [6, 3, 3] and all(set(y[p].tolist()) == {1} for p in parts[1:])
+
+
+def test_dirichlet_min_size_is_a_lower_bound_met_with_equality_and_its_refusal_reports_zero():
+    """One class over 3 clients with alpha near 0: every draw gives the class to one client, so the smallest
+    client has 0 samples. min_size = 0 accepts that first draw (>=, not >); min_size = 1 is refused after the
+    tries, reporting 0 as the best smallest client. No samples at all: empty clients."""
+    y = np.zeros(30, dtype=np.int64)
+    parts = split_dirichlet(y, 3, np.random.default_rng(0), 1e-9, 0, 1)
+    assert sorted(len(p) for p in parts) == [0, 0, 30]
+    with pytest.raises(PartitionError, match=r"in 3 tries \(best smallest client: 0\)"):
+        split_dirichlet(y, 3, np.random.default_rng(0), 1e-9, 1, 3)
+    empty = split_dirichlet(np.zeros(0, dtype=np.int64), 3, np.random.default_rng(0), 0.5, 0, 1)
+    assert [p.tolist() for p in empty] == [[], [], []] and all(p.dtype == np.int64 for p in empty)
+
+
+def test_quantity_sizes_are_refused_exactly_when_their_shares_overflow():
+    """exp(sigma z) for the largest of the 4 clients' normal draws z set just below float64's edge: 1e306 (the
+    shares total * w / sum(w) stay finite: one client takes the 100 samples) is split, 1e307 (100 x 1e307
+    overflows) is refused naming sigma, without a floating-point warning on the way."""
+    z_max = float(np.random.default_rng(0).standard_normal(4).max())
+    y = np.zeros(100, dtype=np.int64)
+    near = math.log(1e306) / z_max
+    assert sorted(len(p) for p in split_quantity(y, 4, np.random.default_rng(0), near, 0)) == [0, 0, 0, 100]
+    over = math.log(1e307) / z_max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(PartitionError, match=rf"^data.quantity_sigma = {over!r}: the log-normal client sizes"):
+            split_quantity(y, 4, np.random.default_rng(0), over, 0)
+
+
+def test_the_summary_counts_classes_up_to_the_largest_label_when_not_given():
+    """num_classes defaults to the largest label + 1 (1 when every label is 0, or there are none)."""
+    zeros = Partition([np.array([0, 1])], [np.array([0])])
+    assert zeros.summary(np.zeros(2, dtype=np.int64)).endswith("; classes per client 1.00 of 1")
+    none = Partition([np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)])
+    assert none.summary(np.zeros(0, dtype=np.int64)).endswith("; classes per client 0.00 of 1")

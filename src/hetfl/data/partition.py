@@ -183,7 +183,8 @@ def _by_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
 
 def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
     """Integers proportional to ``weights`` that sum to ``total`` (largest
-    remainders, Hamilton's method): each is the floor or ceiling of its exact share."""
+    remainders, Hamilton's method): each is the floor or ceiling of its exact share. Equal remainders favour the
+    earlier weights (a stable sort: numpy's default sort orders equal keys its own way, which may vary by CPU)."""
     exact = total * weights / weights.sum()
     out = np.floor(exact).astype(np.int64)
     short = int(total - out.sum())
@@ -222,7 +223,9 @@ def split_dirichlet(
 
     For each class, the proportions of its samples over clients are drawn from
     ``Dir(alpha)``; a client that already holds ``>= N / num_clients`` samples
-    gets none of the next class (the reference code's balancing rule). Small
+    gets none of the next class (the reference code's balancing rule); a class
+    whose draw falls wholly on such full clients is split evenly over the open
+    ones (the reference code divides 0 by 0 there). Small
     alpha: few classes per client; large alpha: close to IID. The whole split
     is redrawn until every client holds at least ``min_size`` samples (the
     reference loops forever; here at most ``max_retries`` times, then an error
