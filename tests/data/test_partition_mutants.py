@@ -326,3 +326,11 @@ def test_the_summary_counts_classes_up_to_the_largest_label_when_not_given():
     assert zeros.summary(np.zeros(2, dtype=np.int64)).endswith("; classes per client 1.00 of 1")
     none = Partition([np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)])
     assert none.summary(np.zeros(0, dtype=np.int64)).endswith("; classes per client 0.00 of 1")
+
+
+def test_each_per_client_list_of_a_partition_is_checked_under_its_own_name():
+    idx = [np.array([0, 1]), np.array([2])]
+    for key, value in (("rotation", [0.0]), ("label_perm", [np.arange(3)]), ("group", [0, 1, 1])):
+        with pytest.raises(PartitionError) as err:
+            Partition(idx, idx, **{key: value})
+        assert str(err.value) == f"Partition.{key} = <{len(value)} entries>: needs one entry per client (2)"
