@@ -42,6 +42,12 @@ def test_too_many_concept_groups_are_refused_with_the_true_count_of_label_maps()
     many = np.arange(200) % 100
     assert refusal("concept", many, 5, concept_groups=6) == (
         "data.concept_groups = 6: must be at most the 5 clients and the 100! label permutations of 100 classes")
+    # 20 classes: 20! itself is counted; 21: named
+    assert refusal("concept", np.arange(40) % 20, 3, concept_groups=4) == (
+        "data.concept_groups = 4: must be at most the 3 clients and the 2432902008176640000 label permutations of "
+        "20 classes")
+    assert refusal("concept", np.arange(42) % 21, 3, concept_groups=4) == (
+        "data.concept_groups = 4: must be at most the 3 clients and the 21! label permutations of 21 classes")
 
 
 Y = np.random.default_rng(0).integers(0, 10, 500)  # 500 samples of 10 classes, every class present
@@ -62,6 +68,10 @@ REFUSALS = [
     ({"seed": 1.0}, "seed = 1.0: must be a non-negative integer"),
     ({"alpha": 0.0}, "data.alpha = 0.0: must be a finite number > 0"),
     ({"alpha": "x"}, "data.alpha = 'x': must be a finite number > 0"),
+    ({"alpha": None}, "data.alpha = None: must be a finite number > 0"),
+    ({"train_labels": np.array([True, False] * 5)}, "train_labels = <bool array>: must hold integer labels"),
+    ({"test_labels": np.array([0, 1, 12]), "num_classes": 10},
+     "num_classes = 10: must be an integer >= 13 (largest label + 1)"),
     ({"alpha": float("inf")}, "data.alpha = inf: must be a finite number > 0"),
     ({"min_size": -1}, "data.min_size = -1: must be an integer >= 0"),
     ({"min_size": 101}, "data.min_size = 101: 5 clients x 101 exceeds the 500 training samples"),
@@ -334,3 +344,35 @@ def test_each_per_client_list_of_a_partition_is_checked_under_its_own_name():
         with pytest.raises(PartitionError) as err:
             Partition(idx, idx, **{key: value})
         assert str(err.value) == f"Partition.{key} = <{len(value)} entries>: needs one entry per client (2)"
+
+
+def test_every_setting_at_its_lower_bound_and_numpy_integers_are_accepted():
+    """The bounds the refusals state are inclusive: one client, min_size 0, one retry, one class per client or
+    group, one group, one client per domain, one sample per client, test_per_client 0 (the default); numpy
+    integers count as integers and integral float labels as labels."""
+    y = np.arange(12) % 3
+    one = np.int64(1)
+    assert [p.tolist() for p in make_partition("dirichlet", y, y, one, seed=np.int64(0), min_size=0,
+                                               max_retries=1).train] == [list(range(12))]
+    assert len(make_partition("shards", y, y, 3, seed=0, classes_per_client=one).train) == 3
+    part = make_partition("dominant", y, y, 2, seed=0, dominant_groups=1, classes_per_group=1, samples_per_client=1,
+                          test_per_client=0)
+    assert [len(p) for p in part.train] == [1, 1] and part.group == [0, 0]
+    assert [len(t) for t in part.test] == [1, 1]  # test_per_client 0: the default, max(1, 1 // 2)
+    assert make_partition("concept", y, y, 2, seed=0, concept_groups=1).group == [0, 0]
+    groups = np.arange(12) % 2
+    assert make_partition("domain", y, y, 2, seed=0, train_groups=groups, test_groups=groups,
+                          clients_per_domain=1).group == [0, 1]
+    floats = make_partition("iid", y.astype(np.float64), y.astype(np.float32), 2, seed=0)
+    assert sorted(np.concatenate(floats.train).tolist()) == list(range(12))
+
+
+def test_the_default_personal_test_size_is_the_test_set_over_the_clients_at_least_one():
+    """len(test) // num_clients per client, at least 1; none at all when the test split is empty."""
+    y = np.arange(40) % 4
+    assert [len(t) for t in make_partition("iid", y, y, 4, seed=0).test] == [10] * 4
+    assert [len(t) for t in make_partition("iid", y, y[:8], 16, seed=0).test] == [1] * 16
+    empty = make_partition("iid", y, np.zeros(0, dtype=np.float64), 2, seed=0)
+    assert [t.tolist() for t in empty.test] == [[], []] and all(t.dtype == np.int64 for t in empty.test)
+    angles = make_partition("rotation", y, y, 2, seed=0, angles=np.array([5, 10], dtype=np.float32)).rotation
+    assert angles == [5.0, 10.0] and all(type(a) is float for a in angles)
