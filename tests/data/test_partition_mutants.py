@@ -5,6 +5,7 @@ and what is allowed), sizes, coverage and the draws' dependence on the seed only
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import warnings
@@ -376,3 +377,34 @@ def test_the_default_personal_test_size_is_the_test_set_over_the_clients_at_leas
     assert [t.tolist() for t in empty.test] == [[], []] and all(t.dtype == np.int64 for t in empty.test)
     angles = make_partition("rotation", y, y, 2, seed=0, angles=np.array([5, 10], dtype=np.float32)).rotation
     assert angles == [5.0, 10.0] and all(type(a) is float for a in angles)
+
+
+def test_make_partitions_defaults_are_the_configs_documented_defaults():
+    """A split made through the Python API without settings is the one a run's defaults make (DataConfig, the
+    README's table of data.* keys); samples_per_client None is FedPAC's 600, test_per_client None the scheme's
+    default, angles None the even spread."""
+    from hetfl.config import DataConfig
+
+    defaults = DataConfig()
+    params = inspect.signature(make_partition).parameters
+    for key in ("alpha", "min_size", "classes_per_client", "uniform_share", "dominant_groups", "classes_per_group",
+                "quantity_sigma", "clients_per_domain", "base", "concept_groups"):
+        assert params[key].default == getattr(defaults, key), key
+    assert params["samples_per_client"].default is None and defaults.samples_per_client == 600
+    assert params["test_per_client"].default is None and defaults.test_per_client == 0
+
+
+def test_an_impossible_dirichlet_split_is_refused_after_the_default_100_tries():
+    """One class with alpha near 0 always goes whole to one client: min_size 1 can never be met."""
+    y = np.zeros(30, dtype=np.int64)
+    assert refusal("dirichlet", y, 3, alpha=1e-9, min_size=1) == (
+        "data.min_size = 1: no Dirichlet(alpha=1e-09) split of 30 samples over 3 clients gave every client that many "
+        "samples in 100 tries (best smallest client: 0); use a larger data.alpha, a smaller data.min_size or fewer "
+        "clients")
+
+
+def test_labels_that_are_all_zero_make_one_class():
+    """The class count defaults to the largest label + 1, over both splits: 1 when every label is 0."""
+    zeros = np.zeros(10, dtype=np.int64)
+    assert make_partition("iid", zeros, zeros, 2, seed=0, num_classes=1).num_clients == 2
+    assert refusal("shards", zeros, 2, classes_per_client=2) == "data.classes_per_client = 2: must be in [1, 1]"
