@@ -373,6 +373,12 @@ def test_the_default_personal_test_size_is_the_test_set_over_the_clients_at_leas
     y = np.arange(40) % 4
     assert [len(t) for t in make_partition("iid", y, y, 4, seed=0).test] == [10] * 4
     assert [len(t) for t in make_partition("iid", y, y[:8], 16, seed=0).test] == [1] * 16
+    # 22 test samples over 6 clients: 3 each (22 // 6), the same split as test_per_client = 3 given
+    train, test = (np.random.default_rng(s).integers(0, 4, n) for s, n in ((1, 60), (2, 22)))
+    for seed in range(5):
+        default, given = (make_partition("dirichlet", train, test, 6, seed=seed, min_size=0, test_per_client=t)
+                          for t in (None, 3))
+        assert [t.tolist() for t in default.test] == [t.tolist() for t in given.test], seed
     empty = make_partition("iid", y, np.zeros(0, dtype=np.float64), 2, seed=0)
     assert [t.tolist() for t in empty.test] == [[], []] and all(t.dtype == np.int64 for t in empty.test)
     angles = make_partition("rotation", y, y, 2, seed=0, angles=np.array([5, 10], dtype=np.float32)).rotation
