@@ -149,6 +149,7 @@ GROUP_REFUSALS = [
     ("natural", 3, {"test_groups": GROUPS[:-2]},
      "train_groups = <12 / 10 ids>: needs one group id per train / test sample (12 / 12)"),
     ("natural", 3, {"test_groups": GROUPS + 0.5}, "test_groups = <float64 array>: must hold integer labels"),
+    ("natural", 3, {"train_groups": GROUPS + 0.5}, "train_groups = <float64 array>: must hold integer labels"),
     ("domain", 6, {"clients_per_domain": 3}, "data.num_clients = 6: 3 domains x 3 clients per domain "
                                              "(data.clients_per_domain) = 9 clients; set data.clients_per_domain "
                                              "= 2 for 6 clients"),
@@ -414,3 +415,32 @@ def test_labels_that_are_all_zero_make_one_class():
     zeros = np.zeros(10, dtype=np.int64)
     assert make_partition("iid", zeros, zeros, 2, seed=0, num_classes=1).num_clients == 2
     assert refusal("shards", zeros, 2, classes_per_client=2) == "data.classes_per_client = 2: must be in [1, 1]"
+
+
+def test_group_partitions_name_their_scheme_and_natural_ignores_clients_per_domain():
+    y = np.arange(12) % 3
+    groups = np.arange(12) % 3
+    natural = make_partition("natural", y, y, 3, seed=0, train_groups=groups, test_groups=groups,
+                             clients_per_domain=2)
+    assert natural.scheme == "natural" and natural.group == [0, 1, 2]
+    domain = make_partition("domain", y, y, 6, seed=0, train_groups=groups, test_groups=groups, clients_per_domain=2)
+    assert domain.scheme == "domain" and domain.group == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_scheme_may_use_every_class_per_client_or_group():
+    """classes_per_client and classes_per_group are allowed up to the number of classes, inclusive."""
+    y = np.arange(30) % 3
+    shards = make_partition("shards", y, y, 3, seed=0, classes_per_client=3)
+    assert all(sorted(set(y[p].tolist())) == [0, 1, 2] for p in shards.train)
+    dominant = make_partition("dominant", y, y, 2, seed=0, classes_per_group=3, dominant_groups=1,
+                              samples_per_client=6, uniform_share=0.0)
+    assert all(np.bincount(y[p], minlength=3).tolist() == [2, 2, 2] for p in dominant.train)
+
+
+def test_the_dominant_default_test_size_is_half_the_training_samples_rounded_down():
+    """FedPAC's 600 / 300; for an odd samples_per_client the integer half, as test_per_client given."""
+    train, test = (np.random.default_rng(s).integers(0, 5, n) for s, n in ((1, 400), (2, 200)))
+    for seed in range(5):
+        default, given = (make_partition("dominant", train, test, 4, seed=seed, samples_per_client=15,
+                                         dominant_groups=2, classes_per_group=2, test_per_client=t) for t in (None, 7))
+        assert [t.tolist() for t in default.test] == [t.tolist() for t in given.test], seed
