@@ -5,7 +5,6 @@ and what is allowed), sizes, coverage and the draws' dependence on the seed only
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import warnings
@@ -388,17 +387,23 @@ def test_the_default_personal_test_size_is_the_test_set_over_the_clients_at_leas
 
 def test_make_partitions_defaults_are_the_configs_documented_defaults():
     """A split made through the Python API without settings is the one a run's defaults make (DataConfig, the
-    README's table of data.* keys); samples_per_client None is FedPAC's 600, test_per_client None the scheme's
-    default, angles None the even spread."""
+    README's table of data.* keys): each scheme's split with no settings equals the split with the config's
+    values given; samples_per_client None is FedPAC's 600, test_per_client None the scheme's default."""
     from hetfl.config import DataConfig
 
     defaults = DataConfig()
-    params = inspect.signature(make_partition).parameters
-    for key in ("alpha", "min_size", "classes_per_client", "uniform_share", "dominant_groups", "classes_per_group",
-                "quantity_sigma", "clients_per_domain", "base", "concept_groups"):
-        assert params[key].default == getattr(defaults, key), key
-    assert params["samples_per_client"].default is None and defaults.samples_per_client == 600
-    assert params["test_per_client"].default is None and defaults.test_per_client == 0
+    given = {key: getattr(defaults, key) for key in (
+        "alpha", "min_size", "classes_per_client", "uniform_share", "samples_per_client", "dominant_groups",
+        "classes_per_group", "quantity_sigma", "clients_per_domain", "base", "concept_groups")}
+    train, test = (np.random.default_rng(s).integers(0, 10, n) for s, n in ((1, 20_000), (2, 2_000)))
+    for name in ("dirichlet", "shards", "dominant", "quantity", "concept", "rotation"):
+        plain, explicit = make_partition(name, train, test, 10, seed=0), make_partition(name, train, test, 10,
+                                                                                         seed=0, **given)
+        assert [p.tolist() for p in plain.train] == [p.tolist() for p in explicit.train], name
+        assert plain.group == explicit.group and plain.rotation == explicit.rotation, name
+    assert refusal("dirichlet", np.arange(25) % 2, 3) == (
+        "data.min_size = 10: 3 clients x 10 exceeds the 25 training samples")
+    assert defaults.test_per_client == 0  # the scheme's default, as None
 
 
 def test_an_impossible_dirichlet_split_is_refused_after_the_default_100_tries():
