@@ -385,7 +385,7 @@ def test_the_default_personal_test_size_is_the_test_set_over_the_clients_at_leas
     assert angles == [5.0, 10.0] and all(type(a) is float for a in angles)
 
 
-def test_make_partitions_defaults_are_the_configs_documented_defaults():
+def test_a_split_without_settings_is_the_one_the_configs_defaults_make():
     """A split made through the Python API without settings is the one a run's defaults make (DataConfig, the
     README's table of data.* keys): each scheme's split with no settings equals the split with the config's
     values given; samples_per_client None is FedPAC's 600, test_per_client None the scheme's default."""
