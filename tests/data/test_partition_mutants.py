@@ -70,6 +70,8 @@ REFUSALS = [
     ({"alpha": "x"}, "data.alpha = 'x': must be a finite number > 0"),
     ({"alpha": None}, "data.alpha = None: must be a finite number > 0"),
     ({"train_labels": np.array([True, False] * 5)}, "train_labels = <bool array>: must hold integer labels"),
+    # an infinite float label is no integer (cast to int64 it became -2**63, reported as a negative minimum)
+    ({"test_labels": np.array([0.0, 1.0, np.inf])}, "test_labels = <float64 array>: must hold integer labels"),
     ({"test_labels": np.array([0, 1, 12]), "num_classes": 10},
      "num_classes = 10: must be an integer >= 13 (largest label + 1)"),
     ({"alpha": float("inf")}, "data.alpha = inf: must be a finite number > 0"),

@@ -548,8 +548,8 @@ def _labels(key: str, values: np.ndarray) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise _error(key, f"<array of shape {arr.shape}>", "must be 1-D")
-    integral = np.issubdtype(arr.dtype, np.integer) or (
-        np.issubdtype(arr.dtype, np.floating) and bool(np.all(arr == np.round(arr))))
+    integral = np.issubdtype(arr.dtype, np.integer) or (  # float labels: finite whole numbers (inf is no label)
+        np.issubdtype(arr.dtype, np.floating) and bool(np.all(np.isfinite(arr) & (arr == np.round(arr)))))
     if arr.size and not integral:
         raise _error(key, f"<{arr.dtype} array>", "must hold integer labels")
     arr = arr.astype(np.int64)
