@@ -183,7 +183,8 @@ def _by_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
 
 def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
     """Integers proportional to ``weights`` that sum to ``total`` (largest
-    remainders, Hamilton's method): each is the floor or ceiling of its exact share."""
+    remainders, Hamilton's method): each is the floor or ceiling of its exact share. Equal remainders favour the
+    earlier weights (a stable sort: numpy's default sort orders equal keys its own way, which may vary by CPU)."""
     exact = total * weights / weights.sum()
     out = np.floor(exact).astype(np.int64)
     short = int(total - out.sum())
@@ -222,7 +223,9 @@ def split_dirichlet(
 
     For each class, the proportions of its samples over clients are drawn from
     ``Dir(alpha)``; a client that already holds ``>= N / num_clients`` samples
-    gets none of the next class (the reference code's balancing rule). Small
+    gets none of the next class (the reference code's balancing rule); a class
+    whose draw falls wholly on such full clients is split evenly over the open
+    ones (the reference code divides 0 by 0 there). Small
     alpha: few classes per client; large alpha: close to IID. The whole split
     is redrawn until every client holds at least ``min_size`` samples (the
     reference loops forever; here at most ``max_retries`` times, then an error
@@ -545,8 +548,8 @@ def _labels(key: str, values: np.ndarray) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise _error(key, f"<array of shape {arr.shape}>", "must be 1-D")
-    integral = np.issubdtype(arr.dtype, np.integer) or (
-        np.issubdtype(arr.dtype, np.floating) and bool(np.all(arr == np.round(arr))))
+    integral = np.issubdtype(arr.dtype, np.integer) or (  # float labels: finite whole numbers (inf is no label)
+        np.issubdtype(arr.dtype, np.floating) and bool(np.all(np.isfinite(arr) & (arr == np.round(arr)))))
     if arr.size and not integral:
         raise _error(key, f"<{arr.dtype} array>", "must hold integer labels")
     arr = arr.astype(np.int64)
@@ -729,10 +732,11 @@ def make_partition(
                 raise _error("data.angles", angles, "angles must be finite numbers (degrees)")
         rotation = rotation_angles(num_clients, angles)
     elif name == "concept":
-        limit = math.factorial(min(num_classes, 20))
+        limit = math.factorial(min(num_classes, 20))  # past 20 classes: more maps than any number of clients
         if concept_groups > min(num_clients, limit):
+            maps = limit if num_classes <= 20 else f"{num_classes}!"  # the true count, not the cap
             raise _error("data.concept_groups", concept_groups,
-                         f"must be at most the {num_clients} clients and the {limit} label permutations of "
+                         f"must be at most the {num_clients} clients and the {maps} label permutations of "
                          f"{num_classes} classes")
         perms = concept_permutations(num_classes, concept_groups, perm_rng)
         group = [i % concept_groups for i in range(num_clients)]
