@@ -161,3 +161,13 @@ def test_malformed_set_and_missing_file(tmp_path):
     latin1.write_bytes(b"# r\xe9glages\n[train]\nlr = 0.1\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         config.load(latin1)
+
+
+def test_quantity_sigma_zero_is_the_equal_sizes_control():
+    """data.quantity_sigma = 0 gives clients of equal sizes (the partition's documented control for a sweep over
+    sigma), which the partition accepts: the config refused it (``gt=0``) where the partition's own check is >= 0;
+    a negative sigma stays refused, naming the key."""
+    cfg = config.load(None, ["data.partition=quantity", "data.quantity_sigma=0"])
+    assert cfg.data.quantity_sigma == 0.0
+    with pytest.raises(ConfigError, match="data.quantity_sigma"):
+        config.load(None, ["data.partition=quantity", "data.quantity_sigma=-0.5"])

@@ -50,7 +50,7 @@ class DataConfig:
     test_per_client: int = setting(0, ge=0, doc="personal test samples per client (0 = scheme default)")
     dominant_groups: int = setting(5, ge=1, doc="client groups (dominant)")
     classes_per_group: int = setting(3, ge=1, doc="dominant classes per group (dominant)")
-    quantity_sigma: float = setting(1.0, gt=0.0, doc="log-normal sigma of client sizes (quantity)")
+    quantity_sigma: float = setting(1.0, ge=0.0, doc="log-normal sigma of client sizes (quantity; 0: equal sizes)")
     clients_per_domain: int = setting(1, ge=1, doc="clients per domain (domain)")
     angles: list[float] = setting([], doc="per-client rotation angles in degrees (rotation; [] = spread)")
     base: str = setting("iid", choices=("iid", "dirichlet"), doc="label split under rotation/concept")
