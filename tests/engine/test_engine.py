@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -163,7 +164,9 @@ def test_readme_plugin_example_runs(tmp_path, monkeypatch):
     code = main(["run", "--plugin", str(plugin), "--set", "algorithm.name=featnorm", "--set", "algorithm.weight=0.05",
                  "--set", "train.rounds=2", "--out", str(out), "--quiet"])
     assert code == 0
-    assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == {"name": "featnorm", "weight": 0.05}
+    source = f"my_method.py sha256:{hashlib.sha256(README_PLUGIN.encode()).hexdigest()[:16]}"  # the file's code
+    assert json.loads((out / "summary.json").read_text())["config"]["algorithm"] == \
+        {"name": "featnorm", "weight": 0.05, "plugin_source": source}
 
 
 # A resume meets client states saved in different rounds: 6 of 30 clients a round, a small MLP, 3 local steps.
