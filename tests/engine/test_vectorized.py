@@ -66,9 +66,15 @@ def test_sampled_clients_and_step_mode():
     compare_one_round(exp, rounds_before=2)
 
 
+# ResNet-18 at a quarter of its channels (model.options.width = 16): the same blocks, strides and norms, 16x
+# fewer multiply-adds (session 27: these three cases 14.8 s -> 2.6 s on one thread, the BN case still failing
+# when the clients' BatchNorm statistics are averaged)
+NARROW_BN, NARROW_GN = "{norm = \"bn\", width = 16}", "{norm = \"gn\", width = 16}"
+
+
 @needs_shared_data
-@pytest.mark.parametrize(("model", "options"), [pytest.param("resnet18", "{norm = \"bn\"}", marks=pytest.mark.slow),
-                                                pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("model", "options"), [pytest.param("resnet18", NARROW_BN, marks=pytest.mark.slow),
+                                                pytest.param("resnet18", NARROW_GN, marks=pytest.mark.slow),
                                                 ("cnn2", "{}")])
 def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):
     """Per-client BatchNorm running statistics are kept per client under vmap (two clients suffice:
@@ -252,7 +258,7 @@ def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_say
 
 @needs_shared_data
 @pytest.mark.parametrize(("model", "options"), [("cnn2", "{}"),
-                                                pytest.param("resnet18", "{norm = \"gn\"}", marks=pytest.mark.slow)])
+                                                pytest.param("resnet18", NARROW_GN, marks=pytest.mark.slow)])
 def test_channels_last_batches_give_the_nchw_clients(model, options):
     """Image batches laid out channels-last for cuDNN (runtime.channels_last) hold the same values:
     the clients equal those trained on NCHW batches to float rounding (two clients: the layout is one

@@ -151,7 +151,7 @@ def test_build_is_seeded() -> None:
 
 
 def test_options_and_defaults() -> None:
-    assert model_options("resnet18") == {"norm": "bn", "gn_groups": 2}
+    assert model_options("resnet18") == {"norm": "bn", "gn_groups": 2, "width": 64}
     assert model_options("vgg11") == {"norm": "none", "gn_groups": 2, "dropout": 0.0, "hidden": 2}
     gn = build_model("resnet18", CIFAR, 10, norm="gn", gn_groups=4)
     assert not list(gn.buffers()) and any(isinstance(m, torch.nn.GroupNorm) for m in gn.modules())
@@ -174,6 +174,9 @@ def test_options_and_defaults() -> None:
         (lambda: build_model("cnn2", MNIST, 10, padding=1), ["model.options.padding", "1", "0, 2"]),
         (lambda: build_model("simple_cnn", CIFAR, 10, projector="no"), ["model.options.projector", "'no'"]),
         (lambda: build_model("mobilenetv2", CIFAR, 10, width=0), ["model.options.width", "0", "positive"]),
+        (lambda: build_model("resnet18", CIFAR, 10, width=0), ["model.options.width", "0", "positive"]),
+        (lambda: build_model("resnet18", CIFAR, 10, norm="gn", gn_groups=4, width=6),
+         ["options.gn_groups", "4", "divide"]),
         (lambda: build_model("vgg11", CIFAR, 10, dropout=1.0), ["model.options.dropout", "1.0", "[0, 1)"]),
         (lambda: build_model("vgg11", CIFAR, 10, hidden=1), ["model.options.hidden", "1", "0, 2"]),
         (lambda: build_model("vgg11", CIFAR, 10, hidden=0, dropout=0.5), ["options.dropout", "0.5", "hidden = 0"]),
@@ -199,3 +202,19 @@ def test_cuda_matches_cpu(name: str) -> None:
         zc, lc = model.cuda()(x.cuda(), return_features=True)
     torch.testing.assert_close(lc.cpu(), logits, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(zc.cpu(), z, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize(("name", "expansion"), [("resnet18", 1), ("resnet50", 4)])
+def test_a_narrow_resnet_is_the_same_network_with_fewer_channels(name, expansion):
+    """``model.options.width``: the stages' channels are width x (1, 2, 4, 8) (x 4 in ResNet-50's bottlenecks'
+    outputs), the blocks and strides those of the standard network (width 64, unchanged: 11.17 M parameters for
+    ResNet-18 on CIFAR-10)."""
+    standard, narrow = build_model(name, CIFAR, 10), build_model(name, CIFAR, 10, width=16)
+    assert standard.feature_dim == 512 * expansion and narrow.feature_dim == 128 * expansion
+    convs = lambda m: [x.weight.shape for x in m.modules() if isinstance(x, torch.nn.Conv2d)]
+    assert [(o // 4, i // 4 if i > 3 else i, *k) for o, i, *k in convs(standard)] == [tuple(w) for w in convs(narrow)]
+    if name == "resnet18":
+        assert sum(p.numel() for p in standard.parameters()) == 11_173_962
+    x = torch.randn(2, *CIFAR)
+    features, logits = narrow(x, return_features=True)
+    assert features.shape == (2, 128 * expansion) and logits.shape == (2, 10)

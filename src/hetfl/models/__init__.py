@@ -11,7 +11,8 @@ Models (options with defaults; feature_dim = classifier input size):
 * ``simple_cnn``: MOON / CCVR simple CNN with projection head; ``projector=True``; 256 (84 without projector).
 * ``cnn2``: McMahan et al. 2017 CNN as PFLlib's FedAvgCNN; ``padding=0`` (2 = "same"); 512.
 * ``mlp``: McMahan's 2NN, or logistic regression (FedProx); ``hidden=(200, 200)`` (``()`` = logistic); last width.
-* ``resnet18`` / ``resnet50``: CIFAR stem; ``norm="bn"`` (or "gn"), ``gn_groups=2``; 512 / 2048.
+* ``resnet18`` / ``resnet50``: CIFAR stem; ``norm="bn"`` (or "gn"), ``gn_groups=2``, ``width=64`` (first stage's
+  channels; stages width x 1, 2, 4, 8); 512 / 2048 (8 / 32 x width).
 * ``mobilenetv2``: CIFAR strides; ``width=1.0``, ``norm="bn"``, ``gn_groups=2``; 1280.
 * ``vgg11``: FedMA / FedBR CIFAR VGG-11; ``norm="none"`` (or "bn", "gn"), ``gn_groups=2``, ``dropout=0.0``; 512.
 * ``fedpac_cnn``: FedPAC's CNN (authors' code); ``convs="auto"`` (3 for 3-channel inputs, else 2); 128.

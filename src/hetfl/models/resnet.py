@@ -76,7 +76,9 @@ def _shortcut(inp: int, out: int, stride: int, norm: str, gn_groups: int) -> nn.
 
 
 class ResNet(FLModel):
-    """CIFAR-stem ResNet; encoder ends with global average pooling (feature_dim = 512 * expansion)."""
+    """CIFAR-stem ResNet; encoder ends with global average pooling (feature_dim = 8 * width * expansion: 512 *
+    expansion at the standard ``width = 64``). ``width``: the first stage's channels (the stages have width,
+    2 width, 4 width, 8 width), for narrower networks of the same depth and shape (quick experiments, tests)."""
 
     def __init__(
         self,
@@ -88,13 +90,16 @@ class ResNet(FLModel):
         norm: str = "bn",
         gn_groups: int = 2,
         name: str = "resnet",
+        width: int = 64,
     ) -> None:
         c, _, _ = image_shape(name, input_shape)
         check_choice("norm", norm, NORMS)
         check_positive_int("gn_groups", gn_groups)
-        layers: list[nn.Module] = [Conv2d(c, 64, 3, 1, 1, bias=False), make_norm(norm, 64, gn_groups), nn.ReLU()]
-        inp = 64
-        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), num_blocks, strict=True)):
+        check_positive_int("width", width)
+        layers: list[nn.Module] = [Conv2d(c, width, 3, 1, 1, bias=False), make_norm(norm, width, gn_groups),
+                                   nn.ReLU()]
+        inp = width
+        for i, (planes, n) in enumerate(zip((width, 2 * width, 4 * width, 8 * width), num_blocks, strict=True)):
             stage = []
             for j in range(n):
                 stage.append(block(inp, planes, 2 if (i > 0 and j == 0) else 1, norm, gn_groups))
@@ -104,11 +109,15 @@ class ResNet(FLModel):
         super().__init__(nn.Sequential(*layers), Linear(inp, num_classes))
 
 
-def resnet18(input_shape: tuple[int, ...], num_classes: int, *, norm: str = "bn", gn_groups: int = 2) -> ResNet:
-    """ResNet-18 (BasicBlock x [2, 2, 2, 2]), feature_dim 512."""
-    return ResNet(BasicBlock, (2, 2, 2, 2), input_shape, num_classes, norm=norm, gn_groups=gn_groups, name="resnet18")
+def resnet18(input_shape: tuple[int, ...], num_classes: int, *, norm: str = "bn", gn_groups: int = 2,
+             width: int = 64) -> ResNet:
+    """ResNet-18 (BasicBlock x [2, 2, 2, 2]), feature_dim 8 * width (512)."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), input_shape, num_classes, norm=norm, gn_groups=gn_groups, name="resnet18",
+                  width=width)
 
 
-def resnet50(input_shape: tuple[int, ...], num_classes: int, *, norm: str = "bn", gn_groups: int = 2) -> ResNet:
-    """ResNet-50 (Bottleneck x [3, 4, 6, 3]), feature_dim 2048."""
-    return ResNet(Bottleneck, (3, 4, 6, 3), input_shape, num_classes, norm=norm, gn_groups=gn_groups, name="resnet50")
+def resnet50(input_shape: tuple[int, ...], num_classes: int, *, norm: str = "bn", gn_groups: int = 2,
+             width: int = 64) -> ResNet:
+    """ResNet-50 (Bottleneck x [3, 4, 6, 3]), feature_dim 32 * width (2048)."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), input_shape, num_classes, norm=norm, gn_groups=gn_groups, name="resnet50",
+                  width=width)
