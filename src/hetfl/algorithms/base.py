@@ -78,11 +78,19 @@ def check_loss_output(stage: Stage, out: Any) -> tuple[torch.Tensor, Mapping[str
 
 
 # ------------------------------------------------------- what a plug-in's hooks must return
+def _kind(value: Any) -> str:
+    """``None`` or ``a TYPE``: what a hook gave instead of what it must return."""
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _returned(value: Any) -> str:
+    return f"it returned {_kind(value)}"
+
+
 def _tensor_dict_problem(value: Any, what: str = "it") -> str | None:
     """Why ``value`` is not a dict of name -> tensor (``what`` names it in the answer), or None."""
     if not isinstance(value, Mapping):
-        return f"{what} returned {'None' if value is None else f'a {type(value).__name__}'}" if what == "it" \
-            else f"{what} is {'None' if value is None else f'a {type(value).__name__}'}"
+        return _returned(value) if what == "it" else f"{what} is {_kind(value)}"
     for name, tensor in value.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             return f"its entry {name!r} is a {type(tensor).__name__}"
@@ -91,21 +99,20 @@ def _tensor_dict_problem(value: Any, what: str = "it") -> str | None:
 
 def _server_problem(value: Any) -> str | None:
     if not isinstance(value, ServerState):
-        return f"it returned {'None' if value is None else f'a {type(value).__name__}'}"
+        return _returned(value)
     return _tensor_dict_problem(value.model, "its model") or _tensor_dict_problem(value.extra, "its extra")
 
 
 def _stages_problem(value: Any) -> str | None:
     if not isinstance(value, list):
-        return f"it returned {'None' if value is None else f'a {type(value).__name__}'}"
+        return _returned(value)
     wrong = [type(s).__name__ for s in value if not isinstance(s, Stage)]
     return f"it holds a {wrong[0]}" if wrong else None
 
 
 def _finish_problem(value: Any) -> str | None:
     if not (isinstance(value, tuple) and len(value) == 2):
-        return (f"it returned a tuple of {len(value)}" if isinstance(value, tuple) else
-                f"it returned {'None' if value is None else f'a {type(value).__name__}'}")
+        return f"it returned a tuple of {len(value)}" if isinstance(value, tuple) else _returned(value)
     return _tensor_dict_problem(value[0], "its upload") or _tensor_dict_problem(value[1], "its state")
 
 
