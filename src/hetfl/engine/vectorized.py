@@ -79,11 +79,13 @@ _NOT_THE_METHODS = (str(Path(torch.__file__).parent), str(Path(__file__).parent)
 def where_in_method(err: BaseException) -> str:
     """`` (at FILE:LINE, in FUNCTION)``: the innermost line of ``err``'s traceback in a method's code, not in torch's
     or the engine's (the loss line that called ``.item()``), so that a fallback's message says where; '' if none."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_NOT_THE_METHODS)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
+    return _in_method(traceback.extract_tb(err.__traceback__))
+
+
+def _in_method(frames: traceback.StackSummary) -> str:
+    """`` (at FILE:LINE, in FUNCTION)`` of the innermost of ``frames`` in a method's code; '' if none is."""
+    mine = [f for f in frames if not f.filename.startswith(_NOT_THE_METHODS)]
+    return f" (at {mine[-1].filename}:{mine[-1].lineno}, in {mine[-1].name})" if mine else ""
 
 
 def callable_key(fn: Callable[..., Any] | None) -> Any:
@@ -209,8 +211,7 @@ class NotReadBySteps(Mapping[str, torch.Tensor]):
         self.name = name
 
     def _refuse(self, use: str) -> StepReadError:
-        frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_NOT_THE_METHODS)]
-        where = f" (at {frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+        where = _in_method(traceback.extract_stack())
         return StepReadError(f"a step used ctx.{self.name}{use}{where}, but its algorithm's step_reads leaves "
                              f"{self.name!r} out: add it to the algorithm's step_reads")
 
