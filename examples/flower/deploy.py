@@ -19,6 +19,9 @@ the script prints what happens (SuperLink up, SuperNodes connected, one line per
 ServerApp logs it); a failed run exits 1 naming its cause (the ServerApp's exception, a process
 that died, or the phase a timeout was waiting for).
 
+A method of your own (``--plugin FILE``, as for ``hetfl run``) travels inside the Flower App that
+``flwr run`` sends: the ServerApp and every ClientApp load the file from it (its SHA-256 is checked).
+
 Every SuperNode is a Python process, and each message it gets starts another (a ClientApp that
 imports torch and loads the dataset): one node per client on one machine is for small
 federations (a handful of clients on a laptop; 30 nodes on 2 cores spend minutes starting).
@@ -37,7 +40,7 @@ from pathlib import Path
 from hetfl import config as config_mod
 from hetfl.config import RunConfig
 from hetfl.engine.experiment import CONFIG_NAME
-from hetfl.flower.deploy import LocalFederation, generate_tls, write_run_config
+from hetfl.flower.deploy import LocalFederation, generate_tls, write_app, write_run_config
 
 
 def say(message: str) -> None:
@@ -102,12 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-run-config", metavar="FILE", default="",
                         help="only write `flwr run --run-config` overrides for this config and --out (for a "
                              "SuperLink and SuperNodes you started yourself), start nothing")
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                        help="Python file that registers extra methods with @hetfl.algorithms.register (as for "
+                             "`hetfl run`); shipped to the nodes inside the Flower App")
+    parser.add_argument("--app-dir", default="", metavar="DIR",
+                        help="with --write-run-config: write the Flower App there (with the --plugin files) "
+                             "for `flwr run DIR ...` (default: examples/flower/app, which holds no plug-in)")
     args = parser.parse_args(argv)
     # SIGTERM (and SIGINT, which shells ignore in background jobs) end the run through the
     # `finally` of deploy(), which stops every process started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out).resolve()
     try:
+        from hetfl.algorithms import load_plugin
+
+        for plugin in args.plugin:
+            load_plugin(plugin)
         if args.write_run_config:
             return write_only(args, out)
         cfg = checked_config(args, out)
@@ -119,10 +132,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_only(args: argparse.Namespace, out: Path) -> int:
     """``--write-run-config``: the overrides for a federation elsewhere, whose dataset need not be on
-    this machine, so only the configuration is checked here (the ServerApp sets the run up there)."""
+    this machine, so only the configuration is checked here (the ServerApp sets the run up there). With
+    ``--plugin`` files, the app that carries them is written to ``--app-dir`` (required then)."""
+    from hetfl.params import ConfigError
+
+    if args.plugin and not args.app_dir:
+        raise ConfigError("--app-dir", "", "is needed with --plugin and --write-run-config: the folder to write the "
+                                           "Flower App holding the plug-in files, for `flwr run DIR ...`")
     cfg = run_config(args, out)
-    write_run_config(args.write_run_config, config_mod.dumps(cfg), out, resume=args.resume)
-    print(f"wrote {args.write_run_config}: flwr run examples/flower/app SUPERLINK --run-config "
+    app = write_app(args.app_dir, args.plugin) if args.app_dir else Path(__file__).parent / "app"
+    write_run_config(args.write_run_config, config_mod.dumps(cfg), out, resume=args.resume, plugins=args.plugin)
+    print(f"wrote {args.write_run_config}{f' and the app {app}' if args.app_dir else ''}: flwr run "
+          f"{shlex.quote(str(app)) if args.app_dir else 'examples/flower/app'} SUPERLINK --run-config "
           f"{args.write_run_config} --stream")
     return 0
 
@@ -168,7 +189,8 @@ def continue_hint(args: argparse.Namespace, out: Path, workdir: Path) -> str:
     if not (out / CONFIG_NAME).is_file():
         return "deploy: the run wrote nothing yet; run the same command again once the cause is fixed"
     command = ["python", str(Path(__file__)), "--resume", "--out", str(out), "--workdir", str(workdir),
-               *(["--data-root", args.data_root] if args.data_root else []), *(["--insecure"] if args.insecure else [])]
+               *(["--data-root", args.data_root] if args.data_root else []), *(["--insecure"] if args.insecure else []),
+               *[x for plugin in args.plugin for x in ("--plugin", plugin)]]
     return f"deploy: to continue from the run's last checkpoint once the cause is fixed: {shlex.join(command)}"
 
 

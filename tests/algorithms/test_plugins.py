@@ -14,6 +14,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
 from tests.helpers.executors import ATOL, SYNTHETIC, round_contexts
+from tests.helpers.plugins import EMA_PLUGIN
 
 
 @pytest.fixture
@@ -70,34 +71,6 @@ def test_a_compiled_step_cannot_read_the_clients_size_or_id_either():
     for name in ("client_id", "num_samples", "features", "inputs"):
         with pytest.raises(PerClientValueRead, match=f"ctx.{name}"):
             getattr(ctx, name)
-
-
-EMA_PLUGIN = '''
-from hetfl.algorithms import register
-from hetfl.algorithms.base import Algorithm, cross_entropy
-
-EMA = "ema/"
-
-
-@register
-class EmaProx(Algorithm):
-    """A pull towards the client's own moving average of its models, kept in its persistent state."""
-
-    name = "emaprox_test"
-    citation = "a test"
-
-    def init_client_state(self, client_id, server):
-        return {EMA + n: server.model[n].clone() for n in self.model.param_names}
-
-    def loss(self, state, batch, ctx):
-        ce = cross_entropy(self.model.logits(state, batch.x), batch.y)
-        prox = sum((state[n] - ctx.state[EMA + n]).pow(2).sum() for n in self.model.param_names)
-        return ce + 0.05 * prox, {"ce": ce.detach(), "prox": prox.detach()}
-
-    def finish(self, ctx, local, steps):
-        upload = {n: local[n] for n in self.model.state_names}
-        return upload, {EMA + n: 0.5 * ctx.state[EMA + n] + 0.5 * local[n] for n in self.model.param_names}
-'''
 
 
 def test_a_simulated_flower_node_loads_the_plugins_the_server_loaded(registry, tmp_path, monkeypatch):

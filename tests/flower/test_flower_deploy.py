@@ -12,7 +12,6 @@ its exception (``flwr run --stream`` itself exits 0 then).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -27,9 +26,8 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.flower.deploy import LocalFederation, LogFollower, RunWatch, generate_tls, serverapp_error, start, wait_for
+from tests.helpers.plugins import EMA_PLUGIN
 from tests.helpers.readme import readme_command
-
-DEPLOY_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "flower" / "deploy.py"
 
 SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.batch_size=16", "train.local_steps=10",
          "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
@@ -107,17 +105,6 @@ def test_relative_folders_are_made_absolute_for_the_processes(tmp_path, monkeypa
 
 
 # ------------------------------------------------------------------ examples/flower/deploy.py
-@pytest.fixture
-def script():
-    """examples/flower/deploy.py as a module; the SIGTERM handler its main() installs is put back after."""
-    spec = importlib.util.spec_from_file_location("hetfl_flower_deploy_example", DEPLOY_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    handler = signal.getsignal(signal.SIGTERM)
-    yield module
-    signal.signal(signal.SIGTERM, handler)
-
-
 def test_a_bad_pairing_exits_2_with_hetfl_runs_message_and_starts_nothing(script, tmp_path, monkeypatch, capsys):
     """FedPAC on the default model (logistic regression: no encoder): the one line ``hetfl run`` prints,
     exit 2, no process started and no folder made (it used to fail inside the ServerApp, minutes later)."""
@@ -324,6 +311,28 @@ def test_the_readmes_deploy_command_prints_its_progress_and_gives_the_sequential
     assert [x["failed_clients"] for x in got] == [[], []]
     assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in lines(tmp_path / "sequential")]
+
+
+@pytest.mark.processes
+@pytest.mark.slow  # a SuperLink and 2 SuperNodes as processes, ~30 s
+def test_a_plugins_method_deployed_gives_the_sequential_numbers(script, tmp_path, capsys):
+    """A researcher's own method (``--plugin``) deployed: the Flower App carries the file, the ServerApp and every
+    ClientApp load it from there, and its client state (kept on the nodes between their ClientApp processes)
+    gives the in-process sequential numbers. Before, the deployment's processes knew only hetfl's methods."""
+    plugin = tmp_path / "ema_method.py"
+    plugin.write_text(EMA_PLUGIN)
+    sets = [*SMALL, "data.num_clients=2", "train.rounds=2", "algorithm.name=emaprox_test"]
+    code = script.main(["--plugin", str(plugin), *[f"--set={x}" for x in sets], "--out", str(tmp_path / "run"),
+                        "--workdir", str(tmp_path / "federation"), "--insecure", "--timeout", "300"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert (tmp_path / "federation" / "app" / "hetfl_plugins" / "0" / "ema_method.py").read_text() == EMA_PLUGIN
+    Experiment(config.load(None, sets)).run(tmp_path / "sequential")
+    deployed, sequential = lines(tmp_path / "run"), lines(tmp_path / "sequential")
+    assert [x["failed_clients"] for x in deployed] == [[], []]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in deployed] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in sequential]
+    assert sequential[-1]["train_prox"] > 0
 
 
 @pytest.mark.processes

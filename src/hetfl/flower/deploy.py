@@ -35,12 +35,15 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from hetfl.algorithms import plugin_files
+from hetfl.flower.app_plugins import PLUGINS_KEY, copy_plugins, plugins_listing
 
 APP_PYPROJECT = """\
 # A Flower App running hetfl: the code is the installed hetfl package (hetfl.flower);
@@ -71,23 +74,31 @@ hetfl-config = ""   # the hetfl run configuration (TOML text)
 run-dir = ""        # where the ServerApp writes config.toml, metrics.jsonl, summary.json, the checkpoint
 resume = false      # continue the run in run-dir from its checkpoint
 poll-s = 0.5        # seconds between the ServerApp's polls for replies
+plugins = ""        # the plug-in files the app holds, with their sha256 (hetfl.flower.app_plugins)
 """
 
 
-def write_app(folder: str | Path) -> Path:
-    """A Flower App folder for ``flwr run`` (only a pyproject.toml naming hetfl's apps)."""
+def write_app(folder: str | Path, plugins: Sequence[str | Path] = ()) -> Path:
+    """A Flower App folder for ``flwr run``: a pyproject.toml naming hetfl's apps and the plug-in files
+    (``--plugin FILE``) whose methods the run may use, which the ServerApp and the ClientApps load from it
+    (:mod:`hetfl.flower.app_plugins`; give :func:`write_run_config` the same files)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pyproject.toml").write_text(APP_PYPROJECT)
+    copy_plugins(folder, plugins)
     return folder
 
 
 def write_run_config(path: str | Path, config_text: str, run_dir: str | Path, *, resume: bool = False,
-                     poll_s: float = 0.5) -> Path:
-    """``flwr run --run-config`` overrides: the hetfl config and the run directory (absolute)."""
+                     poll_s: float = 0.5, plugins: Sequence[str | Path] = ()) -> Path:
+    """``flwr run --run-config`` overrides: the hetfl config, the run directory (absolute) and the plug-in files
+    the app holds (:func:`write_app`), with their SHA-256."""
     path = Path(path)
-    path.write_text(tomli_w.dumps({"hetfl-config": config_text, "run-dir": str(Path(run_dir).resolve()),
-                                   "resume": resume, "poll-s": poll_s}))
+    values: dict[str, Any] = {"hetfl-config": config_text, "run-dir": str(Path(run_dir).resolve()),
+                              "resume": resume, "poll-s": poll_s}
+    if plugins:
+        values[PLUGINS_KEY] = plugins_listing(plugins)
+    path.write_text(tomli_w.dumps(values))
     return path
 
 
@@ -373,9 +384,7 @@ class LocalFederation:
     def submit(self, config_text: str, run_dir: str | Path, *, resume: bool = False, timeout_s: float = 600.0,
                poll_s: float = 0.5) -> subprocess.CompletedProcess:
         """``flwr run`` the hetfl app with this config; blocks (``--stream``) until the run ends."""
-        app = write_app(self.workdir / "app")
-        overrides = write_run_config(self.workdir / "run-config.toml", config_text, run_dir, resume=resume,
-                                     poll_s=poll_s)
+        app, overrides = self._write_app(config_text, run_dir, resume=resume, poll_s=poll_s)
         with open(self.workdir / "flwr-run.log", "a") as out:
             return subprocess.run([_bin("flwr"), "run", str(app), "hetfl", "--run-config", str(overrides), "--stream"],
                                   stdout=out, stderr=subprocess.STDOUT, env=self.cli_env(), cwd=self.workdir,
@@ -385,11 +394,17 @@ class LocalFederation:
                poll_s: float = 0.5) -> Process:
         """Start ``flwr run`` the hetfl app with this config, without waiting: its output goes to
         ``WORKDIR/flwr-run.log`` (appended to), its process group is ended by :meth:`Process.stop`."""
-        app = write_app(self.workdir / "app")
-        overrides = write_run_config(self.workdir / "run-config.toml", config_text, run_dir, resume=resume,
-                                     poll_s=poll_s)
+        app, overrides = self._write_app(config_text, run_dir, resume=resume, poll_s=poll_s)
         return start("flwr-run", [_bin("flwr"), "run", str(app), "hetfl", "--run-config", str(overrides), "--stream"],
                      self.workdir, self.cli_env(), append=True)
+
+    def _write_app(self, config_text: str, run_dir: str | Path, *, resume: bool, poll_s: float) -> tuple[Path, Path]:
+        """The app folder and the run config of a run, with every plug-in file this process loaded (the nodes
+        load them: their methods are the run's, as on the simulation)."""
+        plugins = plugin_files()
+        app = write_app(self.workdir / "app", plugins)
+        return app, write_run_config(self.workdir / "run-config.toml", config_text, run_dir, resume=resume,
+                                     poll_s=poll_s, plugins=plugins)
 
     def connected(self) -> list[Process]:
         """The SuperNodes the SuperLink has registered, as far as their logs say (``SuperNode ID:``)."""

@@ -77,6 +77,7 @@ from hetfl.engine.summary import Reporter
 from hetfl.files import atomic_write_text
 from hetfl.flower import protocol as P
 from hetfl.flower import secagg
+from hetfl.flower.app_plugins import load_app_plugins
 from hetfl.flower.codec import client_data_digest, decode_tensor, from_record, to_record
 from hetfl.flower.protocol import PLUGINS_ENV, TRUSTED_ROOTS_ENV
 from hetfl.privacy import release_digest
@@ -116,6 +117,7 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
         _RUNTIME.clear()
         _DIGESTS.clear()  # keyed by the experiment's id, which a new one may reuse
         load_listed_plugins()
+        load_app_plugins(context.run_config)
         try:
             _RUNTIME[key] = Experiment(cfg)
         except DatasetError as err:  # named as this node's setting: the server's data.root is not the node's to set
@@ -131,7 +133,7 @@ def runtime(cfg_text: str, context: Context) -> Experiment:
 def load_listed_plugins() -> None:
     """Load the plug-in files the server's process loaded (:data:`PLUGINS_ENV`, set by the simulation) that this
     process has not: a simulated node is a process of its own (a Ray worker), which would not know their
-    methods."""
+    methods. (A deployed node loads them from the Flower App: :func:`hetfl.flower.app_plugins.load_app_plugins`.)"""
     loaded = set(plugin_files())
     for path in os.environ.get(PLUGINS_ENV, "").split(os.pathsep):
         if path and path not in loaded:

@@ -7,6 +7,8 @@ Run config keys (``[tool.flwr.app.config]`` of the app, or ``flwr run --run-conf
                   summary.json, checkpoint.safetensors are written there)
 ``resume``        true to continue the run in ``run-dir`` from its checkpoint
 ``poll-s``        seconds between the server's polls for replies (default 0.5)
+``plugins``       the plug-in files the app holds, loaded here and on every node before the run is set up
+                  (:mod:`hetfl.flower.app_plugins`; written by :func:`hetfl.flower.deploy.write_run_config`)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hetfl import tracking
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.rundir import RunDirError
 from hetfl.flower import check_flower, offline_defaults
+from hetfl.flower.app_plugins import load_app_plugins
 from hetfl.flower.server import FlowerFederation
 
 offline_defaults()
@@ -60,6 +63,7 @@ class LogReporter:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     run_config = context.run_config
+    load_app_plugins(run_config)  # before the config: its method may be a plug-in's
     cfg = config_mod.from_dict(tomllib.loads(str(run_config["hetfl-config"])))
     cfg = replace(cfg, runtime=replace(cfg.runtime, executor="flower"))  # what config.toml will say
     check_flower(cfg)  # settings the Flower executor cannot honour
