@@ -31,6 +31,7 @@ from hetfl.console import (  # noqa: F401  (summary_table, PIPED_WIDTH: hetfl.cl
     make_console,
     summary_table,
 )
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError, did_you_mean
 
 # The commands import the subsystems they use inside their functions: `hetfl --help`, `hetfl --version` and a
@@ -210,7 +211,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> int:
                        title=title)
         print(f"heat map: {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2, default=float) + "\n")
+        atomic_write_text(Path(args.json), json.dumps(rows, indent=2, default=float) + "\n")
     return 0
 
 

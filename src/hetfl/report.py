@@ -301,8 +301,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
     page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(html_parts)}</body></html>\n")
     html_path, md_path = out / "report.html", out / "report.md"
-    html_path.write_text(page)
-    md_path.write_text("\n".join(md_parts) + "\n")
+    atomic_write_text(html_path, page)
+    atomic_write_text(md_path, "\n".join(md_parts) + "\n")
     return html_path, md_path
 
 

@@ -55,6 +55,7 @@ from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
 from hetfl.engine.resolve import resolve_configs
+from hetfl.files import atomic_write_text
 from hetfl.jobs import Job, check_jobs, check_shippable, run_jobs, trained_folder
 from hetfl.params import ConfigError
 from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
@@ -306,8 +307,8 @@ def reproduce(
               "ordering": {c.id: ordering(table, c.id) for c in preset.columns}}
     out.mkdir(parents=True, exist_ok=True)
     result["curves"] = draw_curves(preset, specs, out)  # one mean ± std figure per column, linked from the .md
-    (out / "reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "reproduction.md").write_text(markdown(result))
+    atomic_write_text(out / "reproduction.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out / "reproduction.md", markdown(result))
     return result
 
 

@@ -25,6 +25,7 @@ What every figure does so that a reader is not misled:
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import textwrap
@@ -35,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from hetfl.files import atomic_write_bytes, atomic_write_text
 
 from .cka import mean_off_diagonal
 from .classifier import pearson, spearman
@@ -85,11 +88,18 @@ def _chars(fig: Any, fontsize: float = 12.0, share: float = 1.0) -> float:
     return fig.get_figwidth() * share * 72.0 / (0.6 * fontsize) * 0.95
 
 
+def png_bytes(fig: Any, dpi: int) -> bytes:
+    """``fig`` as PNG bytes (written by the caller in one atomic write: a reader never sees half a PNG)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
 def _save(fig: Any, out_dir: str | Path, name: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.png"
-    fig.savefig(path, dpi=DPI)
+    atomic_write_bytes(path, png_bytes(fig, dpi=DPI))
     return path
 
 
@@ -112,16 +122,17 @@ def json_safe(obj: Any) -> Any:
 
 def _write_json(out_dir: str | Path, name: str, data: Any) -> Path:
     path = Path(out_dir) / f"{name}.json"
-    path.write_text(json.dumps(json_safe(data), indent=1) + "\n")
+    atomic_write_text(path, json.dumps(json_safe(data), indent=1) + "\n")
     return path
 
 
 def _write_csv(out_dir: str | Path, name: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> Path:
     path = Path(out_dir) / f"{name}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())
     return path
 
 

@@ -54,6 +54,7 @@ from hetfl.analysis.tsne import tsne_embedding
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import load_checkpoint, load_tensors
 from hetfl.engine.experiment import CLIENT_MODELS_DIR, CONFIG_NAME, METRICS_NAME, Experiment
+from hetfl.files import atomic_write_text
 from hetfl.params import ConfigError
 from hetfl.rng import torch_generator
 
@@ -342,5 +343,5 @@ def analyze_run(
             continue
         index["written"][name] = {k: str(v) if isinstance(v, Path) else v for k, v in result.items()}
     # non-finite numbers (a constant layer's CKA) as null: index.json stays JSON that any reader parses
-    (run.out / "index.json").write_text(json.dumps(json_safe(index), indent=2, default=float) + "\n")
+    atomic_write_text(run.out / "index.json", json.dumps(json_safe(index), indent=2, default=float) + "\n")
     return index

@@ -12,8 +12,8 @@ a few clients hold most samples) is the usual picture of a non-IID split
 
 from __future__ import annotations
 
+import io
 import os
-import secrets
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hetfl.data.partition import Partition
+from hetfl.files import atomic_write_bytes
 
 ANNOTATE_MAX_CELLS = 400  # write the count in each cell up to this many cells
 
@@ -202,20 +203,13 @@ def plot_partition(
     the cells when there are at most ``ANNOTATE_MAX_CELLS`` of them.
 
     Uses matplotlib's Agg canvas directly (no pyplot, so the caller's backend
-    and figure state are untouched) and writes atomically: a temporary file in
-    the target folder, then ``os.replace``, so a reader never sees half a PNG
-    and a failure leaves nothing behind.
+    and figure state are untouched) and writes atomically (:func:`hetfl.files.atomic_write_bytes`: a
+    temporary file in the target folder, then ``os.replace``), so a reader never sees half a PNG and a
+    failure leaves nothing behind.
     """
     fig = partition_figure(partition, train_labels, num_classes, class_names, title)
-
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # a fresh name opened exclusively (not mkstemp, whose 0600 mode would survive the rename)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as handle:
-            fig.savefig(handle, format="png", dpi=110)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(target, png.getvalue())
