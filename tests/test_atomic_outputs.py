@@ -9,6 +9,7 @@ The run directory's own files (metrics, summary, checkpoints) have their tests i
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 from pathlib import Path
@@ -34,12 +35,13 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def interrupted(monkeypatch: pytest.MonkeyPatch, write, *, raises: bool = True, only: str = "") -> None:
-    """Call ``write`` with ``os.replace`` raising KeyboardInterrupt (only for a file named ``only`` where one is
-    given); it must raise it (not swallow it), unless ``raises`` is False (the CLI turns it into exit code 130)."""
+    """Call ``write`` with ``os.replace`` raising KeyboardInterrupt (only for files whose name matches the pattern
+    ``only`` where one is given); it must raise it (not swallow it), unless ``raises`` is False (the CLI turns it
+    into exit code 130)."""
     replace = os.replace
 
     def ctrl_c(source, target, *args, **kwargs):
-        if only and Path(target).name != only:
+        if only and not fnmatch.fnmatch(Path(target).name, only):
             return replace(source, target, *args, **kwargs)
         raise KeyboardInterrupt
 
@@ -125,6 +127,18 @@ def test_report_pages(tiny_run, tmp_path, monkeypatch):
                                  lambda: build_report([tiny_run], out, title="second"), monkeypatch,
                                  only="report.html")  # the figures before it are written again, the same
     assert {"report.html", "report.md"} <= set(before)
+
+
+def test_report_copies_of_a_runs_analysis_figures(tiny_run, tmp_path, monkeypatch):
+    from hetfl.analysis.run import analyze_run
+
+    analyze_run(tiny_run, ["weight_norms"])
+    out = tmp_path / "report"
+    before = check_written_whole(out, lambda: build_report([tiny_run], out, title="first"),
+                                 lambda: build_report([tiny_run], out, title="second"), monkeypatch,
+                                 only="analysis_*.png")
+    assert any(name.startswith("analysis_") for name in before)
+    shutil.rmtree(tiny_run / "analysis")
 
 
 def test_analysis_index(tiny_run, monkeypatch):

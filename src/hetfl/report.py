@@ -20,7 +20,6 @@ import dataclasses
 import html
 import json
 import re
-import shutil
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from hetfl.data.partition_report import plot_partition
 from hetfl.engine import identity
 from hetfl.engine.experiment import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from hetfl.engine.setup import build_partition, resolve
-from hetfl.files import atomic_write_text
+from hetfl.files import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
     from hetfl.runs import CompareResult
@@ -201,7 +200,7 @@ def _copy_in(png: Path, out: Path, name: str) -> Path:
     """``png`` copied into ``out`` as ``name`` (characters other than letters, digits, ``._-`` replaced), so
     report.md's folder holds every image it links."""
     target = out / re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    shutil.copyfile(png, target)
+    atomic_write_bytes(target, Path(png).read_bytes())
     return target
 
 
