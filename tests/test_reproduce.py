@@ -527,5 +527,5 @@ def test_fedpac_table1_quick_variant_runs_the_fmnist_column_on_mnist():
         cfg = reproduce.build_config(preset, spec, [])
         assert (cfg.data.dataset, cfg.model.options, cfg.train.lr, cfg.train.batch_size) == ("mnist", {"convs": 2},
                                                                                               0.01, 50)
-        assert (cfg.data.test_per_client, cfg.data.group_classes, cfg.train.rounds) == (600, [], 10)
+        assert (cfg.data.test_per_client, cfg.data.group_classes, cfg.train.rounds) == (600, [], 5)
     assert preset.quick["set"]["data.dataset"] == "mnist"
