@@ -420,7 +420,8 @@ def _deal_again(
     order take their ``wanted[i, c]`` samples from a shuffled deck of the class's samples; when the deck runs
     out mid-client, a new deck is shuffled with the samples that client already took from the old one at its
     end, so every sample is dealt once before any twice and no client gets one sample twice. A class that does
-    not run short is dealt from one deck, exactly as without reuse. Returns each client's sorted indices."""
+    not run short is dealt from one deck, each sample once at most, as without reuse (the draws differ: the
+    short classes' extra decks use the same stream). Returns each client's sorted indices."""
     num_clients, num_classes = wanted.shape
     parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c in range(num_classes):
