@@ -421,3 +421,111 @@ def test_a_reproduction_without_diverged_seeds_says_nothing_of_divergence(tmp_pa
     accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
     reproduce.reproduce(reproduce.load_preset(str(path)), tmp_path / "out", fake_run(accs))
     assert "iverged" not in (tmp_path / "out" / "reproduction.md").read_text()
+
+
+# ----------------------------------------------------------------------------------- FedPAC's Table 1, all columns
+#: FedPAC's EMNIST groups (JianXu95/FedPAC, data_loader.py emnist_noniid_s): digits, upper case, lower case of byclass
+FEDPAC_EMNIST_GROUPS = [list(range(10)), list(range(10, 36)), list(range(36, 62))]
+#: per column of fedpac-table1, from the authors' code: dataset, its loader options, clients, train / test samples
+#: per client, the listed groups ([] = the 5 consecutive groups of 3), reuse of short classes, lr, batch, convs of
+#: fedpac_cnn (data_loader.py, federated_main.py, options.py; batch 100 for EMNIST: the paper, Flower's config)
+FEDPAC_COLUMNS = {
+    "emnist-20": ("emnist", {"split": "byclass"}, 20, 1000, 600, FEDPAC_EMNIST_GROUPS, False, 0.01, 100, 2),
+    "emnist-100": ("emnist", {"split": "byclass"}, 100, 1000, 600, FEDPAC_EMNIST_GROUPS, True, 0.01, 100, 2),
+    "fmnist-20": ("fmnist", {}, 20, 600, 600, [], False, 0.01, 50, 2),
+    "fmnist-100": ("fmnist", {}, 100, 600, 600, [], True, 0.01, 50, 2),
+    "cifar10-20": ("cifar10", {}, 20, 600, 300, [], False, 0.02, 50, 3),
+    "cifar10-100": ("cifar10", {}, 100, 600, 300, [], True, 0.02, 50, 3),
+    "cinic10-20": ("cinic10", {}, 20, 600, 300, [], False, 0.02, 50, 3),
+    "cinic10-100": ("cinic10", {}, 100, 600, 300, [], True, 0.02, 50, 3),
+}
+#: (input shape, classes) of each dataset and fedpac_cnn's parameters there (models/paper_cnns.py: the code's
+#: CNN_FMNIST with 62 / 10 classes, CifarCNN)
+FEDPAC_MODELS = {"emnist": ((1, 28, 28), 62, 123_774), "fmnist": ((1, 28, 28), 10, 117_066),
+                 "cifar10": ((3, 32, 32), 10, 107_690), "cinic10": ((3, 32, 32), 10, 107_690)}
+
+
+def test_fedpac_table1_runs_each_column_as_the_authors_code():
+    """Every row of every column gets its column's dataset (EMNIST's byclass split), clients (all of them every
+    round: the code's --frac 1.0), samples per client, groups, lr, batch and CNN (no conv64 for 1-channel sets),
+    with the settings all columns share (200 rounds, E = 5, momentum 0.5, wd 5e-4, s = 20%)."""
+    from hetfl.models import build_model
+
+    preset = reproduce.load_preset("fedpac-table1")
+    assert [c.id for c in preset.columns] == list(FEDPAC_COLUMNS)
+    assert [(r.label, r.algorithm) for r in preset.rows] == [
+        (r.label, r.algorithm) for r in reproduce.load_preset("fedpac-cifar10").rows]
+    built = {}
+    for (row, column, _seed), spec in reproduce.run_specs(preset).items():
+        cfg = reproduce.build_config(preset, spec, [])
+        dataset, options, clients, train, test, groups, reuse, lr, batch, convs = FEDPAC_COLUMNS[column]
+        d, t = cfg.data, cfg.train
+        assert (d.dataset, d.options, d.partition, d.num_clients) == (dataset, options, "dominant", clients), column
+        assert (d.samples_per_client, d.test_per_client, d.uniform_share) == (train, test, 0.2), column
+        assert (d.group_classes, d.reuse_samples, d.dominant_groups, d.classes_per_group) == (groups, reuse, 5, 3)
+        assert (t.lr, t.batch_size, t.clients_per_round, t.rounds, t.local_epochs) == (lr, batch, 0, 200, 5), column
+        assert (t.momentum, t.weight_decay) == (0.5, 5e-4)
+        shape, classes, count = FEDPAC_MODELS[dataset]
+        key = (cfg.model.name, str(cfg.model.options), dataset)
+        if key not in built:  # one model per column's setting: building one for each of the 360 runs is slow
+            model = build_model(cfg.model.name, shape, classes, **cfg.model.options)
+            built[key] = (cfg.model.name, model.convs, sum(p.numel() for p in model.parameters()))
+        assert built[key] == ("fedpac_cnn", convs, count), (row, column)
+
+
+def test_fedpac_table1_cifar10_column_is_the_fedpac_cifar10_preset():
+    """Users' scripts run fedpac-cifar10: its runs are the CIFAR-10 / 20-client column's, configuration for
+    configuration (resolved for a CIFAR-10-shaped dataset as a run resolves them) and folder for folder, so either
+    preset reuses the other's finished runs."""
+    import torch
+
+    from hetfl.config import to_tree
+    from hetfl.data.base import Dataset, DatasetInfo, Split
+    from hetfl.engine.setup import resolve
+
+    split = Split(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.arange(10))
+    cifar = Dataset(DatasetInfo("cifar10", tuple(map(str, range(10))), (3, 32, 32)), split, split)
+    table, alone = reproduce.load_preset("fedpac-table1"), reproduce.load_preset("fedpac-cifar10")
+    assert alone.seeds == table.seeds and [c.id for c in alone.columns] == ["cifar10-20"]
+    specs = reproduce.run_specs(table)
+    for key, spec in reproduce.run_specs(alone).items():
+        assert specs[key] == spec and specs[key].dirname == spec.dirname, key
+        ours, theirs = (reproduce.build_config(p, spec, ["data.root=/x"]) for p in (table, alone))
+        assert to_tree(ours) == to_tree(theirs), key
+        assert to_tree(resolve(ours, cifar)) == to_tree(resolve(theirs, cifar)), key
+
+
+@pytest.mark.parametrize(("column", "per_class"), [("fmnist-100", (6000, 1000)), ("cifar10-100", (5000, 1000)),
+                                                   ("cinic10-100", (9000, 9000)), ("cifar10-20", (5000, 1000)),
+                                                   ("fmnist-20", (6000, 1000))])
+def test_fedpac_table1_partitions_can_be_made_with_each_datasets_class_sizes(column, per_class):
+    """100 clients of 600 need 7,600 samples of each class two groups share: more than CIFAR-10's 5,000 and
+    FMNIST's 6,000, so those columns hand samples out again as the authors' code (data.reuse_samples); every
+    client still gets its 600 (EMNIST byclass's per-class sizes are not checked here)."""
+    import torch
+
+    from hetfl.data.base import Dataset, DatasetInfo, Split
+    from hetfl.engine.setup import build_partition
+
+    preset = reproduce.load_preset("fedpac-table1")
+    cfg = reproduce.build_config(preset, reproduce.run_specs(preset)[("FedPAC", column, 0)], [])
+    train, test = (torch.arange(10).repeat_interleave(n) for n in per_class)
+    dataset = Dataset(DatasetInfo(cfg.data.dataset, tuple(map(str, range(10))), (1, 1, 1)),
+                      Split(torch.zeros(len(train), 1, 1, 1, dtype=torch.uint8), train),
+                      Split(torch.zeros(len(test), 1, 1, 1, dtype=torch.uint8), test))
+    part = build_partition(cfg, dataset)
+    assert [len(p) for p in part.train] == [cfg.data.samples_per_client] * cfg.data.num_clients
+    assert [len(p) for p in part.test] == [cfg.data.test_per_client] * cfg.data.num_clients
+
+
+def test_fedpac_table1_quick_variant_runs_the_fmnist_column_on_mnist():
+    """The development machines have MNIST, not FMNIST: the quick variant keeps the FMNIST column's CNN, lr, batch
+    and groups on MNIST's identical format, and says so in its [quick] settings."""
+    preset = reproduce.load_preset("fedpac-table1").variant(True)
+    assert [c.id for c in preset.columns] == ["fmnist-20"] and preset.seeds == [0]
+    for spec in set(reproduce.run_specs(preset).values()):
+        cfg = reproduce.build_config(preset, spec, [])
+        assert (cfg.data.dataset, cfg.model.options, cfg.train.lr, cfg.train.batch_size) == ("mnist", {"convs": 2},
+                                                                                              0.01, 50)
+        assert (cfg.data.test_per_client, cfg.data.group_classes, cfg.train.rounds) == (600, [], 5)
+    assert preset.quick["set"]["data.dataset"] == "mnist"

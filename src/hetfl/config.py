@@ -50,6 +50,12 @@ class DataConfig:
     test_per_client: int = setting(0, ge=0, doc="personal test samples per client (0 = scheme default)")
     dominant_groups: int = setting(5, ge=1, doc="client groups (dominant)")
     classes_per_group: int = setting(3, ge=1, doc="dominant classes per group (dominant)")
+    group_classes: list[list[int]] = setting(
+        [], doc="the dominant classes of each group, listed, e.g. [[0, 1, 2], [3, 4]] (dominant; [] = "
+                "dominant_groups runs of classes_per_group consecutive classes)")
+    reuse_samples: bool = setting(
+        False, doc="hand a class's samples out again when the clients need more than exist, none twice to one "
+                   "client, as FedPAC's code does (dominant; false: such a split is an error)")
     quantity_sigma: float = setting(1.0, ge=0.0, doc="log-normal sigma of client sizes (quantity; 0: equal sizes)")
     clients_per_domain: int = setting(1, ge=1, doc="clients per domain (domain)")
     angles: list[float] = setting([], doc="per-client rotation angles in degrees (rotation; [] = spread)")
@@ -57,6 +63,19 @@ class DataConfig:
     concept_groups: int = setting(2, ge=1, doc="client groups with distinct label permutations (concept)")
     augment: str = setting("auto", choices=("auto", "none", "crop_flip", "flip"),
                            doc="batched train augmentation; auto = crop_flip for RGB images of 32-96 px")
+
+
+    def check(self, prefix: str = "data.") -> None:
+        """Explicit dominant groups replace the consecutive ones: ``dominant_groups`` and ``classes_per_group``
+        moved as well would be ignored, so that is refused (the classes themselves are checked against the
+        dataset by :func:`hetfl.data.partition.make_partition`)."""
+        if not self.group_classes:
+            return
+        for key, default in (("dominant_groups", 5), ("classes_per_group", 3)):
+            if getattr(self, key) != default:
+                raise ConfigError(prefix + key, getattr(self, key),
+                                  f"has no effect with {prefix}group_classes set (its {len(self.group_classes)} "
+                                  f"lists are the groups and their classes); leave {prefix}{key} at {default}")
 
 
 @dataclass(frozen=True)

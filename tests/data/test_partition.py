@@ -373,6 +373,7 @@ def test_failed_plot_leaves_nothing(tmp_path):
 # ------------------------------------------------------------------ which settings a scheme reads
 _OTHER_VALUES = {"alpha": 0.05, "min_size": 3, "classes_per_client": 3, "uniform_share": 0.5,
                  "samples_per_client": 40, "test_per_client": 7, "dominant_groups": 2, "classes_per_group": 2,
+                 "group_classes": [[1, 2], [3]], "reuse_samples": True,
                  "quantity_sigma": 2.0, "angles": [0.0, 10.0, 20.0, 30.0, 40.0], "base": "dirichlet",
                  "concept_groups": 3}
 

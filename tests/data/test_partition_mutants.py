@@ -180,10 +180,11 @@ def test_the_limits_themselves_are_allowed():
 
 def test_each_scheme_reads_exactly_the_settings_its_docstring_names():
     """make_partition's docstring: alpha (dirichlet, and a dirichlet base), min_size (dirichlet, quantity),
-    classes_per_client (shards), FedPAC's four settings (dominant), quantity_sigma (quantity),
+    classes_per_client (shards), FedPAC's six settings (dominant), quantity_sigma (quantity),
     clients_per_domain (domain), angles (rotation), base (rotation, concept), concept_groups (concept);
     test_per_client for every label scheme (domain and natural keep each group's own test samples)."""
-    dominant = {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group"}
+    dominant = {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group", "group_classes",
+                "reuse_samples"}
     want = {
         ("iid", "iid"): set(), ("dirichlet", "iid"): {"alpha", "min_size"}, ("shards", "iid"): {"classes_per_client"},
         ("dominant", "iid"): dominant, ("quantity", "iid"): {"min_size", "quantity_sigma"},
@@ -396,7 +397,8 @@ def test_a_split_without_settings_is_the_one_the_configs_defaults_make():
     defaults = DataConfig()
     given = {key: getattr(defaults, key) for key in (
         "alpha", "min_size", "classes_per_client", "uniform_share", "samples_per_client", "dominant_groups",
-        "classes_per_group", "quantity_sigma", "clients_per_domain", "base", "concept_groups")}
+        "classes_per_group", "group_classes", "reuse_samples", "quantity_sigma", "clients_per_domain", "base",
+        "concept_groups")}
     train, test = (np.random.default_rng(s).integers(0, 10, n) for s, n in ((1, 20_000), (2, 2_000)))
     for name in ("dirichlet", "shards", "dominant", "quantity", "concept", "rotation"):
         plain, explicit = make_partition(name, train, test, 10, seed=0), make_partition(name, train, test, 10,

@@ -52,8 +52,8 @@ BASES: tuple[str, ...] = ("iid", "dirichlet")  # label splits under ``rotation``
 #: the ``data.<key>`` settings of the partitions (each read by some schemes only: :func:`partition_keys`)
 PARTITION_SETTINGS: tuple[str, ...] = (
     "alpha", "min_size", "classes_per_client", "uniform_share", "samples_per_client", "test_per_client",
-    "dominant_groups", "classes_per_group", "quantity_sigma", "clients_per_domain", "angles", "base",
-    "concept_groups",
+    "dominant_groups", "classes_per_group", "group_classes", "reuse_samples", "quantity_sigma", "clients_per_domain",
+    "angles", "base", "concept_groups",
 )
 
 
@@ -65,7 +65,8 @@ def partition_keys(name: str, base: str = "iid") -> frozenset[str]:
     keys |= {"min_size", "quantity_sigma"} if split == "quantity" else set()
     keys |= {"classes_per_client"} if split == "shards" else set()
     if split == "dominant":
-        keys |= {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group"}
+        keys |= {"uniform_share", "samples_per_client", "dominant_groups", "classes_per_group", "group_classes",
+                 "reuse_samples"}
     keys |= {"clients_per_domain"} if name == "domain" else set()
     keys |= {"angles", "base"} if name == "rotation" else set()
     keys |= {"concept_groups", "base"} if name == "concept" else set()
@@ -366,40 +367,107 @@ def split_dominant(
     uniform_share: float,
     groups: int,
     per_group: int,
+    group_classes: list[list[int]] | None = None,
+    reuse: bool = False,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """FedPAC's split (Xu et al., ICLR 2023, sec. 5.1; authors' ``*_noniid_s``).
 
     Every client holds exactly ``samples`` training samples: ``round(samples *
     uniform_share)`` spread evenly over all classes, the rest spread evenly over
-    the dominant classes of its group (client i in group i mod ``groups``, see
-    :func:`dominant_classes`). With the paper's 600 samples and s = 20 %: 12
-    per class plus 160 per dominant class. Unlike the authors' code, which
-    reuses samples once a class runs out, samples are drawn without replacement
-    across clients, and a shortage is an error. Returns the client indices and
-    the ``[num_clients, num_classes]`` counts.
+    the dominant classes of its group (client i in group i mod the number of
+    groups). The groups are ``group_classes`` where given (EMNIST's digits /
+    upper / lower case in the authors' ``emnist_noniid_s``), else ``groups``
+    runs of ``per_group`` consecutive classes (:func:`dominant_classes`). With
+    the paper's 600 samples and s = 20 %: 12 per class plus 160 per dominant
+    class. Samples are drawn without replacement across clients, and a class
+    that runs short is an error, unless ``reuse``: then a short class's samples
+    are handed out again, as the authors' code does once a class runs out (it
+    starts the class over), every sample once before any twice and none twice
+    to one client (:func:`_deal_again`). Returns the client indices and the
+    ``[num_clients, num_classes]`` counts.
     """
-    group_classes = dominant_classes(num_classes, groups, per_group)
+    group_classes = group_classes or dominant_classes(num_classes, groups, per_group)
     n_uniform = round(samples * uniform_share)
     wanted = np.stack([
         _spread(n_uniform, range(num_classes), num_classes, rng)
-        + _spread(samples - n_uniform, group_classes[i % groups], num_classes, rng)
+        + _spread(samples - n_uniform, group_classes[i % len(group_classes)], num_classes, rng)
         for i in range(num_clients)
     ])
     need = wanted.sum(axis=0)
     have = np.bincount(labels, minlength=num_classes)
     short = np.flatnonzero(need > have)
-    if len(short):
+    if len(short) and not reuse:
         c = int(short[0])
         raise _error("data.samples_per_client", samples, f"{num_clients} clients need {need[c]} training samples "
                      f"of class {c} but only {have[c]} exist; use fewer clients, fewer samples per client or a "
-                     f"larger data.uniform_share")
-    owner = np.full(len(labels), -1, dtype=np.int64)
+                     f"larger data.uniform_share, or set data.reuse_samples = true to hand samples out again "
+                     f"(the authors' code)")
     order, starts = _class_index(labels, num_classes)
+    if len(short):
+        return _deal_again(order, starts, wanted, samples, rng), wanted
+    owner = np.full(len(labels), -1, dtype=np.int64)
     for c in range(num_classes):
         if need[c]:
             pool = rng.permutation(order[starts[c] : starts[c + 1]])[: need[c]]
             owner[pool] = np.repeat(np.arange(num_clients), wanted[:, c])
     return _by_owner(owner, num_clients), wanted
+
+
+def _deal_again(
+    order: np.ndarray, starts: np.ndarray, wanted: np.ndarray, samples: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """The dominant split's draw when some class runs short and may be handed out again: per class, clients in
+    order take their ``wanted[i, c]`` samples from a shuffled deck of the class's samples; when the deck runs
+    out mid-client, a new deck is shuffled with the samples that client already took from the old one at its
+    end, so every sample is dealt once before any twice and no client gets one sample twice. A class that does
+    not run short is dealt from one deck, each sample once at most, as without reuse (the draws differ: the
+    short classes' extra decks use the same stream). Returns each client's sorted indices."""
+    num_clients, num_classes = wanted.shape
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in range(num_classes):
+        idx = order[starts[c] : starts[c + 1]]
+        if not wanted[:, c].any():
+            continue
+        if wanted[:, c].max() > len(idx):
+            raise _error("data.samples_per_client", samples, f"a client needs {wanted[:, c].max()} training "
+                         f"samples of class {c} but only {len(idx)} exist, and no client holds a sample twice; "
+                         "use fewer samples per client or a larger data.uniform_share")
+        deck, pos = rng.permutation(idx), 0
+        for i in np.flatnonzero(wanted[:, c]):
+            take = deck[pos : pos + wanted[i, c]]
+            pos += len(take)
+            if len(take) < wanted[i, c]:  # the deck ran out: the rest from a new one, not repeating `take`
+                deck = np.concatenate([rng.permutation(np.setdiff1d(idx, take)), rng.permutation(take)])
+                pos = int(wanted[i, c]) - len(take)
+                take = np.concatenate([take, deck[:pos]])
+            parts[i].append(take)
+    return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, dtype=np.int64) for p in parts]
+
+
+def check_group_classes(value: object, num_classes: int) -> list[list[int]]:
+    """``data.group_classes`` as lists of ints: at least one group, each a non-empty list of distinct classes in
+    ``[0, num_classes)`` (groups may share classes, as FedPAC's CIFAR-10 groups do); else a PartitionError
+    naming the group and the class."""
+    key = "data.group_classes"
+    value = value.tolist() if isinstance(value, np.ndarray) else value
+    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
+        raise _error(key, value, "needs at least one group: a list of lists of classes, e.g. [[0, 1], [2, 3]]")
+    groups: list[list[int]] = []
+    for g, group in enumerate(value):
+        if not isinstance(group, Sequence) or isinstance(group, str):
+            raise _error(key, value, f"group {g} = {group!r} is not a list of classes; give one list per group")
+        if len(group) == 0:
+            raise _error(key, value, f"group {g} is empty; each group needs at least one dominant class")
+        for c in group:
+            if not isinstance(c, int | np.integer) or isinstance(c, bool):
+                raise _error(key, value, f"class {c!r} of group {g} must be an integer class index")
+            if not 0 <= c < num_classes:
+                raise _error(key, value, f"class {c} of group {g} is not a class: allowed 0 to {num_classes - 1}")
+        if len(set(group)) < len(group):
+            twice = next(c for c in group if list(group).count(c) > 1)
+            raise _error(key, value, f"group {g} lists class {twice} twice; each class once per group")
+        groups.append([int(c) for c in group])
+    return groups
 
 
 def split_quantity(
@@ -598,6 +666,8 @@ def make_partition(
     test_per_client: int | None = None,
     dominant_groups: int = 5,
     classes_per_group: int = 3,
+    group_classes: Sequence[Sequence[int]] | None = None,
+    reuse_samples: bool = False,
     quantity_sigma: float = 1.0,
     clients_per_domain: int = 1,
     angles: Sequence[float] | None = None,
@@ -629,6 +699,12 @@ def make_partition(
             ``samples_per_client // 2`` (FedPAC: 600 train / 300 test); 0 = default.
         dominant_groups, classes_per_group: FedPAC's client groups and the
             dominant classes of each (``dominant``; 5 and 3 for 10 classes).
+        group_classes: the dominant classes of each group, listed (``dominant``;
+            FedPAC's EMNIST: digits, upper, lower case); replaces the
+            consecutive groups of ``dominant_groups`` / ``classes_per_group``
+            (None or ``[]``: those).
+        reuse_samples: hand a short class's samples out again instead of
+            refusing the split (``dominant``; the authors' code does).
         quantity_sigma: log-normal sigma of client sizes (``quantity``).
         clients_per_domain: clients per domain (``domain``).
         angles: per-client rotation in degrees (``rotation``; default
@@ -715,12 +791,14 @@ def make_partition(
     elif label_split == "quantity":
         train = split_quantity(train_labels, num_clients, train_rng, quantity_sigma, min_size)
     else:  # dominant
-        if classes_per_group > num_classes:
+        given = group_classes is not None and not (isinstance(group_classes, Sequence) and len(group_classes) == 0)
+        listed = check_group_classes(group_classes, num_classes) if given else None  # [] = the config's default
+        if listed is None and classes_per_group > num_classes:
             raise _error("data.classes_per_group", classes_per_group, f"must be in [1, {num_classes}]")
         samples = samples_per_client or DEFAULT_DOMINANT_SAMPLES
         train, _ = split_dominant(train_labels, num_clients, train_rng, num_classes, samples, uniform_share,
-                                  dominant_groups, classes_per_group)
-        group = [i % dominant_groups for i in range(num_clients)]
+                                  dominant_groups, classes_per_group, listed, bool(reuse_samples))
+        group = [i % (dominant_groups if listed is None else len(listed)) for i in range(num_clients)]
         default_test = max(1, samples // 2)
 
     if name == "rotation":

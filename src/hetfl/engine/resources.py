@@ -336,8 +336,9 @@ def device_memory(device: torch.device) -> int | None:
 # ------------------------------------------------------------------ partition
 def partition_needs(data: Any) -> list[Need]:
     """The dominant split's class lists: one list of ``classes_per_group`` ints per group
-    (``data.partition.dominant_classes``; 64 bytes per list and 8 per entry at least)."""
-    if data.partition != "dominant":
+    (``data.partition.dominant_classes``; 64 bytes per list and 8 per entry at least), or the lists
+    ``data.group_classes`` gives (already held by the configuration)."""
+    if data.partition != "dominant" or data.group_classes:
         return []
     need = data.dominant_groups * (64 + 8 * data.classes_per_group)
     return [("data.dominant_groups", data.dominant_groups, need, "the dominant partition's groups")]

@@ -123,6 +123,8 @@ def build_partition(cfg: RunConfig, dataset: Dataset) -> Partition:
         test_per_client=d.test_per_client or None,
         dominant_groups=d.dominant_groups,
         classes_per_group=d.classes_per_group,
+        group_classes=[list(g) for g in d.group_classes] or None,
+        reuse_samples=d.reuse_samples,
         quantity_sigma=d.quantity_sigma,
         clients_per_domain=d.clients_per_domain,
         angles=list(d.angles) or None,
