@@ -64,7 +64,6 @@ class DataConfig:
     augment: str = setting("auto", choices=("auto", "none", "crop_flip", "flip"),
                            doc="batched train augmentation; auto = crop_flip for RGB images of 32-96 px")
 
-
     def check(self, prefix: str = "data.") -> None:
         """Explicit dominant groups replace the consecutive ones: ``dominant_groups`` and ``classes_per_group``
         moved as well would be ignored, so that is refused (the classes themselves are checked against the
