@@ -529,3 +529,15 @@ def test_fedpac_table1_quick_variant_runs_the_fmnist_column_on_mnist():
                                                                                               0.01, 50)
         assert (cfg.data.test_per_client, cfg.data.group_classes, cfg.train.rounds) == (600, [], 5)
     assert preset.quick["set"]["data.dataset"] == "mnist"
+
+
+@pytest.mark.parametrize("name", ["fedpac-cifar10", "fedpac-table1"])
+def test_fedpac_presets_run_pfedme_with_an_inner_step_that_learns_on_fedpacs_cnn(name):
+    """hetfl's default inner step (0.1, pFedMe's MNIST MLP) diverges on FedPAC's CNN (NaN from round 1, or stuck
+    at the dominant classes: benchmarks/results/pfedme_fedpac_cnn.md); the presets run 0.01, which learns."""
+    preset = reproduce.load_preset(name)
+    specs = [s for s in set(reproduce.run_specs(preset).values()) if s.algorithm == "pfedme"]
+    assert specs
+    for spec in specs:
+        cfg = reproduce.build_config(preset, spec, ["data.root=/nowhere"])
+        assert cfg.algorithm.params["personal_lr"] == 0.01
