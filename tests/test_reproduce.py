@@ -421,3 +421,49 @@ def test_a_reproduction_without_diverged_seeds_says_nothing_of_divergence(tmp_pa
     accs = {"fedavg": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "fedprox": [0.9, 0.1, 0.8, 0.2, 0.7, 0.6]}
     reproduce.reproduce(reproduce.load_preset(str(path)), tmp_path / "out", fake_run(accs))
     assert "iverged" not in (tmp_path / "out" / "reproduction.md").read_text()
+
+
+COLUMN_QUICK_PRESET = PRESET.replace('''[[rows]]
+label = "A"''', '''[[columns]]
+id = "d"
+label = "D"
+set = { "train.local_epochs" = 4 }
+[[rows]]
+label = "A"''').replace("[quick]\nseeds = [0]\n", '''[quick]
+seeds = [0]
+set = { "train.rounds" = 2 }
+column_set = { "d" = { "train.local_epochs" = 2, "train.rounds" = 3 } }
+''')
+
+
+def test_a_quick_variant_can_scale_a_setting_per_column(tmp_path):
+    """A table that varies a cost setting per column (FedUV Table 3: E = 10 / 20 / 40) keeps the variation in its
+    quick variant only with per-column quick values: ``[quick] column_set`` applies after the quick ``set``, to
+    its column only, and the outputs record it. Before, the key was silently ignored (column d kept E = 4)."""
+    path = tmp_path / "toy.toml"
+    path.write_text(COLUMN_QUICK_PRESET)
+    preset = reproduce.load_preset(str(path))
+    quick = preset.variant(True)
+    specs = reproduce.run_specs(quick)
+    c = reproduce.build_config(quick, specs[("A", "c", 0)], [])
+    d = reproduce.build_config(quick, specs[("A", "d", 0)], [])
+    assert (c.train.local_epochs, c.train.rounds) == (1, 2)
+    assert (d.train.local_epochs, d.train.rounds) == (2, 3)
+    full = reproduce.build_config(preset, reproduce.run_specs(preset)[("A", "d", 0)], [])
+    assert (full.train.local_epochs, full.train.rounds) == (4, 6)  # the full preset is untouched
+    accs = {"fedavg": [0.5] * 6, "fedprox": [0.4] * 6}
+    reproduce.reproduce(quick, tmp_path / "q", fake_run(accs))
+    assert 'column_set = {"d": {"train.local_epochs": 2, "train.rounds": 3}}' in (
+        tmp_path / "q" / "reproduction.md").read_text()
+
+
+@pytest.mark.parametrize(("quick", "key"), [('columns = ["c", "x"]', "[quick] columns"),
+                                            ('column_set = { "x" = { "train.rounds" = 1 } }', "[quick] column_set")])
+def test_a_quick_table_naming_an_unknown_column_is_a_clear_error(tmp_path, quick, key):
+    """A misspelt column id in ``[quick]`` named no column: ``columns`` silently dropped it (a quick run of fewer
+    columns than meant) and ``column_set`` would never apply. Now load_preset names the key, the id and the ids."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET.replace("[quick]\nseeds = [0]\n", f"[quick]\nseeds = [0]\n{quick}\n"))
+    with pytest.raises(ConfigError) as err:
+        reproduce.load_preset(str(path))
+    assert key in str(err.value) and "'x'" in str(err.value) and "columns are c" in str(err.value)
