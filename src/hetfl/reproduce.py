@@ -160,19 +160,21 @@ def load_preset(name: str, directory: Path = PRESET_DIR) -> Preset:
     except (KeyError, TypeError) as err:
         raise ConfigError(f"preset {path.name}", str(err), "a preset needs [preset] title/paper/metric and "
                           "[[rows]] with label and algorithm (see hetfl.reproduce)") from None
-    check_quick_columns(preset, path.name)
+    check_column_ids(preset, path.name)
     return preset
 
 
-def check_quick_columns(preset: Preset, file: str) -> None:
-    """A ConfigError for a column id in ``[quick] columns`` or ``[quick] column_set`` that is not a column of the
-    preset: a misspelt id would silently drop a column from the quick run, or never apply its settings."""
+def check_column_ids(preset: Preset, file: str) -> None:
+    """A ConfigError for a column id in a row's ``column_set``, ``[quick] columns`` or ``[quick] column_set``
+    that is not a column of the preset: a misspelt id would silently never apply its settings, or drop a
+    column from the quick run."""
     ids = [c.id for c in preset.columns]
-    for key in ("columns", "column_set"):
-        named = preset.quick.get(key, ())
-        unknown = [cid for cid in named if cid not in ids]
+    named = [(f"[[rows]] {row.label!r} column_set", row.column_set) for row in preset.rows]
+    named += [(f"[quick] {key}", preset.quick.get(key, ())) for key in ("columns", "column_set")]
+    for where, keys in named:
+        unknown = [cid for cid in keys if cid not in ids]
         if unknown:
-            raise ConfigError(f"{file}: [quick] {key}", unknown[0], f"not a column of the preset; its columns are "
+            raise ConfigError(f"{file}: {where}", unknown[0], f"not a column of the preset; its columns are "
                               f"{', '.join(ids)}")
 
 
