@@ -541,3 +541,164 @@ def test_fedpac_presets_run_pfedme_with_an_inner_step_that_learns_on_fedpacs_cnn
     for spec in specs:
         cfg = reproduce.build_config(preset, spec, ["data.root=/nowhere"])
         assert cfg.algorithm.params["personal_lr"] == 0.01
+
+
+COLUMN_QUICK_PRESET = PRESET.replace('''[[rows]]
+label = "A"''', '''[[columns]]
+id = "d"
+label = "D"
+set = { "train.local_epochs" = 4 }
+[[rows]]
+label = "A"''').replace("[quick]\nseeds = [0]\n", '''[quick]
+seeds = [0]
+set = { "train.rounds" = 2 }
+column_set = { "d" = { "train.local_epochs" = 2, "train.rounds" = 3 } }
+''')
+
+
+def test_a_quick_variant_can_scale_a_setting_per_column(tmp_path):
+    """A table that varies a cost setting per column (FedUV Table 3: E = 10 / 20 / 40) keeps the variation in its
+    quick variant only with per-column quick values: ``[quick] column_set`` applies after the quick ``set``, to
+    its column only, and the outputs record it. Before, the key was silently ignored (column d kept E = 4)."""
+    path = tmp_path / "toy.toml"
+    path.write_text(COLUMN_QUICK_PRESET)
+    preset = reproduce.load_preset(str(path))
+    quick = preset.variant(True)
+    specs = reproduce.run_specs(quick)
+    c = reproduce.build_config(quick, specs[("A", "c", 0)], [])
+    d = reproduce.build_config(quick, specs[("A", "d", 0)], [])
+    assert (c.train.local_epochs, c.train.rounds) == (1, 2)
+    assert (d.train.local_epochs, d.train.rounds) == (2, 3)
+    full = reproduce.build_config(preset, reproduce.run_specs(preset)[("A", "d", 0)], [])
+    assert (full.train.local_epochs, full.train.rounds) == (4, 6)  # the full preset is untouched
+    accs = {"fedavg": [0.5] * 6, "fedprox": [0.4] * 6}
+    reproduce.reproduce(quick, tmp_path / "q", fake_run(accs))
+    assert 'column_set = {"d": {"train.local_epochs": 2, "train.rounds": 3}}' in (
+        tmp_path / "q" / "reproduction.md").read_text()
+
+
+@pytest.mark.parametrize(("quick", "key"), [('columns = ["c", "x"]', "[quick] columns"),
+                                            ('column_set = { "x" = { "train.rounds" = 1 } }', "[quick] column_set")])
+def test_a_quick_table_naming_an_unknown_column_is_a_clear_error(tmp_path, quick, key):
+    """A misspelt column id in ``[quick]`` named no column: ``columns`` silently dropped it (a quick run of fewer
+    columns than meant) and ``column_set`` would never apply. Now load_preset names the key, the id and the ids."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET.replace("[quick]\nseeds = [0]\n", f"[quick]\nseeds = [0]\n{quick}\n"))
+    with pytest.raises(ConfigError) as err:
+        reproduce.load_preset(str(path))
+    assert key in str(err.value) and "'x'" in str(err.value) and "columns are c" in str(err.value)
+
+
+def _tree(name, row, column):
+    """The run configuration (as a tree) of a preset's ``row`` in ``column``, first seed."""
+    from hetfl import config as config_mod
+
+    return config_mod.to_tree(_resolved(name, row, column)[0])
+
+
+def _without(tree, *keys):
+    """``tree`` with the dotted ``keys`` removed (the settings a table varies)."""
+    import copy
+
+    tree = copy.deepcopy(tree)
+    for key in keys:
+        *parents, last = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        del node[last]
+    return tree
+
+
+#: the new presets' columns -> (their sibling preset's column, the keys the new table varies)
+SIBLING_COLUMNS = {
+    "ccvr-table4": ("ccvr-table2", {"n10": "a0.1", "n50": "a0.1", "n100": "a0.1"},
+                    ("data.num_clients", "train.clients_per_round")),
+    "feduv-table2": ("feduv-table1", {"stl-r0.1": "stl-a0.01", "stl-r0.5": "stl-a0.01", "stl-r1": "stl-a0.01",
+                                      "oh-r0.25": "officehome", "oh-r0.5": "officehome", "oh-r1": "officehome"},
+                     ("train.clients_per_round", "train.rounds")),
+    "feduv-table3": ("feduv-table1", {"stl-e10": "stl-a0.01", "stl-e20": "stl-a0.01", "stl-e40": "stl-a0.01",
+                                      "oh-e10": "officehome", "oh-e20": "officehome", "oh-e40": "officehome"},
+                     ("train.local_epochs",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIBLING_COLUMNS))
+def test_a_table_presets_settings_are_its_siblings_but_the_varied_ones(name):
+    """CCVR Table 4 and FedUV Tables 2 and 3 vary one setting of a column of CCVR Table 2 / FedUV Table 1 (N; rho;
+    E): every run of theirs is the sibling's run of the same row and column but for those keys (models,
+    optimiser, Table 8's CCVR settings, FedUV's bandwidth "code", ...), so a fix to one preset must reach both."""
+    sibling, columns, varied = SIBLING_COLUMNS[name]
+    preset = reproduce.load_preset(name)
+    assert [c.id for c in preset.columns] == list(columns)
+    for row in preset.rows:
+        for column, theirs in columns.items():
+            assert _without(_tree(name, row.label, column), *varied) == \
+                _without(_tree(sibling, row.label, theirs), *varied), (row.label, column)
+
+
+@pytest.mark.parametrize("name", sorted(SIBLING_COLUMNS))
+def test_a_table_preset_has_a_published_number_in_every_cell(name):
+    """The three tables print every cell (CCVR Table 4: 6 rows x 3; FedUV Tables 2 and 3: 5 rows x 6)."""
+    preset = reproduce.load_preset(name)
+    assert len(preset.rows) == (6 if name == "ccvr-table4" else 5)
+    for row in preset.rows:
+        assert sorted(row.paper) == sorted(c.id for c in preset.columns), row.label
+        assert all(0 < value < 100 for value in row.paper.values()), row.label
+
+
+def test_ccvr_table4_varies_the_number_of_clients_and_trains_10_a_round():
+    """D.5: N = 10 / 50 / 100; Table 8's "clients per round: 10" (U for N > 10, stated in the notes): all 10 at
+    N = 10 (ccvr-table2's a0.1 run), 10 sampled at N = 50 and 100. Each row before calibration reads its
+    "+ CCVR" row's run."""
+    expected = {"n10": (10, 0), "n50": (50, 10), "n100": (100, 10)}
+    preset = reproduce.load_preset("ccvr-table4")
+    specs = reproduce.run_specs(preset)
+    for method in ("FedAvg", "FedProx", "MOON"):
+        for column, (clients, per_round) in expected.items():
+            cfg = _resolved("ccvr-table4", f"{method} + CCVR", column)[0]
+            assert (cfg.data.num_clients, cfg.train.clients_per_round) == (clients, per_round), (method, column)
+            assert specs[(method, column, 0)] == specs[(f"{method} + CCVR", column, 0)]
+    assert _tree("ccvr-table4", "MOON", "n10") == _tree("ccvr-table2", "MOON", "a0.1")
+    assert len(set(specs.values())) == 27  # 3 columns x 3 trainers x 3 seeds
+
+
+def test_feduv_table2_samples_rho_of_the_clients_for_the_rounds_of_the_text():
+    """rho = 0.1 / 0.5 / 1.0 of STL-10's 10 clients (1 / 5 / all) and 0.25 / 0.5 / 1.0 of Office-Home's 4 (1 / 2 /
+    all: the paper's "1 client participating", "2 clients"), as the code's int(n_parties x sample_fraction);
+    "100 aggregation rounds for STL-10 and 60 for Office-Home" (Table 1's Office-Home: 40)."""
+    expected = {"stl-r0.1": (10, 1, 100), "stl-r0.5": (10, 5, 100), "stl-r1": (10, 0, 100),
+                "oh-r0.25": (4, 1, 60), "oh-r0.5": (4, 2, 60), "oh-r1": (4, 0, 60)}
+    for row in ("FedAvg", "FedUV"):
+        for column, values in expected.items():
+            cfg = _resolved("feduv-table2", row, column)[0]
+            assert (cfg.data.num_clients, cfg.train.clients_per_round, cfg.train.rounds) == values, (row, column)
+    assert _tree("feduv-table2", "FedUV", "stl-r1") == _tree("feduv-table1", "FedUV", "stl-a0.01")
+
+
+def test_feduv_table3_varies_the_local_epochs_and_its_quick_variant_keeps_their_ratio():
+    """E = 10 / 20 / 40 at the default rounds (STL-10 100, Office-Home 40); the quick variant keeps the 1 : 2 : 4
+    ratio as 5 / 10 / 20 local steps ([quick] column_set), where one quick E would have erased the table's
+    variation."""
+    for row in ("FedAvg", "MOON", "FedUV"):
+        for column, epochs, rounds in (("stl-e10", 10, 100), ("stl-e20", 20, 100), ("stl-e40", 40, 100),
+                                       ("oh-e10", 10, 40), ("oh-e20", 20, 40), ("oh-e40", 40, 40)):
+            cfg = _resolved("feduv-table3", row, column)[0]
+            assert (cfg.train.local_epochs, cfg.train.local_steps, cfg.train.rounds) == (epochs, 0, rounds), column
+    quick = reproduce.load_preset("feduv-table3").variant(True)
+    specs = reproduce.run_specs(quick)
+    steps = {c: reproduce.build_config(quick, specs[("FedUV", c, 0)], []).train.local_steps for c in
+             ("stl-e10", "stl-e20", "stl-e40")}
+    assert steps == {"stl-e10": 5, "stl-e20": 10, "stl-e40": 20}
+
+
+def test_a_rows_column_set_naming_an_unknown_column_is_a_clear_error(tmp_path):
+    """A row's ``column_set`` (CCVR's head epochs per method and column) keyed by a misspelt column id never
+    applied, silently: the cell ran the row's plain settings. Now load_preset names the row, the id and the ids."""
+    path = tmp_path / "toy.toml"
+    path.write_text(PRESET.replace('algorithm = "fedprox"\n',
+                                   'algorithm = "fedprox"\ncolumn_set = { "cc" = { "algorithm.mu" = 0.1 } }\n'))
+    with pytest.raises(ConfigError) as err:
+        reproduce.load_preset(str(path))
+    assert "[[rows]] 'B' column_set" in str(err.value) and "'cc'" in str(err.value)
+    assert "columns are c" in str(err.value)

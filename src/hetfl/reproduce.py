@@ -22,7 +22,9 @@ A preset (``configs/<name>.toml``) holds:
     steps' settings ("FedAvg + CCVR" and "FedAvg + oracle calibration") train once: the others
     calibrate the first one's model before calibration (:func:`hetfl.sweeps.training_sources`).
 ``[quick]``
-    a small CPU variant: ``set``, ``columns`` and ``seeds`` replacing the full ones.
+    a small CPU variant: ``set``, ``columns`` and ``seeds`` replacing the full ones, and ``column_set``
+    (column id -> dotted keys -> values, applied after ``set`` to that column only), so that a table varying
+    a costly setting per column keeps the variation at quick scale (FedUV Table 3: E = 10 / 20 / 40 -> 1 / 2 / 4).
 
 ``hetfl reproduce NAME [--quick]`` runs every distinct run (resuming interrupted
 ones and reusing finished ones of the same resolved configuration; a run folder
@@ -106,7 +108,9 @@ class Preset:
             return self
         q = self.quick
         keep = set(q.get("columns", [c.id for c in self.columns]))
-        columns = [Column(c.id, c.label, {**c.set, **q.get("set", {})}) for c in self.columns if c.id in keep]
+        per_column = q.get("column_set", {})
+        columns = [Column(c.id, c.label, {**c.set, **q.get("set", {}), **per_column.get(c.id, {})})
+                   for c in self.columns if c.id in keep]
         return Preset(self.name, self.title + " (quick CPU variant)", self.paper, self.metric,
                       list(q.get("seeds", self.seeds[:1])), self.base, columns, self.rows, self.notes,
                       self.gpu_minutes, self.quick_cpu_minutes, q, is_quick=True,
@@ -157,7 +161,22 @@ def load_preset(name: str, directory: Path = PRESET_DIR) -> Preset:
     except (KeyError, TypeError) as err:
         raise ConfigError(f"preset {path.name}", str(err), "a preset needs [preset] title/paper/metric and "
                           "[[rows]] with label and algorithm (see hetfl.reproduce)") from None
+    check_column_ids(preset, path.name)
     return preset
+
+
+def check_column_ids(preset: Preset, file: str) -> None:
+    """A ConfigError for a column id in a row's ``column_set``, ``[quick] columns`` or ``[quick] column_set``
+    that is not a column of the preset: a misspelt id would silently never apply its settings, or drop a
+    column from the quick run."""
+    ids = [c.id for c in preset.columns]
+    named = [(f"[[rows]] {row.label!r} column_set", row.column_set) for row in preset.rows]
+    named += [(f"[quick] {key}", preset.quick.get(key, ())) for key in ("columns", "column_set")]
+    for where, keys in named:
+        unknown = [cid for cid in keys if cid not in ids]
+        if unknown:
+            raise ConfigError(f"{file}: {where}", unknown[0], f"not a column of the preset; its columns are "
+                              f"{', '.join(ids)}")
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -449,9 +468,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 def quick_settings_text(quick: dict[str, Any]) -> str:
     """A quick variant's ``[quick]`` table in one line: ``columns = [...]; seeds = [...]; key = value, ...``
-    (values as JSON, so ``train.rounds = 5`` and ``model.name = "simple_cnn"``)."""
+    (values as JSON, so ``train.rounds = 5`` and ``model.name = "simple_cnn"``), then its per-column values
+    (``column_set = {"e40": {"train.local_epochs": 4}}``)."""
     parts = [f"{key} = {json.dumps(quick[key])}" for key in ("columns", "seeds") if key in quick]
     parts += [f"{key} = {json.dumps(value)}" for key, value in quick.get("set", {}).items()]
+    if quick.get("column_set"):
+        parts.append(f"column_set = {json.dumps(quick['column_set'])}")
     return "; ".join(parts)
 
 
