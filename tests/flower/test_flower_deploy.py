@@ -314,14 +314,14 @@ def test_the_readmes_deploy_command_prints_its_progress_and_gives_the_sequential
 
 
 @pytest.mark.processes
-@pytest.mark.slow  # a SuperLink and 2 SuperNodes as processes, ~30 s
+@pytest.mark.slow  # a SuperLink and a SuperNode as processes, ~30 s
 def test_a_plugins_method_deployed_gives_the_sequential_numbers(script, tmp_path, capsys):
     """A researcher's own method (``--plugin``) deployed: the Flower App carries the file, the ServerApp and every
     ClientApp load it from there, and its client state (kept on the nodes between their ClientApp processes)
     gives the in-process sequential numbers. Before, the deployment's processes knew only hetfl's methods."""
     plugin = tmp_path / "ema_method.py"
     plugin.write_text(EMA_PLUGIN)
-    sets = [*SMALL, "data.num_clients=2", "train.rounds=2", "algorithm.name=emaprox_test"]
+    sets = [*SMALL, "data.num_clients=1", "train.rounds=2", "algorithm.name=emaprox_test"]
     code = script.main(["--plugin", str(plugin), *[f"--set={x}" for x in sets], "--out", str(tmp_path / "run"),
                         "--workdir", str(tmp_path / "federation"), "--insecure", "--timeout", "300"])
     out, err = capsys.readouterr()
