@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     try:
         from hetfl.algorithms import load_plugin
+        from hetfl.flower.app_plugins import check_shippable
 
+        check_shippable(args.plugin)  # before anything starts: the nodes would never see such a file
         for plugin in args.plugin:
             load_plugin(plugin)
         if args.write_run_config:

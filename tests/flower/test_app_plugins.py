@@ -85,6 +85,15 @@ def test_a_plugin_file_that_flower_leaves_out_of_the_app_is_refused_by_name(tmp_
     assert not (tmp_path / "app" / "hetfl_plugins").exists()
 
 
+def test_the_deploy_script_refuses_such_a_file_before_starting_anything(script, tmp_path, capsys):
+    plugin = tmp_path / "my_method_test.py"
+    plugin.write_text(EMA_PLUGIN)
+    code = script.main(["--plugin", str(plugin), "--set", "algorithm.name=emaprox_test", "--out", str(tmp_path / "run"),
+                        "--workdir", str(tmp_path / "federation")])
+    assert code == 2 and "hetfl: error: --plugin" in capsys.readouterr().err
+    assert not (tmp_path / "federation").exists() and not (tmp_path / "run").exists()
+
+
 def test_the_deploy_script_writes_the_app_with_the_plugins_for_a_federation_elsewhere(script, tmp_path, capsys):
     """``--write-run-config`` with ``--plugin``: the app folder goes to ``--app-dir`` (required: the static
     examples/flower/app holds no plug-in), and the run config lists what it holds."""

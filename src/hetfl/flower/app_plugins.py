@@ -53,14 +53,19 @@ def plugins_listing(files: Sequence[str | Path]) -> str:
     return ";".join(f"{app_path(i, f)} sha256:{file_digest(f)}" for i, f in enumerate(files))
 
 
-def copy_plugins(app: str | Path, files: Sequence[str | Path]) -> None:
-    """Copy ``files`` into the app folder ``app`` (:func:`app_path`), replacing what an earlier write left
-    there. A name that Flower would leave out of the FAB is refused (a ConfigError naming ``--plugin``): the
-    nodes would not find the file."""
+def check_shippable(files: Sequence[str | Path]) -> None:
+    """A ConfigError naming ``--plugin`` for a file that Flower would leave out of the app it sends (a name
+    like a test's): the nodes would not find it. Checked before any process starts."""
     for file in files:
         if any(fnmatch.fnmatch(Path(file).name, pattern) for pattern in FAB_EXCLUDED_NAMES):
             raise ConfigError("--plugin", str(file), f"Flower leaves files named {' or '.join(FAB_EXCLUDED_NAMES)} "
                               "out of the app it sends to the nodes (as tests): rename the file")
+
+
+def copy_plugins(app: str | Path, files: Sequence[str | Path]) -> None:
+    """Copy ``files`` into the app folder ``app`` (:func:`app_path`), replacing what an earlier write left
+    there; a file Flower would leave out of the app is refused first (:func:`check_shippable`)."""
+    check_shippable(files)
     shutil.rmtree(Path(app) / APP_PLUGINS_DIR, ignore_errors=True)
     for i, file in enumerate(files):
         target = Path(app) / app_path(i, file)
