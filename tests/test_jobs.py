@@ -33,6 +33,7 @@ def lines(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.processes
+@pytest.mark.slow  # two worker processes and the runs one after another: ~5 s
 def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path, monkeypatch):
     one = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "one")
     two = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2)
@@ -187,6 +188,7 @@ algorithm = "fedprox"
 
 
 @pytest.mark.processes
+@pytest.mark.slow  # two worker processes and the runs one after another: ~9 s
 def test_reproduce_with_two_jobs_gives_the_table_of_one_after_another(tmp_path, capsys):
     """The oracle row calibrates the CCVR run's training in both; the tables are equal."""
     path = tmp_path / "toy.toml"

@@ -90,6 +90,7 @@ def test_a_cpu_run_keeps_freed_memory_unless_told_not_to_and_gives_it_back_at_it
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 @pytest.mark.processes
+@pytest.mark.slow  # two `hetfl run`s as processes: ~7 s
 def test_keeping_freed_memory_changes_no_number(tmp_path):
     """The same run in two fresh processes, with and without the setting: the same metrics, and the same run
     (the key is not part of a run's identity)."""
