@@ -39,6 +39,7 @@ class PluginShippingError(RuntimeError):
 
 
 def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, in hex: what the run config lists and a node checks."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
@@ -100,9 +101,9 @@ def load_app_plugins(run_config: Mapping[str, Any], search: Sequence[str] | None
                                       f"this process runs (searched {len(folders)} folders of sys.path): write "
                                       "the app with the run's --plugin files (examples/flower/deploy.py "
                                       "--app-dir) and `flwr run` that folder")
-        if file_digest(found) != digest:
+        if (held := file_digest(found)) != digest:
             raise PluginShippingError(f"the plug-in file {found} is not the one the run was started with "
-                                      f"(sha256 {file_digest(found)[:16]}, the run lists {digest[:16]}): write the "
+                                      f"(sha256 {held[:16]}, the run lists {digest[:16]}): write the "
                                       "app and the run config again from the same --plugin files")
         if str(found.resolve()) not in loaded:
             load_plugin(str(found))
