@@ -7,7 +7,8 @@ fault-injection test: a run SIGKILLed at seeded random points (between a round's
 checkpoint, inside the checkpoint write, half-way through a line, before the summary) and resumed
 writes the uninterrupted run's metrics; a live holder is named; a damaged file is refused naming
 the file and the round. Kills happen in a driver process (``DRIVER``) that patches hetfl's own
-functions to SIGKILL itself at the chosen point, so the points are exact and the test is fast.
+functions to SIGKILL itself at the chosen point, so the points are exact and the test is fast; the
+processes of the kill and race tests are forked from one driver that imported hetfl once (``Forks``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -44,80 +46,119 @@ LOCK = ".lock"
 
 # Runs ``hetfl.cli.main(argv)`` with one fault injected: SIGKILL at a chosen point (the checkpoint
 # kinds: at the first checkpoint of round >= "round"), or a pause (the process then holds the run
-# directory until it is killed). argv[1]: the fault as JSON {"kind", "round", "marker"}; the rest:
-# hetfl's command line.
+# directory until it is killed), or none. argv[1]: the fault as JSON {"kind", "round", "marker"}; the
+# rest: hetfl's command line. With argv[1] "serve", a fork server (``Forks``): it imports hetfl once
+# and forks a process for each command it reads on stdin.
 DRIVER = r'''
-import json, os, signal, sys, time
+import json, os, signal, sys, time, traceback
 from pathlib import Path
 
-fault = json.loads(sys.argv[1])
-kind, at = fault["kind"], fault["round"]
+import hetfl.engine.checkpoint as ck
+import hetfl.engine.experiment as ex
+import hetfl.engine.rundir as rd
+from hetfl.cli import main
 
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-import hetfl.engine.checkpoint as ck
-import hetfl.engine.experiment as ex
+def inject(fault):
+    kind, at = fault["kind"], fault.get("round")
+    if kind == "pause":  # hold the run directory: wait at the start of round `at`
+        original_round = ex.Experiment.round
 
-if kind == "pause":  # hold the run directory: wait at the start of round `at`
-    original_round = ex.Experiment.round
+        def round_(self, server, clients, round_, reporter):
+            if round_ == at:
+                Path(fault["marker"]).write_text(str(os.getpid()))
+                time.sleep(600)
+            return original_round(self, server, clients, round_, reporter)
 
-    def round_(self, server, clients, round_, reporter):
-        if round_ == at:
-            Path(fault["marker"]).write_text(str(os.getpid()))
-            time.sleep(600)
-        return original_round(self, server, clients, round_, reporter)
+        ex.Experiment.round = round_
+    elif kind in ("after_line", "half_line"):  # metrics line of round `at` written (or half of it), no checkpoint
+        original_append = rd.MetricsLog.append
 
-    ex.Experiment.round = round_
-elif kind in ("after_line", "half_line"):  # metrics line of round `at` written (or half of it), no checkpoint
-    import hetfl.engine.rundir as rd
+        def append(self, line):
+            if line["round"] == at:
+                if kind == "half_line":
+                    raw = (json.dumps(line) + "\n").encode()
+                    self.file.write(raw[: len(raw) // 2])
+                    self.file.flush()
+                else:
+                    original_append(self, line)
+                die()
+            original_append(self, line)
 
-    original_append = rd.MetricsLog.append
+        rd.MetricsLog.append = append
+    elif kind in ("in_checkpoint", "after_checkpoint"):
+        original_save = ck.save_file  # safetensors' writer, called on the temporary file
 
-    def append(self, line):
-        if line["round"] == at:
-            if kind == "half_line":
-                raw = (json.dumps(line) + "\n").encode()
-                self.file.write(raw[: len(raw) // 2])
-                self.file.flush()
-            else:
-                original_append(self, line)
-            die()
-        original_append(self, line)
+        def save_file(tensors, filename, metadata=None):
+            original_save(tensors, filename, metadata=metadata)
+            if kind == "in_checkpoint" and int(metadata.get("round", 0)) >= at:
+                die()  # temporary file written, not yet renamed over the checkpoint
 
-    rd.MetricsLog.append = append
-elif kind in ("in_checkpoint", "after_checkpoint"):
-    original_save = ck.save_file  # safetensors' writer, called on the temporary file
+        ck.save_file = save_file
+        original_checkpoint = ex.save_checkpoint
 
-    def save_file(tensors, filename, metadata=None):
-        original_save(tensors, filename, metadata=metadata)
-        if kind == "in_checkpoint" and int(metadata.get("round", 0)) >= at:
-            die()  # temporary file written, not yet renamed over the checkpoint
+        def save_checkpoint(run_dir, ckpt):
+            original_checkpoint(run_dir, ckpt)
+            if kind == "after_checkpoint" and ckpt.round >= at:
+                die()
 
-    ck.save_file = save_file
-    original_checkpoint = ex.save_checkpoint
+        ex.save_checkpoint = save_checkpoint
+    elif kind == "before_summary":
+        original_write = ex.atomic_write_text
 
-    def save_checkpoint(run_dir, ckpt):
-        original_checkpoint(run_dir, ckpt)
-        if kind == "after_checkpoint" and ckpt.round >= at:
-            die()
+        def atomic_write_text(path, text):
+            if path.name == "summary.json":
+                die()
+            original_write(path, text)
 
-    ex.save_checkpoint = save_checkpoint
-elif kind == "before_summary":
-    original_write = ex.atomic_write_text
+        ex.atomic_write_text = atomic_write_text
+    else:
+        assert kind == "none", kind
 
-    def atomic_write_text(path, text):
-        if path.name == "summary.json":
-            die()
-        original_write(path, text)
 
-    ex.atomic_write_text = atomic_write_text
+def child(fault, argv, log):
+    # the forked process: its output to `log`, its exit status main's (never back into the server's loop)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 1
+    try:
+        inject(fault)
+        code = main(argv)
+    except SystemExit as stop:
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
-from hetfl.cli import main
 
-sys.exit(main(sys.argv[2:]))
+def serve():
+    # one JSON command a line: {"start": [fault, argv, log]} forks a process running it and answers its pid;
+    # {"wait": pid} answers its exit status once it has ended (-9: SIGKILL), as Popen.returncode says it
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "start" in command:
+            pid = os.fork()
+            if pid == 0:
+                child(*command["start"])
+            answer = {"pid": pid}
+        else:
+            answer = {"status": os.waitstatus_to_exitcode(os.waitpid(command["wait"], 0)[1])}
+        print(json.dumps(answer), flush=True)
+
+
+if sys.argv[1] == "serve":
+    serve()
+else:
+    inject(json.loads(sys.argv[1]))
+    sys.exit(main(sys.argv[2:]))
 '''
 KILL_KINDS = ["after_line", "half_line", "in_checkpoint", "after_checkpoint", "before_summary"]
 
@@ -135,18 +176,70 @@ def cli_args(*overrides: str) -> list[str]:
     return [a for o in [*TINY, *overrides] for a in ("--set", o)]
 
 
-def hetfl_cli(*argv: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "hetfl.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 def driver(tmp_path: Path, fault: dict, *argv: str) -> subprocess.Popen:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(script), json.dumps(fault), *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class Forks:
+    """hetfl commands in processes forked from one driver process (``DRIVER serve``), which imported hetfl
+    once: each command is a process of its own (its pid in the lock file, killed by a real SIGKILL, its
+    files written as any process writes them), without the ~2 s of CPU a fresh interpreter spends importing
+    torch and hetfl (five such processes a seed made test_fault_injection_long's 12-20 s)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        script = tmp_path / "driver.py"
+        script.write_text(DRIVER)
+        self.tmp, self.logs, self.running = tmp_path, {}, set()
+        self.err = (tmp_path / "driver.err").open("w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(script), "serve"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
+
+    def ask(self, command: dict) -> dict:
+        """Send ``command``, read the driver's one-line answer (120 s at most)."""
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        line = b""
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+            chunk = os.read(self.proc.stdout.fileno(), 1) if ready else b""
+            assert chunk, f"no answer to {command}: {(self.tmp / 'driver.err').read_text()}"
+            line += chunk
+        return json.loads(line)
+
+    def start(self, fault: dict, *argv: str) -> int:
+        """Fork a process running ``hetfl argv`` with ``fault`` injected (DRIVER's kinds, or "none"); its pid."""
+        log = self.tmp / f"fork-{len(self.logs)}.log"
+        pid = self.ask({"start": [fault, list(argv), str(log)]})["pid"]
+        self.logs[pid] = log
+        self.running.add(pid)
+        return pid
+
+    def wait(self, pid: int) -> tuple[int, str]:
+        """The process's exit status (as ``Popen.returncode``: -9 for SIGKILL) and its output."""
+        status = self.ask({"wait": pid})["status"]
+        self.running.discard(pid)
+        return status, self.logs[pid].read_text()
+
+    def close(self) -> None:
+        for pid in list(self.running):  # a failed test's processes: ended, not left behind
+            os.kill(pid, signal.SIGKILL)
+            self.wait(pid)
+        self.proc.kill()  # no process of its own left: not worth its interpreter's exit (~0.5 s)
+        self.proc.wait(timeout=60)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.err.close()
+
+
+@pytest.fixture
+def forks(tmp_path):
+    driver = Forks(tmp_path)
+    yield driver
+    driver.close()
 
 
 def finished_run(run_dir: Path, rounds: int = 6, *overrides: str) -> None:
@@ -173,16 +266,16 @@ def write_lines(run_dir: Path, lines: list[str]) -> None:
 
 
 # ------------------------------------------------------------- one writer
-def test_two_runs_started_at_once_on_one_out_one_wins_the_other_exits_2(tmp_path):
+def test_two_runs_started_at_once_on_one_out_one_wins_the_other_exits_2(tmp_path, forks):
     """Issue: both exited 0 and the run directory mixed files of the two runs."""
     out = tmp_path / "same"
-    a = hetfl_cli("run", "--out", str(out), *cli_args("train.rounds=6", "seed=1"))
-    b = hetfl_cli("run", "--out", str(out), *cli_args("train.rounds=4", "seed=2"))
-    results = [(p.wait(timeout=120), *p.communicate()) for p in (a, b)]
-    codes = sorted(code for code, _, _ in results)
+    a = forks.start({"kind": "none"}, "run", "--out", str(out), *cli_args("train.rounds=6", "seed=1"))
+    b = forks.start({"kind": "none"}, "run", "--out", str(out), *cli_args("train.rounds=4", "seed=2"))
+    results = [forks.wait(pid) for pid in (a, b)]
+    codes = sorted(code for code, _ in results)
     assert codes == [0, 2], results
     winner = 6 if results[0][0] == 0 else 4
-    loser_err = next(err for code, _, err in results if code == 2)
+    loser_err = next(err for code, err in results if code == 2)
     # refused by the lock while the winner runs, or, started after it finished, for the run it left
     refusals = ("in use by another hetfl run (pid ", "already holds a run", "already exists and is not empty")
     assert str(out) in loser_err and any(r in loser_err for r in refusals), loser_err
@@ -194,16 +287,16 @@ def test_two_runs_started_at_once_on_one_out_one_wins_the_other_exits_2(tmp_path
     assert not (out / LOCK).exists()
 
 
-def test_two_resumes_at_once_write_each_round_once(tmp_path, monkeypatch, capsys):
+def test_two_resumes_at_once_write_each_round_once(tmp_path, monkeypatch, capsys, forks):
     """Issue: two ``--resume`` of one directory wrote rounds 4-10 twice (17 lines), both exit 0."""
     Experiment(tiny("train.rounds=10")).run(tmp_path / "full")
     run = tmp_path / "run"
     interrupted_run(run, 3, monkeypatch, "train.rounds=10")
-    a, b = hetfl_cli("run", "--resume", str(run)), hetfl_cli("run", "--resume", str(run))
-    results = [(p.wait(timeout=120), *p.communicate()) for p in (a, b)]
+    a, b = (forks.start({"kind": "none"}, "run", "--resume", str(run)) for _ in range(2))
+    results = [forks.wait(pid) for pid in (a, b)]
     assert metrics(run) == metrics(tmp_path / "full"), "each round once, in order, the uninterrupted numbers"
-    codes = sorted(code for code, _, _ in results)
-    errs = " ".join(err for _, _, err in results)
+    codes = sorted(code for code, _ in results)
+    errs = " ".join(err for _, err in results)
     # the second either finds the first holding the lock, or (started late) finds the run finished
     assert (codes == [0, 2] and "in use by another hetfl run (pid " in errs) or (
         codes == [0, 0] and "already finished" in errs), results
@@ -426,7 +519,7 @@ def test_a_checkpoint_without_a_history_digest_still_resumes_with_the_weaker_che
 
 
 # --------------------------------------------------------- fault injection
-def kill_and_resume(tmp_path: Path, capsys, points: list[tuple[str, int]], rounds: int) -> None:
+def kill_and_resume(tmp_path: Path, capsys, forks: Forks, points: list[tuple[str, int]], rounds: int) -> None:
     """SIGKILL a run at each of ``points`` in turn (each kill in a resume of the last), then resume
     to the end: the metrics are the uninterrupted run's, and no lock or temporary file is left."""
     overrides = (f"train.rounds={rounds}", "runtime.checkpoint_every=2")
@@ -434,10 +527,9 @@ def kill_and_resume(tmp_path: Path, capsys, points: list[tuple[str, int]], round
     run = tmp_path / "run"
     argv = ["run", "--out", str(run), *cli_args(*overrides)]
     for kind, at in points:
-        proc = driver(tmp_path, {"kind": kind, "round": at}, *argv, "--quiet")
-        _, err = proc.communicate(timeout=120)
-        if proc.returncode != -signal.SIGKILL:  # the point lay before where this resume started
-            assert proc.returncode == 0, err
+        code, err = forks.wait(forks.start({"kind": kind, "round": at}, *argv, "--quiet"))
+        if code != -signal.SIGKILL:  # the point lay before where this resume started
+            assert code == 0, err
         argv = ["run", "--resume", str(run)]
     code, err = resume(run, capsys)
     assert code == 0, (points, err)
@@ -458,13 +550,13 @@ def random_points(seed: int, count: int, rounds: int) -> list[tuple[str, int]]:
     return sorted(points, key=lambda p: (rounds + 1 if p[0] == "before_summary" else p[1], KILL_KINDS.index(p[0])))
 
 
-def test_fault_injection_short(tmp_path, capsys):
+def test_fault_injection_short(tmp_path, capsys, forks):
     """Short form (CI): a run SIGKILLed at two seeded random points (seed 8: inside the checkpoint
     write of round 2, then half-way through the line of round 4), resumed after each; then a
     damaged file is refused naming the file and the round."""
     points = random_points(8, 2, rounds=5)
     assert points == [("in_checkpoint", 2), ("half_line", 4)]
-    kill_and_resume(tmp_path, capsys, points, rounds=5)
+    kill_and_resume(tmp_path, capsys, forks, points, rounds=5)
     run = tmp_path / "run"
     lines = lines_of(run)
     write_lines(run, lines[:1] + lines[2:])
@@ -487,18 +579,18 @@ def test_a_run_killed_before_its_summary_gets_the_same_summary_and_no_temp_files
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
-def test_fault_injection_long(tmp_path, capsys, seed):
+def test_fault_injection_long(tmp_path, capsys, forks, seed):
     """Long form: four kill points of distinct kinds per run, and a kill at a random wall-clock moment."""
-    kill_and_resume(tmp_path, capsys, random_points(seed, 4, rounds=8), rounds=8)
+    kill_and_resume(tmp_path, capsys, forks, random_points(seed, 4, rounds=8), rounds=8)
     run, rng = tmp_path / "timed", random.Random(seed)
     overrides = ("train.rounds=40", "runtime.checkpoint_every=3")
-    proc = hetfl_cli("run", "--out", str(run), *cli_args(*overrides))
+    pid = forks.start({"kind": "none"}, "run", "--out", str(run), *cli_args(*overrides))
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.5))
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    os.kill(pid, signal.SIGKILL)
+    forks.wait(pid)
     code, err = resume(run, capsys)
     assert code == 0, err
     Experiment(tiny(*overrides)).run(tmp_path / "timed-full")

@@ -197,11 +197,9 @@ def test_identity_ignores_display_keys_and_names_differences():
 
 
 # ------------------------------------------------------------------ report
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> tuple[str, dict[str, Path]]:
+def report(root: Path) -> tuple[str, dict[str, Path]]:
     """One report (plots take seconds) over: a base run, the same with 2 rounds, the same with lr 0.01,
     and the base setting with seed 1 (shown with progress bars, and with a summary from before ids)."""
-    root = tmp_path_factory.mktemp("report")
     runs = {"base": run(root / "base"), "rounds2": run(root / "rounds2", "train.rounds=2"),
             "lr0.01": run(root / "lr0.01", "train.lr=0.01"),
             "seed1": run(root / "seed1", "seed=1", "runtime.progress=true")}
@@ -220,29 +218,25 @@ def row_of(md: str, pattern: str) -> str:
     return rows[0]
 
 
-@pytest.mark.slow  # the shared report fixture: 4 runs and a report's plots, ~6 s
-def test_report_keeps_runs_of_different_rounds_apart(report):
-    md, runs = report
-    row = row_of(md, r"\| fedavg \| 0\.05 \| 2 \| global \| 1 \|")  # lr 0.05, 2 rounds: its own row, one seed
+@pytest.mark.slow  # 4 runs and a report's plots, ~4 s
+def test_report_keeps_runs_of_other_rounds_and_rates_apart_and_groups_seeds_also_for_old_runs(tmp_path):
+    """Each check made on one report (three tests once shared it as a module fixture, which pytest-xdist
+    then built in each worker that ran one of them): runs of 2 rounds, and of lr 0.01, each in a row of
+    their own; the base setting's seeds 0 and 1 in one row, though seed 1's summary predates ids."""
+    md, runs = report(tmp_path)
+    # runs of different rounds apart: lr 0.05, 2 rounds, its own row, one seed
+    row = row_of(md, r"\| fedavg \| 0\.05 \| 2 \| global \| 1 \|")
     assert "| method | train.lr | train.rounds | metric | seeds |" in md
-    assert row.endswith(f"| {summary(runs['rounds2']).get('setting_id')} |")
-
-
-@pytest.mark.slow
-def test_report_keeps_runs_of_different_learning_rates_apart(report):
-    md, runs = report
+    assert row.endswith(f"| {summary(runs['rounds2']).get('setting_id')} |"), "rounds: " + row
+    # runs of different learning rates apart
     row = row_of(md, r"\| fedavg \| 0\.01 \| 1 \| global \| 1 \|")
     assert "Rows differ in: train.lr, train.rounds;" in md
-    assert row.endswith(f"| {summary(runs['lr0.01']).get('setting_id')} |")
-
-
-@pytest.mark.slow
-def test_report_groups_seeds_of_one_setting_also_for_old_runs(report):
-    md, runs = report
-    row = row_of(md, r"\| fedavg \| 0\.05 \| 1 \| global \| 2 \|")  # seeds 0 and 1 together
+    assert row.endswith(f"| {summary(runs['lr0.01']).get('setting_id')} |"), "learning rate: " + row
+    # seeds of one setting grouped, also for a run from before ids: seeds 0 and 1 together
+    row = row_of(md, r"\| fedavg \| 0\.05 \| 1 \| global \| 2 \|")
     assert "4 run(s), 3 setting(s)" in md
-    assert len([line for line in md.splitlines() if line.startswith("| fedavg")]) == 3
-    assert row.endswith(f"| {summary(runs['base']).get('setting_id')} |")
+    assert len([line for line in md.splitlines() if line.startswith("| fedavg")]) == 3, md
+    assert row.endswith(f"| {summary(runs['base']).get('setting_id')} |"), "seeds: " + row
 
 
 def test_report_refuses_the_same_run_twice(tmp_path, capsys):

@@ -5,7 +5,7 @@ metrics after several rounds). Batched kernels (``bmm``, grouped convolutions
 under ``vmap``) sum in another order than the per-client ones, so the two agree
 to rounding, not bit for bit; everything else (batches, augmentation, per-step
 draws) is identical. Typical differences are 1e-7 to 1e-6; methods with many
-inner steps (pFedMe: 5 inner steps per step at lr 0.1, lambda 15) and deep
+inner steps (pFedMe at its default 5 inner steps per step, lr 0.1, lambda 15) and deep
 models reach 3e-5 to 4e-5 depending on the CPU thread count. A real error
 (wrong batch, wrong client state) shows as 1e-2 or more.
 """
@@ -22,6 +22,7 @@ from hetfl import config
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
+from hetfl.engine.summary import Reporter
 from hetfl.engine.vectorized import train_clients_vectorized
 from tests.helpers import needs_shared_data
 from tests.helpers.executors import (
@@ -44,11 +45,14 @@ def test_every_method_vectorised_equals_sequential(method, compiled_runs):
     short batches, clients that finish early and the momentum's first step all occur. The devices are
     capped at 300 samples (SYNTHETIC's 1,250 made the largest client train 126 steps, half the test's
     time): the 30 clients still hold 52 to 300 samples, so all of those occur (fedrep: 84 blocks of
-    steps; the methods compared over 10 steps have no block of several, as before)."""
-    steps = local_training(method)
-    exp = Experiment(config.load(None, [*SYNTHETIC, CAPPED, "train.momentum=0.5", f"algorithm.name={method}",
-                                        *steps]))
-    compare_one_round(exp, step_mode=("eager", "static"))
+    steps; the methods compared over 10 steps have no block of several, as before). The round of history
+    before it (every client's state: control variates, previous models, personal heads) trains one local
+    step a client: the same kinds of state as a round of two epochs, in a tenth of its time (it was half
+    of the test's time)."""
+    overrides = [*SYNTHETIC, CAPPED, "train.momentum=0.5", f"algorithm.name={method}", *local_training(method)]
+    exp = Experiment(config.load(None, overrides))
+    history = Experiment(config.load(None, [*overrides, "train.local_steps=1"]))
+    compare_one_round(exp, step_mode=("eager", "static"), history=history)
     assert compiled_runs["runs"] > 0
     assert compiled_runs["blocks"] > 0 or method in SHORT_LOCAL_TRAINING  # 10 steps: no block of several
 
@@ -124,9 +128,11 @@ def test_per_client_convolutions_give_the_sequential_clients(model, training):
 
 
 @needs_shared_data
-def test_per_client_convolutions_read_each_clients_batch_as_one_contiguous_block(tmp_path, monkeypatch):
+def test_per_client_convolutions_read_each_clients_batch_as_one_contiguous_block(monkeypatch):
     """The run's setting reaches the vectorised step: its batch is client-major and contiguous (no layout
-    copy before a client's convolution), and the convolutions are hetfl's per-client ones."""
+    copy before a client's convolution), and the convolutions are hetfl's per-client ones. (A round of the
+    run's Experiment, the path ``run`` trains by, without the evaluation on MNIST's 10,000 test images that
+    took most of the test's time.)"""
     from hetfl.engine.vectorized import VectorizedGroup
     from hetfl.models import layers
 
@@ -140,12 +146,13 @@ def test_per_client_convolutions_read_each_clients_batch_as_one_contiguous_block
     monkeypatch.setattr(VectorizedGroup, "vmapped_gradients", record)
     apply = layers._Conv2d.apply
     monkeypatch.setattr(layers._Conv2d, "apply", lambda *a: (convs.append(1), apply(*a))[1])
-    Experiment(config.load(None, [
+    exp = Experiment(config.load(None, [
         "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
         "data.num_clients=3", "data.samples_per_client=32", "model.name=cnn2", "train.batch_size=16",
         "train.rounds=1", "train.local_steps=2", "runtime.progress=false", "runtime.executor=vectorized",
         "runtime.vmap_on_cpu=true", "runtime.conv_batching=per_client",
-    ])).run(tmp_path / "run")
+    ]))
+    exp.round(exp.initial_server(), {}, 1, Reporter())
     assert seen and all(x and y for x, _, y in seen) and seen[0][1] == (3, 16)
     assert convs
 
@@ -197,6 +204,7 @@ def test_a_step_of_one_client_runs_unbatched_and_gives_the_sequential_clients(mo
 
 @pytest.mark.parametrize("chunk_size", [0, 1])
 def test_a_step_that_cannot_be_vmapped_falls_back_with_a_reason(tmp_path, monkeypatch, chunk_size):
+    """(Devices capped at 300 samples: the fallback is met at a group's first step, whatever the sizes.)"""
     from hetfl.algorithms.fedavg import FedAvg
 
     def loss_with_item(self, state, batch, ctx):
@@ -207,7 +215,7 @@ def test_a_step_that_cannot_be_vmapped_falls_back_with_a_reason(tmp_path, monkey
         return ce, {"ce": ce.detach()}
 
     monkeypatch.setattr(FedAvg, "loss", loss_with_item)
-    exp = Experiment(config.load(None, [*SYNTHETIC, "algorithm.name=fedavg"]))
+    exp = Experiment(config.load(None, [*SYNTHETIC, CAPPED, "algorithm.name=fedavg"]))
     server = exp.initial_server()
     notes: list[str] = []
     ctxs = round_contexts(exp, server, {}, 1)
@@ -241,8 +249,10 @@ def test_personalised_evaluation_in_one_vmapped_pass_equals_per_client():
 def test_on_the_cpu_the_vectorized_executor_trains_clients_one_at_a_time_and_says_so(tmp_path):
     """vmap is slower than one client at a time on a CPU (benchmarks/vmap_cpu_profile.py): the
     vectorised executor runs clients sequentially there, with the sequential executor's numbers
-    (devices capped at 300 samples: the fallback's path does not depend on the clients' sizes)."""
-    base = [*SYNTHETIC, CAPPED, "train.rounds=2", "algorithm.name=fedprox", "runtime.device=cpu"]
+    (devices capped at 300 samples and 4 local steps: the fallback's path does not depend on the clients'
+    sizes or steps; two rounds, the second from the first's aggregate)."""
+    base = [*SYNTHETIC, CAPPED, "train.rounds=2", "train.local_steps=4", "algorithm.name=fedprox",
+            "runtime.device=cpu"]
     Experiment(config.load(None, [*base, "runtime.executor=sequential"])).run(tmp_path / "seq")
     exp = Experiment(config.load(None, [*base, "runtime.executor=vectorized"]))
     assert not exp.vmap_clients
