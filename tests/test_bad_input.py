@@ -179,8 +179,9 @@ def _memory_refusal_problems(override: str, code: int, err: str, out: Path) -> l
 
 @pytest.mark.slow  # one child process for the cases: ~3 s, most of it importing torch
 def test_what_cannot_fit_in_memory_is_refused_before_allocating(tmp_path):
-    """Every memory case, run in one capped child (one import of torch for all: as 16 parametrised tests
-    sharing a module fixture, the child ran again on each pytest-xdist worker switch). The failure lists
+    """Every memory case, run in one capped child (one import of torch for all: as 15 parametrised tests
+    sharing a module fixture, the child ran again whenever another module's test came between two of them: under
+    pytest-xdist, and serially too, as conftest.py interleaves the slow tests). The failure lists
     each case that was not refused, with what was wrong and its error text."""
     outs = {override: tmp_path / f"run{i}" for i, override in enumerate(MEMORY_CASES)}
     argvs = [["run", "--out", str(out), *(a for o in override.split("; ") for a in ("--set", o)),
