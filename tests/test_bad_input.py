@@ -163,25 +163,34 @@ MEMORY_CASES = {  # the issue's reproductions (and one more found alike): "; "-j
 }
 
 
-@pytest.fixture(scope="module")
-def memory_refusals(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
-    """Each memory case run once (all in one capped child): override -> (exit code, stderr, --out)."""
-    base = tmp_path_factory.mktemp("memory")
-    outs = {override: base / f"run{i}" for i, override in enumerate(MEMORY_CASES)}
+def _memory_refusal_problems(override: str, code: int, err: str, out: Path) -> list[str]:
+    """What is wrong with one memory case's outcome (nothing when it was refused as it should be)."""
+    problems = []
+    if code != 2:
+        problems.append(f"exit {code}, not 2")
+    if len(err.splitlines()) != 1 or not err.startswith("hetfl: error: "):
+        problems.append("not a one-line 'hetfl: error: ' message")
+    if MEMORY_CASES[override] not in err or "GB" not in err or "available" not in err:
+        problems.append(f"the message does not name {MEMORY_CASES[override]}, its GB and what is available")
+    if out.exists():
+        problems.append("something was written")
+    return [f"{override}: {problem}\n    {err[-2000:]}" for problem in problems]
+
+
+@pytest.mark.slow  # one child process for the cases: ~3 s, most of it importing torch
+def test_what_cannot_fit_in_memory_is_refused_before_allocating(tmp_path):
+    """Every memory case, run in one capped child (one import of torch for all: as 15 parametrised tests
+    sharing a module fixture, the child ran again whenever another module's test came between two of them: under
+    pytest-xdist, and serially too, as conftest.py interleaves the slow tests). The failure lists
+    each case that was not refused, with what was wrong and its error text."""
+    outs = {override: tmp_path / f"run{i}" for i, override in enumerate(MEMORY_CASES)}
     argvs = [["run", "--out", str(out), *(a for o in override.split("; ") for a in ("--set", o)),
               "--set", "train.rounds=1", "--quiet"] for override, out in outs.items()]
-    results = _capped_cli(argvs, base)
-    return {override: (*result, outs[override]) for override, result in zip(MEMORY_CASES, results, strict=True)}
-
-
-@pytest.mark.slow  # one child process for the cases: ~10 s, most of it importing torch
-@pytest.mark.parametrize("override", list(MEMORY_CASES))
-def test_what_cannot_fit_in_memory_is_refused_before_allocating(override, memory_refusals):
-    code, err, out = memory_refusals[override]
-    assert code == 2, err[-2000:]
-    assert len(err.splitlines()) == 1 and err.startswith("hetfl: error: "), err[-2000:]
-    assert MEMORY_CASES[override] in err and "GB" in err and "available" in err, err
-    assert not out.exists(), "nothing may be written"
+    results = _capped_cli(argvs, tmp_path)
+    assert len(results) == len(MEMORY_CASES)
+    problems = [problem for (override, out), (code, err) in zip(outs.items(), results, strict=True)
+                for problem in _memory_refusal_problems(override, code, err, out)]
+    assert not problems, "\n".join(problems)
 
 
 def test_synthetic_estimate_bounds_what_generate_allocates():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,21 +33,36 @@ def lines(run_dir: Path) -> list[dict]:
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+PLUGIN = ("from hetfl.algorithms import register\nfrom hetfl.algorithms.fedavg import FedAvg\n\n\n"
+          "@register\nclass Mine(FedAvg):\n    name = 'mine_from_file'\n")
+
+
 @pytest.mark.processes
-@pytest.mark.slow  # two worker processes and the runs one after another: ~5 s
+@pytest.mark.slow  # two worker processes and the runs one after another: ~6 s
 def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path, monkeypatch):
-    one = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "one")
-    two = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2)
-    for run in ("fedavg-seed1", "scaffold-seed1"):
-        assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), run
-    assert lines(tmp_path / "two" / "fedavg-seed1") != lines(tmp_path / "two" / "scaffold-seed1")  # two runs apart
-    assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
-        [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
-    assert [r.status for r in two.runs] == ["ran"] * 2
-    started = []
-    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: started.append(a))
-    again = hetfl.compare(["fedavg", "scaffold"], seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2)
-    assert [r.status for r in again.runs] == ["reused"] * 2 and started == []  # nothing to compute: no worker
+    """Also a --plugin file's method, which the workers (fresh interpreters) must load from the file: one pool of
+    workers serves both checks (each pool start imports torch twice)."""
+    plugin = tmp_path / "mine.py"
+    plugin.write_text(PLUGIN)
+    methods = ["fedavg", "scaffold", "mine_from_file"]
+    try:
+        one = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "one", plugins=[plugin])
+        two = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
+        assert [r.status for r in two.runs] == ["ran"] * 3
+        for run in ("fedavg-seed1", "scaffold-seed1", "mine_from_file-seed1"):
+            assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), f"{run}: not the sequential numbers"
+        assert lines(tmp_path / "two" / "fedavg-seed1") != lines(tmp_path / "two" / "scaffold-seed1")  # two runs apart
+        assert two.rows[2]["method"] == "mine_from_file"
+        assert lines(tmp_path / "two" / "mine_from_file-seed1") == lines(tmp_path / "two" / "fedavg-seed1"), \
+            "the plug-in's method (FedAvg by another name) did not run as FedAvg in a worker"
+        assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
+            [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
+        started = []
+        monkeypatch.setattr(multiprocessing, "get_context", lambda *a: started.append(a))
+        again = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
+        assert [r.status for r in again.runs] == ["reused"] * 3 and started == []  # nothing to compute: no worker
+    finally:
+        _CLASSES.pop("mine_from_file", None)
 
 
 # ----------------------------------------------------------------- the scheduler, with a worker that only waits
@@ -82,20 +98,23 @@ def test_a_run_that_calibrates_another_runs_training_starts_once_that_run_has_en
 
 
 def test_never_more_workers_than_runs_to_compute(tmp_path, monkeypatch):
-    """``--jobs 1024`` for two runs starts two processes, not 1024."""
-    import multiprocessing.pool
+    """``--jobs 1024`` for two runs asks for a pool of two processes, not 1024. The pool is not started: its
+    size is all this test needs (that two workers run a plan, the other tests here show)."""
+
+    class NotStarted(Exception):
+        """Raised in place of starting the pool."""
 
     sizes = []
-    real = multiprocessing.pool.Pool.__init__
-    def recording(self, processes=None, *args, **kwargs):
-        sizes.append(processes)
-        if processes > 2:
-            raise AssertionError(f"{processes} worker processes for 2 runs")  # before starting any
-        real(self, processes, *args, **kwargs)
 
-    monkeypatch.setattr(multiprocessing.pool.Pool, "__init__", recording)
+    def pool(processes, *args, **kwargs):
+        sizes.append(processes)
+        raise NotStarted
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: SimpleNamespace(Pool=pool))
     plan = [job(tmp_path, "a", 0.0), job(tmp_path, "b", 0.0)]
-    assert jobs.run_jobs(plan, 1024, worker=waiting_worker, threads=2) == {0: "ran", 1: "ran"} and sizes == [2]
+    with pytest.raises(NotStarted):
+        jobs.run_jobs(plan, 1024, worker=waiting_worker, threads=2)
+    assert sizes == [2], f"{sizes[0]} worker processes for 2 runs"
 
 
 def test_a_failed_run_stops_the_plan_naming_its_folder_and_its_cause(tmp_path):
@@ -138,20 +157,6 @@ def test_a_method_registered_outside_a_plugin_file_is_refused_with_jobs(tmp_path
         hetfl.compare(["notebook_method"], overrides=TINY, out=tmp_path / "cmp", jobs=1)  # in this process: fine
     finally:
         _CLASSES.pop("notebook_method")
-
-
-@pytest.mark.processes
-def test_a_plugin_files_method_runs_in_the_workers(tmp_path):
-    plugin = tmp_path / "mine.py"
-    plugin.write_text("from hetfl.algorithms import register\nfrom hetfl.algorithms.fedavg import FedAvg\n\n\n"
-                      "@register\nclass Mine(FedAvg):\n    name = 'mine_from_file'\n")
-    try:
-        table = hetfl.compare(["mine_from_file", "fedavg"], overrides=TINY, out=tmp_path / "cmp", jobs=2,
-                              plugins=[plugin])
-        assert [r.status for r in table.runs] == ["ran", "ran"] and table.rows[0]["method"] == "mine_from_file"
-        assert lines(tmp_path / "cmp" / "mine_from_file-seed0") == lines(tmp_path / "cmp" / "fedavg-seed0")
-    finally:
-        _CLASSES.pop("mine_from_file", None)
 
 
 # ----------------------------------------------------------------- a preset

@@ -2,8 +2,11 @@
 
 MNIST (exact copy in ../shared/datasets) under FedPAC's dominant-class split:
 10 clients with 300 training samples each (80% from 3 group classes), an MLP,
-5 rounds of 2 local epochs. Chance is about 11% on the global test set and
-about 30% for a client that always predicts its most frequent class.
+3 rounds of 2 local epochs. Chance is about 11% on the global test set and
+about 30% for a client that always predicts its most frequent class. Three
+rounds keep every method at 76% or more on seeds 0-2 (mixup's global model the
+lowest, 76-78%; at 80-89% the rest), a clear margin over the 70% threshold;
+five rounds, which cost two thirds more, gave 2-7 points more.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ MNIST = Path(__file__).resolve().parents[3] / "shared" / "datasets" / "mnist"
 BASE = [
     "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
     "data.samples_per_client=300", "data.num_clients=10", "model.name=mlp", "model.options={hidden = [128]}",
-    "train.rounds=5", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
-    "train.eval_every=5",  # only the last round's accuracy is checked: evaluate that one alone
+    "train.rounds=3", "train.local_epochs=2", "train.batch_size=32", "train.lr=0.05", "runtime.progress=false",
+    "train.eval_every=3",  # only the last round's accuracy is checked: evaluate that one alone
 ]
 METHODS = [
     "fedavg", "fedavgm", "fedprox", "scaffold", "feddyn", "fednova", "moon", "local", "freeze", "fedbabu", "feduv",
