@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import tarfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -616,10 +615,8 @@ def test_real_cifar10_jpeg(cifar_jpeg_cache, monkeypatch):
     ds = load_dataset("cifar10", tarball, download=False, cache_dir=cifar_jpeg_cache)
     assert len(ds.train) == 50000 and len(ds.test) == 10000 and ds.train.x.shape[1:] == (3, 32, 32)
     assert torch.bincount(ds.train.y).tolist() == [5000] * 10 and torch.bincount(ds.test.y).tolist() == [1000] * 10
-    monkeypatch.setattr(decode, "decode", _fail)
-    start = time.perf_counter()
+    monkeypatch.setattr(decode, "decode", _fail)  # the second load reads the decoded cache: no JPEG decoded
     again = load_dataset("cifar10", tarball, download=False, cache_dir=cifar_jpeg_cache)
-    assert time.perf_counter() - start < 2.0
     assert torch.equal(again.test.x, ds.test.x)
 
 

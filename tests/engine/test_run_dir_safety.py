@@ -526,10 +526,9 @@ def kill_and_resume(tmp_path: Path, capsys, forks: Forks, points: list[tuple[str
     Experiment(tiny(*overrides)).run(tmp_path / "full")
     run = tmp_path / "run"
     argv = ["run", "--out", str(run), *cli_args(*overrides)]
-    for kind, at in points:
+    for kind, at in points:  # every point is met (random_points): each process dies there
         code, err = forks.wait(forks.start({"kind": kind, "round": at}, *argv, "--quiet"))
-        if code != -signal.SIGKILL:  # the point lay before where this resume started
-            assert code == 0, err
+        assert code == -signal.SIGKILL, (f"the kill point {kind} at round {at} was not met", points, code, err)
         argv = ["run", "--resume", str(run)]
     code, err = resume(run, capsys)
     assert code == 0, (points, err)
@@ -542,12 +541,47 @@ def kill_and_resume(tmp_path: Path, capsys, forks: Forks, points: list[tuple[str
                                                      "metrics.jsonl", "summary.json"], points
 
 
-def random_points(seed: int, count: int, rounds: int) -> list[tuple[str, int]]:
-    """``count`` kill points of distinct kinds at seeded random rounds, in the order a run meets them
-    (the summary is written after the last round, whatever round its point names)."""
+def rounds_written(run: Path) -> int:
+    """The number of whole lines in ``run``'s metrics.jsonl (0 before it exists)."""
+    path = run / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    """Poll ``condition`` every millisecond until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+CHECKPOINT_KINDS = {"in_checkpoint", "after_checkpoint"}
+
+
+def random_points(seed: int, count: int, rounds: int, every: int = 2) -> list[tuple[str, int]]:
+    """``count`` kill points of distinct kinds at seeded random rounds, in the order a run meets them, each met
+    by the resume after the previous kill (``kill_and_resume`` checks it).
+
+    A checkpoint kind kills at the first checkpoint (every ``every`` rounds, and the last round's) of its
+    round or later: its round is drawn up to the last checkpoint before the final one. A kill at the final
+    checkpoint leaves a resume nothing to recompute, and the points after it are never met (seed 1 of the
+    long test once killed after round 8's checkpoint of 8, and its other points checked nothing). Sorted by
+    the round where each kill happens, and within a round in the order of a round's writes (its line, then
+    its checkpoint), every point lies after the checkpoint the previous kill's resume starts from. The summary is
+    written after the last round, whatever round its point names."""
     rng = random.Random(seed)
+    last_before_final = (rounds - 1) // every * every
     points = [(kind, rng.randint(1, rounds)) for kind in rng.sample(KILL_KINDS, count)]
-    return sorted(points, key=lambda p: (rounds + 1 if p[0] == "before_summary" else p[1], KILL_KINDS.index(p[0])))
+    points = [(kind, min(at, last_before_final) if kind in CHECKPOINT_KINDS else at) for kind, at in points]
+
+    def killed_at(point: tuple[str, int]) -> tuple[int, int]:
+        kind, at = point
+        where = rounds + 1 if kind == "before_summary" else -(-at // every) * every if kind in CHECKPOINT_KINDS else at
+        return where, KILL_KINDS.index(kind)
+
+    return sorted(points, key=killed_at)
 
 
 def test_fault_injection_short(tmp_path, capsys, forks):
@@ -580,17 +614,21 @@ def test_a_run_killed_before_its_summary_gets_the_same_summary_and_no_temp_files
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_fault_injection_long(tmp_path, capsys, forks, seed):
-    """Long form: four kill points of distinct kinds per run, and a kill at a random wall-clock moment."""
+    """Long form: four kill points of distinct kinds per run, and a kill at a random moment of a run of 100
+    rounds: once its metrics show a seeded random number of rounds (1 to 60), after a random pause of up to 5 ms,
+    wherever the run then is (between two rounds, in a line or a checkpoint). The run must still be running
+    when killed (a round takes milliseconds: a kill at a random wall-clock time once mostly came after the run
+    had ended, and checked nothing)."""
     kill_and_resume(tmp_path, capsys, forks, random_points(seed, 4, rounds=8), rounds=8)
     run, rng = tmp_path / "timed", random.Random(seed)
-    overrides = ("train.rounds=40", "runtime.checkpoint_every=3")
+    overrides = ("train.rounds=100", "runtime.checkpoint_every=3")
+    lines, pause = rng.randint(1, 60), rng.uniform(0.0, 0.005)
     pid = forks.start({"kind": "none"}, "run", "--out", str(run), *cli_args(*overrides))
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(rng.uniform(0.0, 0.5))
+    assert wait_until(lambda: rounds_written(run) >= lines, 120), (lines, rounds_written(run))
+    time.sleep(pause)
     os.kill(pid, signal.SIGKILL)
-    forks.wait(pid)
+    code, _ = forks.wait(pid)
+    assert code == -signal.SIGKILL and not (run / "summary.json").exists(), (lines, pause, code)
     code, err = resume(run, capsys)
     assert code == 0, err
     Experiment(tiny(*overrides)).run(tmp_path / "timed-full")
