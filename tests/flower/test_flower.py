@@ -26,6 +26,7 @@ from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, to_rec
 from hetfl.flower.protocol import NODES_DIR
 from hetfl.flower.server import _Reads
 from hetfl.flower.simulation import run_simulations
+from tests.helpers.plugins import EMA_PLUGIN
 from tests.helpers.readme import readme_command
 
 # 3 clients of FedProx's Synthetic(1,1) split by Dirichlet, a small MLP, 2 rounds of 10 local steps, 1 thread
@@ -84,8 +85,16 @@ def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
     """Same code on the same CPU: metrics, summary and final server state are bit-identical.
     fedavg (plain), scaffold (control variates: server + node state), fedpac (statistics, per-client
     heads, personalised evaluation on the nodes), fedavg+ccvr (post-hoc query round), fedmix
-    (set-up round, shared data)."""
-    methods = ["fedavg", "scaffold", "fedpac", "fedavg+ccvr", "fedmix"]
+    (set-up round, shared data), a plug-in's method (``--plugin FILE``: the simulated nodes, Ray's worker
+    processes, load the file the server loaded; its client state kept on the nodes). The plug-in shares this
+    simulation for its Ray start; ``hetfl run --plugin`` is the same load_plugin (tests/algorithms/
+    test_plugins.py) and ``hetfl run``'s way to the simulation is the README flower command's test below."""
+    from hetfl.algorithms import load_plugin
+
+    plugin = tmp_path / "ema_plugin.py"
+    plugin.write_text(EMA_PLUGIN)
+    load_plugin(str(plugin))  # what --plugin does; the registry is put back after the test (tests/conftest.py)
+    methods = ["fedavg", "scaffold", "fedpac", "fedavg+ccvr", "fedmix", "emaprox_test"]
     for m in methods:
         Experiment(config.load(None, [*SMALL, f"algorithm.name={m}"])).run(tmp_path / f"seq-{m}")
     jobs = [(Experiment(config.load(None, [*SMALL, f"algorithm.name={m}", "runtime.executor=flower"])),
@@ -105,6 +114,7 @@ def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
         assert same_tensors(ca.server.model, cb.server.model) and same_tensors(ca.server.extra, cb.server.extra), m
         assert cb.clients == {}  # client state lives on the nodes
     assert (tmp_path / "flower-scaffold" / NODES_DIR).is_dir()  # SCAFFOLD's control variates, for resume
+    assert metrics(tmp_path / "seq-emaprox_test")[-1]["train_prox"] > 0  # the plug-in's client state is used
 
 
 @pytest.mark.processes
