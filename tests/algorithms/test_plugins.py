@@ -103,7 +103,7 @@ def test_a_method_registered_outside_a_plugin_file_is_refused_on_flower_before_a
 
 
 # A plug-in's method on Flower's simulation gives the sequential numbers: in tests/flower/test_flower.py's
-# test_flower_simulation_gives_the_sequential_executors_numbers (it shares that test's Ray start).
+# test_the_readmes_flower_command_gives_the_sequential_numbers (it shares that test's Ray start).
 
 
 # ------------------------------------------------------------------ loading a plug-in: a first plug-in's mistakes
