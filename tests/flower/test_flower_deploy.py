@@ -91,6 +91,7 @@ def test_a_plugins_method_deployed_goes_on_without_a_supernode_killed_mid_run(sc
                         "--out", str(tmp_path / "run"), "--workdir", str(tmp_path / "federation"), "--insecure",
                         "--timeout", "300"])
     out, err = capsys.readouterr()
+    assert feds, out + err
     fed = feds[0]
     assert code == 0, out + err + log_tail(fed)
     groups = [p.popen.pid for p in [*fed.nodes, fed.superlink]]
