@@ -80,7 +80,7 @@ def test_the_server_sends_a_node_only_the_server_state_client_model_reads():
 
 
 @pytest.mark.processes
-@pytest.mark.slow  # Ray's start, ~15 s; fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
+@pytest.mark.slow  # ~20 s (Ray ~15); fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
 def test_the_readmes_flower_command_gives_the_sequential_numbers(tmp_path, monkeypatch):
     """The README's ``hetfl run --set runtime.executor=flower --set algorithm.name=scaffold --out ...`` (made
     small; the README test leaves it to this test) and, in the same simulation (one Ray start, ~15 s, serves

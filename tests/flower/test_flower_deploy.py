@@ -53,7 +53,7 @@ def log_tail(fed: LocalFederation) -> str:
 
 
 @pytest.mark.processes
-@pytest.mark.slow  # ~45 s; fast cover: test_flower_logic.py's silent or failing client
+@pytest.mark.slow  # ~60 s; fast cover: test_flower_logic.py's silent or failing client
 def test_a_plugins_method_deployed_goes_on_without_a_supernode_killed_mid_run(script, tmp_path, monkeypatch,
                                                                                capsys):
     """Two checks on one federation (each start costs ~15 s): a researcher's own method (``--plugin``) deployed,
@@ -305,7 +305,7 @@ def test_the_log_is_followed_line_by_line_as_it_grows(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.slow  # a SuperLink and 2 SuperNodes as processes, ~45 s
+@pytest.mark.slow  # a SuperLink and 2 SuperNodes as processes, ~40 s
 def test_the_readmes_deploy_command_prints_its_progress_and_gives_the_sequential_numbers(script, tmp_path,
                                                                                           monkeypatch, capsys):
     """The README's ``python examples/flower/deploy.py ...`` (SCAFFOLD over TLS, made small: 2 SuperNodes, 2
