@@ -309,11 +309,12 @@ def test_the_log_is_followed_line_by_line_as_it_grows(tmp_path):
 def test_the_readmes_deploy_command_prints_its_progress_and_gives_the_sequential_numbers(script, tmp_path,
                                                                                           monkeypatch, capsys):
     """The README's ``python examples/flower/deploy.py ...`` (SCAFFOLD over TLS, made small: 2 SuperNodes, 2
-    rounds, as few as keep a control variate per node and one round reading it; the README test leaves it to
-    this test): the SuperLink, the nodes connecting and each round are
-    printed as they happen (round 1's line before the run's summary.json exists), then the summary; the run
-    directory is hetfl's and its numbers are the in-process sequential executor's (each SuperNode keeps its
-    client's control variate between its ClientApp processes)."""
+    rounds, as few as keep a control variate per node and one round reading it, and show round 1 while the
+    run goes on: with 1 round its line came after summary.json; the README test leaves it to this test): the
+    SuperLink, the nodes connecting and each round are printed as they happen (round 1's line before the
+    run's summary.json exists), then the summary; the run directory is hetfl's and its numbers are the
+    in-process sequential executor's (each SuperNode keeps its client's control variate between its ClientApp
+    processes)."""
     said: list[tuple[float, str, bool]] = []
     run = tmp_path / "run"
 
