@@ -102,32 +102,8 @@ def test_a_method_registered_outside_a_plugin_file_is_refused_on_flower_before_a
     check_nodes_know(["fedavg", "scaffold"])
 
 
-@pytest.mark.processes
-@pytest.mark.slow  # Ray's start, ~20 s
-def test_a_plugins_method_on_flower_gives_the_sequential_numbers(registry, tmp_path, one_thread):
-    """The README: every method runs unchanged on Flower's simulation, with the sequential executor's numbers;
-    a plug-in's method (its client state kept on the nodes) too."""
-    pytest.importorskip("flwr")
-    pytest.importorskip("ray")
-    import json
-
-    from hetfl.cli import main
-
-    plugin = tmp_path / "ema_plugin.py"
-    plugin.write_text(EMA_PLUGIN)
-    common = ["--plugin", str(plugin), "--set", "algorithm.name=emaprox_test", "--set", "model.name=mlp",
-              "--set", "model.options={hidden=[16]}", "--set", "train.rounds=2", "--set", "train.local_steps=3",
-              "--set", "data.partition=dirichlet", "--set", "data.num_clients=3", "--set", "runtime.threads=1",
-              "--quiet"]
-    assert main(["run", *common, "--out", str(tmp_path / "seq")]) == 0
-    assert main(["run", *common, "--set", "runtime.executor=flower", "--out", str(tmp_path / "flower")]) == 0
-
-    def lines(run):
-        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if not k.endswith("time_s") and k != "failed_clients"
-                 and not k.startswith("flower_")} for row in rows]
-
-    assert lines("flower") == lines("seq") and lines("seq")[-1]["train_prox"] > 0
+# A plug-in's method on Flower's simulation gives the sequential numbers: in tests/flower/test_flower.py's
+# test_the_readmes_flower_command_gives_the_sequential_numbers (it shares that test's Ray start).
 
 
 # ------------------------------------------------------------------ loading a plug-in: a first plug-in's mistakes

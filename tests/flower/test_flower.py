@@ -26,6 +26,7 @@ from hetfl.flower.codec import decode_tensor, encode_tensor, from_record, to_rec
 from hetfl.flower.protocol import NODES_DIR
 from hetfl.flower.server import _Reads
 from hetfl.flower.simulation import run_simulations
+from tests.helpers.plugins import EMA_PLUGIN
 from tests.helpers.readme import readme_command
 
 # 3 clients of FedProx's Synthetic(1,1) split by Dirichlet, a small MLP, 2 rounds of 10 local steps, 1 thread
@@ -79,19 +80,51 @@ def test_the_server_sends_a_node_only_the_server_state_client_model_reads():
 
 
 @pytest.mark.processes
-@pytest.mark.slow  # Ray's start, ~15 s; fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
-def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
-    """Same code on the same CPU: metrics, summary and final server state are bit-identical.
-    fedavg (plain), scaffold (control variates: server + node state), fedpac (statistics, per-client
-    heads, personalised evaluation on the nodes), fedavg+ccvr (post-hoc query round), fedmix
-    (set-up round, shared data)."""
-    methods = ["fedavg", "scaffold", "fedpac", "fedavg+ccvr", "fedmix"]
-    for m in methods:
+@pytest.mark.slow  # ~20 s (Ray ~15); fast cover: test_flower_logic.py (the nodes' replies on a fake grid)
+def test_the_readmes_flower_command_gives_the_sequential_numbers(tmp_path, monkeypatch):
+    """The README's ``hetfl run --set runtime.executor=flower --set algorithm.name=scaffold --out ...`` (made
+    small; the README test leaves it to this test) and, in the same simulation (one Ray start, ~15 s, serves
+    them all: the command's call of run_simulation runs the other methods' jobs after its own), other methods.
+    Same code on the same CPU: metrics, summary and final server state are bit-identical to the sequential
+    executor's, in the run directory of the other executors.
+    scaffold (control variates: server + node state, kept on each node), fedavg (plain), fedpac (statistics,
+    per-client heads, personalised evaluation on the nodes), fedavg+ccvr (post-hoc query round), fedmix (set-up
+    round, shared data), a plug-in's method (``--plugin FILE``, loaded as the CLI loads it: the simulated nodes,
+    Ray's worker processes, load the file the server loaded; its client state kept on the nodes).
+    (Crash and resume: tests/flower/test_flower_logic.py.)"""
+    from hetfl.algorithms import load_plugin
+    from hetfl.flower import simulation
+
+    command = readme_command("hetfl run --set runtime.executor=flower --set algorithm.name=scaffold")
+    assert command[:2] == ["hetfl", "run"] and "--out" in command
+    args = command[1:]
+    args[args.index("--out") + 1] = str(tmp_path / "flower-scaffold")
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert "runtime.executor=flower" in sets and "algorithm.name=scaffold" in sets
+    Experiment(config.load(None, [*SMALL, *[x for x in sets if x != "runtime.executor=flower"]])).run(
+        tmp_path / "seq-scaffold")
+    plugin = tmp_path / "ema_plugin.py"
+    plugin.write_text(EMA_PLUGIN)
+    load_plugin(str(plugin))  # what --plugin does; the registry is put back after the test (tests/conftest.py)
+    others = ["fedavg", "fedpac", "fedavg+ccvr", "fedmix", "emaprox_test"]
+    for m in others:
         Experiment(config.load(None, [*SMALL, f"algorithm.name={m}"])).run(tmp_path / f"seq-{m}")
     jobs = [(Experiment(config.load(None, [*SMALL, f"algorithm.name={m}", "runtime.executor=flower"])),
-             tmp_path / f"flower-{m}", False) for m in methods]
-    run_simulations(jobs)
-    for m in methods:
+             tmp_path / f"flower-{m}", False) for m in others]
+    calls = []
+
+    def with_the_others(exp, run_dir, *, resume=False, reporter=None):  # run_simulation's body, plus the others
+        calls.append(run_dir)
+        return run_simulations([(exp, run_dir, resume), *jobs], reporter=reporter)[0]
+
+    monkeypatch.setattr(simulation, "run_simulation", with_the_others)
+    assert main([*args, *[f"--set={x}" for x in SMALL], "--quiet"]) == 0
+    assert len(calls) == 1, calls
+    run = tmp_path / "flower-scaffold"
+    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors", NODES_DIR} <= {
+        p.name for p in run.iterdir()}  # NODES_DIR: SCAFFOLD's control variates, for resume
+    assert config.load(run / "config.toml").runtime.executor == "flower"
+    for m in ["scaffold", *others]:
         seq, flw = tmp_path / f"seq-{m}", tmp_path / f"flower-{m}"
         assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {
             p.name for p in flw.iterdir()}, m
@@ -103,31 +136,8 @@ def test_flower_simulation_gives_the_sequential_executors_numbers(tmp_path):
             assert a.get(key) == b.get(key), (m, key)
         ca, cb = load_checkpoint(seq, torch.device("cpu")), load_checkpoint(flw, torch.device("cpu"))
         assert same_tensors(ca.server.model, cb.server.model) and same_tensors(ca.server.extra, cb.server.extra), m
-        assert cb.clients == {}  # client state lives on the nodes
-    assert (tmp_path / "flower-scaffold" / NODES_DIR).is_dir()  # SCAFFOLD's control variates, for resume
-
-
-@pytest.mark.processes
-@pytest.mark.slow  # Ray's start, ~13 s
-def test_the_readmes_flower_command_gives_the_sequential_numbers(tmp_path):
-    """The README's ``hetfl run --set runtime.executor=flower --set algorithm.name=scaffold --out ...`` (made
-    small; the README test leaves it to this test): the run directory of the other executors, SCAFFOLD's
-    numbers (control variates kept on each node) as with the sequential executor.
-    (Crash and resume: tests/flower/test_flower_logic.py.)"""
-    command = readme_command("hetfl run --set runtime.executor=flower --set algorithm.name=scaffold")
-    assert command[:2] == ["hetfl", "run"] and "--out" in command
-    args = command[1:]
-    args[args.index("--out") + 1] = str(tmp_path / "flower")
-    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    assert "runtime.executor=flower" in sets and "algorithm.name=scaffold" in sets
-    Experiment(config.load(None, [*SMALL, *[x for x in sets if x != "runtime.executor=flower"]])).run(
-        tmp_path / "sequential")
-    assert main([*args, *[f"--set={x}" for x in SMALL], "--quiet"]) == 0
-    run = tmp_path / "flower"
-    assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoint.safetensors", NODES_DIR} <= {
-        p.name for p in run.iterdir()}
-    assert config.load(run / "config.toml").runtime.executor == "flower"
-    assert metrics(run) == metrics(tmp_path / "sequential")
+        assert cb.clients == {}, m  # client state lives on the nodes
+    assert metrics(tmp_path / "seq-emaprox_test")[-1]["train_prox"] > 0  # the plug-in's client state is used
 
 
 def test_simulated_nodes_take_the_processs_thread_count_unless_runtime_threads_is_set():

@@ -117,13 +117,14 @@ def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
     grid = LoopbackGrid(3)
     grid.dead.add(grid.ids[2])
     grid.broken.add(grid.ids[0])
-    run_on(grid, [*SMALL, "algorithm.name=fedpac", "runtime.flower_timeout_s=0.5"], tmp_path / "r")
+    # the loopback's replies are in when their messages are pushed: the timeout is only the dead node's wait
+    run_on(grid, [*SMALL, "algorithm.name=fedpac", "runtime.flower_timeout_s=0.1"], tmp_path / "r")
     got = metrics(tmp_path / "r")
     assert [x["failed_clients"] for x in got] == [[0, 2], [0, 2]]
     assert all(x["clients"] == 3 and x["clients_evaluated"] == 1 for x in got)  # only client 1 trained, evaluated
     rows = [json.loads(raw) for raw in (tmp_path / "r" / "client_metrics.jsonl").read_text().splitlines()]
     assert [[acc is not None for acc in row["client_acc"]] for row in rows] == [[False, True, False]] * 2
-    assert "disk full" in caplog.text and "no reply within 0.5 s" in caplog.text
+    assert "disk full" in caplog.text and "no reply within 0.1 s" in caplog.text
 
 
 def test_too_few_replies_stop_the_run_with_the_reasons(tmp_path):
@@ -446,22 +447,24 @@ class RoundGrid(LoopbackGrid):
         return ids
 
 
-@pytest.mark.parametrize("nodes_keep", ["state-dir", "context"])
-@pytest.mark.parametrize("method", ["scaffold", "moon", "ditto"])
+# the nodes' state store (context, else files) is the same for every method: both kinds of node for SCAFFOLD only
+@pytest.mark.parametrize(("method", "nodes_keep"), [("scaffold", "state-dir"), ("scaffold", "context"),
+                                                    ("moon", "state-dir"), ("ditto", "state-dir")])
 def test_a_stragglers_unaccepted_round_leaves_no_trace_in_its_client_state(tmp_path, monkeypatch, method, nodes_keep):
     """A client whose round-2 reply comes too late is left out of round 2 by the server, which goes on as if the
     client had not trained (SCAFFOLD's server control variate gets no share of its update): the node must
     not keep the state that round made either. It used to (the node had written it), so the run went on with
     a control variate the server never counted (c != mean c_i), and differed from the run where the same
     client was down in round 2 (from round 3 on). FedPAC: its head, evaluated on the node. Both the state
-    folder and Flower's context (a node without a state-dir) are checked."""
+    folder and Flower's context (a node without a state-dir) are checked. 3 rounds: round 3 is the first to read
+    the straggler's state (each method's numbers differ there when the node keeps round 2's state)."""
     if nodes_keep == "context":
         monkeypatch.delenv(TRUSTED_ROOTS_ENV)  # the nodes keep their state in Flower's context only
-    overrides = [*SMALL, "train.rounds=4", f"algorithm.name={method}", "runtime.flower_timeout_s=0.3"]
+    overrides = [*SMALL, "train.rounds=3", f"algorithm.name={method}", "runtime.flower_timeout_s=0.3"]
     run_on(RoundGrid(3, 2, 2, "lost"), overrides, tmp_path / "lost")
     run_on(RoundGrid(3, 2, 2, "late"), overrides, tmp_path / "late")
     lost, late = metrics(tmp_path / "lost"), metrics(tmp_path / "late")
-    assert [x["failed_clients"] for x in late] == [[], [2], [], []] == [x["failed_clients"] for x in lost]
+    assert [x["failed_clients"] for x in late] == [[], [2], []] == [x["failed_clients"] for x in lost]
     assert [{k: v for k, v in x.items() if k not in DROP} for x in late] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in lost]
 

@@ -216,9 +216,14 @@ class Process:
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.kill(signal.SIGTERM)
+        self.reap(grace_s)
+
+    def reap(self, grace_s: float = 5.0) -> None:
+        """After a SIGTERM: wait up to ``grace_s`` for the process to end, then SIGKILL its group (children
+        the leader left behind too)."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(grace_s)
-        self.kill(signal.SIGKILL)  # children the leader left behind too
+        self.kill(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(grace_s)
 
@@ -504,8 +509,13 @@ class LocalFederation:
         return cause + "".join(f"\n{p.exit_report(6)}" for p in gone)
 
     def stop(self) -> None:
-        for process in [*self.nodes, *([self.superlink] if self.superlink else [])]:
-            process.stop()
+        """End every process: all are sent SIGTERM first, then waited for (each takes about a second to shut
+        down; one after the other, a federation of a SuperLink and 3 SuperNodes took ~4 s to stop)."""
+        processes = [*self.nodes, *([self.superlink] if self.superlink else [])]
+        for process in processes:
+            process.kill(signal.SIGTERM)
+        for process in processes:
+            process.reap()
 
     def __enter__(self) -> LocalFederation:
         return self.start()
