@@ -41,28 +41,26 @@ PLUGIN = ("from hetfl.algorithms import register\nfrom hetfl.algorithms.fedavg i
 @pytest.mark.slow  # two worker processes and the runs one after another: ~6 s
 def test_compare_with_two_jobs_gives_the_numbers_of_runs_one_after_another(tmp_path, monkeypatch):
     """Also a --plugin file's method, which the workers (fresh interpreters) must load from the file: one pool of
-    workers serves both checks (each pool start imports torch twice)."""
+    workers serves both checks (each pool start imports torch twice). The registry is put back after the test
+    (tests/conftest.py)."""
     plugin = tmp_path / "mine.py"
     plugin.write_text(PLUGIN)
     methods = ["fedavg", "scaffold", "mine_from_file"]
-    try:
-        one = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "one", plugins=[plugin])
-        two = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
-        assert [r.status for r in two.runs] == ["ran"] * 3
-        for run in ("fedavg-seed1", "scaffold-seed1", "mine_from_file-seed1"):
-            assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), f"{run}: not the sequential numbers"
-        assert lines(tmp_path / "two" / "fedavg-seed1") != lines(tmp_path / "two" / "scaffold-seed1")  # two runs apart
-        assert two.rows[2]["method"] == "mine_from_file"
-        assert lines(tmp_path / "two" / "mine_from_file-seed1") == lines(tmp_path / "two" / "fedavg-seed1"), \
-            "the plug-in's method (FedAvg by another name) did not run as FedAvg in a worker"
-        assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
-            [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
-        started = []
-        monkeypatch.setattr(multiprocessing, "get_context", lambda *a: started.append(a))
-        again = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
-        assert [r.status for r in again.runs] == ["reused"] * 3 and started == []  # nothing to compute: no worker
-    finally:
-        _CLASSES.pop("mine_from_file", None)
+    one = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "one", plugins=[plugin])
+    two = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
+    assert [r.status for r in two.runs] == ["ran"] * 3
+    for run in ("fedavg-seed1", "scaffold-seed1", "mine_from_file-seed1"):
+        assert lines(tmp_path / "two" / run) == lines(tmp_path / "one" / run), f"{run}: not the sequential numbers"
+    assert lines(tmp_path / "two" / "fedavg-seed1") != lines(tmp_path / "two" / "scaffold-seed1")  # two runs apart
+    assert two.rows[2]["method"] == "mine_from_file"
+    assert lines(tmp_path / "two" / "mine_from_file-seed1") == lines(tmp_path / "two" / "fedavg-seed1"), \
+        "the plug-in's method (FedAvg by another name) did not run as FedAvg in a worker"
+    assert [{k: v for k, v in r.items() if k != "wall_time_s"} for r in two.rows] == \
+        [{k: v for k, v in r.items() if k != "wall_time_s"} for r in one.rows]
+    started = []
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: started.append(a))
+    again = hetfl.compare(methods, seeds=[1], overrides=TINY, out=tmp_path / "two", jobs=2, plugins=[plugin])
+    assert [r.status for r in again.runs] == ["reused"] * 3 and started == []  # nothing to compute: no worker
 
 
 # ----------------------------------------------------------------- the scheduler, with a worker that only waits
@@ -114,7 +112,7 @@ def test_never_more_workers_than_runs_to_compute(tmp_path, monkeypatch):
     plan = [job(tmp_path, "a", 0.0), job(tmp_path, "b", 0.0)]
     with pytest.raises(NotStarted):
         jobs.run_jobs(plan, 1024, worker=waiting_worker, threads=2)
-    assert sizes == [2], f"{sizes[0]} worker processes for 2 runs"
+    assert sizes == [2], f"pools of {sizes} worker processes for 2 runs"
 
 
 def test_a_failed_run_stops_the_plan_naming_its_folder_and_its_cause(tmp_path):

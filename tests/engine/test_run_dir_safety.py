@@ -33,6 +33,7 @@ from hetfl.cli import main
 from hetfl.engine.checkpoint import load_checkpoint, save_checkpoint
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.rundir import RunDirError
+from hetfl.flower.deploy import wait_for
 from hetfl.runtimes import run_experiment
 from tests.helpers.runs import interrupted
 
@@ -547,16 +548,6 @@ def rounds_written(run: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def wait_until(condition, timeout_s: float) -> bool:
-    """Poll ``condition`` every millisecond until it holds (True) or ``timeout_s`` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
 CHECKPOINT_KINDS = {"in_checkpoint", "after_checkpoint"}
 
 
@@ -624,7 +615,7 @@ def test_fault_injection_long(tmp_path, capsys, forks, seed):
     overrides = ("train.rounds=100", "runtime.checkpoint_every=3")
     lines, pause = rng.randint(1, 60), rng.uniform(0.0, 0.005)
     pid = forks.start({"kind": "none"}, "run", "--out", str(run), *cli_args(*overrides))
-    assert wait_until(lambda: rounds_written(run) >= lines, 120), (lines, rounds_written(run))
+    assert wait_for(lambda: rounds_written(run) >= lines, 120, poll_s=0.001), (lines, rounds_written(run))
     time.sleep(pause)
     os.kill(pid, signal.SIGKILL)
     code, _ = forks.wait(pid)
