@@ -10,6 +10,7 @@ settings of a post-hoc step live in a sub-table named after it
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -163,6 +164,11 @@ class RuntimeConfig:
                                       doc="flower: seconds the server waits for a phase's replies")
     flower_min_replies: int = setting(1, ge=0, doc="flower: fewest clients of a round that must answer for "
                                                    "the run to go on (0 = all of them)")
+    flower_grace_s: float = setting(
+        math.inf, ge=0.0, finite=False,
+        doc="flower: once flower_min_replies clients have answered a phase, seconds it waits for the others "
+            "before it goes on without them (a straggler or a dead node then costs this, not flower_timeout_s; "
+            "which clients a round counts then depends on timing). inf = every reply, up to flower_timeout_s")
     flower_client_cpus: float = setting(1.0, gt=0.0, doc="flower simulation: CPUs per client (Ray)")
     flower_client_gpus: float = setting(0.0, ge=0.0, doc="flower simulation: GPUs per client (Ray)")
     secure_aggregation: bool = setting(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -487,6 +488,95 @@ def test_a_run_resumed_after_a_straggler_goes_back_to_its_accepted_state(tmp_pat
     assert [x["failed_clients"] for x in metrics(run)] == [[], [2], [], []]
     assert [{k: v for k, v in x.items() if k not in DROP} for x in metrics(run)] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "reference")]
+
+
+@pytest.fixture
+def polls(monkeypatch) -> list[float]:
+    """The server's clock moves one second per poll and only then (no real waiting): the polls' times."""
+    import hetfl.flower.server as server
+
+    now: list[float] = []
+    monkeypatch.setattr(server, "time", SimpleNamespace(monotonic=lambda: len(now)))
+    monkeypatch.setattr(FlowerFederation, "_sleep", lambda self: now.append(float(len(now) + 1)))
+    return now
+
+
+def failures(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
+
+
+def test_once_the_quorum_has_answered_the_others_get_the_grace_not_the_timeout(tmp_path, polls, caplog):
+    """Client 2's node is down in round 2; 2 of 3 must answer. Its training phase ends runtime.flower_grace_s
+    (5 s) after the two others answered, not after the 1000 s timeout; the client is recorded as failed with
+    the grace as its reason, and the numbers are those of the run that waited the whole timeout."""
+    sets = [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=2", "runtime.flower_timeout_s=1000"]
+    run_on(RoundGrid(3, 2, 2, "lost"), [*sets, "runtime.flower_grace_s=5"], tmp_path / "grace")
+    assert polls == [1, 2, 3, 4, 5, 6]  # the wait ends at the first poll past the grace
+    assert failures(caplog) == ["flower: client 2 failed: train: no reply within 5 s of the quorum's (2 clients; "
+                                "runtime.flower_grace_s)"]
+    polls.clear()
+    caplog.clear()
+    run_on(RoundGrid(3, 2, 2, "lost"), sets, tmp_path / "timeout")  # the default grace: inf
+    assert len(polls) == 1001 and failures(caplog) == [
+        "flower: client 2 failed: train: no reply within 1000 s (runtime.flower_timeout_s)"]
+    got, waited = metrics(tmp_path / "grace"), metrics(tmp_path / "timeout")
+    assert [x["failed_clients"] for x in got] == [[], [2]]
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in waited]
+
+
+def test_a_grace_longer_than_what_is_left_of_the_timeout_does_not_extend_it(tmp_path, polls):
+    run_on(RoundGrid(3, 2, 2, "lost"), [*SMALL, "algorithm.name=fedavg", "runtime.flower_min_replies=2",
+                                        "runtime.flower_timeout_s=3", "runtime.flower_grace_s=50"], tmp_path / "r")
+    assert polls == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("case", ["all asked", "an error reply"])
+def test_the_grace_starts_only_once_the_quorum_has_answered_without_an_error(tmp_path, polls, case):
+    """Below the quorum the phase waits the whole timeout, with any grace (an error reply is no answer),
+    then stops the run."""
+    grid = LoopbackGrid(3)
+    grid.dead.add(grid.ids[2])
+    sets = [*SMALL, "algorithm.name=fedavg", "runtime.flower_timeout_s=10", "runtime.flower_grace_s=0"]
+    if case == "all asked":
+        sets.append("runtime.flower_min_replies=0")
+    else:
+        grid.broken.add(grid.ids[0])
+        sets.append("runtime.flower_min_replies=2")
+    with pytest.raises(FlowerRoundError, match=r"round 1, training: [12] of 3 clients answered"):
+        run_on(grid, sets, tmp_path / "r")
+    assert len(polls) == 11
+
+
+class LateGrid:
+    """Replies to every message at the third poll (a grid for the server's wait alone)."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    def push_messages(self, messages: list[Any]) -> list[str]:
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, ids: list[str]) -> list[Any]:
+        self.pulls += 1
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i), has_error=lambda: False)
+                for i in ids] if self.pulls == 3 else []
+
+
+def test_a_wait_without_a_quorum_greetings_and_secure_aggregation_has_no_grace(polls):
+    """The greeting and SecAgg+'s stages wait for every node up to the timeout, whatever the grace: a stage
+    of the secure sum closed early would drop clients the protocol could still count."""
+    exp = Experiment(config.load(None, [*SMALL, "runtime.executor=flower", "runtime.flower_grace_s=0"]))
+    federation = FlowerFederation(exp, LateGrid())
+    messages = [SimpleNamespace(metadata=SimpleNamespace(message_id=f"m{k}")) for k in range(3)]
+    replies, unanswered, _ = federation._send_and_receive(messages)
+    assert len(replies) == 3 and unanswered == [] and polls == [1, 2]
+
+
+def test_a_negative_or_nan_grace_is_refused_naming_the_key():
+    for bad in ("-1", "nan"):
+        with pytest.raises(config.ConfigError, match=f"runtime.flower_grace_s = {bad}"):
+            config.load(None, [f"runtime.flower_grace_s={bad}"])
 
 
 def test_waiting_for_nodes_that_have_not_connected_is_said_before_the_wait(tmp_path, caplog):

@@ -117,7 +117,7 @@ class _Grid:
         stage = str(messages[0].content.config_records[RECORD_KEY_CONFIGS].get(SecAggKey.STAGE, "?")) \
             if messages else "?"
         self.fed.traffic[0] += sum(_nbytes(m.content) for m in messages)
-        replies, late = self.fed._send_and_receive(messages)
+        replies, late, why = self.fed._send_and_receive(messages)
         answered = []
         for message in replies:
             client = self.client_of.get(message.metadata.src_node_id, -1)
@@ -128,8 +128,7 @@ class _Grid:
             answered.append(message)
         for k in late:
             self.fed.fail(self.client_of.get(messages[k].metadata.dst_node_id, -1),
-                          f"secure aggregation, stage {stage}: no reply within {self.fed.timeout:g} s "
-                          "(runtime.flower_timeout_s)")
+                          f"secure aggregation, stage {stage}: {why}")
         self.stages.append((stage, len(messages), len(answered)))
         return replies
 

@@ -18,7 +18,8 @@ becomes one exchange of messages with the nodes (:mod:`hetfl.flower.protocol`):
    executors do); the others (personalised models, fine-tuning, kNN-Per's datastore) are
    evaluated on their nodes (``evaluate``) with the server-state entries ``client_model`` reads.
 
-Failures: a phase waits ``runtime.flower_timeout_s`` for its replies; clients that do not
+Failures: a phase waits ``runtime.flower_timeout_s`` for its replies, or, once its quorum has answered,
+``runtime.flower_grace_s`` more at most; clients that do not
 answer (or answer with an error) are left out of that phase and listed in the round's
 ``failed_clients``; fewer answers than ``runtime.flower_min_replies`` stop the run with a
 :class:`FlowerRoundError` (the last checkpoint resumes it). A reply the server cannot use counts as
@@ -170,6 +171,7 @@ class FlowerFederation:
         # how long the first greeting may take (nodes starting: Ray actors importing torch on a busy machine)
         self.startup_s = max(self.timeout, startup_s)
         self.min_replies = int(cfg.runtime.flower_min_replies)
+        self.grace = float(cfg.runtime.flower_grace_s)
         self.state_root, self.poll_s, self.simulation = state_root, poll_s, simulation
         self.nodes: dict[int, int] = {}  # client -> node id
         self.greeted: set[int] = set()  # node ids asked which client they hold (once per node id)
@@ -273,7 +275,7 @@ class FlowerFederation:
         self.greeted.update(new)
         messages = [Message(RecordDict({P.HEADER: ConfigRecord({"config": ""})}), dst_node_id=n,
                             message_type=P.HELLO) for n in new]  # default TTL: a late answer still counts
-        replies, unanswered = self._send_and_receive(messages, timeout)
+        replies, unanswered, _ = self._send_and_receive(messages, timeout)
         for k in unanswered:
             if messages[k].metadata.message_id:
                 self.pending_hello[messages[k].metadata.message_id] = new[k]
@@ -310,12 +312,13 @@ class FlowerFederation:
         if self.stop.wait(self.poll_s):
             raise FlowerStopped("the Flower run was stopped")
 
-    def _send_and_receive(self, messages: list[Message], timeout: float | None = None
-                          ) -> tuple[list[Message], list[int]]:
-        """Push, then pull until every reply is in or the timeout passes (polling every ``poll_s``):
-        (replies, indices of the messages without a reply)."""
+    def _send_and_receive(self, messages: list[Message], timeout: float | None = None, quorum: int = 0
+                          ) -> tuple[list[Message], list[int], str]:
+        """Push, then pull until every reply is in or the timeout passes (polling every ``poll_s``); once
+        ``quorum`` (> 0) replies without an error are in, wait at most ``runtime.flower_grace_s`` more:
+        (replies, indices of the messages without a reply, why those have none)."""
         if not messages:
-            return [], []
+            return [], [], ""
         if self.stop.is_set():
             raise FlowerStopped("the Flower run was stopped")
         pushed = [i for i in self.grid.push_messages(messages) if i]
@@ -323,16 +326,25 @@ class FlowerFederation:
         pending = {i for i in pushed if i in index}
         lost = [k for i, k in index.items() if i not in pending]
         replies: list[Message] = []
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        deadline, why = time.monotonic() + timeout, f"no reply within {timeout:g} s (runtime.flower_timeout_s)"
+        answered, graced = 0, False
         while pending:
             got = list(self.grid.pull_messages(list(pending)))
             for message in got:
                 pending.discard(message.metadata.reply_to_message_id)
+                answered += not message.has_error()
             replies += got
+            if 0 < quorum <= answered and not graced and pending:
+                graced = True  # the quorum is in: the others get the grace, if it ends before the timeout
+                if time.monotonic() + self.grace < deadline:
+                    deadline = time.monotonic() + self.grace
+                    why = (f"no reply within {self.grace:g} s of the quorum's ({quorum} clients; "
+                           "runtime.flower_grace_s)")
             if not pending or time.monotonic() > deadline:
                 break
             self._sleep()
-        return replies, sorted(lost + [index[i] for i in pending])
+        return replies, sorted(lost + [index[i] for i in pending]), why
 
     def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
         """One phase: a message per client, the replies by client (failures recorded)."""
@@ -347,7 +359,7 @@ class FlowerFederation:
             messages.append(Message(content, dst_node_id=node, message_type=kind, ttl=self.ttl,
                                     group_id=str(round_)))
             self.traffic[0] += record_nbytes(r for r in content.values() if isinstance(r, ArrayRecord))
-        replies, late = self._send_and_receive(messages)
+        replies, late, why = self._send_and_receive(messages, quorum=self.quorum(len(contents)))
         owner = {m.metadata.message_id: c for m, c in zip(messages, clients, strict=True)}
         out: dict[int, RecordDict] = {}
         for message in replies:
@@ -365,7 +377,7 @@ class FlowerFederation:
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
         for k in late:
-            self.fail(clients[k], f"{kind}: no reply within {self.timeout:g} s (runtime.flower_timeout_s)")
+            self.fail(clients[k], f"{kind}: {why}")
         return out
 
     def holds_other_data(self, c: int) -> str:
@@ -390,11 +402,14 @@ class FlowerFederation:
                 f"samples {theirs}, the server's {self.digests[c]}): give the node a copy of the dataset files "
                 f"of the server's data.root ({self.exp.cfg.data.dataset}) in its node config data-root; refused")
 
+    def quorum(self, asked: int) -> int:
+        """How many of ``asked`` clients must answer a phase for the run to go on (runtime.flower_min_replies)."""
+        return max(asked if self.min_replies == 0 else min(self.min_replies, asked), 1)
+
     def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
         if asked == 0:
             return
-        need = asked if self.min_replies == 0 else min(self.min_replies, asked)
-        need = max(need, 1)
+        need = self.quorum(asked)
         if answered < need:
             reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(self.failed.items())[:5])
             raise FlowerRoundError(
