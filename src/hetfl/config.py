@@ -139,7 +139,7 @@ class RuntimeConfig:
     compile: bool = setting(
         False, doc="vectorized: each step's gradients by torch.compile (Inductor fuses the step's elementwise ops, "
                    "pooling and layout copies into few kernels; a compile of seconds per step shape of full batches, "
-                   "in the first rounds; a step it cannot compile runs uncompiled, with the reason logged)")
+                   "in the first rounds; a step it cannot compile runs uncompiled, with the reason logged; torch >= 2.5)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")

@@ -32,6 +32,10 @@ inductor_on_request = pytest.mark.skipif(os.environ.get("HETFL_TEST_INDUCTOR") !
                                          reason="Inductor's code generation (13 s of C++ compiles on two cores): "
                                                 "HETFL_TEST_INDUCTOR=1 runs it")
 
+# what torch.compile traces and compiles: skipped on a torch whose Dynamo cannot trace the step (runtime.compile
+# then runs it uncompiled, test_a_torch_that_cannot_compile_the_step_runs_it_uncompiled_saying_why)
+compiling_torch = pytest.mark.skipif(bool(compiled_step.unsupported()), reason=compiled_step.unsupported())
+
 # 10 sampled clients, two full batches of 16 each (every client has 42 samples or more): one step shape
 ONE_SHAPE = [*SYNTHETIC, "train.clients_per_round=10", "train.local_steps=2", "train.momentum=0.5",
              "runtime.compile=true"]
@@ -44,6 +48,7 @@ def traced_only(monkeypatch, request):
         monkeypatch.setattr(compiled_step, "BACKEND", "aot_eager")
 
 
+@compiling_torch
 @pytest.mark.parametrize(("method", "modes"), [("fedavg", ("eager", "static")), ("scaffold", ("eager",)),
                                                ("moon", ("eager",)), ("fedpac", ("eager",))])
 def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_calls):
@@ -61,6 +66,7 @@ def test_compiled_steps_give_the_sequential_clients(method, modes, compiled_call
     assert compiled_calls["n"] > 0
 
 
+@compiling_torch
 def test_only_full_batches_are_compiled(monkeypatch):
     """A compile per step shape, and each client's short last batch of an epoch is a shape of its own
     (CCVR's Table 2 round: 19 step shapes, 9 of them one short batch): those few steps run uncompiled,
@@ -95,6 +101,7 @@ def test_only_full_batches_are_compiled(monkeypatch):
     assert sizes["uncompiled"] - {16}, sizes  # the short batches ran, uncompiled
 
 
+@compiling_torch
 def test_a_compiled_step_reads_this_rounds_values(compiled_calls):
     """DANN's ramped lambda is a function of the round that the step reads through its context: the
     compiled step of round 2 (compiled again: Dynamo guards on the value) equals the sequential one,
@@ -106,6 +113,7 @@ def test_a_compiled_step_reads_this_rounds_values(compiled_calls):
     assert compiled_calls["n"] > 0
 
 
+@compiling_torch
 @needs_shared_data
 def test_compiled_image_steps_give_the_sequential_clients(compiled_calls):
     """A convolutional model with max pooling and crops and flips (hetfl's layers in their plain forms
@@ -118,6 +126,7 @@ def test_compiled_image_steps_give_the_sequential_clients(compiled_calls):
     assert compiled_calls["n"] > 0
 
 
+@compiling_torch
 @needs_cpp_compiler
 @inductor_on_request
 @pytest.mark.inductor
@@ -130,6 +139,7 @@ def test_inductors_generated_kernels_give_the_sequential_clients(compiled_calls,
     assert compiled_calls["n"] > 0
 
 
+@compiling_torch
 @needs_shared_data
 def test_compiled_bf16_steps_are_the_sequential_bf16_steps(compiled_calls):
     """bfloat16 autocast inside the compiled step: the sequential bf16 clients to bf16's precision (the
@@ -200,3 +210,26 @@ def test_compile_without_vmapped_clients_says_it_does_nothing(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "runtime.compile" in r.getMessage()]
     assert said == ["runtime.compile compiles the vectorized executor's vmapped steps; these clients are trained "
                     "one at a time, uncompiled"]
+
+
+@pytest.mark.parametrize(("version", "compiles"), [("2.4.1+cu121", False), ("2.4.0", False), ("2.5.1+cu124", True),
+                                                   ("2.5.0.dev20240801", True), ("2.10.0", True), ("3.0.0", True)])
+def test_the_first_torch_that_compiles_the_step_is_2_5(version, compiles):
+    why = compiled_step.unsupported(version)
+    assert (why == "") == compiles
+    if not compiles:
+        assert why == (f"runtime.compile needs torch >= 2.5 (Dynamo before it cannot trace the vmapped step's "
+                       f"torch.func.functional_call); this is torch {version}: the steps run uncompiled")
+
+
+def test_a_torch_that_cannot_compile_the_step_runs_it_uncompiled_saying_why(tmp_path, caplog, monkeypatch):
+    """On torch 2.4 every compile failed inside Dynamo, with its own message, once per stage: the run now says
+    once what is needed and does not try."""
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    monkeypatch.setattr(vectorized, "run_compiled", lambda *a: pytest.fail("tried to compile on torch 2.4"))
+    exp = Experiment(config.load(None, [*ONE_SHAPE, "algorithm.name=fedavg", "train.rounds=2",
+                                        "runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]))
+    with caplog.at_level("WARNING", logger="hetfl"):
+        exp.run(tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if "runtime.compile" in r.getMessage()]
+    assert said == [compiled_step.unsupported("2.4.1+cu121")]

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from hetfl import config
 from hetfl.engine import compiled_step, vectorized
 from hetfl.engine.experiment import Experiment
+from tests.engine.test_compiled_step import compiling_torch
 from tests.helpers.executors import SYNTHETIC, compare_one_round
 
 
@@ -81,6 +82,7 @@ def test_a_replay_that_disagrees_with_its_reference_falls_back_to_eager_steps(re
     assert [n for n in notes if "disagrees with the eager step" in n], notes
 
 
+@compiling_torch
 def test_compiled_steps_in_graph_mode_give_the_sequential_clients(recorded_graphs, compiled_calls, monkeypatch):
     """runtime.compile in graph mode: a call's first run uncompiled (the values it reads), the compiled
     step's run before the capture as the reference, the replays compiled; traced with aot_eager."""

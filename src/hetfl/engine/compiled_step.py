@@ -23,7 +23,8 @@ client's short last batch of an epoch is a size of its own, a step or two a roun
 uncompiled. The step reads the round's plain values (round, learning rate...) through
 :class:`StepContext`, so Dynamo guards on (and recompiles for) only those the method reads. A
 step that cannot be compiled (an op Dynamo cannot trace, no C++ compiler for Inductor on a CPU,
-too many shapes) runs uncompiled, with the reason logged once.
+too many shapes) runs uncompiled, with the reason logged once. Before torch 2.5 Dynamo cannot trace the
+step at all (:func:`unsupported`): the steps run uncompiled, saying so once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ from hetfl.engine.local import functional_grad, step_gradients
 # full federation meets 18-35 (CCVR's Table 2, the throughput benchmark), 1,000 sampled devices 259 in 300
 # rounds (benchmarks/graph_shapes.py); beyond it the stage runs uncompiled, with the reason logged
 RECOMPILE_LIMIT = 1024
+
+#: the first torch release whose Dynamo traces the vmapped step: 2.4.1's stops at ``torch.func.functional_call``
+#: ("Unsupported: call_function args: NNModuleVariable() ConstDictVariable() ..."); 2.5.1 compiles it
+#: (checked on the development CPU with torch 2.4.1 and 2.5.1, tests/engine/test_compiled_step.py)
+FIRST_TORCH = (2, 5)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string ("2.4.1+cu121" -> (2, 4); a nightly "2.5.0.dev20240801"
+    is 2.5)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def unsupported(version: str | None = None) -> str:
+    """Why this torch (or ``version``) cannot compile the vectorised step ("" where it can): ``runtime.compile``
+    then runs the steps uncompiled, as it does a step Dynamo cannot trace."""
+    version = str(torch.__version__) if version is None else version
+    if torch_release(version) >= FIRST_TORCH:
+        return ""
+    return (f"runtime.compile needs torch >= {'.'.join(map(str, FIRST_TORCH))} (Dynamo before it cannot trace the "
+            f"vmapped step's torch.func.functional_call); this is torch {version}: the steps run uncompiled")
 
 
 #: a client context's plain values that differ between the clients of a vectorised group, which one step trains

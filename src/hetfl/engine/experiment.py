@@ -59,6 +59,7 @@ from hetfl.engine.checkpoint import (
     save_checkpoint,
     save_tensors,
 )
+from hetfl.engine.compiled_step import unsupported as compile_unsupported
 from hetfl.engine.data import FederatedData
 from hetfl.engine.evaluate import accuracy_and_loss
 from hetfl.engine.federation import Federation, InProcessFederation, PhaseStopped
@@ -626,6 +627,9 @@ class Experiment:
         if cfg.runtime.compile and not self.vmap_clients:
             self.note("runtime.compile compiles the vectorized executor's vmapped steps; these clients are trained "
                       "one at a time, uncompiled", reporter)
+        compile_steps = cfg.runtime.compile and not compile_unsupported()
+        if cfg.runtime.compile and self.vmap_clients and not compile_steps:
+            self.note(compile_unsupported(), reporter)
         if self.vmap_clients:
             on_cuda = self.data.device.type == "cuda"
             graph = cfg.runtime.cuda_graph and on_cuda
@@ -636,7 +640,7 @@ class Experiment:
                                                memo=self.chunk_sizes, cache=self.vectorized_cache,
                                                channels_last=cfg.runtime.channels_last and on_cuda,
                                                conv_batching=cfg.runtime.conv_batching,
-                                               compile_steps=cfg.runtime.compile,
+                                               compile_steps=compile_steps,
                                                block_steps=cfg.runtime.graph_steps)
             for _ in results:
                 reporter.client_done()
