@@ -16,7 +16,7 @@ also ends what it spawned (a SuperNode's SuperExec and ClientApp processes).
 :meth:`LocalFederation.run` is the watched form of :meth:`LocalFederation.submit`: it waits for
 the SuperNodes to connect, starts ``flwr run`` and follows ``WORKDIR/flwr-run.log`` as it grows,
 reporting the ServerApp's lines (one per round) as they come, and on failure says why: the
-ServerApp's exception (``flwr run --stream`` exits 0 when the ServerApp raised: Flower 1.41 only
+ServerApp's exception (``flwr run --stream`` exits 0 when the ServerApp raised: Flower 1.41 and 1.42 only
 logs the traceback and "Exit Code: 201"), a SuperLink or SuperNode that died (exit code, last
 lines of its log), or the phase a timeout was waiting for.
 """
@@ -268,7 +268,7 @@ def start(name: str, args: list[str], workdir: Path, env: dict[str, str], *, app
     return Process(name, popen, log)
 
 
-# what Flower 1.41 logs: a SuperNode once the SuperLink registered it; the ServerApp's exception
+# what Flower 1.41 and 1.42 log: a SuperNode once the SuperLink registered it; the ServerApp's exception
 NODE_CONNECTED = "SuperNode ID:"
 SERVERAPP_RAISED = "ServerApp raised an exception"
 LEVEL_LINE = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s+(?P<message>.*)$")
