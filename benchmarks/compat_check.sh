@@ -9,7 +9,8 @@
 #       "safetensors==0.4.0" "tomli-w==1.0.0" -- -m "not slow"              # the floors of pyproject.toml
 #
 # A torch other than the development machines' local CPU build comes from PyPI with its CUDA libraries
-# (~3 GB); the suite runs on the CPU either way (HETFL_DEVICE=cpu is set by the tests' conftest).
+# (~3 GB); without a torch among the requirements, TORCH (default torch==2.13.0: that local build) is installed.
+# The suite runs on the CPU either way (HETFL_DEVICE=cpu is set by the tests' conftest).
 # Results: benchmarks/results/compat_versions.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,8 @@ VENV=${VENV:-/tmp/hetfl-compat}
 reqs=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do reqs+=("$1"); shift; done
 [[ $# -gt 0 ]] && shift  # the "--"
+# without a torch among the requirements, the development machines' local CPU build (as the README's install)
+[[ " ${reqs[*]} " == *" torch"* ]] || reqs=("${TORCH:-torch==2.13.0}" "${reqs[@]}")
 rm -rf "$VENV" && python3 -m venv "$VENV"
 # the requirements first (with their own dependencies: torch's CUDA libraries), then hetfl with its test extras,
 # which may move a floor up (flwr and import-linter want rich >= 14), then the requirements again over them
