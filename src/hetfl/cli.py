@@ -280,7 +280,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
         table.add_row("seed", "0", "seed of every random stream")
         table.add_row("algorithm.name", "'fedavg'", "method; post-hoc steps join with +")
         for section, cls in config_mod.SECTIONS.items():
-            for name, default, doc in describe(cls):
+            for name, default, doc in describe(cls, f"{section}."):
                 table.add_row(f"{section}.{name}", default, doc)
         console.print(table)
         console.print(f"algorithm.* (method settings): {METHOD_SETTINGS_HINT}")

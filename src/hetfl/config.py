@@ -113,6 +113,11 @@ class TrainConfig:
                               f"must be <= {prefix}lr = {self.lr} under the cosine schedule (it is the floor)")
 
 
+#: when the Flower executor's settings are read (``setting(when=...)``; a run elsewhere notes them as having no effect)
+ON_FLOWER = {"executor": ("flower",)}
+SECAGG_ON_FLOWER = {"executor": ("flower",), "secure_aggregation": (True,)}
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     executor: str = setting("sequential", choices=("sequential", "vectorized", "flower"),
@@ -139,7 +144,8 @@ class RuntimeConfig:
     compile: bool = setting(
         False, doc="vectorized: each step's gradients by torch.compile (Inductor fuses the step's elementwise ops, "
                    "pooling and layout copies into few kernels; a compile of seconds per step shape of full batches, "
-                   "in the first rounds; a step it cannot compile runs uncompiled, with the reason logged; torch >= 2.5)")
+                   "in the first rounds; a step it cannot compile runs uncompiled, with the reason logged; "
+                   "torch >= 2.5)")
     vmap_on_cpu: bool = setting(
         False, doc="vectorized on a CPU device: vmap the clients anyway (default: one at a time, which is "
                    "faster on CPU; see benchmarks/vmap_cpu_profile.py)")
@@ -160,29 +166,31 @@ class RuntimeConfig:
     progress: bool = setting(True, doc="progress bars and summary table on the terminal")
     save_client_models: tuple[int, ...] = setting(
         (), doc="rounds after which every participating client's local model is saved (layer-wise CKA)")
-    flower_timeout_s: float = setting(600.0, gt=0.0,
+    flower_timeout_s: float = setting(600.0, gt=0.0, when=ON_FLOWER,
                                       doc="flower: seconds the server waits for a phase's replies")
-    flower_min_replies: int = setting(1, ge=0, doc="flower: fewest clients of a round that must answer for "
-                                                   "the run to go on (0 = all of them)")
+    flower_min_replies: int = setting(1, ge=0, when=ON_FLOWER, doc="flower: fewest clients of a round that must "
+                                                                   "answer for the run to go on (0 = all of them)")
     flower_grace_s: float = setting(
-        math.inf, ge=0.0, finite=False,
+        math.inf, ge=0.0, finite=False, when=ON_FLOWER,
         doc="flower: once flower_min_replies clients have answered a phase, seconds it waits for the others "
             "before it goes on without them (a straggler or a dead node then costs this, not flower_timeout_s; "
             "which clients a round counts then depends on timing). inf = every reply, up to flower_timeout_s")
-    flower_client_cpus: float = setting(1.0, gt=0.0, doc="flower simulation: CPUs per client (Ray)")
-    flower_client_gpus: float = setting(0.0, ge=0.0, doc="flower simulation: GPUs per client (Ray)")
+    flower_client_cpus: float = setting(1.0, gt=0.0, when=ON_FLOWER, doc="flower simulation: CPUs per client (Ray)")
+    flower_client_gpus: float = setting(0.0, ge=0.0, when=ON_FLOWER, doc="flower simulation: GPUs per client (Ray)")
     secure_aggregation: bool = setting(
         False, doc="sum an additive post-hoc step's replies (CCVR's statistics) under secure aggregation: the "
                    "server learns their sum only (Flower's SecAgg+ on the flower executor, simulated exactly in "
                    "process otherwise); entries in fixed point within a public bound (docs/secure_aggregation.md)")
     secagg_num_shares: int = setting(
-        5, ge=3, doc="secure aggregation on flower: SecAgg+'s neighbours per client, itself included (the shares "
-                     "of its keys; all clients when >= data.num_clients). More: more dropouts survived, more work")
+        5, ge=3, when=SECAGG_ON_FLOWER,
+        doc="secure aggregation on flower: SecAgg+'s neighbours per client, itself included (the shares of its keys; "
+            "all clients when >= data.num_clients). More: more dropouts survived, more work")
     secagg_reconstruction_threshold: int = setting(
-        3, ge=2, doc="secure aggregation on flower: shares needed to rebuild a client's keys; < "
-                     "secagg_num_shares and <= data.num_clients. Every client must keep this many of its "
-                     "neighbours through the protocol; fewer than this many colluding with the server learn "
-                     "nothing of a client's reply. Defaults 5 / 3: one dropout among 10 clients is survived")
+        3, ge=2, when=SECAGG_ON_FLOWER,
+        doc="secure aggregation on flower: shares needed to rebuild a client's keys; < secagg_num_shares and <= "
+            "data.num_clients. Every client must keep this many of its neighbours through the protocol; fewer than "
+            "this many colluding with the server learn nothing of a client's reply. Defaults 5 / 3: one dropout "
+            "among 10 clients is survived")
 
     def check(self, prefix: str = "runtime.") -> None:
         """The form of ``device`` (whether GPU N is present is checked when the run is set up)."""

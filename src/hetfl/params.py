@@ -300,11 +300,11 @@ def inactive_settings(instance: Any, prefix: str = "") -> list[str]:
     return notes
 
 
-def describe(cls: type) -> list[tuple[str, str, str]]:
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     """(name, default, doc) for each field of a settings class, for `hetfl list` (the doc followed by the
-    condition under which the setting is read, if it has one)."""
+    condition under which the setting is read, if it has one; its keys after ``prefix``)."""
     rows = []
     for f in dataclasses.fields(cls):
-        doc, when = f.metadata.get("doc", ""), when_text(f)
+        doc, when = f.metadata.get("doc", ""), when_text(f, prefix)
         rows.append((f.name, repr(_default(f)), f"{doc} (read only when {when})" if when else doc))
     return rows

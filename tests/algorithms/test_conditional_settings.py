@@ -183,3 +183,43 @@ def test_inactive_settings_names_a_moved_setting_whose_condition_is_unmet():
         "delta = 0.001 has no effect: it is read only when epsilon < inf (here epsilon = inf)"]
     assert inactive_settings(_Hyper(delta=1e-3, epsilon=4.0)) == []
     assert inactive_settings(_Hyper(source="proxy")) == []  # a mode setting itself is never a note
+
+
+# ------------------------------------------------------------------ the runtime's settings
+
+#: the runtime settings read only by the Flower executor, and when (``hetfl.config.ON_FLOWER``)
+RUNTIME_DECLARED = {
+    "flower_timeout_s": "runtime.executor = 'flower'",
+    "flower_min_replies": "runtime.executor = 'flower'",
+    "flower_grace_s": "runtime.executor = 'flower'",
+    "flower_client_cpus": "runtime.executor = 'flower'",
+    "flower_client_gpus": "runtime.executor = 'flower'",
+    "secagg_num_shares": "runtime.executor = 'flower' and runtime.secure_aggregation = true",
+    "secagg_reconstruction_threshold": "runtime.executor = 'flower' and runtime.secure_aggregation = true",
+}
+FLOWER_MOVED = ["runtime.flower_timeout_s=3", "runtime.flower_min_replies=0", "runtime.flower_grace_s=1",
+                "runtime.flower_client_cpus=2", "runtime.flower_client_gpus=0.5", "runtime.secagg_num_shares=4",
+                "runtime.secagg_reconstruction_threshold=2"]
+
+
+def test_the_runtimes_declared_conditions_are_the_flower_executors():
+    found = {f.name: when_text(f, "runtime.") for f in dataclasses.fields(config.RuntimeConfig)
+             if f.metadata.get("when")}
+    assert found == RUNTIME_DECLARED
+    assert sorted(s.split("=")[0].removeprefix("runtime.") for s in FLOWER_MOVED) == sorted(RUNTIME_DECLARED)
+
+
+def test_the_flower_executors_settings_on_another_executor_say_so_and_change_nothing(tmp_path, caplog, one_thread):
+    """runtime.flower_grace_s = 1 without runtime.executor = flower used to pass silently: the run was an
+    in-process one, with every reply."""
+    base = [*TINY, "algorithm.name=fedavg"]
+    Experiment(config.load(None, base)).run(tmp_path / "default")
+    with caplog.at_level("WARNING", logger="hetfl"):
+        Experiment(config.load(None, [*base, *FLOWER_MOVED])).run(tmp_path / "moved")
+    said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert said[2] == ("runtime.flower_grace_s = 1.0 has no effect: it is read only when runtime.executor = "
+                       "'flower' (here runtime.executor = 'sequential')"), said
+    assert [x.split(" = ")[0] for x in said] == [f"runtime.{k}" for k in RUNTIME_DECLARED]
+    runs = [[{k: v for k, v in json.loads(x).items() if k not in TIME_KEYS}
+             for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("default", "moved")]
+    assert runs[0] == runs[1]

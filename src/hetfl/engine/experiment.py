@@ -381,10 +381,10 @@ class Experiment:
         data, defaults = dataclasses.asdict(cfg.data), dataclasses.asdict(config_mod.DataConfig())
         for message in unused_settings(cfg.data.partition, cfg.data.base, data, defaults):
             self.note(message, reporter)  # a setting the split ignores: the run would not be what was asked
-        for prefix, hyper in [("algorithm.", self.algorithm.hp),
+        for prefix, hyper in [("runtime.", cfg.runtime), ("algorithm.", self.algorithm.hp),
                                *[(f"algorithm.{step.name}.", step.hp) for step in self.posthoc]]:
             for message in inactive_settings(hyper, prefix):
-                self.note(message, reporter)  # a method setting its mode does not read (``setting(when=...)``)
+                self.note(message, reporter)  # a setting its mode does not read (``setting(when=...)``)
         tracker = self.trackers.open(cfg, run_dir)  # its stores checked; writes nothing yet
         metrics_log = restore_metrics(run_dir / METRICS_NAME, start, ckpt.info.get(HISTORY_KEY) if ckpt else None)
         with metrics_log:
