@@ -96,7 +96,8 @@ def test_a_plugins_method_deployed_goes_on_without_a_supernode_killed_mid_run(sc
     assert code == 0, out + err + log_tail(fed)
     groups = [p.popen.pid for p in [*fed.nodes, fed.superlink]]
     assert wait_for(lambda: not any(group_alive(g) for g in groups), 20), "processes left behind"
-    assert any(m.startswith("warning: supernode-2 (pid ") and "killed by SIGKILL" in m for m in said), said
+    died = [m for m in said if m.startswith("warning: supernode-2 (pid ") and "killed by SIGKILL" in m]
+    assert len(died) == 1 and "or runtime.flower_timeout_s = 25 s passes: runtime.flower_grace_s = G" in died[0], said
     assert (tmp_path / "federation" / "app" / "hetfl_plugins" / "0" / "ema_method.py").read_text() == EMA_PLUGIN
     got = lines(tmp_path / "run")
     assert [x["failed_clients"] for x in got] == [[], [2]], "the killed node's client not recorded: " + log_tail(fed)
@@ -106,6 +107,20 @@ def test_a_plugins_method_deployed_goes_on_without_a_supernode_killed_mid_run(sc
     assert [x["failed_clients"] for x in in_process] == [[], [2]] and in_process[-1]["train_prox"] > 0
     assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
         [{k: v for k, v in x.items() if k not in DROP} for x in in_process], "the plug-in's numbers differ"
+
+
+def test_a_dead_nodes_warning_says_what_a_phase_waits_for_and_how_to_wait_less():
+    from hetfl.flower.deploy import _dead_node_wait
+
+    text = config.dumps(config.load(None, ["runtime.executor=flower", "runtime.flower_timeout_s=90"]))
+    assert _dead_node_wait(text) == (
+        "; a phase that asks it waits until Flower reports the node gone (two missed heartbeats, about a minute) or "
+        "runtime.flower_timeout_s = 90 s passes: runtime.flower_grace_s = G ends the wait G s after the quorum "
+        "answered")
+    text = config.dumps(config.load(None, ["runtime.executor=flower", "runtime.flower_grace_s=3"]))
+    assert _dead_node_wait(text) == ("; a phase waits at most 3 s for it once its quorum has answered "
+                                     "(runtime.flower_grace_s)")
+    assert _dead_node_wait("not toml [") == ""
 
 
 def test_relative_folders_are_made_absolute_for_the_processes(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ import contextlib
 import datetime as dt
 import ipaddress
 import json
+import math
 import os
 import re
 import signal
@@ -461,7 +462,7 @@ class LocalFederation:
         flwr = self.launch(config_text, run_dir, resume=resume, poll_s=poll_s)
         report(f"run submitted: flwr run --stream > {log}")
         try:
-            failure = self._follow(flwr, follower, watch, deadline, timeout_s)
+            failure = self._follow(flwr, follower, watch, deadline, timeout_s, _dead_node_wait(config_text))
         finally:
             flwr.stop()
         for line in follower.new_lines():  # what came between the last poll and the end
@@ -473,8 +474,10 @@ class LocalFederation:
         cause = failure or self.failure_cause(flwr.popen.returncode, follower.since_start(), summary_path)
         return RunOutcome(False, cause, flwr.popen.returncode)
 
-    def _follow(self, flwr: Process, follower: LogFollower, watch: RunWatch, deadline: float, timeout_s: float) -> str:
-        """Feed the log's new lines to ``watch`` until ``flwr run`` exits: "" then, or why it was stopped."""
+    def _follow(self, flwr: Process, follower: LogFollower, watch: RunWatch, deadline: float, timeout_s: float,
+                dead_node_wait: str = "") -> str:
+        """Feed the log's new lines to ``watch`` until ``flwr run`` exits: "" then, or why it was stopped
+        (``dead_node_wait``: what a phase that asks a dead node waits for, said when one dies)."""
         dead_nodes: set[str] = set()
         while flwr.alive:
             for line in follower.new_lines():
@@ -485,7 +488,7 @@ class LocalFederation:
                 if not node.alive and node.name not in dead_nodes:  # the run may go on without it
                     dead_nodes.add(node.name)
                     watch.report(f"warning: {node.exit_report().splitlines()[0]}; its client counts as failed "
-                                 f"when asked (see {node.log})")
+                                 f"when asked{dead_node_wait} (see {node.log})")
             if time.monotonic() > deadline:
                 return (f"timed out after {timeout_s:g} s (--timeout) waiting for {watch.phase}\n"
                         + log_tail(follower.path, 10, f"last lines of {follower.path}"))
@@ -601,6 +604,22 @@ def _rounds(config_text: str) -> int | None:
         return int(tomllib.loads(config_text)["train"]["rounds"])
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError):
         return None
+
+
+def _dead_node_wait(config_text: str) -> str:
+    """What a phase that asks a dead node waits for under the run's config, for the warning that one died: with
+    no grace (the default), until Flower reports the node gone or the timeout, and how to wait less."""
+    try:
+        runtime = tomllib.loads(config_text).get("runtime", {})
+        grace = float(runtime.get("flower_grace_s", math.inf))
+        timeout = float(runtime.get("flower_timeout_s", 600.0))
+    except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError):
+        return ""
+    if grace < timeout:
+        return f"; a phase waits at most {grace:g} s for it once its quorum has answered (runtime.flower_grace_s)"
+    return (f"; a phase that asks it waits until Flower reports the node gone (two missed heartbeats, about a "
+            f"minute) or runtime.flower_timeout_s = {timeout:g} s passes: runtime.flower_grace_s = G ends the wait G s "
+            f"after the quorum answered")
 
 
 def _log_has(path: Path, text: str) -> bool:
