@@ -702,3 +702,43 @@ def test_a_rows_column_set_naming_an_unknown_column_is_a_clear_error(tmp_path):
         reproduce.load_preset(str(path))
     assert "[[rows]] 'B' column_set" in str(err.value) and "'cc'" in str(err.value)
     assert "columns are c" in str(err.value)
+
+
+def test_a_cell_at_chance_says_so_in_every_output(tmp_path):
+    """FedUV's quick tables showed four baselines at exactly 10.00%, a global model that predicts one class, as if
+    they were results to order; a cell within half a point of its runs' chance accuracy (summary.json's
+    chance_global_acc, the test set's largest class share) is now marked, and the ordering says how many rows
+    are at chance."""
+    path = tmp_path / "toy.toml"
+    with_b = 'metric = "best5:global_acc"\npaper = { "c" = 40.0 }'  # row B published too: one pair to order
+    path.write_text(PRESET.replace('metric = "best5:global_acc"', with_b))
+    accs = {"fedavg": [0.1, 0.1, 0.1, 0.1, 0.1, 0.098], "fedprox": [0.3, 0.4, 0.5, 0.6, 0.7, 0.6]}
+    base = fake_run(accs)
+
+    def run(cfg, run_dir, resume):
+        base(cfg, run_dir, resume)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        (run_dir / "summary.json").write_text(json.dumps({**summary, "chance_global_acc": 0.1}))
+
+    result = reproduce.reproduce(reproduce.load_preset(str(path)), tmp_path / "out", run)
+    a, b = result["table"]["A"]["c"], result["table"]["B"]["c"]
+    assert (a["chance"], a["at_chance"]) == (pytest.approx(0.1), True)  # 0.098 and 0.108: mean 0.103
+    assert (b["chance"], b["at_chance"]) == (pytest.approx(0.1), False)
+    md = (tmp_path / "out" / "reproduction.md").read_text()
+    row_a = next(line for line in md.splitlines() if line.startswith("| A |"))
+    row_b = next(line for line in md.splitlines() if line.startswith("| B |"))
+    assert "10.30 ± 0.71 (chance)" in row_a and "chance" not in row_b
+    assert ("(chance): the mean is within 0.5 point of what always predicting the test set's largest class scores "
+            "(10.00%)") in md
+    assert ("C: 0 of the 1 pairs of rows the paper separates by 1 point or more are in its order here. 1 of its rows "
+            "is at chance (A).") in md
+    assert json.loads((tmp_path / "out" / "reproduction.json").read_text())["table"]["A"]["c"]["at_chance"] is True
+
+
+@pytest.mark.parametrize(("metric", "expected"), [("final_global_acc", 0.25), ("best_global_acc", 0.25),
+                                                  ("best5:global_acc", 0.25), ("final_client_acc_mean", None)])
+def test_chance_is_read_for_global_accuracies_only(tmp_path, metric, expected):
+    (tmp_path / "summary.json").write_text(json.dumps({"chance_global_acc": 0.25}))
+    assert reproduce.chance_value(tmp_path, metric) == expected
+    (tmp_path / "summary.json").write_text(json.dumps({}))  # a run from before hetfl recorded it
+    assert reproduce.chance_value(tmp_path, metric) is None

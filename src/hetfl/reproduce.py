@@ -243,6 +243,21 @@ def metric_value(run_dir: Path, metric: str) -> float:
     return float(summary[metric])
 
 
+#: a cell whose mean is within this of its runs' chance accuracy (always predicting the test set's largest class)
+#: is at chance: its runs have learned nothing the metric sees, so its place among the rows says nothing
+CHANCE_MARGIN = 0.005
+
+
+def chance_value(run_dir: Path, metric: str) -> float | None:
+    """The accuracy at chance of a run's global test set (``summary.json``'s ``chance_global_acc``) where
+    ``metric`` is a global accuracy; None for other metrics (a personalised accuracy's chance differs per
+    client) and for runs written before hetfl recorded it."""
+    if metric.removeprefix("best5:") not in ("final_global_acc", "best_global_acc", "global_acc"):
+        return None
+    value = json.loads((run_dir / "summary.json").read_text()).get("chance_global_acc")
+    return None if value is None else float(value)
+
+
 def run_diverged(run_dir: Path) -> bool:
     """Whether a run's train loss became inf or NaN (``summary.json``'s ``diverged_round`` set), as
     :func:`hetfl.tables.diverged_count` counts a compare row's runs."""
@@ -312,12 +327,15 @@ def reproduce(
             dirs = [out / column.id / specs[(row.label, column.id, s)].dirname for s in preset.seeds]
             values = [metric_value(d, metric) for d in dirs]
             ours = mean(values)
+            chances = [chance_value(d, metric) for d in dirs]
+            chance = None if None in chances else mean(chances)
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
             table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
                 "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
                 "diverged": sum(run_diverged(d) for d in dirs),  # kept in the mean: dropping them would flatter
+                "chance": chance, "at_chance": chance is not None and abs(ours - chance) < CHANCE_MARGIN,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
@@ -381,8 +399,12 @@ def ordering_lines(result: dict[str, Any]) -> list[str]:
         if not order or not order["separated_pairs"]:
             continue
         gap = percent(order["gap"])
+        at_chance = [label for label, by_col in result["table"].items() if by_col[cid].get("at_chance")]
         lines += ["", f"{markdown_text(label or cid)}: {order['in_order']} of the {order['separated_pairs']} pairs of "
-                  f"rows the paper separates by {gap:g} point{'s' if gap != 1 else ''} or more are in its order here."]
+                  f"rows the paper separates by {gap:g} point{'s' if gap != 1 else ''} or more are in its order here."
+                  + (f" {len(at_chance)} of its rows {'is' if len(at_chance) == 1 else 'are'} at chance "
+                     f"({', '.join(map(markdown_text, at_chance))})."
+                     if at_chance else "")]
         for pair in order["out_of_order"][:10]:
             (p_hi, p_lo), (o_hi, o_lo) = pair["paper"], pair["ours"]
             lines.append(f"- {markdown_text(pair['above'])} above {markdown_text(pair['below'])} in the paper "
@@ -440,6 +462,8 @@ def markdown(result: dict[str, Any]) -> str:
             ours = with_spread(percent(cell["ours"]), percent(cell["std"]), len(cell["values"]))
             if cell.get("diverged"):
                 ours += f" ({cell['diverged']} of {len(cell['values'])} diverged)"
+            if cell.get("at_chance"):
+                ours += " (chance)"
             cells.append(f"{ours} | {paper} | {diff}")
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
     if result["quick"]:
@@ -459,6 +483,12 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Diverged: seeds whose train loss became inf or NaN (summary.json: diverged_round); they are "
                   "kept in the cell's mean and std, as evaluated, so that a method is not flattered by dropping "
                   "its failures."]
+    chance = sorted({percent(cell["chance"]) for by_col in result["table"].values() for cell in by_col.values()
+                     if cell.get("at_chance")})
+    if chance:
+        lines += ["", f"(chance): the mean is within {percent(CHANCE_MARGIN):g} point of what always predicting the "
+                  f"test set's largest class scores ({', '.join(f'{c:.2f}%' for c in chance)}): those runs have "
+                  "learned nothing this metric sees yet, and their order among themselves says nothing."]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)

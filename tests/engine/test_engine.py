@@ -55,6 +55,16 @@ def test_default_run_writes_the_run_directory_contract(tmp_path):
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "no temporary files left"
 
 
+def test_the_summary_records_what_a_constant_prediction_scores_on_the_global_test_set(tmp_path):
+    """``chance_global_acc``: the largest class share of the labels global_acc is measured on (what a model
+    that predicts one class scores; ``hetfl reproduce`` marks cells at it)."""
+    exp = Experiment(quick("train.rounds=1", "train.local_steps=1"))
+    summary = exp.run(tmp_path / "r")
+    labels = exp.data.test_y.tolist()
+    assert summary["chance_global_acc"] == max(labels.count(c) for c in set(labels)) / len(labels)
+    assert 0 < summary["chance_global_acc"] < 1
+
+
 def test_same_seed_same_metrics_and_other_seed_differs(tmp_path):
     cfg = quick()
     Experiment(cfg).run(tmp_path / "a")

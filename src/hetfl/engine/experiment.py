@@ -193,6 +193,9 @@ class Experiment:
         resources.require([*self.algorithm.memory_needs(info.input_shape, self.model.feature_dim),
                            *[need for step in self.posthoc for need in step.memory_needs(self.model.feature_dim)]])
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        # what always predicting the test set's largest class scores: global_acc at chance (summary.json)
+        labels = self.data.test_y
+        self.chance_acc = float(torch.bincount(labels).max()) / len(labels) if len(labels) else math.nan
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
         self.chunk_sizes: dict = {}  # vectorized: clients that fit at once, per group structure (None: no limit)
         self.vectorized_cache = VectorizedCache()  # vectorized: CUDA graphs and their buffers, across rounds

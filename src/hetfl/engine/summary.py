@@ -21,6 +21,7 @@ class SetUp(Protocol):
 
     num_params: int
     device: Any
+    chance_acc: float  # the global test set's largest class share: a constant prediction's accuracy
 
 #: the quantiles of the clients' accuracies in the metrics line, as ``client_acc_<key>``
 SPREAD_KEYS = ("min", "q25", "median", "q75", "max")
@@ -82,6 +83,7 @@ def make_summary(cfg: RunConfig, history: Sequence[dict[str, Any]], wall: float,
     if evaluated and "global_acc" in evaluated[-1]:
         summary["final_global_acc"] = evaluated[-1]["global_acc"]
         summary["best_global_acc"] = max(m["global_acc"] for m in evaluated)
+        summary["chance_global_acc"] = exp.chance_acc
     for key in (history[-1] if history else {}):
         if key.startswith("global_acc_before_"):
             summary["final_" + key] = history[-1][key]
