@@ -657,3 +657,21 @@ def test_a_comparison_says_before_its_first_run_which_settings_its_runs_do_not_r
     said = " ".join(capsys.readouterr().out.split())
     note = "fedavg+ccvr: algorithm.ccvr.tukey_beta = 0.3 has no effect: it is read only when algorithm.ccvr.transform"
     assert said.count(note) == 1 and said.index(note) < said.index("fedavg+ccvr, seed 0")
+
+
+def test_a_compare_row_at_chance_is_marked_and_explained():
+    """hetfl compare's table marks a row whose final accuracy is within half a point of what its runs' constant
+    prediction scores (summary.json's chance_global_acc), as hetfl reproduce does; rows without the value (runs
+    from before it, personalised metrics) are not."""
+    at, above, old = ([_record(m, s, acc) for s in (0, 1)] for m, acc in
+                      (("fedavg", 0.102), ("feduv", 0.2), ("moon", 0.1)))
+    for record in [*at, *above]:
+        record.summary["chance_global_acc"] = 0.1
+    rows = tables.table_rows([*at, *above, *old], target=None)
+    assert [(row["method"], row["at_chance"]) for row in rows] == [("fedavg", True), ("feduv", False), ("moon", False)]
+    assert rows[0]["chance"] == pytest.approx(0.1) and rows[2]["chance"] is None
+    markdown = tables.to_markdown(rows, target=None)
+    assert [line.count("(chance)") for line in markdown.splitlines()[2:5]] == [1, 0, 0]
+    assert ("(chance): the mean is within 0.5 point of what always predicting the test set's largest class scores "
+            "(10.00%)") in markdown
+    assert "(chance)" not in tables.to_markdown(rows[1:], target=None)

@@ -258,6 +258,7 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
                   "<h2>Comparison</h2>", _table_html(*tables.table_cells(rows, target)),
                   f'<p class="muted">{html.escape(differences)}</p>',
                   *(f'<p class="muted">{html.escape(line)}</p>' for line in (tables.diverged_line(rows),
+                                                                             tables.chance_line(rows),
                                                                              tables.privacy_line(rows)) if line),
                   "<h2>Curves</h2>", *(_img(png) for _, png in figures)]
     md_parts = [f"# {md(title)}", "", f"{len(runs)} run(s), {len(groups)} setting(s).", "", "## Comparison", "",

@@ -61,7 +61,7 @@ from hetfl.files import atomic_write_text
 from hetfl.jobs import Job, check_jobs, check_shippable, run_jobs, trained_folder
 from hetfl.params import ConfigError
 from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
-from hetfl.tables import markdown_text, mean_std, percent, with_spread
+from hetfl.tables import at_chance, chance_line, markdown_text, mean_std, percent, with_spread
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -243,11 +243,6 @@ def metric_value(run_dir: Path, metric: str) -> float:
     return float(summary[metric])
 
 
-#: a cell whose mean is within this of its runs' chance accuracy (always predicting the test set's largest class)
-#: is at chance: its runs have learned nothing the metric sees, so its place among the rows says nothing
-CHANCE_MARGIN = 0.005
-
-
 def chance_value(run_dir: Path, metric: str) -> float | None:
     """The accuracy at chance of a run's global test set (``summary.json``'s ``chance_global_acc``) where
     ``metric`` is a global accuracy; None for other metrics (a personalised accuracy's chance differs per
@@ -327,15 +322,14 @@ def reproduce(
             dirs = [out / column.id / specs[(row.label, column.id, s)].dirname for s in preset.seeds]
             values = [metric_value(d, metric) for d in dirs]
             ours = mean(values)
-            chances = [chance_value(d, metric) for d in dirs]
-            chance = None if None in chances else mean(chances)
+            chance, chance_reached = at_chance(ours, [chance_value(d, metric) for d in dirs])
             printed = row.paper.get(column.id)  # the paper's number as printed, in %
             paper = None if printed is None else printed / 100
             table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
                 "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
                 "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
                 "diverged": sum(run_diverged(d) for d in dirs),  # kept in the mean: dropping them would flatter
-                "chance": chance, "at_chance": chance is not None and abs(ours - chance) < CHANCE_MARGIN,
+                "chance": chance, "at_chance": chance_reached,
             }
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
@@ -483,12 +477,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Diverged: seeds whose train loss became inf or NaN (summary.json: diverged_round); they are "
                   "kept in the cell's mean and std, as evaluated, so that a method is not flattered by dropping "
                   "its failures."]
-    chance = sorted({percent(cell["chance"]) for by_col in result["table"].values() for cell in by_col.values()
-                     if cell.get("at_chance")})
+    chance = chance_line([cell for by_col in result["table"].values() for cell in by_col.values()])
     if chance:
-        lines += ["", f"(chance): the mean is within {percent(CHANCE_MARGIN):g} point of what always predicting the "
-                  f"test set's largest class scores ({', '.join(f'{c:.2f}%' for c in chance)}): those runs have "
-                  "learned nothing this metric sees yet, and their order among themselves says nothing."]
+        lines += ["", chance]
     if result["notes"]:
         lines += ["", "Notes: " + md(result["notes"])]
     lines += ordering_lines(result)

@@ -164,6 +164,30 @@ def _privacy(runs: list[RunRecord]) -> dict[str, Any]:
             "dp_covers": "; ".join(sorted({str(p.get("covers", "")) for p in private} - {""})) or None}
 
 
+#: a mean accuracy within this of its runs' accuracy at chance (``summary.json``'s ``chance_global_acc``: always
+#: predicting the test set's largest class) is at chance: the runs learned nothing the metric sees
+CHANCE_MARGIN = 0.005
+
+
+def at_chance(value: float, chances: list[float | None]) -> tuple[float | None, bool]:
+    """The mean of runs' accuracies at chance (None where a run did not record one: a personalised metric, or a
+    run from before hetfl recorded it) and whether ``value``, their mean accuracy, is at chance."""
+    if not chances or None in chances:
+        return None, False
+    chance = mean(chances)  # type: ignore[arg-type]
+    return chance, abs(value - chance) < CHANCE_MARGIN
+
+
+def chance_line(rows: list[dict[str, Any]]) -> str:
+    """What a "(chance)" mark means, naming the accuracies at chance, for a table with one ('' otherwise)."""
+    chances = sorted({percent(row["chance"]) for row in rows if row.get("at_chance")})
+    if not chances:
+        return ""
+    return (f"(chance): the mean is within {percent(CHANCE_MARGIN):g} point of what always predicting the test set's "
+            f"largest class scores ({', '.join(f'{c:.2f}%' for c in chances)}): those runs have learned nothing this "
+            "metric sees yet, and their order among themselves says nothing.")
+
+
 def diverged_count(runs: list[RunRecord]) -> int:
     """How many of a row's runs diverged (``summary.json``'s ``diverged_round`` set: the train loss became inf
     or NaN). They stay in the row's mean as they ended (dropping them would flatter the setting); the count
@@ -202,6 +226,8 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
         })
+        row["chance"], row["at_chance"] = at_chance(final_m, [r.summary.get("chance_global_acc") if key ==
+                                                              "final_global_acc" else None for r in runs])
         if private:
             row.update(_privacy(runs))
         if target is not None:
@@ -259,7 +285,8 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
                  *([f"{row.get('diverged', 0)} of {row['seeds']}"] if diverged else []),
                  *(_before_cell(row, s) for s in steps),
-                 with_spread(percent(row["final_mean"]), percent(row["final_std"]), row["seeds"]),
+                 with_spread(percent(row["final_mean"]), percent(row["final_std"]), row["seeds"])
+                 + (" (chance)" if row.get("at_chance") else ""),
                  with_spread(percent(row["best_mean"]), percent(row["best_std"]), row["seeds"])]
         if target is not None:
             rtt = row["rounds_to_target"]
@@ -306,8 +333,8 @@ def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
     head, body = table_cells(rows, target)
     lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
-    notes = [markdown_text(line) for line in (differences_line(rows), diverged_line(rows), privacy_line(rows))
-             if line]
+    notes = [markdown_text(line) for line in (differences_line(rows), diverged_line(rows), chance_line(rows),
+                                              privacy_line(rows)) if line]
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 
