@@ -197,6 +197,7 @@ class Experiment:
         labels = self.data.test_y
         self.chance_acc = float(torch.bincount(labels).max()) / len(labels) if len(labels) else math.nan
         self.vmap_clients = vmap_clients(cfg.runtime, self.device)
+        self.compile_steps = cfg.runtime.compile and not compile_unsupported()  # torch < 2.5 cannot (said per run)
         self.chunk_sizes: dict = {}  # vectorized: clients that fit at once, per group structure (None: no limit)
         self.vectorized_cache = VectorizedCache()  # vectorized: CUDA graphs and their buffers, across rounds
         self.run_dir: Path | None = None
@@ -630,8 +631,7 @@ class Experiment:
         if cfg.runtime.compile and not self.vmap_clients:
             self.note("runtime.compile compiles the vectorized executor's vmapped steps; these clients are trained "
                       "one at a time, uncompiled", reporter)
-        compile_steps = cfg.runtime.compile and not compile_unsupported()
-        if cfg.runtime.compile and self.vmap_clients and not compile_steps:
+        if cfg.runtime.compile and self.vmap_clients and not self.compile_steps:
             self.note(compile_unsupported(), reporter)
         if self.vmap_clients:
             on_cuda = self.data.device.type == "cuda"
@@ -643,7 +643,7 @@ class Experiment:
                                                memo=self.chunk_sizes, cache=self.vectorized_cache,
                                                channels_last=cfg.runtime.channels_last and on_cuda,
                                                conv_batching=cfg.runtime.conv_batching,
-                                               compile_steps=compile_steps,
+                                               compile_steps=self.compile_steps,
                                                block_steps=cfg.runtime.graph_steps)
             for _ in results:
                 reporter.client_done()

@@ -27,7 +27,6 @@ import contextlib
 import datetime as dt
 import ipaddress
 import json
-import math
 import os
 import re
 import signal
@@ -43,6 +42,7 @@ from typing import Any
 
 import tomli_w
 
+from hetfl import config as config_mod
 from hetfl.algorithms import plugin_files
 from hetfl.flower.app_plugins import PLUGINS_KEY, copy_plugins, plugins_listing
 
@@ -609,10 +609,11 @@ def _rounds(config_text: str) -> int | None:
 def _dead_node_wait(config_text: str) -> str:
     """What a phase that asks a dead node waits for under the run's config, for the warning that one died: with
     no grace (the default), until Flower reports the node gone or the timeout, and how to wait less."""
+    defaults = config_mod.RuntimeConfig()
     try:
         runtime = tomllib.loads(config_text).get("runtime", {})
-        grace = float(runtime.get("flower_grace_s", math.inf))
-        timeout = float(runtime.get("flower_timeout_s", 600.0))
+        grace = float(runtime.get("flower_grace_s", defaults.flower_grace_s))
+        timeout = float(runtime.get("flower_timeout_s", defaults.flower_timeout_s))
     except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError):
         return ""
     if grace < timeout:
