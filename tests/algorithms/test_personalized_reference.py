@@ -151,7 +151,7 @@ def ditto_reference(fed, lam):
         for c in fed.sampled[r]:
             locals_.append(gd(w, lambda p, c=c: ce(p, fed.train[c])))
             anchor = w
-            prox = lambda p, c=c, a=anchor: ce(p, fed.train[c]) + lam / 2 * sum(  # noqa: E731
+            prox = lambda p, c=c, a=anchor: ce(p, fed.train[c]) + lam / 2 * sum(
                 ((p[n] - a[n]) ** 2).sum() for n in PARAMS)
             v[c] = gd(v.get(c, w), prox)
         w = mean(locals_, [fed.size[c] for c in fed.sampled[r]])
