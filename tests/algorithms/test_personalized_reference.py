@@ -413,3 +413,60 @@ def test_fine_tuning_at_evaluation_starts_from_the_global_model_on_the_clients_o
              for c in fed.clients}
     predictors = {c: (lambda x, p=tuned[c]: logits(p, x)) for c in fed.clients}
     check(fed, exp, server, clients, line, None, w, predictors)
+
+
+# ------------------------------------------------------------------------------------------------ FedPAC
+def simplex_qp_by_enumeration(p):
+    """argmin a^T P a over the simplex, exactly: on every support S the stationary point
+    a_S = P_S^-1 1 / (1^T P_S^-1 1); the feasible (a >= 0) one of least value."""
+    n, best = p.shape[0], None
+    for mask in range(1, 2**n):
+        s = [i for i in range(n) if mask >> i & 1]
+        sub = p[s][:, s]
+        try:
+            x = torch.linalg.solve(sub, torch.ones(len(s), dtype=p.dtype))
+        except RuntimeError:
+            continue
+        a = torch.zeros(n, dtype=p.dtype)
+        a[s] = x / x.sum()
+        if (a >= -1e-12).all() and (best is None or a @ p @ a < best @ p @ best - 1e-15):
+            best = a.clamp(min=0)
+    return best
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fedpac_combines_the_uploaded_classifiers_by_the_papers_qp(executor):
+    """Xu et al. 2023, eq. 11, after round 1 (all 5 clients): from the features of each client's training set
+    under the received (initial) encoder, h_i[k] = pi_k mu_k and v_i = [sum_k pi_k tr E[z z^T | k] -
+    sum_k pi_k^2 ||mu_k||^2] / n_i; client i's weights minimise a^T (diag(v) + D_i) a on the simplex,
+    D_i[j1, j2] = sum_k <h_i[k] - h_j1[k], h_i[k] - h_j2[k]> (weights <= 1e-3 dropped, the rest renormalised,
+    as the authors' code); its head is sum_j a_j g_j over the uploaded classifiers, and it is evaluated with
+    the global encoder and that head."""
+    sets = ["algorithm.name=fedpac", "train.clients_per_round=0", "train.rounds=1", *EXECUTORS[executor]]
+    exp = Experiment(config.load(None, [*BASE, *sets]))
+    server, clients = exp.initial_server(), {}
+    server = exp.round(server, clients, 1, Reporter())["_server"]
+    line = exp.evaluate(server, clients, 1)
+    fed = Federation(exp)
+    h, v = [], []
+    for c in fed.clients:
+        x, y = fed.train[c]
+        z = features(fed.init, x).double()
+        pi = torch.bincount(y, minlength=4).double() / len(y)
+        mu = torch.stack([z[y == k].mean(0) if (y == k).any() else torch.zeros(z.shape[1]) for k in range(4)])
+        second = torch.stack([(z[y == k] ** 2).sum(1).mean() if (y == k).any() else torch.zeros(())
+                              for k in range(4)])
+        h.append(pi[:, None] * mu)
+        v.append(float(((pi * second).sum() - (pi**2 * (mu**2).sum(1)).sum()) / len(y)))
+    uploaded = [{n: clients[c]["fedpac.local_head/" + n].double() for n in HEAD} for c in fed.clients]
+    personal = {}
+    for i in fed.clients:
+        d = torch.tensor([[float(((h[i] - h[a]) * (h[i] - h[b])).sum()) for b in fed.clients] for a in fed.clients],
+                         dtype=torch.float64)
+        alpha = simplex_qp_by_enumeration(torch.diag(torch.tensor(v, dtype=torch.float64)) + d)
+        alpha = torch.where(alpha > 1e-3, alpha, torch.zeros_like(alpha))
+        alpha = alpha / alpha.sum()
+        assert (alpha >= 0).all() and float(alpha.sum()) == pytest.approx(1.0)
+        head = {n: sum(a * g[n] for a, g in zip(alpha, uploaded, strict=True)).float() for n in HEAD}
+        personal[i] = {**{n: server.model[n] for n in ENCODER}, **head}
+    check(fed, exp, server, clients, line, personal)
