@@ -89,6 +89,10 @@ class APFL(Algorithm):
     def local(self, state: Tensors) -> Tensors:
         return {n: state[LOCAL + n] for n in self.model.state_names}
 
+    def running_buffers(self) -> tuple[str, ...]:
+        """The global copy's buffers and the local model's (the mixture's forward updates those)."""
+        return self.model.buffer_names + tuple(LOCAL + n for n in self.model.buffer_names)
+
     def init_client_state(self, client_id: int, server: ServerState) -> Tensors:
         state = {LOCAL + n: server.model[n].clone() for n in self.model.state_names}
         first = server.model[self.model.param_names[0]]

@@ -615,6 +615,15 @@ class Algorithm(PrivateReleases):
     def trainable_names(self) -> tuple[str, ...]:
         return self.model.param_names
 
+    def running_buffers(self) -> tuple[str, ...]:
+        """Names of the local state's tensors that a forward pass in training mode updates (BatchNorm running
+        statistics): the model's buffers, and those of a method's own copy of the model that its loss calls
+        (Ditto's personal model, APFL's local model). A step updates them on copies made inside the
+        differentiated function (``hetfl.engine.local.step_gradients``): an update in place of a tensor the
+        step reads is refused by ``torch.func`` transforms, and the vectorised executor would train the
+        round's clients one after the other."""
+        return self.model.buffer_names
+
     def loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         return cross_entropy_loss(self.model)(state, batch, ctx)
 

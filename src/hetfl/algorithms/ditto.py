@@ -65,6 +65,10 @@ class Ditto(Algorithm):
     def start_state(self, ctx: ClientContext) -> Tensors:
         return {**{n: ctx.payload[n] for n in self.model.state_names}, **ctx.state}
 
+    def running_buffers(self) -> tuple[str, ...]:
+        """The global copy's buffers and the personal model's (its BatchNorm statistics train with it)."""
+        return self.model.buffer_names + tuple(PERSONAL + n for n in self.model.buffer_names)
+
     def personal_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
         """``F_i(v) + lam/2 ||v - w^t||^2``, w^t the received global model."""
         v = self.personal(state)

@@ -84,6 +84,11 @@ Remaining departures from the paper and the authors' code:
   the code uses the training loader in whatever mode the model was left.
 - Alignment is on once the server has centroids (the code: from its second
   round, ``round > 0``); the same after any round with participants.
+- A client that has not taken part yet (``train.clients_per_round`` below the
+  number of clients) starts, and is evaluated, with the server model's
+  classifier, the data-size-weighted mean of the last round's uploaded
+  classifiers; the authors' code keeps the initial classifier for it (every
+  client's encoder is the global one in both).
 
 Differential privacy (``dp_epsilon`` finite; not in the paper): the additive uploads, per-class counts
 and feature sums, go through the Gaussian mechanism of :mod:`hetfl.algorithms.dp_moments` (features

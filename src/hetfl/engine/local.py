@@ -290,7 +290,7 @@ def train_client(
         batch_size=train_cfg.batch_size,  # type: ignore[attr-defined]
         drop_last=train_cfg.drop_last,  # type: ignore[attr-defined]
         max_grad_norm=train_cfg.max_grad_norm,  # type: ignore[attr-defined]
-        buffers=algorithm.model.buffer_names,
+        buffers=algorithm.running_buffers(),
         precision=getattr(train_cfg, "precision", "fp32"),
         low_names=algorithm.model.low_precision_names,
     )

@@ -990,7 +990,7 @@ def train_clients_vectorized(
         log(f"vectorized: {len(groups)} client groups with different stage structures or tensor shapes")
     results: list[LocalResult | None] = [None] * len(plans)
     settings = {"batch_size": train_cfg.batch_size, "drop_last": train_cfg.drop_last,
-                "max_grad_norm": train_cfg.max_grad_norm, "buffers": algorithm.model.buffer_names,
+                "max_grad_norm": train_cfg.max_grad_norm, "buffers": algorithm.running_buffers(),
                 "precision": getattr(train_cfg, "precision", "fp32"),
                 "low_names": algorithm.model.low_precision_names}
     memo = {} if memo is None else memo
