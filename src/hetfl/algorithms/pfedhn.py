@@ -55,7 +55,9 @@ local lr.
 Departures from the paper/code: by default each target tensor is produced in
 chunks (``chunk_size = 4096``, hetfl's choice) instead of one linear head per
 tensor (``chunk_size = 0``); the phi update sums a round's clients' gradients
-into one step (the code takes one step per client).
+into one step (the code takes one step per client); only the participating
+clients' embeddings take a step (the code's optimiser holds all embeddings, so
+momentum and weight decay also move those of clients not in the round).
 """
 
 from __future__ import annotations
