@@ -11,6 +11,8 @@ MOON's losses act) is checked as well as the logits. Sources:
 * ``fedpac_cnn``: JianXu95/FedPAC ``models/cnn.py`` (``CifarCNN``, ``CNN_FMNIST``);
 * ``feduv_cnn`` / ``feduv_resnet18``: sonhamin/FedUV ``nets/models.py`` (``SimpleCNN``, ``ResNet_18``, torchvision's
   BasicBlock);
+* ``feduv_resnet50``: sonhamin/FedUV ``nets/models.py`` ``ResNet_50`` (torchvision's Bottleneck);
+* ``fedbr_cnn``: LINs-lab/FedBR ``networks.py`` ``MNIST_CNN`` (DomainBed's) and its linear ``Classifier``;
 * ``mobilenetv2``: CCVR's Table 7 (App. E.2), the layer list typed in below, with Sandler et al.'s BN and ReLU6;
 * ``vgg11`` (``hidden = 0``): LINs-lab/FedBR ``networks.py`` ``CIFAR_Vgg`` (torchvision ``vgg11().features``,
   adaptive average pool) and its linear ``Classifier``;
@@ -34,7 +36,7 @@ class Weights:
     """The model's layers with weights, in declaration order, handed out one by one."""
 
     def __init__(self, model: nn.Module) -> None:
-        kinds = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm)
+        kinds = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.BatchNorm1d, nn.LayerNorm, nn.GroupNorm)
         self.layers = [m for m in model.modules() if isinstance(m, kinds)]
         self.i = 0
 
@@ -43,6 +45,9 @@ class Weights:
         assert isinstance(layer, kind), f"layer {self.i}: {type(layer).__name__}, reference expects {kind.__name__}"
         self.i += 1
         return layer
+
+    def take_group_norm(self) -> nn.GroupNorm:
+        return self.take(nn.GroupNorm)  # type: ignore[return-value]
 
     def done(self) -> None:
         assert self.i == len(self.layers), f"{len(self.layers) - self.i} layers left unused by the reference"
@@ -141,6 +146,35 @@ def feduv_resnet18(w: Weights, x: torch.Tensor, training: bool) -> tuple[torch.T
     return feduv_head(w, x, training)
 
 
+def bottleneck(w: Weights, x: torch.Tensor, stride: int, downsample: bool, training: bool) -> torch.Tensor:
+    """torchvision's Bottleneck (v1.5: the stride on the 3x3), as FedUV's resnet_utils.py."""
+    out = F.relu(bn(w, conv(w, x), training))
+    out = F.relu(bn(w, conv(w, out, stride, 1), training))
+    out = bn(w, conv(w, out), training)
+    identity = bn(w, conv(w, x, stride, 0), training) if downsample else x
+    return F.relu(out + identity)
+
+
+def feduv_resnet50(w: Weights, x: torch.Tensor, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x = F.relu(bn(w, conv(w, x, 2, 3), training))  # initial_conv: 7x7 stride 2 padding 3; no max pool
+    for i, blocks in enumerate((3, 4, 6, 3)):
+        x = bottleneck(w, x, 1 if i == 0 else 2, True, training)
+        for _ in range(blocks - 1):
+            x = bottleneck(w, x, 1, False, training)
+    return feduv_head(w, x, training)
+
+
+# --------------------------------------------------------------------------- FedBR's RotatedMNIST CNN
+def domainbed_mnist_cnn(w: Weights, x: torch.Tensor, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DomainBed's MNIST_CNN.forward: conv, relu, then the GroupNorm (named bn0..bn3 in the code)."""
+    for stride in (1, 2, 1, 1):
+        x = F.relu(conv(w, x, stride, 1))
+        g = w.take_group_norm()
+        x = F.group_norm(x, g.num_groups, g.weight, g.bias, g.eps)
+    z = F.adaptive_avg_pool2d(x, 1).flatten(1)
+    return z, fc(w, z)
+
+
 # --------------------------------------------------------------------------- CCVR's MobileNetV2 (Table 7)
 # Table 7 row by row: (input channels, expansion conv output or None, output channels, depthwise stride), x rep.
 TABLE7 = [
@@ -231,6 +265,8 @@ CASES = [
     ("fedpac_cnn", (1, 28, 28), {}, fedpac_cnn),
     ("feduv_cnn", (3, 32, 32), {"out_dim": 32}, feduv_cnn),
     ("feduv_resnet18", (3, 32, 32), {"out_dim": 32}, feduv_resnet18),
+    ("feduv_resnet50", (3, 64, 64), {"out_dim": 32}, feduv_resnet50),
+    ("fedbr_cnn", (1, 28, 28), {}, domainbed_mnist_cnn),
     ("mobilenetv2", (3, 32, 32), {}, table7_mobilenetv2),
     ("vgg11", (3, 32, 32), {"hidden": 0}, fedbr_vgg11),
     ("cnn2", (1, 28, 28), {}, pfllib_fedavg_cnn),
