@@ -309,6 +309,24 @@ def test_feduv_resnet18_columns_have_the_papers_512_wide_projector():
                                   []).model.options == {}
 
 
+@pytest.mark.parametrize(("name", "columns"), [("feduv-table1", ("tiny-a0.01", "tiny-a1", "officehome")),
+                                               ("feduv-table2", ("oh-r0.25", "oh-r0.5", "oh-r1")),
+                                               ("feduv-table3", ("oh-e10", "oh-e20", "oh-e40"))])
+def test_feduv_resnet50_columns_run_the_authors_resnet50_with_the_papers_2048_wide_projector(name, columns):
+    """FedUV section 4.1: ResNet-50 for Tiny-ImageNet and Office-Home "with 2048 neurons" in the projector; the
+    authors' ResNet_50 (sonhamin/FedUV nets/models.py) has a 7x7 stride-2 stem, no max pool and a 2-layer BN
+    projector: ``feduv_resnet50``, not hetfl's CIFAR-stem ``resnet50`` without projector (the presets' departure
+    until the models audit)."""
+    from hetfl.models import build_model
+
+    for column in columns:
+        for row in ("FedAvg", "FedUV"):
+            cfg = _resolved(name, row, column)[0]
+            assert (cfg.model.name, cfg.model.options) == ("feduv_resnet50", {"out_dim": 2048}), (row, column)
+    built = build_model("feduv_resnet50", (3, 96, 96), 65, **cfg.model.options)
+    assert built.feature_dim == 2048 and built.projector is not None
+
+
 def test_fedbr_rows_send_one_batch_of_pseudo_samples_as_algorithm_1_and_the_latest_code():
     """|D_p| = B (Algorithm 1; the slides' "32 pseudo-data" are CIFAR-10's batch): the authors' latest code
     (d382a37, train_fed.py) draws ``hparams['batch_size']`` means, 64 for RotatedMNIST (its first commit

@@ -32,7 +32,7 @@ SEED_METHODS = ("fedavg+ccvr", "feduv", "fedbr", "fedpac")
 # FedPAC on ResNet-18, FedUV on ResNet-50: the other way round cost 3 s more (FedPAC's per-class statistics
 # and its personalised evaluation at 2048 dimensions), for the same code paths
 BIG_MODELS = {"resnet18": "fedpac", "resnet50": "feduv", "mobilenetv2": "fedbr", "vgg11": "fedavg+ccvr",
-              "cct": "feduv", "feduv_resnet18": "feduv"}
+              "cct": "feduv", "feduv_resnet18": "feduv", "feduv_resnet50": "feduv"}
 FULL_MATRIX = os.environ.get("HETFL_FULL_MATRIX") == "1"
 PAIRS = [(method, model) for model in sorted(MODELS) for method in SEED_METHODS
          if FULL_MATRIX or model not in BIG_MODELS or BIG_MODELS[model] == method]

@@ -127,6 +127,59 @@ def test_feduv_resnet18_matches_the_authors_model() -> None:
     assert len(param_groups(model)["projector"]) == 8
 
 
+# ---------------------------------------------------------------- FedUV's ResNet-50
+def bottleneck_count(cin: int, planes: int, shortcut: bool) -> int:
+    """torchvision's Bottleneck (sonhamin/FedUV nets/resnet_utils.py): conv1x1, conv3x3, conv1x1 (x4), a BN each."""
+    total = conv(cin, planes, 1, bias=False) + norm(planes) + conv(planes, planes, 3, bias=False) + norm(planes)
+    total += conv(planes, 4 * planes, 1, bias=False) + norm(4 * planes)
+    return total + (conv(cin, 4 * planes, 1, bias=False) + norm(4 * planes) if shortcut else 0)
+
+
+def feduv_resnet50_count(channels: int, classes: int, out_dim: int) -> int:
+    """The authors' ResNet_50 (nets/models.py): initial_conv 7x7 (no bias) + BN; layer1..4 of 3, 4, 6, 3
+    bottlenecks, each first one with a conv1x1 + BN downsample; fc1/fc1_bn/fc2/fc2_bn/fc3."""
+    total, cin = conv(channels, 64, 7, bias=False) + norm(64), 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        total += bottleneck_count(cin, planes, True) + (blocks - 1) * bottleneck_count(4 * planes, planes, False)
+        cin = 4 * planes
+    total += linear(2048, out_dim) + norm(out_dim) + linear(out_dim, out_dim) + norm(out_dim)
+    return total + linear(out_dim, classes)
+
+
+def test_feduv_resnet50_matches_the_authors_model() -> None:
+    tiny, office = (3, 64, 64), (3, 96, 96)
+    assert feduv_resnet50_count(3, 200, 2048) == 32_318_728  # Tiny-ImageNet, the paper's 2048-wide projector
+    assert n_params(build_model("feduv_resnet50", tiny, 200, out_dim=2048)) == 32_318_728
+    model = build_model("feduv_resnet50", office, 65, out_dim=2048)
+    assert n_params(model) == feduv_resnet50_count(3, 65, 2048) == 32_042_113
+    assert model.feature_dim == 2048 and len(param_groups(model)["projector"]) == 8
+    small = build_model("feduv_resnet50", tiny, 10)  # the code's --out_dim default, 256
+    assert n_params(small) == feduv_resnet50_count(3, 10, 256) and small.feature_dim == 256
+    stem = model.encoder[0]
+    assert stem.kernel_size == (7, 7) and stem.stride == (2, 2) and stem.padding == (3, 3) and stem.bias is None
+    assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())  # the code comments it out
+    with torch.no_grad():  # 64 -> 32 (stem) -> 32 -> 16 -> 8 -> 4
+        assert model.encoder[:4](torch.randn(1, *tiny)).shape == (1, 256, 32, 32)
+        assert model.encoder[:7](torch.randn(1, *tiny)).shape == (1, 2048, 4, 4)
+    model.train()
+    z, logits = model(torch.randn(2, *office), return_features=True)
+    assert z.shape == (2, 2048) and logits.shape == (2, 65) and (z >= 0).all()  # the projector's last ReLU
+
+
+# ---------------------------------------------------------------- FedBR's RotatedMNIST CNN
+def test_fedbr_cnn_is_domainbeds_mnist_cnn() -> None:
+    """LINs-lab/FedBR fedbr/networks.py MNIST_CNN: convs 64, 128 (stride 2), 128, 128, 3x3 padding 1 with bias,
+    GroupNorm(8) each, global average pooling (n_outputs 128), then the linear Classifier."""
+    count = conv(1, 64, 3) + norm(64) + conv(64, 128, 3) + 3 * norm(128) + 2 * conv(128, 128, 3) + linear(128, 10)
+    assert count == 371_850
+    model = build_model("fedbr_cnn", MNIST, 10)
+    assert n_params(model) == count and model.feature_dim == 128 and model.projector is None
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert [(m.num_groups, m.num_channels) for m in norms] == [(8, 64), (8, 128), (8, 128), (8, 128)]
+    assert [c.stride[0] for c in model.modules() if isinstance(c, torch.nn.Conv2d)] == [1, 2, 1, 1]
+    assert n_params(build_model("fedbr_cnn", CIFAR, 10)) == count + conv(3, 64, 3) - conv(1, 64, 3)
+
+
 # ---------------------------------------------------------------- CCT-7/3x1
 def cct_encoder_count(channels: int, tokens: int, dim: int = 256, layers: int = 7, mlp: int = 512) -> int:
     tokenizer = conv(channels, dim, 3, bias=False)

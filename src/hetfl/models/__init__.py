@@ -19,6 +19,9 @@ Models (options with defaults; feature_dim = classifier input size):
 * ``feduv_cnn``: FedUV's 10-layer CNN (authors' code) with BatchNorm; ``width=1``, ``out_dim=256``; out_dim.
 * ``feduv_resnet18``: FedUV's ResNet-18 (authors' code: stride-2 first stage, 2-layer BatchNorm projection head);
   ``out_dim=256``; out_dim.
+* ``feduv_resnet50``: FedUV's ResNet-50 (authors' code: 7x7 stride-2 stem without max pool, 2-layer BatchNorm
+  projection head); ``out_dim=256``; out_dim.
+* ``fedbr_cnn``: FedBR's RotatedMNIST CNN (authors' code: DomainBed's MNIST_CNN, 4 convs with GroupNorm); 128.
 * ``cct``: Compact Convolutional Transformer, CCT-7/3x1 by default (FedBR's CIFAR-100 model); ``num_layers=7``,
   ``embed_dim=256``, ``num_heads=4``, ``mlp_ratio=2.0``, ``kernel_size=3``, ``conv_layers=1``, ``dropout=0.0``,
   ``attention_dropout=0.0``, ``stochastic_depth=0.0``; embed_dim.
@@ -35,7 +38,7 @@ from hetfl.models.cct import CCT
 from hetfl.models.cnn import CNN2, SimpleCNN
 from hetfl.models.mlp import MLP
 from hetfl.models.mobilenet import MobileNetV2
-from hetfl.models.paper_cnns import FedPACCNN, FedUVCNN, FedUVResNet18
+from hetfl.models.paper_cnns import FedBRCNN, FedPACCNN, FedUVCNN, FedUVResNet18, FedUVResNet50
 from hetfl.models.resnet import ResNet, resnet18, resnet50
 from hetfl.models.vgg import VGG11
 from hetfl.params import did_you_mean
@@ -47,9 +50,11 @@ __all__ = [
     "MODELS",
     "VGG11",
     "FLModel",
+    "FedBRCNN",
     "FedPACCNN",
     "FedUVCNN",
     "FedUVResNet18",
+    "FedUVResNet50",
     "MobileNetV2",
     "ModelError",
     "ResNet",
@@ -71,6 +76,8 @@ _BUILDERS: dict[str, Callable[..., FLModel]] = {
     "fedpac_cnn": FedPACCNN,
     "feduv_cnn": FedUVCNN,
     "feduv_resnet18": FedUVResNet18,
+    "feduv_resnet50": FedUVResNet50,
+    "fedbr_cnn": FedBRCNN,
     "cct": CCT,
 }
 

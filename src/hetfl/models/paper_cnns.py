@@ -1,4 +1,5 @@
-"""Networks of two seed papers, as in the authors' code: FedPAC's CNN, FedUV's 10-layer CNN and ResNet-18."""
+"""Networks of the seed papers, as in the authors' code: FedPAC's CNN, FedUV's 10-layer CNN, ResNet-18 and
+ResNet-50, and FedBR's RotatedMNIST CNN (DomainBed's ``MNIST_CNN``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
 from hetfl.models.layers import Conv2d, Linear, MaxPool2d
-from hetfl.models.resnet import BasicBlock
+from hetfl.models.resnet import BasicBlock, Bottleneck
 
 
 # --------------------------------------------------------------------------- FedPAC
@@ -164,8 +165,75 @@ class FedUVResNet18(FLModel):
             layers.append(nn.Sequential(BasicBlock(inp, planes, 2, "bn", 2), BasicBlock(planes, planes, 1, "bn", 2)))
             inp = planes
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        projector = nn.Sequential(
-            Linear(512, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-            Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-        )  # fmt: skip
-        super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), projector)
+        super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), _feduv_projector(512, out_dim))
+
+
+def _feduv_projector(width: int, out_dim: int) -> nn.Sequential:
+    """FedUV's projection head (``fc1``/``fc1_bn``/``fc2``/``fc2_bn``): its output, after the last ReLU, is the
+    classifier input and what the uniformity loss acts on."""
+    return nn.Sequential(
+        Linear(width, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+        Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+    )  # fmt: skip
+
+
+class FedUVResNet50(FLModel):
+    """FedUV's ResNet-50 for Tiny-ImageNet and Office-Home (Son, Kim, Kim, Lee, CVPR 2024), as in the authors'
+    code (github.com/sonhamin/FedUV, ``nets/models.py``: ``ResNet_50``; commit dd2e3c59).
+
+    Differs from hetfl's ``resnet50`` (the CIFAR stem) in two places, both from that code:
+
+    * the ImageNet stem: a 7x7 convolution with stride 2 and padding 3 (no bias) + BatchNorm + ReLU, and
+      no max pool (the code comments it out), so 64x64 inputs go 64 -> 32 -> 32 -> 16 -> 8 -> 4 and 96x96
+      ones 96 -> 48 -> 48 -> 24 -> 12 -> 6: a quarter of the CIFAR stem's positions at every layer;
+    * after global average pooling, the projection head fc 2048 -> out_dim, BatchNorm1d, ReLU,
+      fc out_dim -> out_dim, BatchNorm1d, ReLU, then the classifier out_dim -> C (``fc3``). The paper gives
+      ResNet-50 a 2048-wide projector (section 4.1); the code's ``--out_dim`` default is 256, hence the
+      option (the presets set 2048).
+
+    Bottleneck blocks [3, 4, 6, 3] as torchvision's (ResNet v1.5: the stride on the 3x3 convolution), each
+    stage's first block with a 1x1 convolution + BatchNorm shortcut (stride 1 in the first stage).
+    PyTorch default initialisation, as in the code. BatchNorm1d needs batches of at least 2 samples in
+    training mode (the code's loader drops the last incomplete batch: ``train.drop_last = true``).
+
+    Parameters (3 channels, out_dim 2048): encoder 23,508,032 + projector 8,400,896 + classifier;
+    32,318,728 with 200 classes (Tiny-ImageNet), 32,042,113 with 65 (Office-Home).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, out_dim: int = 256) -> None:
+        c, _, _ = image_shape("feduv_resnet50", input_shape)
+        check_positive_int("out_dim", out_dim)
+        layers: list[nn.Module] = [Conv2d(c, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+        inp = 64
+        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
+            stage = [Bottleneck(inp if j == 0 else planes * 4, planes, 2 if (i > 0 and j == 0) else 1, "bn", 2)
+                     for j in range(blocks)]
+            layers.append(nn.Sequential(*stage))
+            inp = planes * 4
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), _feduv_projector(inp, out_dim))
+
+
+# --------------------------------------------------------------------------- FedBR
+class FedBRCNN(FLModel):
+    """FedBR's RotatedMNIST network (Guo, Tang, Lin, ICML 2023), as in the authors' code
+    (github.com/LINs-lab/FedBR, ``fedbr/networks.py``: DomainBed's ``MNIST_CNN``, the featurizer its
+    ``Featurizer`` builds for 28x28 inputs, and the linear ``Classifier``).
+
+    Encoder: conv C->64 k3 padding 1; conv 64->128 k3 stride 2 padding 1; conv 128->128 k3 padding 1;
+    conv 128->128 k3 padding 1; each conv (with bias) followed by ReLU, then GroupNorm(8 groups) (the
+    code's order: ``bn(relu(conv(x)))``); global average pooling: the 128-d feature (the code's
+    ``n_outputs``). Classifier: 128 -> C. No BatchNorm, so nothing to average but parameters. PyTorch
+    default initialisation, as in the code. Any input size works (global pooling).
+
+    Parameters (1 channel, 10 classes): convs 640 + 73,856 + 2 x 147,584 + GroupNorm 2 x (64 + 3 x 128)
+    + classifier 1,290 = 371,850.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        c, _, _ = image_shape("fedbr_cnn", input_shape)
+        layers: list[nn.Module] = []
+        for cin, cout, stride in ((c, 64, 1), (64, 128, 2), (128, 128, 1), (128, 128, 1)):
+            layers += [Conv2d(cin, cout, 3, stride, 1), nn.ReLU(), nn.GroupNorm(8, cout)]
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        super().__init__(nn.Sequential(*layers), Linear(128, num_classes))
