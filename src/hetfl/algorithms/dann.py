@@ -35,7 +35,12 @@ state as method tensors (``dann.head/...``), like FedBR's projection head.
   generator steps on different batches (``d_steps_per_g_step = 1``); the run's
   SGD settings for ``G_d`` (the code: same lr, no weight decay). The
   alternative the FedBR paper leaves open, "local data vs shared pseudo-data" as
-  two domains, is not implemented.
+  two domains, is not implemented. The code's domain label is the *slot* of the
+  local model (``set_disc_label(i)``, ``i`` the index in ``local_algorithms``),
+  and the slots are given a fresh random permutation of the clients every round
+  (``chosen_clients = torch.multinomial(..., 10)`` over 10 clients without
+  replacement), so a client's label there changes from round to round; hetfl
+  labels client k with k in every round, the stated intent.
 """
 
 from __future__ import annotations

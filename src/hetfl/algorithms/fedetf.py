@@ -17,8 +17,12 @@ details from the authors' code, github.com/ZexiLee/ICCV-2023-FedETF:
 - Features: the model's classifier input ``z`` goes through a learnable
   projection layer ``u = W_p z + b_p`` (``d x feature_dim``, averaged like the
   model) and is L2-normalised, ``h = u / ||u||``; the logits are
-  ``beta h^T M`` with a learnable temperature ``beta`` (the code's
-  ``scaling_train``, initial value 1.0 as its default argument; averaged).
+  ``beta h^T M`` with a learnable temperature ``beta`` (the model's
+  ``scaling_train``; averaged). Its initial value in the code depends on the
+  model: 10.0 for its CIFAR-10 CNN and VGG (whose ETF has d = 64, the feature
+  size), 1.0 for LeNet-5 and the ResNet / DenseNet / MobileNet / EfficientNet
+  models (d = C). hetfl's default is 1.0 (``beta_init``); the argument
+  ``--scaling_train`` (default 1.0) is FedNH's fixed scale, not this one.
 - Local loss: balanced softmax (Ren et al., NeurIPS 2020),
   ``CE(logits + log n_c, y)`` with ``n_c`` the client's count of class c
   (absent classes count 1, as the code does). The server is FedAvg (over
@@ -91,7 +95,8 @@ class FedETFHyper:
 
     etf_dim: dimension d of the ETF and the projection (0 = the model's feature
         dimension, at least the number of classes).
-    beta_init: initial learnable temperature (1.0, the code's ``scaling_train``).
+    beta_init: initial learnable temperature (1.0: the code's value for LeNet-5 and its
+        ResNets; its CIFAR-10 CNN and VGG start at 10.0).
     balanced: balanced-softmax local loss (the paper's); false: cross-entropy.
     personalize: run the local adaptation before each client's evaluation.
     pers_cycles: alternations of ETF and projection fine-tuning (20).

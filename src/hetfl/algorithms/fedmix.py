@@ -18,7 +18,14 @@ composes with ``vmap``. The server is FedAvg.
 Departures from the paper/code: ``lam = 0.05`` as the paper's main runs;
 ``mash_size = 5`` is hetfl's default for M_k (the paper varies it; not
 confirmed against its tables). The pooled means are sent once, before
-training.
+training. Other implementations differ in the derivative term's scale, all
+equal to first order in lam only up to that scale: Flower's baseline
+(``baselines/fedmix``) differentiates ``(1 - lam) CE_mean`` (a factor
+``1 - lam``) and mixes one mean per batch; FedBR's code (``FedMix.update``,
+the baseline of its Tables 1 and 5) differentiates ``(1 - lam) CE_mean`` and
+divides the summed products by B again, a term ``(1 - lam) / B`` of the
+paper's (B = 32: 1/36 of it), with B fresh means per step, each of M = 10
+samples drawn with replacement from one random client.
 """
 
 from __future__ import annotations

@@ -41,7 +41,12 @@ Two federated versions (``groups``):
   to ``q_k`` (normalised over the round's clients) instead of data sizes.
   ``L_k`` is the received global model's cross-entropy on client k's whole
   training set (eval mode; uploaded as one scalar), where FedBR's code uses the
-  loss of the round's first local step.
+  loss of the round's first local step. Two more differences from that code:
+  its local steps are ``GroupDRO.update``, which Mixes every batch with a
+  shuffled copy of itself (lambda ~ Beta(0.2, 0.2), ``get_new_all_x``,
+  unconditionally) before a one-group DRO step (plain mixed cross-entropy), and
+  its ``p`` belongs to a slot of ``local_algorithms`` that holds another random
+  client each round (as DANN's labels), not to a client.
 
 The local model is averaged by FedAvg (``"classes"``); q never leaves the client.
 """

@@ -52,6 +52,13 @@ bytes are sent (the paper's server would send the generator or its seed once):
 - ``num_virtual`` samples in all (2000, FedBR's Table 2 setting), split equally
   over ``C_v = C`` classes (``num_virtual // C`` each).
 
+FedBR's code runs its own "VHL" baseline (``fedbr/algorithms.py`` ``VHL``) otherwise: the
+contrastive terms on the *logits* (``self.predict``), not the features; the virtual
+cross-entropy in the real label space (C outputs); and its class matching subtracts C
+from virtual labels that are already in ``[0, C)`` (the generated set's folder
+indices), so no real-virtual pair counts as positive. hetfl follows VHL's own code
+(features, ``"extra"``; ``labels = "shared"`` gives FedBR's label space).
+
 Each step draws ``virtual_batch`` virtual samples (0 = the real batch's size)
 uniformly with replacement: the indices come from the executor's per-client
 random stream (``Stage.draws``), the loss never draws. The server is FedAvg.
