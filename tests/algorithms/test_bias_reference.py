@@ -339,8 +339,8 @@ def supcon(z, labels, t):
         if not pos:
             terms.append(z.sum() * 0)
             continue
-        log_den = torch.logsumexp(torch.stack([z[i] @ z[a] / t for a in others]), 0)
-        terms.append(-sum(z[i] @ z[a] / t - log_den for a in pos) / len(pos))
+        log_den = torch.logsumexp(z[others] @ z[i] / t, 0)
+        terms.append(-(z[pos] @ z[i] / t - log_den).mean())
     return torch.stack(terms).mean()
 
 
