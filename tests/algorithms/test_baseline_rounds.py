@@ -313,3 +313,65 @@ def test_moon_previous_model_across_skipped_rounds(executor):
     assert_close(servers[-1].model, ref.w)
     for i in (0, 2, 3):
         assert_close({k: store[i]["moon.prev/" + k] for k in PARAMS}, prev[i])
+
+
+# ------------------------------------------------------------- regularisers on a FedAvg server
+def decorrelation(z: torch.Tensor) -> torch.Tensor:
+    """FedDecorr's penalty as the authors' loss.py computes it (Shi et al. 2023): standardise each feature
+    with the unbiased variance (+1e-8), C = Z^T Z, mean of the squared off-diagonal entries, divided by N;
+    0 for a batch of one (client 3's 15 samples at batch 7 end on one)."""
+    n, d = z.shape
+    if n == 1:
+        return torch.zeros(())
+    z = z - z.mean(0)
+    z = z / torch.sqrt(1e-8 + z.var(0, unbiased=True))
+    corr = z.T @ z
+    off = corr[~torch.eye(d, dtype=torch.bool)]
+    return (off**2).mean() / n
+
+
+def counts_of(exp: Experiment, client: int) -> torch.Tensor:
+    return torch.bincount(exp.client_inputs(client).y, minlength=10).float()
+
+
+REGULARISED = {
+    # name: (settings, local loss (w, x, y, anchor, counts) -> value, trainable, classifier rows normalised)
+    "feddecorr": (["algorithm.beta=0.5"],
+                  lambda w, x, y, g, n: ce(w, x, y) + 0.5 * decorrelation(features(w, x)), PARAMS, False),
+    "fedlc": (["algorithm.tau=0.7"],  # Zhang et al. 2022: CE of z_c - tau n_c^(-1/4), absent classes at n = 1e-8
+              lambda w, x, y, g, n: F.cross_entropy(logits(w, x) - 0.7 * n.clamp(min=1e-8) ** -0.25, y),
+              PARAMS, False),
+    "fedrs": (["algorithm.alpha=0.3"],  # Li & Zhan 2021: absent classes' logits scaled by alpha
+              lambda w, x, y, g, n: F.cross_entropy(logits(w, x) * torch.where(n > 0, 1.0, 0.3), y), PARAMS, False),
+    "clsprox": (["algorithm.mu=0.5"],  # Luo et al. 2021, sec. 3.3: mu/2 ||phi - phi_g||^2 on the classifier only
+                lambda w, x, y, g, n: ce(w, x, y) + 0.25 * sum(((w[k] - g[k]) ** 2).sum() for k in (WC, BC)),
+                PARAMS, False),
+    "clsnorm": ([],  # Luo et al. 2021, sec. 3.3: phi_i^T z / ||phi_i||, in training (and at inference)
+                lambda w, x, y, g, n: F.cross_entropy(logits(w, x, normalize_rows=True), y), PARAMS, True),
+    "freeze": ([],  # FedUV's Freeze: the classifier never trains (no weight decay on it either)
+               lambda w, x, y, g, n: ce(w, x, y), (W1, B1), False),
+}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("method", sorted(REGULARISED))
+def test_local_regularisers_over_fedavg_rounds(method, executor):
+    """Each method's local objective (its paper's, or its authors' code where hetfl follows the code) over
+    three FedAvg rounds: w <- sum_k n_k / n_S w_k of the sampled clients."""
+    settings, objective, trainable, normalised = REGULARISED[method]
+    exp = experiment(method, executor, settings)
+    ref = Reference(exp)
+    ref.trainable = trainable
+    counts = {c: counts_of(exp, c) for c in range(4)}
+    for r, clients in enumerate(sampled(exp), start=1):
+        anchor = ref.w
+        locals_ = [ref.local(ref.w, c, r, lambda w, x, y, c=c, anchor=anchor: objective(w, x, y, anchor, counts[c]))[0]
+                   for c in clients]
+        n = [ref.sizes[c] for c in clients]
+        ref.w = {k: sum(nk * wk[k] for nk, wk in zip(n, locals_, strict=True)) / sum(n) for k in PARAMS}
+    servers, _ = hetfl_rounds(exp)
+    assert_close(servers[-1].model, ref.w)
+    if normalised:  # the global model is evaluated with normalised rows too
+        assert "classifier_transform/normalize" in servers[-1].model
+    if trainable != PARAMS:
+        assert torch.equal(servers[-1].model[WC], exp.initial_server().model[WC])
