@@ -28,6 +28,8 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.schedule import batch_schedule
 from hetfl.engine.summary import Reporter
 from hetfl.rng import torch_generator
+from tests.helpers import MNIST, needs_shared_data
+from tests.helpers.executors import compare_one_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -375,3 +377,112 @@ def test_local_regularisers_over_fedavg_rounds(method, executor):
         assert "classifier_transform/normalize" in servers[-1].model
     if trainable != PARAMS:
         assert torch.equal(servers[-1].model[WC], exp.initial_server().model[WC])
+
+
+# ------------------------------------------------------------------------- BatchNorm in MOON's reference models
+class NormedNet(torch.nn.Module):
+    """4 -> 3 linear, BatchNorm1d, 3 -> 2 classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        self.classifier = torch.nn.Linear(3, 2)
+
+    def forward(self, x, return_features: bool = False):  # type: ignore[no-untyped-def]
+        z = self.encoder(x)
+        return (z, self.classifier(z)) if return_features else self.classifier(z)
+
+
+def normed_setup():
+    from hetfl.algorithms.base import ModelCaller, Setup
+    from hetfl.config import TrainConfig
+
+    model = NormedNet().train()
+    names = [n for n, _ in model.named_parameters()]
+    groups = {"encoder": [n for n in names if n.startswith("encoder.")], "projector": [],
+              "classifier": [n for n in names if n.startswith("classifier.")]}
+    return Setup(ModelCaller(model), groups, 3, 2, [10] * 3, TrainConfig(), seed=0)
+
+
+def normed_state(seed: int) -> dict:
+    """NormedNet's tensors, drawn, with running statistics far from any batch's."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"encoder.0.weight": torch.randn(3, 4, generator=gen), "encoder.0.bias": torch.randn(3, generator=gen),
+            "encoder.1.weight": 1 + 0.3 * torch.randn(3, generator=gen),
+            "encoder.1.bias": torch.randn(3, generator=gen),
+            "encoder.1.running_mean": torch.randn(3, generator=gen),
+            "encoder.1.running_var": 0.5 + torch.rand(3, generator=gen),
+            "encoder.1.num_batches_tracked": torch.tensor(7),
+            "classifier.weight": torch.randn(2, 3, generator=gen), "classifier.bias": torch.randn(2, generator=gen)}
+
+
+def bn_features(w: dict, x: torch.Tensor, training: bool) -> torch.Tensor:
+    h = x @ w["encoder.0.weight"].T + w["encoder.0.bias"]
+    if training:
+        mean, var = h.mean(0), h.var(0, unbiased=False)
+    else:
+        mean, var = w["encoder.1.running_mean"], w["encoder.1.running_var"]
+    return (h - mean) / torch.sqrt(var + 1e-5) * w["encoder.1.weight"] + w["encoder.1.bias"]
+
+
+def test_moon_reference_models_use_their_running_statistics():
+    """MOON's authors' code (QinbinLi/MOON main.py) puts the global model and the previous models in eval
+    mode (``global_model.eval()``, ``net.eval()`` for the pool) while the local model trains: z_glob and
+    z_prev come from BatchNorm with the reference model's running statistics, z from the batch's."""
+    from hetfl.algorithms import build_algorithm
+    from hetfl.algorithms.base import Batch, ClientContext
+    from hetfl.algorithms.moon import PREV
+
+    setup = normed_setup()
+    algo = build_algorithm("moon", {"mu": 1.0, "temperature": 0.5}, setup)
+    glob, prev, local = normed_state(1), normed_state(2), normed_state(3)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    y = torch.tensor([0, 1, 0, 1, 1, 0])
+    ctx = ClientContext(0, 2, 10, 0.1, glob, {PREV + n: t for n, t in prev.items()})
+    ctx.extras = algo.begin(ctx)
+    _, metrics = algo.loss(local, Batch(x, y), ctx)
+    z = bn_features(local, x, training=True)
+    pos = F.cosine_similarity(z, bn_features(glob, x, training=False), dim=-1) / 0.5
+    neg = F.cosine_similarity(z, bn_features(prev, x, training=False), dim=-1) / 0.5
+    want = (-(pos - torch.logaddexp(pos, neg))).mean()
+    torch.testing.assert_close(metrics["contrastive"], want, rtol=1e-5, atol=1e-6)
+    # reference_mode = "train" (hetfl before): the reference models normalise by the batch's statistics
+    algo = build_algorithm("moon", {"mu": 1.0, "temperature": 0.5, "reference_mode": "train"}, setup)
+    _, metrics = algo.loss(local, Batch(x, y), ctx)
+    pos = F.cosine_similarity(z, bn_features(glob, x, training=True), dim=-1) / 0.5
+    neg = F.cosine_similarity(z, bn_features(prev, x, training=True), dim=-1) / 0.5
+    batch_stats = (-(pos - torch.logaddexp(pos, neg))).mean()
+    assert abs(batch_stats - want) > 0.1  # the case tells the two modes apart (2.09 and 1.66)
+    torch.testing.assert_close(metrics["contrastive"], batch_stats, rtol=1e-5, atol=1e-6)
+    assert setup.model.module.training  # the model itself stays in training mode
+
+
+@needs_shared_data
+def test_moon_with_batchnorm_gives_the_same_clients_with_either_executor():
+    """The reference models' eval-mode BatchNorm (:class:`hetfl.models.layers.InferenceBatchNorm`) under
+    vmap: ResNet-18 with BatchNorm, a round with previous models, eager and static (CUDA-graph) steps."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=32", "data.num_clients=2", "model.name=resnet18",
+        "model.options={norm = \"bn\", width = 16}", "train.batch_size=16", "train.local_steps=2",
+        "train.lr=0.01", "train.momentum=0.9", "runtime.progress=false", "algorithm.name=moon"]))
+    compare_one_round(exp, rounds_before=1, step_mode=("eager", "static"))
+
+
+def test_fedavgm_with_server_lr_one_minus_beta_is_the_niid_bench_damped_momentum():
+    """The docstring's claim: the NIID-Bench / MOON code's v <- beta v + (1 - beta) Delta, w <- w - v equals
+    Hsu et al.'s rule with eta_s = 1 - beta, over rounds of different client updates (beta = 0.1)."""
+    beta = 0.1
+    exp = experiment("fedavgm", "sequential", [f"algorithm.server_momentum={beta}", f"algorithm.server_lr={1 - beta}"])
+    ref = Reference(exp)
+    v = {k: torch.zeros_like(ref.w[k]) for k in PARAMS}
+    for r, clients in enumerate(sampled(exp), start=1):
+        locals_ = [ref.local(ref.w, c, r, ce)[0] for c in clients]
+        n = [ref.sizes[c] for c in clients]
+        for k in PARAMS:
+            delta = ref.w[k] - sum(nk * wk[k] for nk, wk in zip(n, locals_, strict=True)) / sum(n)
+            v[k] = beta * v[k] + (1 - beta) * delta
+            ref.w[k] = ref.w[k] - v[k]
+    servers, _ = hetfl_rounds(exp)
+    assert_close(servers[-1].model, ref.w)
