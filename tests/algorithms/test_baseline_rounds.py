@@ -486,3 +486,35 @@ def test_fedavgm_with_server_lr_one_minus_beta_is_the_niid_bench_damped_momentum
             ref.w[k] = ref.w[k] - v[k]
     servers, _ = hetfl_rounds(exp)
     assert_close(servers[-1].model, ref.w)
+
+
+BUFFERS = ("encoder.1.running_mean", "encoder.1.running_var")
+
+
+@pytest.mark.parametrize(("method", "settings", "by_samples"), [
+    ("fedavg", {}, True), ("fedavgm", {"server_momentum": 0.5, "server_lr": 0.7}, True),
+    ("fednova", {"server_lr": 0.8}, True), ("scaffold", {"server_lr": 0.8}, False),
+    ("feddyn", {"alpha": 0.1}, False), ("fedprox", {"mu": 0.1}, True), ("moon", {}, True)])
+def test_batchnorm_statistics_are_averaged_never_corrected(method, settings, by_samples):
+    """Running statistics are not parameters: the server averages them with the weights it averages the
+    models with (n_k / n, or uniform where the paper's server mean is uniform: SCAFFOLD, FedDyn), through no
+    server learning rate, momentum, normalisation or correction (FedDyn's h / alpha, SCAFFOLD's eta_g), in a
+    round whose server state is not at its start (FedAvgM's velocity, FedDyn's h, SCAFFOLD's c non-zero);
+    num_batches_tracked takes the largest count."""
+    from hetfl.algorithms import build_algorithm
+    from hetfl.algorithms.base import Upload
+
+    setup = normed_setup()
+    algo = build_algorithm(method, settings, setup)
+    server = algo.init_server(normed_state(0))
+    server.extra = {k: torch.full_like(v, 0.3) for k, v in server.extra.items()}  # a later round's state
+    ups = [Upload(i, {**normed_state(10 + i), "encoder.1.num_batches_tracked": torch.tensor(5 + 4 * i)}, n, s)
+           for i, (n, s) in enumerate([(30, 2), (10, 5)])]
+    if method == "scaffold":
+        for u in ups:
+            u.tensors.update({"scaffold.c/" + k: torch.ones_like(v) for k, v in server.extra.items()})
+    new = algo.aggregate(server, ups, 2)
+    w = (0.75, 0.25) if by_samples else (0.5, 0.5)
+    for name in BUFFERS:
+        torch.testing.assert_close(new.model[name], w[0] * ups[0].tensors[name] + w[1] * ups[1].tensors[name])
+    assert new.model["encoder.1.num_batches_tracked"].item() == 9
