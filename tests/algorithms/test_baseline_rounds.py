@@ -518,3 +518,21 @@ def test_batchnorm_statistics_are_averaged_never_corrected(method, settings, by_
     for name in BUFFERS:
         torch.testing.assert_close(new.model[name], w[0] * ups[0].tensors[name] + w[1] * ups[1].tensors[name])
     assert new.model["encoder.1.num_batches_tracked"].item() == 9
+
+
+@pytest.mark.parametrize("returning", [False, True])
+def test_moon_flag_lives_on_the_models_device(returning):
+    """``begin``'s 0/1 flag is made on the device of the model it stands beside (the payload in a first round,
+    the stored previous model later): checked on the meta device, which a CPU-only machine has, so that a
+    flag made on the default device (the CPU: a device mismatch in a CUDA step) fails here too."""
+    from hetfl.algorithms import build_algorithm
+    from hetfl.algorithms.base import ClientContext
+    from hetfl.algorithms.moon import HAS_PREV, PREV
+
+    setup = normed_setup()
+    algo = build_algorithm("moon", {}, setup)
+    on_meta = {n: t.to("meta") for n, t in normed_state(0).items()}
+    state = {PREV + n: t for n, t in on_meta.items()} if returning else {}
+    payload = {n: torch.zeros(t.shape) for n, t in on_meta.items()} if returning else on_meta
+    extras = algo.begin(ClientContext(0, 2, 10, 0.1, payload, state))
+    assert extras[HAS_PREV].device.type == "meta"
