@@ -154,12 +154,15 @@ TARGETS = (
 
 def extra_tests(target: Target) -> tuple[str, ...]:
     """Test files written for a target beyond its main one (``tests/algorithms/test_<name>_*.py``,
-    ``test_baseline_math.py``)."""
+    ``test_baseline_math.py``, and ``test_baseline_rounds.py``: whole rounds recomputed by hand)."""
     tests = REPO / "tests" / "algorithms"
     found = sorted(str(p.relative_to(REPO)) for p in tests.glob(f"test_{target.name}_*.py"))
-    if target.source.split("/")[-1].removesuffix(".py") in {"fedprox", "fedavgm", "scaffold", "feddyn", "fednova",
-                                                            "moon"}:
+    module = target.source.split("/")[-1].removesuffix(".py")
+    if module in {"fedprox", "fedavgm", "scaffold", "feddyn", "fednova", "moon"}:
         found += [str(p.relative_to(REPO)) for p in tests.glob("test_baseline_math.py")]
+    if module in {"fedprox", "fedavgm", "scaffold", "feddyn", "fednova", "moon", "freeze", "feddecorr",
+                  "logit_adjust", "classifier_reg"}:
+        found += [str(p.relative_to(REPO)) for p in tests.glob("test_baseline_rounds.py")]
     return tuple(t for t in found if t not in target.tests)
 
 

@@ -583,3 +583,33 @@ def test_without_the_pooling_layout_rule_the_pooling_is_pytorchs_under_vmap(monk
         assert torch.equal(a, b)
     vmap(grad(net(ours)))(params, x)  # the fixture's client_batching(): the layout rule again
     assert ran["pool"] > 0
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 2, 2)])
+def test_inference_batchnorm_is_eval_mode_batchnorm_and_vmaps(shape, affine):
+    """``inference_copy``'s BatchNorm: ``F.batch_norm(training=False)``'s values with the state's running
+    statistics (not the batch's), for 1d and 2d inputs, with and without affine parameters; vmapped over
+    per-client states like the layer it stands for, and the model itself left in training mode."""
+    from torch.func import functional_call
+
+    from hetfl.models.layers import InferenceBatchNorm, inference_copy
+
+    norm = nn.BatchNorm1d(3, affine=affine) if len(shape) == 2 else nn.BatchNorm2d(3, affine=affine)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), norm) if len(shape) == 2 else nn.Sequential(norm)
+    twin = inference_copy(model.train())
+    assert model.training and not twin.training and isinstance(twin[-1], InferenceBatchNorm)
+    gen = torch.Generator().manual_seed(0)
+    states = [{k: torch.randn(v.shape, generator=gen).abs() + 0.5 if v.is_floating_point() else v
+               for k, v in model.state_dict().items()} for _ in range(2)]
+    x = torch.randn(shape, generator=gen)
+    for state in states:
+        model.load_state_dict(state)
+        torch.testing.assert_close(functional_call(twin, state, (x,)), model.eval()(x))
+        model.train()
+    stacked = {k: torch.stack([s[k] for s in states]) for k in states[0]}
+    batched = torch.func.vmap(lambda s: functional_call(twin, s, (x,)))(stacked)
+    for i, state in enumerate(states):
+        torch.testing.assert_close(batched[i], functional_call(twin, state, (x,)))
+    plain = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    assert inference_copy(plain) is plain  # nothing depends on the mode: the model itself

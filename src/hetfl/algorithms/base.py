@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from hetfl.models.layers import inference_copy
 from hetfl.models.low_precision import low_precision_names, substitute
 from hetfl.optim import SGDConfig
 from hetfl.privacy import Release
@@ -258,6 +259,8 @@ class ModelCaller:
         self.state_names = self.param_names + self.buffer_names
         # the parameters a bf16 step reads from bfloat16 copies (hetfl.models.low_precision)
         self.low_precision_names = low_precision_names(model)
+        # the model in eval mode, for reference models run in inference mode (MOON's, as its authors' code)
+        self.inference_module = inference_copy(model)
 
     def __call__(
         self, state: Tensors, x: torch.Tensor, features: bool = False
@@ -283,10 +286,16 @@ class ModelCaller:
     def features_and_logits(self, state: Tensors, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self(state, x, features=True)  # type: ignore[return-value]
 
-    def reference_features(self, state: Tensors, x: torch.Tensor) -> torch.Tensor:
-        """Features of a fixed reference model (MOON's global and previous models):
-        no gradient, and BatchNorm statistics updated on copies, never on ``state``."""
+    def reference_features(self, state: Tensors, x: torch.Tensor, eval_mode: bool = False) -> torch.Tensor:
+        """Features of a fixed reference model (MOON's global and previous models, FedBR's global encoder):
+        no gradient. In the module's mode (training: BatchNorm normalises by the batch's statistics and
+        updates copies of the running ones, never ``state``'s), or with ``eval_mode`` in eval mode
+        (BatchNorm by ``state``'s running statistics, dropout off), whatever the module's mode."""
         with torch.no_grad():
+            if eval_mode:
+                own = {n: state[n] for n in self.state_names}
+                feats, _ = functional_call(self.inference_module, own, (x,), {"return_features": True})
+                return feats
             own = {n: state[n].clone() if n in self.buffer_names else state[n] for n in self.state_names}
             feats, _ = functional_call(self.module, own, (x,), {"return_features": True})
         return feats

@@ -8,6 +8,9 @@ momentum: ``v ← β v + Δ``, ``w^{t+1} = w^t - η_s v``. CCVR uses β = 0.1.
 Departures from the paper/code: the default ``beta = 0.1`` is CCVR's; Hsu et al.
 sweep beta up to 0.99 together with the server learning rate (their best runs
 use large beta with a reduced effective step). ``server_lr = 1`` by default.
+The NIID-Bench / MOON code (QinbinLi/MOON ``--server_momentum``) damps the
+update, ``v <- beta v + (1 - beta) Delta``, ``w <- w - v``: that is this rule with
+``server_lr = 1 - beta`` (its v is (1 - beta) times this one's), e.g. 0.9 at beta 0.1.
 """
 
 from __future__ import annotations

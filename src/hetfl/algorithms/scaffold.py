@@ -13,7 +13,14 @@ engine's client store. With momentum or weight decay the option-II estimate
 
 Departures from the paper/code: none in the rule (option II, uniform averages,
 ``eta_g = 1``). With momentum / weight decay, ``(x - y) / (K eta_l)`` is the
-average applied update (as the reference code), not an average gradient.
+average applied update (as the reference code), not an average gradient, and the
+corrected gradient ``g - c_i + c`` is what the run's SGD sees: its momentum
+carries the correction too. The NIID-Bench code (and MOON's, CCVR's comparisons)
+instead subtracts ``lr (c - c_i)`` after each optimiser step, outside momentum and
+weight decay, on every state entry (BatchNorm statistics included) and averages
+the models by data size; with plain SGD (``train.momentum = 0``) the local steps
+are the same. ``tests/algorithms/test_baseline_rounds.py`` recomputes three
+partially participated rounds of this rule by hand.
 """
 
 from __future__ import annotations
