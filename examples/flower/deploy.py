@@ -40,6 +40,7 @@ from pathlib import Path
 from hetfl import config as config_mod
 from hetfl.config import RunConfig
 from hetfl.engine.experiment import CONFIG_NAME
+from hetfl.engine.identity import load_run_config
 from hetfl.flower.deploy import LocalFederation, generate_tls, write_app, write_run_config
 
 
@@ -85,7 +86,7 @@ def run_config(args: argparse.Namespace, out: Path) -> RunConfig:
         raise ConfigError("--resume", str(out), f"takes no CONFIG or --set of a key that changes the numbers (here: "
                                                 f"{given}): the run's config.toml is used; --set takes "
                                                 f"tracking.KEY=VALUE and {', '.join(others)}")
-    return config_mod.load(out / CONFIG_NAME, [*args.set, *forced])
+    return load_run_config(out / CONFIG_NAME, [*args.set, *forced])
 
 
 def main(argv: list[str] | None = None) -> int:

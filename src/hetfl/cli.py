@@ -91,7 +91,7 @@ def _changes_no_number(assignment: str) -> bool:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from hetfl import api, runtimes
     from hetfl.engine.experiment import CONFIG_NAME
-    from hetfl.engine.identity import PRESENTATION_KEYS
+    from hetfl.engine.identity import PRESENTATION_KEYS, load_run_config
     from hetfl.engine.rundir import RunDirError, check_unlocked
 
     if args.resume:
@@ -106,7 +106,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         check_unlocked(run_dir)  # another process running there: named now, before the set-up's work
         if not (run_dir / CONFIG_NAME).is_file():
             raise RunDirError(f"--resume {run_dir}: no {CONFIG_NAME} there; is it a hetfl run directory?")
-        cfg = config_mod.load(run_dir / CONFIG_NAME, args.set)  # tracking keys: not part of the run's identity
+        cfg = load_run_config(run_dir / CONFIG_NAME, args.set)  # tracking keys: not part of the run's identity
     else:
         cfg = api.make_config(args.config, args.set)
         run_dir = Path(args.out) if args.out else default_run_dir(cfg)
@@ -321,6 +321,7 @@ def cmd_analyze(args: argparse.Namespace, console: Console) -> int:
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from hetfl import reproduce
     from hetfl.engine.experiment import CONFIG_NAME
+    from hetfl.engine.identity import load_run_config
     from hetfl.runtimes import run_experiment
 
     if args.list or not args.name:
@@ -347,7 +348,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
                       style="bold")
         reporter = RichReporter(console, enabled=not args.quiet)
         if resume:  # an interrupted run of this configuration goes on from its own config.toml (hetfl run --resume)
-            cfg = config_mod.load(run_dir / CONFIG_NAME)
+            cfg = load_run_config(run_dir / CONFIG_NAME)
         try:
             run_experiment(cfg, run_dir, resume=resume, reporter=reporter, trained=trained)
         finally:

@@ -352,22 +352,30 @@ class _Top:
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a TOML file (optional), apply ``--set`` overrides, validate."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("CONFIG", str(path), "no such file")
-        try:
-            tree = tomllib.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise ConfigError("CONFIG", str(path), f"not UTF-8 text (byte {err.start}: {err.reason}); TOML files "
-                                                   "are UTF-8, save it with that encoding") from None
-        except OSError as err:
-            raise ConfigError("CONFIG", str(path), f"cannot be read ({err.strerror or err})") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError("CONFIG", str(path), f"not valid TOML ({err})") from None
-        if isinstance(tree.get("preset"), dict):
-            raise PresetFileError(path)
+    return from_tree({} if path is None else read_tree(path), overrides)
+
+
+def read_tree(path: str | Path) -> dict[str, Any]:
+    """A configuration file's TOML as a tree, unvalidated; ConfigError naming the file where it cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("CONFIG", str(path), "no such file")
+    try:
+        tree = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError("CONFIG", str(path), f"not UTF-8 text (byte {err.start}: {err.reason}); TOML files "
+                                               "are UTF-8, save it with that encoding") from None
+    except OSError as err:
+        raise ConfigError("CONFIG", str(path), f"cannot be read ({err.strerror or err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("CONFIG", str(path), f"not valid TOML ({err})") from None
+    if isinstance(tree.get("preset"), dict):
+        raise PresetFileError(path)
+    return tree
+
+
+def from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A configuration tree with ``--set`` overrides applied (to the tree itself), validated."""
     for assignment in overrides:
         apply_override(tree, assignment)
     return from_dict(tree)

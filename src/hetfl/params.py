@@ -72,6 +72,10 @@ FINITE = Condition("< inf", lambda value: math.isfinite(value))
 When = Mapping[str, tuple[Any, ...] | Condition]
 
 
+#: ``setting(former=...)`` not given: the setting's default is how hetfl computed before the setting existed
+NO_FORMER: Any = type("NoFormer", (), {"__repr__": lambda self: "NO_FORMER"})()
+
+
 def setting(
     default: Any,
     *,
@@ -82,6 +86,7 @@ def setting(
     choices: Sequence[Any] | None = None,
     finite: bool = True,
     when: When | None = None,
+    former: Any = NO_FORMER,
     doc: str = "",
 ) -> Any:
     """A dataclass field with validation metadata (range, choices, help text).
@@ -90,12 +95,23 @@ def setting(
     by default they are refused. ``when`` declares the mode in which the setting is read at all
     (``when={"pseudo_source": ("proxy",)}``: only under ``pseudo_source = "proxy"``); moved from its
     default in another mode, it changes nothing, and :func:`inactive_settings` says so.
+    ``former``: for a setting added to hetfl with a default that changed what runs compute, the value
+    that gives the computation of the hetfl before it; a run written then (its resolved configuration
+    does not name the setting) is read with it (:func:`former_values`), so that it resumes as it started
+    and is never taken for a run of the new default.
     """
     meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite, "doc": doc,
-            "when": dict(when or {})}
+            "when": dict(when or {}), "former": former}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def former_values(cls: type) -> dict[str, Any]:
+    """``{name: value}`` of the settings of the dataclass ``cls`` declared with ``former`` (:func:`setting`):
+    what a configuration written before each of them existed ran with."""
+    return {f.name: f.metadata["former"] for f in dataclasses.fields(cls)
+            if f.metadata.get("former", NO_FORMER) is not NO_FORMER}
 
 
 def _type_name(tp: Any) -> str:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetfl import config as config_mod
 from hetfl import tables
 from hetfl.analysis.plots import plot_curves, plot_seed_bands
 from hetfl.data.datasets import load_dataset
@@ -222,7 +221,7 @@ def _note_parts(result: dict[str, Any]) -> tuple[list[str], list[str]]:
 def partition_plot(run: Run, out: Path) -> Path | None:
     """The run's partition heat map (rebuilt from its config), or None if its data is unavailable."""
     try:
-        cfg = config_mod.load(run.path / CONFIG_NAME, [])
+        cfg = identity.load_run_config(run.path / CONFIG_NAME)
         dataset = load_dataset(cfg.data.dataset, cfg.data.root or None, download=False, cache_dir=cfg.data.cache_dir,
                                seed=cfg.seed, **cfg.data.options)
     except Exception:  # data moved or offline: the report goes on without the heat map

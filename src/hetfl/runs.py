@@ -85,7 +85,7 @@ class RunResult:
         if not (path / SUMMARY_NAME).is_file() or not (path / METRICS_NAME).is_file():
             raise RunDirError(f"{path}: no {SUMMARY_NAME} or {METRICS_NAME}: the run has not finished; continue it "
                               f"with hetfl.run({str(path / CONFIG_NAME)!r}, out={str(path)!r}, resume=True)")
-        cfg = config_mod.load(path / CONFIG_NAME)
+        cfg = identity.load_run_config(path / CONFIG_NAME)
         record = tables.read_run(path, cfg.algorithm.name, cfg.seed)
         return cls(path, cfg, record.summary, record.metrics, status, record.config)
 
@@ -185,7 +185,7 @@ def execute(cfg: RunConfig, run_dir: Path, state: State, console: Console | None
     # what runs: a configuration (set up by run_experiment, after its runtime's checks) or the experiment
     target: RunConfig | Experiment = cfg if experiment is None else experiment
     if state == "unfinished":
-        target = config_mod.load(run_dir / CONFIG_NAME)
+        target = identity.load_run_config(run_dir / CONFIG_NAME)
     reporter = RichReporter(console or make_console(), console is not None and cfg.runtime.progress, on_round)
     try:
         runtimes.run_experiment(target, run_dir, resume=state == "unfinished", reporter=reporter,

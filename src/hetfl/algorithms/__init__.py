@@ -24,7 +24,7 @@ from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, ch
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
-from hetfl.params import ConfigError, build, did_you_mean
+from hetfl.params import ConfigError, build, did_you_mean, former_values
 
 # name -> "module:Class"; modules are imported on first use.
 _REGISTRY: dict[str, str] = {
@@ -295,6 +295,24 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
             raise
         raise ConfigError(err.key, err.value, f"{err.allowed}; {trainer} has no {key}, which is a setting of "
                                               f"{', '.join(takers)}: set algorithm.name to the method meant") from None
+
+
+def as_written_params(full_name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The method settings of a configuration that a run wrote (its resolved ``config.toml``, which names
+    every setting of its method and steps), with each setting it does not name because it was added to
+    hetfl later, and whose default changed the computation (``setting(former=...)``: MOON's
+    ``reference_mode``, FedUV's ``sigma_grad``), set to the value the run computed with. A name this hetfl
+    does not know is left to the checks that name it."""
+    try:
+        trainer, steps = parse_name(full_name)
+    except ConfigError:
+        return params
+    out = {**former_values(algorithm_class(trainer).Hyper), **params}
+    for step in steps:
+        former = former_values(posthoc_class(step).Hyper)
+        if former and isinstance(params.get(step, {}), dict):
+            out[step] = {**former, **params.get(step, {})}
+    return out
 
 
 def step_hyper(step: str, values: Any) -> Any:

@@ -135,7 +135,8 @@ class FedUVHyper:
     lam: float = setting(-1.0, doc="weight of L_V (-1 = num_classes / 4)")
     mu: float = setting(0.5, ge=0.0, doc="weight of L_U")
     bandwidth: str = setting("paper", choices=("paper", "code"), doc="2*sigma (paper) or sigma (code)")
-    sigma_grad: bool = setting(True, doc="gradient through the median bandwidth (authors' code); false = detached")
+    sigma_grad: bool = setting(True, former=False,
+                               doc="gradient through the median bandwidth (authors' code); false = detached")
     normalize: bool = setting(False, doc="L2-normalise features in L_U")
     eps: float = setting(0.0, ge=0.0, doc="std = sqrt(var + eps) in L_V when > 0; 0 = plain std")
 

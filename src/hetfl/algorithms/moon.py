@@ -26,7 +26,8 @@ code (``global_model.eval()``, ``net.eval()`` for the pool of previous models; t
 paper does not say): BatchNorm normalises by each reference model's own running
 statistics, while the local model trains on the batch's; dropout is off in them.
 ``reference_mode = "train"`` runs them in the local model's (training) mode instead
-(hetfl's behaviour before this was checked against the code). Models without
+(hetfl's behaviour before this was checked against the code, 2026-11-28; a run written
+before then is read with it: ``setting(former=...)``). Models without
 BatchNorm or dropout (MOON's simple CNN) give the same numbers either way.
 The first-round term is 0 here and in the code. The authors' local optimiser (SGD lr
 0.01, momentum 0.9, weight decay 1e-5, batch 64, 10 epochs) is the run's
@@ -70,7 +71,7 @@ class MoonHyper:
 
     mu: float = setting(1.0, ge=0.0, doc="contrastive weight mu")
     temperature: float = setting(0.5, gt=0.0, doc="temperature tau")
-    reference_mode: str = setting("eval", choices=("eval", "train"),
+    reference_mode: str = setting("eval", choices=("eval", "train"), former="train",
                                   doc="mode of the global and previous models (eval: the authors' code)")
 
 

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetfl import config as config_mod
 from hetfl.algorithms.base import HEAD_TRANSFORMS, Tensors
 from hetfl.analysis.cka import mean_pairwise_cka, pairwise_cka
 from hetfl.analysis.classifier import class_weight_norms
@@ -105,7 +104,8 @@ class RunAnalysis:
         check_probe(probe)
         if not (self.run_dir / CONFIG_NAME).is_file():
             raise AnalysisError(f"{self.run_dir}: no {CONFIG_NAME}; is this a hetfl run directory?")
-        cfg = config_mod.load(self.run_dir / CONFIG_NAME, [f"runtime.device={device}", "runtime.progress=false"])
+        cfg = identity.load_run_config(self.run_dir / CONFIG_NAME,
+                                       [f"runtime.device={device}", "runtime.progress=false"])
         self.exp = Experiment(cfg)
         ckpt = load_checkpoint(self.run_dir, self.exp.device)
         if ckpt is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl import config as config_mod
-from hetfl.algorithms import PLUGIN_SOURCE, hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import PLUGIN_SOURCE, as_written_params, hyperparameters, parse_name, step_hyper
 from hetfl.engine.rundir import RunDirError
 from hetfl.params import ConfigError, to_dict
 
@@ -141,6 +141,26 @@ def canonical_tree(tree: dict[str, Any]) -> dict[str, Any]:
     return config_mod.to_tree(dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=full)))
 
 
+def as_written(tree: dict[str, Any]) -> dict[str, Any]:
+    """A configuration tree that a run wrote (``config.toml``, a checkpoint's or a summary's ``config``) as
+    that run computed: the method settings added to hetfl after it, whose defaults changed the computation,
+    at the values it ran with (:func:`hetfl.algorithms.as_written_params`). A run of MOON written before
+    ``reference_mode`` existed is read as ``reference_mode = "train"``: it resumes as it started, and a
+    table that plans the new default does not take its numbers for the new default's."""
+    algorithm = tree.get("algorithm")
+    if not isinstance(algorithm, dict) or not isinstance(algorithm.get("name"), str):
+        return tree
+    params = {k: v for k, v in algorithm.items() if k != "name"}
+    return {**tree, "algorithm": {"name": algorithm["name"], **as_written_params(algorithm["name"], params)}}
+
+
+def load_run_config(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> config_mod.RunConfig:
+    """The configuration of the run whose ``config.toml`` is ``path`` (:func:`as_written`), with ``overrides``
+    (``--set`` of keys that change no number, on a resume) applied: what ``--resume``, reuse and reading a
+    finished run go by."""
+    return config_mod.from_tree(as_written(config_mod.read_tree(path)), overrides)
+
+
 def saved_tree(run_dir: Path) -> dict[str, Any] | None:
     """The resolved configuration a run directory holds (``config.toml``, else the ``config`` of
     its ``summary.json``), read through :func:`canonical_tree` where it is still valid; None if
@@ -156,7 +176,7 @@ def saved_tree(run_dir: Path) -> dict[str, Any] | None:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError):  # damaged: no known config
         return None
     try:
-        return canonical_tree(tree)
+        return canonical_tree(as_written(tree))
     except ConfigError:  # a method or key this hetfl no longer knows: compare the tree as written
         return tree
 

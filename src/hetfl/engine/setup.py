@@ -24,7 +24,7 @@ from hetfl.config import RunConfig
 from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition, make_partition
 from hetfl.engine import resources
-from hetfl.engine.identity import differing_keys
+from hetfl.engine.identity import as_written, differing_keys
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError, to_dict
 from hetfl.rng import derive_seed
@@ -144,7 +144,7 @@ def config_changes(saved: dict[str, Any] | None, cfg: RunConfig, *, training_onl
     if saved is None:
         return ["the checkpoint records no configuration"]
     try:
-        saved = config_mod.to_tree(config_mod.from_dict(saved))
+        saved = config_mod.to_tree(config_mod.from_dict(as_written(saved)))
     except ConfigError as err:
         return [f"the checkpoint's configuration is no longer valid: {err}"]
     return differing_keys(saved, config_mod.to_tree(cfg), training_only=training_only)
