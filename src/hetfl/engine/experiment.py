@@ -51,7 +51,7 @@ from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.config import RunConfig
 from hetfl.data.datasets import check_run_splits, load_dataset
 from hetfl.data.partition import unused_settings
-from hetfl.engine import host_memory, resources, secure_sum, threads
+from hetfl.engine import host_memory, provenance, resources, secure_sum, threads
 from hetfl.engine.checkpoint import (
     TRAINED_NAME,
     Checkpoint,
@@ -469,6 +469,8 @@ class Experiment:
         clients: dict[int, Tensors] = ckpt.clients if ckpt else {}
         pending = ckpt.info.get(PENDING_KEY) if ckpt else None  # the last round trained in another run
         wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
+        environments = provenance.extend(ckpt.info.get(provenance.ENVIRONMENTS_KEY, []) if ckpt else [],
+                                         provenance.environment(self.device), start + 1)
         history = metrics_log.history
         for method in self.releasing_methods():  # what the server sees of private uploads: the run's first line
             notice = method.privacy_notice()
@@ -489,7 +491,7 @@ class Experiment:
                 if round_ == cfg.train.rounds and self.keeps_trained():
                     trained = {PENDING_KEY: {"line": line, "train_time_s": time.perf_counter() - t0},
                                "config": config_mod.to_tree(cfg), "wall_time_s": wall,
-                               HISTORY_KEY: metrics_log.record()}
+                               HISTORY_KEY: metrics_log.record(), provenance.ENVIRONMENTS_KEY: environments}
                     save_checkpoint(run_dir, Checkpoint(round_, server, clients, trained), TRAINED_NAME)
             server = self.run_posthoc(server, round_, line)
             by_client = None
@@ -510,12 +512,14 @@ class Experiment:
                           reporter)
             every = cfg.runtime.checkpoint_every
             if every and (round_ % every == 0 or round_ == cfg.train.rounds):
-                info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall, HISTORY_KEY: metrics_log.record()}
+                info = {"config": config_mod.to_tree(cfg), "wall_time_s": wall, HISTORY_KEY: metrics_log.record(),
+                        provenance.ENVIRONMENTS_KEY: environments}
                 info.update(self.federation.checkpoint_info())
                 save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
                 self.federation.committed(round_)
             reporter.round_end(line)
         summary = make_summary(cfg, history, wall, self)
+        summary["environment"] = environments
         if self.trained_in is not None:
             summary[TRAINED_IN_KEY] = self.trained_in
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
