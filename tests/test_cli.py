@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,39 @@ def test_list_shows_methods_datasets_and_keys(capsys):
     out = capsys.readouterr().out
     for word in ("scaffold", "Karimireddy", "cifar10", "dirichlet", "resnet18", "train.lr", "server_momentum"):
         assert word in out
+
+
+def test_list_a_dataset_model_or_partition_shows_what_it_is_and_the_settings_it_takes(capsys, monkeypatch):
+    """`hetfl list cifar100` / `resnet18` / `dirichlet`: a line on what it is, then its data.options, model.options
+    or the data.* keys the split reads, with defaults (the options were only named by the error for a wrong one)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["list", "cifar100"]) == 0
+    out = capsys.readouterr().out
+    assert "100 fine or 20 coarse classes" in out
+    assert re.search(r"label_mode\s+│ 'fine'\s+│ one of 'fine', 'coarse'", out)
+    assert main(["list", "resnet18"]) == 0
+    out = capsys.readouterr().out
+    assert "ResNet-18" in out and re.search(r"norm\s+│ 'bn'", out) and re.search(r"width\s+│ 64", out)
+    assert main(["list", "dirichlet"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"data\.alpha\s+│ 0\.5", out) and "data.classes_per_client" not in out
+    assert main(["list", "shards"]) == 0
+    out = capsys.readouterr().out
+    assert "data.classes_per_client" in out and "data.alpha" not in out
+    assert main(["list", "mnsit"]) == 2
+    assert "did you mean 'mnist'?" in capsys.readouterr().err
+
+
+def test_every_dataset_model_and_partition_is_listed_with_a_description():
+    from hetfl.cli import component_tables
+    from hetfl.data.datasets import DATASETS
+    from hetfl.data.partition import PARTITION_DOCS, PARTITIONS
+    from hetfl.models import MODELS
+
+    assert set(PARTITION_DOCS) == set(PARTITIONS)
+    for name in (*DATASETS, *MODELS, *PARTITIONS):
+        line, table = component_tables(name)[:2]
+        assert len(line.plain.split(": ", 1)[1]) > 20 and table.row_count >= 1, name
 
 
 def test_list_a_method_shows_its_settings_with_their_meaning(capsys, monkeypatch):

@@ -32,7 +32,7 @@ from hetfl.console import (  # noqa: F401  (summary_table, PIPED_WIDTH: hetfl.cl
     summary_table,
 )
 from hetfl.files import atomic_write_text
-from hetfl.params import ConfigError, did_you_mean
+from hetfl.params import ConfigError, describe, did_you_mean
 
 # The commands import the subsystems they use inside their functions: `hetfl --help`, `hetfl --version` and a
 # mistyped option answer at once, without loading torch, the engine or matplotlib. Every such import goes down
@@ -249,11 +249,16 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
 
     what = args.what
     if what not in LIST_TOPICS:
+        if what in DATASETS or what in MODELS or what in PARTITIONS:
+            for part in component_tables(what):
+                console.print(part)
+            return 0
         trainer = what.split("+")[0]
         if trainer not in algorithms.available():
-            raise ConfigError("hetfl list", what, did_you_mean(what, [*LIST_TOPICS, *algorithms.available()])
-                              + "allowed: " + ", ".join(LIST_TOPICS) + ", or a method's name (hetfl list "
-                              "algorithms)")
+            names = [*LIST_TOPICS, *algorithms.available(), *DATASETS, *MODELS, *PARTITIONS]
+            raise ConfigError("hetfl list", what, did_you_mean(what, names)
+                              + "allowed: " + ", ".join(LIST_TOPICS) + ", or the name of a method, dataset, model "
+                              "or partition (hetfl list all)")
         console.print(method_settings_table(what))
         return 0
     if what in ("all", "algorithms"):
@@ -285,6 +290,41 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
         console.print(f"algorithm.* (method settings): {METHOD_SETTINGS_HINT}")
     return 0
+
+
+def component_tables(name: str) -> list[Text | Table]:
+    """What ``hetfl list NAME`` shows for a dataset, model or partition: a line on what it is, then the
+    settings it takes (a dataset's ``data.options``, a model's ``model.options``, the ``data.*`` keys a
+    partition reads) with their defaults."""
+    from hetfl.data.datasets import DATASETS, describe_dataset
+    from hetfl.data.partition import PARTITION_DOCS, PARTITIONS, partition_keys
+    from hetfl.models import MODELS, describe_model, model_options
+
+    def settings(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+        table = Table()
+        for col in columns:
+            table.add_column(col)
+        for row in rows or [("(none)",) + ("",) * (len(columns) - 1)]:
+            table.add_row(*row)
+        return table
+
+    shown: list[Text | Table] = []
+    if name in DATASETS:
+        text, options = describe_dataset(name)
+        shown += [Text(f"dataset {name} (data.dataset): {text}"),
+                  settings(("data.options key", "default", "allowed"),
+                           [(key, repr(default), allowed) for key, default, allowed in options])]
+    if name in MODELS:
+        shown += [Text(f"model {name} (model.name): {describe_model(name)}"),
+                  settings(("model.options key", "default"),
+                           [(key, repr(default)) for key, default in model_options(name).items()])]
+    if name in PARTITIONS:
+        reads = partition_keys(name, "dirichlet")  # rotation / concept: alpha and min_size with data.base dirichlet
+        shown += [Text(f"partition {name} (data.partition): {PARTITION_DOCS[name]}"),
+                  settings(("key it reads", "default", "meaning"),
+                           [(f"data.{key}", default, doc)
+                            for key, default, doc in describe(config_mod.DataConfig, "data.") if key in reads])]
+    return shown
 
 
 def posthoc_table() -> Table:
@@ -488,9 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list algorithms, datasets, partitions, models, config keys; a method's "
                                       "settings with their meaning")
-    lst.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(LIST_TOPICS) + ",METHOD}",
+    lst.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(LIST_TOPICS) + ",NAME}",
                      help="what to list; a method's name (feduv, fedavg+ccvr) lists its algorithm.* settings with "
-                          "their defaults and meaning")
+                          "their defaults and meaning; a dataset's (cifar10), model's (resnet18) or partition's "
+                          "(dirichlet) what it is and the settings it takes")
     add_plugin_arg(lst)
     lst.set_defaults(func=cmd_list, command_parser=lst)
     return parser

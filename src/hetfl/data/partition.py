@@ -48,6 +48,24 @@ PARTITIONS: tuple[str, ...] = (
     "iid", "dirichlet", "shards", "dominant", "quantity", "domain", "natural", "rotation", "concept",
 )
 BASES: tuple[str, ...] = ("iid", "dirichlet")  # label splits under ``rotation`` / ``concept``
+#: one line on each scheme (``hetfl list PARTITION``)
+PARTITION_DOCS: dict[str, str] = {
+    "iid": "every client an equal, uniformly random share of the training set",
+    "dirichlet": "label skew: each class spread over the clients by Dirichlet(alpha) proportions, redrawn until "
+                 "every client holds min_size samples (NIID-Bench's split, used by MOON and CCVR; Hsu et al. 2019)",
+    "shards": "pathological label skew: classes_per_client shards of sorted labels per client (McMahan et al. 2017)",
+    "dominant": "FedPAC's split: client groups, each dominated by classes_per_group classes, with uniform_share "
+                "of each client's samples drawn over all classes, samples_per_client per client",
+    "quantity": "quantity skew: IID labels, client sizes log-normal with quantity_sigma",
+    "domain": "feature shift: clients_per_domain clients per natural domain of the dataset (PACS, Office-Home, "
+              "DomainNet, HAM10000), each with its domain's own test data",
+    "natural": "the dataset's own devices or groups as clients (Synthetic(alpha, beta)'s devices), each with its "
+               "own test data",
+    "rotation": "feature shift on a label split (data.base): each client's images rotated by its angle (FedBR's "
+                "RotatedMNIST)",
+    "concept": "concept shift on a label split (data.base): concept_groups groups of clients, each with its own "
+               "permutation of the labels",
+}
 
 #: the ``data.<key>`` settings of the partitions (each read by some schemes only: :func:`partition_keys`)
 PARTITION_SETTINGS: tuple[str, ...] = (

@@ -90,6 +90,11 @@ def _check_name(name: str) -> Callable[..., FLModel]:
     return _BUILDERS[name]
 
 
+def describe_model(name: str) -> str:
+    """What model ``name`` is: the first paragraph of its builder's docstring, on one line."""
+    return " ".join((_check_name(name).__doc__ or "").strip().split("\n\n")[0].split())
+
+
 def model_options(name: str) -> dict[str, Any]:
     """The options ``build_model`` accepts for ``name``, with their defaults."""
     params = inspect.signature(_check_name(name)).parameters.values()

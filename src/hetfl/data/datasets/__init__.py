@@ -97,11 +97,12 @@ class _Entry:
     load: Callable[..., Dataset]
     options: Mapping[str, Option]
     files: bool = True  # reads files (False: generated)
+    doc: str = ""  # what the dataset is, where its loader's docstring does not say (hetfl list NAME)
 
 
-def _domain_dataset(default_size: int) -> _Entry:
+def _domain_dataset(default_size: int, doc: str) -> _Entry:
     options = {**_FOLDER, "image_size": _int(default_size, 0, "an integer >= 0 (side in pixels; 0 = first image's)")}
-    return _Entry(partial(load_imagefolder, layout="domain", norm=IMAGENET_NORM), options)
+    return _Entry(partial(load_imagefolder, layout="domain", norm=IMAGENET_NORM), options, doc=doc)
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -120,9 +121,12 @@ _REGISTRY: dict[str, _Entry] = {
     "tinyimagenet": _Entry(load_tinyimagenet, {
         "image_size": _int(0, 0, "an integer >= 0 (side in pixels; 0 = native 64)")}),
     "imagefolder": _Entry(load_imagefolder, {"layout": _choice("auto", "auto", "split", "domain"), **_FOLDER}),
-    "pacs": _domain_dataset(96),
-    "officehome": _domain_dataset(96),
-    "domainnet": _domain_dataset(96),
+    "pacs": _domain_dataset(96, "PACS (Li et al. 2017): 7 classes in 4 domains (photo, art painting, cartoon, "
+                                "sketch), read from data.root as one folder per domain, one per class inside"),
+    "officehome": _domain_dataset(96, "Office-Home (Venkateswara et al. 2017): 65 classes in 4 domains (Art, "
+                                      "Clipart, Product, Real World), one folder per domain, one per class inside"),
+    "domainnet": _domain_dataset(96, "DomainNet (Peng et al. 2019): 345 classes in 6 domains, one folder per "
+                                     "domain, one per class inside (a subset of domains: the domains option)"),
     "ham10000": _Entry(load_ham10000, {
         "image_size": _int(HAM10000_SIZE, 0, f"an integer >= 0 (side in pixels; 0 = {HAM10000_SIZE})"),
         "test_fraction": _float(0.2, 0.0, 1.0, high_open=True),
@@ -131,6 +135,14 @@ _REGISTRY: dict[str, _Entry] = {
     }),
 }
 DATASETS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def describe_dataset(name: str) -> tuple[str, list[tuple[str, Any, str]]]:
+    """What dataset ``name`` is (its loader's summary) and its ``data.options``: (option, default, allowed)."""
+    entry = _REGISTRY[name]
+    loader = entry.load.func if isinstance(entry.load, partial) else entry.load
+    text = entry.doc or " ".join((loader.__doc__ or "").strip().split("\n\n")[0].split())
+    return text, [(key, option.default, option.allowed) for key, option in entry.options.items()]
 
 
 def dataset_options(name: str) -> dict[str, Any]:
