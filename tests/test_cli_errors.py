@@ -114,3 +114,17 @@ def test_compare_refuses_an_empty_item_in_a_list(tmp_path, capsys, option, metho
     assert f"{option} = '{methods if option == '--methods' else seeds}'" in err.err and "empty" in err.err
     assert "plan:" not in err.out
     assert not (tmp_path / "c").exists()
+
+
+
+# ----------------------------------------------------------------- docs audit: name what the user typed
+@pytest.mark.parametrize("command", [["run", "--out"], ["partition", "--json"],
+                                     ["compare", "--methods", "fedavg", "--seeds", "0", "--out"]])
+def test_a_set_without_a_value_names_the_option_typed(command, tmp_path, capsys):
+    """``--set train.lr`` (the value left out) names ``--set``, the option on the command line, not ``overrides``,
+    the Python API's argument the CLI hands it to."""
+    assert main([*command, str(tmp_path / "r"), "--set", "train.lr"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetfl: error: --set = 'train.lr'") and "KEY=VALUE" in err
+    assert "overrides" not in err
+    assert not (tmp_path / "r").exists()
