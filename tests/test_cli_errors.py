@@ -128,3 +128,15 @@ def test_a_set_without_a_value_names_the_option_typed(command, tmp_path, capsys)
     assert err.startswith("hetfl: error: --set = 'train.lr'") and "KEY=VALUE" in err
     assert "overrides" not in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("command", "model"), [(["run"], "simple_cnn"), (["run"], "cct"), (["run"], "resnet18"),
+                                               (["compare", "--methods", "fedavg", "--seeds", "0"], "cct")])
+def test_an_image_model_on_feature_vectors_names_model_name_and_the_datas_shape(command, model, tmp_path, capsys):
+    """A model that does not fit the dataset is refused naming the key the user set (``model.name``), its value,
+    what the data is and what would fit, not an internal argument (``input_shape``); ``hetfl compare`` as
+    ``hetfl run`` (its planning checks each run on the meta device)."""
+    assert main([*command, "--out", str(tmp_path / "r"), *QUICK, "--set", f"model.name={model}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hetfl: error: model.name = '{model}': "), err
+    assert "(60,)" in err and "mlp" in err and "input_shape" not in err
