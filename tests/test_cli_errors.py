@@ -140,3 +140,12 @@ def test_an_image_model_on_feature_vectors_names_model_name_and_the_datas_shape(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"hetfl: error: model.name = '{model}': "), err
     assert "(60,)" in err and "mlp" in err and "input_shape" not in err
+
+
+@pytest.mark.parametrize(("value", "hint"), [("0,90", "[0,90]"), ("[0,90", "[0,90]"), ("0,90]", "[0,90]"),
+                                             ("45", "[45]")])
+def test_a_list_setting_without_its_brackets_is_shown_with_them_once(value, hint, tmp_path, capsys):
+    """``--set data.angles=[0,90`` (a bracket lost) is not shown as ``[[0,90]``: the hint is the list meant."""
+    assert main(["run", "--out", str(tmp_path / "r"), *QUICK, "--set", f"data.angles={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f'--set "data.angles={hint}"' in err, err
