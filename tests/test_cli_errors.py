@@ -114,3 +114,38 @@ def test_compare_refuses_an_empty_item_in_a_list(tmp_path, capsys, option, metho
     assert f"{option} = '{methods if option == '--methods' else seeds}'" in err.err and "empty" in err.err
     assert "plan:" not in err.out
     assert not (tmp_path / "c").exists()
+
+
+
+# ----------------------------------------------------------------- docs audit: name what the user typed
+@pytest.mark.parametrize("command", [["run", "--out"], ["partition", "--json"],
+                                     ["compare", "--methods", "fedavg", "--seeds", "0", "--out"]])
+def test_a_set_without_a_value_names_the_option_typed(command, tmp_path, capsys):
+    """``--set train.lr`` (the value left out) names ``--set``, the option on the command line, not ``overrides``,
+    the Python API's argument the CLI hands it to."""
+    assert main([*command, str(tmp_path / "r"), "--set", "train.lr"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetfl: error: --set = 'train.lr'") and "KEY=VALUE" in err
+    assert "overrides" not in err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("command", "model"), [(["run"], "simple_cnn"), (["run"], "cct"), (["run"], "resnet18"),
+                                               (["compare", "--methods", "fedavg", "--seeds", "0"], "cct")])
+def test_an_image_model_on_feature_vectors_names_model_name_and_the_datas_shape(command, model, tmp_path, capsys):
+    """A model that does not fit the dataset is refused naming the key the user set (``model.name``), its value,
+    what the data is and what would fit, not an internal argument (``input_shape``); ``hetfl compare`` as
+    ``hetfl run`` (its planning checks each run on the meta device)."""
+    assert main([*command, "--out", str(tmp_path / "r"), *QUICK, "--set", f"model.name={model}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hetfl: error: model.name = '{model}': "), err
+    assert "(60,)" in err and "mlp" in err and "input_shape" not in err
+
+
+@pytest.mark.parametrize(("value", "hint"), [("0,90", "[0,90]"), ("[0,90", "[0,90]"), ("0,90]", "[0,90]"),
+                                             ("45", "[45]")])
+def test_a_list_setting_without_its_brackets_is_shown_with_them_once(value, hint, tmp_path, capsys):
+    """``--set data.angles=[0,90`` (a bracket lost) is not shown as ``[[0,90]``: the hint is the list meant."""
+    assert main(["run", "--out", str(tmp_path / "r"), *QUICK, "--set", f"data.angles={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f'--set "data.angles={hint}"' in err, err

@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for plugin in args.plugin:
             load_plugin(plugin)
+        for assignment in getattr(args, "set", None) or ():  # named as typed, before the API calls it `overrides`
+            if "=" not in assignment:
+                raise ConfigError("--set", assignment, "must look like KEY=VALUE, e.g. train.lr=0.01")
         return int(args.func(args, console))
     except _user_errors() as err:
         print(f"hetfl: error: {err}", file=sys.stderr)

@@ -157,7 +157,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(key, value, " or ".join(errors))
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
-            items = value if isinstance(value, str) and "," in value else _toml_value(value)
+            items = (value.strip().removeprefix("[").removesuffix("]") if isinstance(value, str) and "," in value
+                     else _toml_value(value))  # "[0,90" (a bracket lost) is meant as [0,90], not [[0,90]
             raise ConfigError(key, value, f"must be a list, in brackets: --set \"{key}=[{items}]\" ([] for none)")
         (item_type, *_) = typing.get_args(tp) or (Any,)
         items = [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]

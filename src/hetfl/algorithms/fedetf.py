@@ -222,13 +222,15 @@ class FedETF(Algorithm):
     # ------------------------------------------------------------- evaluation
     def run_notes(self) -> list[str]:
         """The cost of the personalisation, said when a run starts: it runs before every evaluation of the
-        clients and is many rounds of local training (22 s a round against FedAvg's 2 s on the default data)."""
+        clients and is many epochs of local training (on the default data, one thread: 11 s an evaluation against
+        0.1 s of a round's training, and FedAvg's whole round 0.07 s; docs audit, benchmarks/results/docs_audit.md)."""
         if not self.hp.personalize or self.hp.pers_cycles == 0:
             return []
         epochs = 2 * self.hp.pers_cycles * self.hp.pers_epochs
         return [f"fedetf: before every evaluation each client is personalised: local training, then {epochs} epochs "
                 f"of ETF/projection fine-tuning (algorithm.pers_cycles = {self.hp.pers_cycles} x 2 x "
-                f"algorithm.pers_epochs = {self.hp.pers_epochs}), which can take ten times a round; for a quick "
+                f"algorithm.pers_epochs = {self.hp.pers_epochs}): each evaluation costs every client {epochs} epochs "
+                "on its data, many times a round of training (on the default data 11 s against 0.1 s); for a quick "
                 "run lower algorithm.pers_cycles (e.g. 2), raise train.eval_every, or set "
                 "algorithm.personalize = false"]
 

@@ -78,7 +78,14 @@ from hetfl.engine.rundir import (
     split_lines,
 )
 from hetfl.engine.schedule import lr_at, sampled_clients
-from hetfl.engine.setup import build_partition, config_changes, pick_device, resolve, vmap_clients
+from hetfl.engine.setup import (
+    build_partition,
+    config_changes,
+    model_fits_data,
+    pick_device,
+    resolve,
+    vmap_clients,
+)
 from hetfl.engine.summary import (
     Reporter,
     client_acc_summary,
@@ -140,6 +147,7 @@ def check_config(cfg: RunConfig, trackers: Trackers = NO_TRACKERS) -> torch.devi
     return device
 
 
+
 class Experiment:
     """A prepared experiment; :meth:`run` executes it into a run directory."""
 
@@ -167,7 +175,8 @@ class Experiment:
         prepared = False if cfg.runtime.executor == "flower" else None
         self.data = FederatedData(self.dataset, self.partition, self.device, cfg.data.augment, prepared)
         info = self.dataset.info
-        resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
+        with model_fits_data(cfg, info.input_shape):
+            resources.check_model(cfg, info.input_shape, info.num_classes, self.device)  # counted on the meta device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(cfg.seed, "init"))
             self.model = build_model(cfg.model.name, info.input_shape, info.num_classes, **cfg.model.options)

@@ -4,9 +4,11 @@ partition itself, and the checks a resume (configuration changes) and a plan (me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from hetfl.data.base import Dataset
 from hetfl.data.partition import Partition, make_partition
 from hetfl.engine import resources
 from hetfl.engine.identity import as_written, differing_keys
-from hetfl.models.base import param_groups
+from hetfl.models.base import ModelError, param_groups
 from hetfl.params import ConfigError, to_dict
 from hetfl.rng import derive_seed
 
@@ -154,6 +156,22 @@ def check_method_fits_model(cfg: RunConfig, info: Any) -> None:
     """The set-up's method x model check (:func:`check_model_parts`) on the model built on the meta
     device, for planning: ``hetfl compare``, sweeps and ``hetfl reproduce`` refuse a method the model
     cannot serve (FedPAC on logistic regression) before their first run starts."""
-    model = resources.meta_model(cfg.model.name, info.input_shape, info.num_classes, cfg.model.options)
+    with model_fits_data(cfg, info.input_shape):
+        model = resources.meta_model(cfg.model.name, info.input_shape, info.num_classes, cfg.model.options)
     if model is not None:
         check_model_parts(cfg.algorithm.name, cfg.model, param_groups(model), info.input_shape, info.num_classes)
+
+
+@contextlib.contextmanager
+def model_fits_data(cfg: RunConfig, input_shape: tuple[int, ...]) -> Iterator[None]:
+    """A model that cannot take the dataset's samples (an image model on feature vectors, images too small for
+    its convolutions) refused naming what the user set, ``model.name`` and its value, and the data's shape:
+    :func:`hetfl.models.build_model` names its own argument, ``input_shape``, which no configuration holds."""
+    try:
+        yield
+    except ModelError as err:
+        if err.key != "input_shape":
+            raise
+        raise ModelError("model.name", cfg.model.name,
+                         f"{err.allowed} (data.dataset = {cfg.data.dataset!r}: samples of shape "
+                         f"{tuple(input_shape)})") from None
