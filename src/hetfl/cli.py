@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="runs at once, each in its own worker process (default 1: one after another). The same "
                      "numbers (a CPU run's torch threads are shared out: see hetfl.jobs); a line per run "
                      "started and finished instead of progress bars")
-    cmp.add_argument("--quiet", action="store_true")
+    cmp.add_argument("--quiet", action="store_true", help="no progress bars")
     cmp.set_defaults(func=cmd_compare, command_parser=cmp)
 
     part = sub.add_parser("partition", help="show how a dataset is split over clients")
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="runs at once, each in its own worker process (default 1: one after another). The same "
                      "numbers (a CPU run's torch threads are shared out: see hetfl.jobs); a line per run "
                      "started and finished instead of progress bars")
-    rep.add_argument("--quiet", action="store_true")
+    rep.add_argument("--quiet", action="store_true", help="no progress bars")
     add_plugin_arg(rep)
     rep.set_defaults(func=cmd_reproduce, command_parser=rep)
 
