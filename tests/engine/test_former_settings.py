@@ -21,30 +21,20 @@ import hetfl.engine.experiment as experiment_mod
 from hetfl import config as config_mod
 from hetfl.algorithms import _POSTHOC, algorithm_class, available, posthoc_class
 from hetfl.cli import main
-from hetfl.data.base import Dataset, DatasetInfo, Split
 from hetfl.engine import identity
 from hetfl.engine.checkpoint import load_checkpoint, save_checkpoint
 from hetfl.engine.rundir import RunDirError
 from hetfl.engine.setup import config_changes
 from hetfl.params import build, former_values
+from tests.helpers.images import random_images
 from tests.helpers.runs import interrupted
 
 # MOON on a BatchNorm network, where the reference models' mode changes the numbers: 2 clients of 32 random
-# 1x16x16 images (:func:`tiny_images`), ResNet-18 at width 4, 2 local steps a round
+# 1x16x16 images (64 of 4 classes, 32 to test), ResNet-18 at width 4, 2 local steps a round
 MOON_BN = ["algorithm.name=moon", "data.dataset=mnist", "data.download=false", "data.partition=iid",
            "data.num_clients=2", "model.name=resnet18", "model.options={norm = \"bn\", width = 4}",
            "train.batch_size=16", "train.local_steps=2", "train.rounds=3", "train.lr=0.05", "train.momentum=0.9",
            "runtime.checkpoint_every=1", "runtime.progress=false", "runtime.threads=1"]
-
-
-def tiny_images(name: str, root: str | None = None, *, download: bool = True, seed: int = 0, **options) -> Dataset:
-    """64 training and 32 test random 1x16x16 images of 4 classes, the same for every call."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def split(n: int) -> Split:
-        return Split(torch.randint(0, 256, (n, 1, 16, 16), dtype=torch.uint8, generator=gen), torch.arange(n) % 4)
-
-    return Dataset(DatasetInfo("mnist", ("a", "b", "c", "d"), (1, 16, 16), (0.5,), (0.5,)), split(64), split(32))
 
 
 def test_the_settings_that_changed_the_computation_name_what_runs_before_them_computed():
@@ -99,7 +89,7 @@ def test_a_moon_run_written_before_reference_mode_resumes_as_it_started_and_is_n
     the setting."""
     from hetfl.runtimes import set_up
 
-    monkeypatch.setattr(experiment_mod, "load_dataset", tiny_images)
+    monkeypatch.setattr(experiment_mod, "load_dataset", random_images(64, 32, 16, 4))
     train_mode = set_up(config_mod.load(None, [*MOON_BN, "algorithm.reference_mode=train"])).cfg
     set_up(train_mode).run(tmp_path / "uninterrupted")
     old = tmp_path / "old"

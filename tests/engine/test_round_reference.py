@@ -29,11 +29,12 @@ import pytest
 import torch
 from torch import nn
 
+import hetfl.engine.experiment as experiment_mod
 from hetfl import config
 from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import Experiment
 from hetfl.rng import numpy_generator, torch_generator
-from tests.helpers import MNIST, needs_shared_data
+from tests.helpers.images import random_images
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -194,9 +195,7 @@ def module_fedavg(exp: Experiment) -> tuple[list[dict], dict[str, torch.Tensor]]
     return lines, glob.state_dict()
 
 
-@needs_shared_data
-@pytest.mark.slow  # 6 s: three passes of the model over MNIST's 10,000 test images
-def test_a_batchnorm_model_trains_and_averages_as_the_papers_code(tmp_path):
+def test_a_batchnorm_model_trains_and_averages_as_the_papers_code(tmp_path, monkeypatch):
     """FedUV's 10-layer CNN (BatchNorm after every conv and in the projector), on both executors: per-client
     batch statistics in training, running statistics averaged by the server and used at evaluation.
 
@@ -204,8 +203,9 @@ def test_a_batchnorm_model_trains_and_averages_as_the_papers_code(tmp_path):
     perturbation of the start moves the parameters by 3.5e-3 after two rounds, and the vectorised
     executor's batched kernels (rounding 4e-6 apart after one round) end 1e-3 apart; at lr 0.001 the
     two executors stay within 2e-7 of each other, so what is compared here is the procedure."""
+    monkeypatch.setattr(experiment_mod, "load_dataset", random_images(300, 200, 28, 10))  # 28 px as MNIST's
     settings = [
-        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.dataset=mnist", "data.download=false", "data.partition=dominant",
         "data.samples_per_client=40", "data.test_per_client=30", "data.num_clients=3", "model.name=feduv_cnn",
         "model.options={out_dim = 16}", "train.rounds=2", "train.batch_size=16", "train.drop_last=true",
         "train.lr=0.001", "train.momentum=0.9", "train.weight_decay=1e-5", "train.lr_schedule=cosine",
