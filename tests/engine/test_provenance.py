@@ -14,7 +14,6 @@ import hetfl
 from hetfl import config as config_mod
 from hetfl.cli import main
 from hetfl.engine import identity, provenance
-from hetfl.engine.experiment import Experiment
 from hetfl.runtimes import set_up
 from tests.helpers.runs import interrupted
 
@@ -50,17 +49,7 @@ def test_a_run_resumed_elsewhere_names_both_environments_and_from_which_round(tm
     interrupted(run_dir, 1, monkeypatch, cfg)
     here = provenance.environment(torch.device("cpu"))
     monkeypatch.setattr(provenance, "environment", lambda device: {**here, "torch": "9.9.9"})
-    original = Experiment.round
-
-    def stop_at_round_3(self, server, clients, round_, reporter):
-        if round_ == 3:
-            raise KeyboardInterrupt
-        return original(self, server, clients, round_, reporter)
-
-    monkeypatch.setattr(Experiment, "round", stop_at_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        set_up(identity.load_run_config(run_dir / "config.toml")).run(run_dir, resume=True)
-    monkeypatch.setattr(Experiment, "round", original)
+    interrupted(run_dir, 2, monkeypatch, identity.load_run_config(run_dir / "config.toml"), resume=True)
     assert main(["run", "--resume", str(run_dir), "--quiet"]) == 0
     got = environments(run_dir)
     assert got == [{"from_round": 1, **here}, {"from_round": 2, **here, "torch": "9.9.9"}]

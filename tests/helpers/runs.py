@@ -48,9 +48,9 @@ def fake_run(accs):
     return run
 
 
-def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any) -> None:
-    """``cfg`` (a RunConfig) run into ``run_dir`` and interrupted (KeyboardInterrupt) at the start of round
-    ``stop_after + 1``, as Ctrl-C would."""
+def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any, *, resume: bool = False) -> None:
+    """``cfg`` (a RunConfig) run into ``run_dir`` (``resume``: resumed there) and interrupted (KeyboardInterrupt)
+    at the start of round ``stop_after + 1``, as Ctrl-C would."""
     from hetfl.engine.experiment import Experiment
     from hetfl.runtimes import set_up
 
@@ -63,5 +63,5 @@ def interrupted(run_dir: Path, stop_after: int, monkeypatch: Any, cfg: Any) -> N
 
     monkeypatch.setattr(Experiment, "round", crash)
     with pytest.raises(KeyboardInterrupt):
-        set_up(cfg).run(run_dir)  # tracked as configured (hetfl.tracking)
+        set_up(cfg).run(run_dir, resume=resume)  # tracked as configured (hetfl.tracking)
     monkeypatch.setattr(Experiment, "round", original)
