@@ -625,8 +625,9 @@ def test_a_straggler_closed_out_by_the_grace_is_accounted_from_the_uploads_summe
         private, kind, releases = ["algorithm.name=fedpac", "algorithm.dp_epsilon=4", "algorithm.dp_noise=local"], \
             "train", 2
     else:
-        private, kind, releases = ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4", "algorithm.ccvr.epochs=1",
-                                   f"algorithm.ccvr.dp_noise={case.split()[1]}"], "query.posthoc", 1
+        private, kind, releases = ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4",
+                                   "algorithm.ccvr.epochs=1", f"algorithm.ccvr.dp_noise={case.split()[1]}"], \
+            "query.posthoc", 1
     sets = [*SMALL, *private, "runtime.flower_min_replies=2", "runtime.flower_timeout_s=1000",
             "runtime.flower_grace_s=2"]
     grid = PhaseGrid(3, 2, 2, kind)
