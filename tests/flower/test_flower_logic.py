@@ -589,3 +589,84 @@ def test_waiting_for_nodes_that_have_not_connected_is_said_before_the_wait(tmp_p
     waiting = next(i for i, x in enumerate(said) if "2 of the 3 clients' nodes connected" in x)
     assert "waiting up to 0.3 s (runtime.flower_timeout_s)" in said[waiting], said
     assert waiting < next(i for i, x in enumerate(said) if "no node holds clients [2]" in x)
+
+
+# ------------------------------------------------------------- privacy of a phase closed by the grace (audit privacy2)
+class PhaseGrid(LoopbackGrid):
+    """Node ``who`` computes its reply to the ``kind`` message of round ``at`` but the reply stays held (a straggler
+    whose noisy upload reaches the link after the phase closed)."""
+
+    def __init__(self, num_nodes: int, who: int, at: int, kind: str, once: bool = False) -> None:
+        super().__init__(num_nodes)
+        self.node, self.at, self.kind, self.once = self.ids[who], str(at), kind, once
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            hit = (message.metadata.message_type == self.kind and message.metadata.group_id == self.at
+                   and message.metadata.dst_node_id == self.node)
+            if hit:
+                self.slow.add(self.node)
+                self.at = "" if self.once else self.at
+            ids += super().push_messages([message])
+            self.slow.discard(self.node)
+        return ids
+
+
+@pytest.mark.parametrize("case", ["ccvr distributed", "ccvr local", "fedpac local"])
+def test_a_straggler_closed_out_by_the_grace_is_accounted_from_the_uploads_summed(tmp_path, polls, case):
+    """3 clients, 2 must answer, a grace of 2 s: client 2 computes its noisy upload of the private phase but its
+    reply comes after the grace. The server sums 2 uploads: with distributed noise (each client 1/3 of the variance)
+    the sum carries 2/3 of the planned variance, and the epsilon reported is that of multiplier z sqrt(2/3) (hand
+    computation: 5.06 for a target of 4); the straggler's own upload, were the server to read it, is covered by
+    epsilon_per_upload (multiplier z / sqrt(3)). With local noise every upload carries the whole noise: the target."""
+    from hetfl.privacy import epsilon_spent, noise_multiplier
+
+    if case == "fedpac local":
+        private, kind, releases = ["algorithm.name=fedpac", "algorithm.dp_epsilon=4", "algorithm.dp_noise=local"], \
+            "train", 2
+    else:
+        private, kind, releases = ["algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=4",
+                                   "algorithm.ccvr.epochs=1", f"algorithm.ccvr.dp_noise={case.split()[1]}"], \
+            "query.posthoc", 1
+    sets = [*SMALL, *private, "runtime.flower_min_replies=2", "runtime.flower_timeout_s=1000",
+            "runtime.flower_grace_s=2"]
+    grid = PhaseGrid(3, 2, 2, kind)
+    privacy = run_on(grid, sets, tmp_path / "r")["privacy"]
+    assert len(grid.held) == 1  # the straggler computed and sent its reply; the server did not wait for it
+    assert len(polls) < 10  # the grace closed the phase, not the 1000 s timeout
+    z = noise_multiplier(4.0, 1e-5, releases)
+    ledger = json.loads((tmp_path / "r" / "privacy_ledger.json").read_text())["releases"]
+    assert len(ledger) == privacy["releases"] == releases and privacy["summed_clients"] == 2
+    if case == "ccvr distributed":
+        assert ledger[0]["multiplier"] == pytest.approx(z * (2 / 3) ** 0.5, rel=1e-12)
+        assert privacy["epsilon"] == pytest.approx(epsilon_spent([z * (2 / 3) ** 0.5], 1e-5), rel=1e-9)
+        assert privacy["epsilon"] > 5.0
+        assert privacy["epsilon_per_upload"] == pytest.approx(epsilon_spent([z / 3 ** 0.5], 1e-5), rel=1e-9)
+    else:
+        assert privacy["epsilon"] == pytest.approx(epsilon_spent([z] * releases, 1e-5), rel=1e-9)
+        assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-9)
+
+
+def test_a_round_with_a_straggler_lost_after_the_checkpoint_counts_both_of_its_releases(tmp_path, polls, monkeypatch):
+    """CCVR every round (4 releases planned), distributed OS noise, a checkpoint every 2 rounds; in round 3 client
+    2's reply comes after the grace (the server sums 2 uploads: multiplier z sqrt(2/3)); the server is killed at
+    the start of round 4 and resumes from round 2's checkpoint; round 3 runs again, all 3 answer (multiplier z).
+    The ledger holds both releases of round 3 and the summary composes all five (hand composition: 4.81 for a
+    target of 4), not the four of the history the resumed run computed with (4.0)."""
+    from hetfl.privacy import epsilon_spent, noise_multiplier
+
+    sets = [*SMALL, "train.rounds=4", "train.local_steps=2", "algorithm.name=fedavg+ccvr",
+            "algorithm.ccvr.dp_epsilon=4", "algorithm.ccvr.every_round=true", "algorithm.ccvr.epochs=1",
+            "algorithm.ccvr.dp_noise_source=os", "runtime.checkpoint_every=2", "runtime.flower_min_replies=2",
+            "runtime.flower_timeout_s=1000", "runtime.flower_grace_s=2"]
+    run = tmp_path / "run"
+    killed_then_resumed(PhaseGrid(3, 2, 3, "query.posthoc", once=True), sets, run, 4, monkeypatch)
+    z = noise_multiplier(4.0, 1e-5, 4)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2, 3, 3, 4]
+    want = [z, z, z * (2 / 3) ** 0.5, z, z]
+    assert [e["multiplier"] for e in ledger] == pytest.approx(want, rel=1e-12)
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy["releases"] == 5
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent(want, 1e-5), rel=1e-9) and privacy["epsilon"] > 4.8

@@ -232,3 +232,29 @@ def test_a_node_found_with_other_data_is_left_out_of_the_secure_sum(tmp_path, ca
     assert line["failed_clients"] == [1] and line["secagg_clients"] == 3, line
     said = [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
     assert said and all("other data than the server's" in x for x in said), said
+
+
+def test_a_secure_sum_received_in_a_round_stopped_by_the_quorum_counts_after_the_resume(tmp_path):
+    """Audit privacy2 (failed before its fix): 4 clients, OS noise, every client must answer; client 1 drops out of
+    SecAgg+ after sharing its keys, the protocol still gives the server the noisy sum of the 3 others, and only
+    then does the quorum stop the run. That sum was recorded nowhere (the stop carried no ``received``), so the
+    resumed round's full sum was the one release counted: epsilon 4.0 reported, where the server had received
+    the sums of 3 (multiplier z sqrt(3/4)) and of 4 clients (z), together epsilon 6.57."""
+    from hetfl.privacy import epsilon_spent, noise_multiplier
+
+    overrides = [*BASE, "data.num_clients=4", "train.rounds=1", "algorithm.ccvr.dp_epsilon=4",
+                 "algorithm.ccvr.dp_noise_source=os", "runtime.flower_min_replies=0"]
+    grid, run = WireGrid(4), tmp_path / "r"
+    grid.fail_at[grid.ids[1]] = Stage.COLLECT_MASKED_VECTORS
+    exp, _ = federation(grid, overrides, run)
+    with pytest.raises(FlowerRoundError, match=r"3 of 4 clients answered"):
+        exp.run(run)
+    z = noise_multiplier(4.0, 1e-5, 1)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [(e["round"], e["multiplier"]) for e in ledger] == [(1, pytest.approx(z * (3 / 4) ** 0.5, rel=1e-12))]
+    grid.fail_at.clear()
+    exp, _ = federation(grid, overrides, run)
+    privacy = exp.run(run, resume=True)["privacy"]
+    assert privacy["releases"] == 2
+    want = epsilon_spent([z * (3 / 4) ** 0.5, z], 1e-5)  # a hand composition of the two sums the server got
+    assert privacy["epsilon"] == pytest.approx(want, rel=1e-9) and want > 6.0

@@ -191,15 +191,18 @@ def secure_posthoc(fed: FlowerFederation, step: Any, raw: Tensors, round_: int) 
             + (f" ({reasons})" if reasons else ""))
     nodes, average = strategy.result
     survivors = sorted(client_of[n] for n in nodes)
-    fed.check_quorum(len(survivors), fed.num_clients, round_, phase)
     for c in asked:
         if c not in survivors and c not in fed.failed:
             fed.fail(c, f"{phase}: its masked vector was not summed")
     names = sorted(step.reply_bounds())
     sums = secure_sum.from_grid_sums(secure_sum.from_grid_average(average, len(survivors), levels), names)
     total = secure_sum.decode_sum(sums.values, step.reply_bounds(), len(survivors), levels)
-    return secure_sum.SecureSum({k: v.to(exp.device) for k, v in total.items()}, tuple(survivors),
-                                clipped=sums.clipped, bytes_per_client=secure_sum.upload_bytes(sums.values))
+    received = secure_sum.SecureSum({k: v.to(exp.device) for k, v in total.items()}, tuple(survivors),
+                                    clipped=sums.clipped, bytes_per_client=secure_sum.upload_bytes(sums.values))
+    # the server holds the survivors' sum whether or not the quorum lets the run go on: a stop carries it, so
+    # that the privacy ledger records the release (a resumed round releases again, and both count)
+    fed.check_quorum(len(survivors), fed.num_clients, round_, phase, received)
+    return received
 
 
 # ------------------------------------------------------------------------------ node
