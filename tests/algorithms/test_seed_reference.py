@@ -217,8 +217,12 @@ def ccvr_reference(fed, w, hp):
     feats, labels = [], []
     for c, m in virtual_counts(pooled, counts, hp).items():
         _, mu, sigma = pooled[c]
+        # a direction of rounding-level variance (a ReLU unit dead for the class: 4e-17 of the largest
+        # eigenvalue here; float32 features carry 6e-8 relative precision) has none: Tukey's x^0.5 would
+        # blow its 1e-9 draws up to 3e-5
         values, vectors = torch.linalg.eigh(sigma)
-        factor = vectors * values.clamp(min=0).sqrt()
+        values = torch.where(values > 1e-8 * values.abs().max(), values, torch.zeros_like(values))
+        factor = vectors * values.sqrt()
         noise = torch.randn(m, mu.numel(), generator=gen, dtype=torch.float64)
         feats.append(mu + noise @ factor.T)
         labels.append(torch.full((m,), c))
