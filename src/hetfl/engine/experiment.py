@@ -442,8 +442,30 @@ class Experiment:
         if released_before and len(self.ledger.entries) > count:
             logging.getLogger("hetfl").warning(
                 f"privacy: {method.name} released round {round_} again and it differs from the release the ledger "
-                f"holds (noise source {release.noise_source!r}): both count in the epsilon reported")
+                f"holds (noise source {release.noise_source!r}): "
+                + ("both count in the epsilon reported" if release.noise_source != "seed" else
+                   "both carry the same seeded noise, so their difference is noiseless: the epsilon reported is "
+                   "inf"))
         return method.dp_with_past(server, before)
+
+    def mark_reused_noise(self, line: dict[str, Any], reporter: Reporter) -> None:
+        """A metrics line's budget once the ledger holds a round released twice, with different content, under
+        noise drawn from the run's seed (:meth:`PrivacyLedger.reused_seeded_noise`: a resumed round whose
+        clients or model differ): the two carry the same noise, so their difference reached the server
+        without any, and ``dp_epsilon`` is inf (``dp_noise_reused_rounds`` names the rounds)."""
+        reused = self.ledger.reused_seeded_noise() if self.ledger is not None else []
+        if not reused or "dp_epsilon" not in line:
+            return
+        line["dp_epsilon"] = math.inf
+        if "dp_epsilon_per_upload" in line:
+            line["dp_epsilon_per_upload"] = math.inf
+        line["dp_noise_reused_rounds"] = reused
+        if not getattr(self, "_reuse_noted", False):
+            self._reuse_noted = True
+            self.note(f"privacy: round(s) {', '.join(map(str, reused))} reached the server twice with different "
+                      "content and the same noise, drawn from the run's seed (dp_noise_source = 'seed'): their "
+                      "difference carries no noise, so no finite epsilon holds (summary.json privacy.epsilon = "
+                      "inf); runs meant to protect data use dp_noise_source = 'os'", reporter)
 
     def finished(self, run_dir: Path, ckpt: Checkpoint | None, reporter: Reporter) -> dict[str, Any]:
         """A resumed run that has its summary: check its history, say so, and return the summary
@@ -510,6 +532,7 @@ class Experiment:
                 by_client = line.pop(CLIENT_ACC_KEY)
                 line["eval_time_s"] = round(time.perf_counter() - t_eval, 4)
             line.update(self.federation.round_info(round_))
+            self.mark_reused_noise(line, reporter)
             line["round_time_s"] = round(time.perf_counter() - t0, 4)
             wall += line["round_time_s"]
             metrics_log.append(line)

@@ -84,6 +84,17 @@ class PrivacyLedger:
         return [e.multiplier for i, e in enumerate(self.entries)
                 if e.method == method and i != position and (i < position or e.round <= round_)]
 
+    def reused_seeded_noise(self) -> list[int]:
+        """The rounds in which a method released twice with noise drawn from the run's seed
+        (``dp_noise_source = "seed"``) and different content: the noise of a (method, round, client) is the
+        same in both, so their difference reaches the server without noise, and no finite epsilon holds.
+        A replay (same digest) is no such pair."""
+        digests: dict[tuple[str, int], set[str]] = {}
+        for e in self.entries:
+            if e.noise_source == "seed":
+                digests.setdefault((e.method, e.round), set()).add(e.digest)
+        return sorted({r for (_, r), seen in digests.items() if len(seen) > 1})
+
     def after(self, method: str, recorded: int) -> list[Entry]:
         """The ledger's releases of ``method`` beyond the ``recorded`` a checkpoint accounts for (made after it,
         before the run stopped): its last ones."""
