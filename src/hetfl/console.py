@@ -21,7 +21,6 @@ from rich.text import Text
 
 from hetfl import config as config_mod
 from hetfl.engine.rundir import RunDirError
-from hetfl.privacy import budget_text, server_epsilon
 
 __all__ = ["PIPED_WIDTH", "RichReporter", "check_new_run_dir", "check_output_dir", "default_run_dir",
            "make_console", "summary_table"]
@@ -107,6 +106,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     up, down = summary["bytes_up_total"] / 1e6, summary["bytes_down_total"] / 1e6
     table.add_row("MB up / down", f"{up:.1f} / {down:.1f}")
     if "privacy" in summary:  # the budget the run's private releases spent, as its server faced it
+        from hetfl.privacy import budget_text, server_epsilon  # (imports torch: not at `hetfl --help`)
+
         epsilon, per_upload = server_epsilon(summary["privacy"])
         table.add_row("privacy: epsilon (delta)", budget_text(epsilon, float(summary["privacy"]["delta"]), per_upload))
     return table
