@@ -197,7 +197,8 @@ class CCVRStatistics(PostHoc):
         multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
         return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
                 "dp_secure_aggregation": self.setup.secure_aggregation,
-                "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates",
+                "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates, nor what a "
+                             "set-up round uploads (FedMix's and FedBR's rsm_clients averaged inputs)",
                 "dp_psd_removed": self.psd_removed, "dp_summed_clients": summed,
                 "dp_server_sees": self.server_sees(),
                 "_dp_multipliers": multipliers}
