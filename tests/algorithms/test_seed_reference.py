@@ -38,30 +38,16 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.schedule import batch_schedule
 from hetfl.engine.summary import Reporter
 from hetfl.rng import torch_generator
+from tests.helpers.reference import B2, ENCODER, EXECUTORS, HEAD, PARAMS, W1, W2, features, logits, tiny_federation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ATOL = 2e-5
 ROUNDS, STEPS, LR, C = 2, 3, 0.1, 4
-BASE = ["data.num_clients=5", "data.options={num_devices = 5, max_samples = 90, dim = 8, num_classes = 4}",
-        "model.name=mlp", "model.options={hidden = [6]}", "train.batch_size=1000", f"train.local_epochs={STEPS}",
-        "train.clients_per_round=2", f"train.lr={LR}", f"train.rounds={ROUNDS}", "runtime.progress=false",
-        "runtime.threads=1"]
-EXECUTORS = {"sequential": [], "vectorized": ["runtime.executor=vectorized", "runtime.vmap_on_cpu=true"]}
-W1, B1, W2, B2 = "encoder.1.weight", "encoder.1.bias", "classifier.weight", "classifier.bias"
-PARAMS = (W1, B1, W2, B2)
-ENCODER, HEAD = (W1, B1), (W2, B2)
+BASE = tiny_federation(ROUNDS, STEPS, LR)
 
 
 # ------------------------------------------------------------------ the reference's own model and calculus
-def features(p, x):
-    return F.relu(F.linear(x, p[W1], p[B1]))
-
-
-def logits(p, x):
-    return F.linear(features(p, x), p[W2], p[B2])
-
-
 def grad(fn, p, names):
     leaves = {n: p[n].detach().clone().requires_grad_() for n in names}
     value = fn({**p, **leaves})
