@@ -202,3 +202,16 @@ def test_a_row_of_diverged_runs_says_so_in_the_report(tmp_path):
     assert "Diverged: a row" in page
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| 2 of 2 |" in md and "Diverged: a row" in md
+
+
+def test_a_swept_value_with_dollar_signs_still_gets_its_curves(tmp_path):
+    """A swept string (here ``data.root``) is a curve's label; matplotlib read ``$^$`` in it as mathtext and
+    failed, so ``comparison.md`` said "Curves not drawn" and ``hetfl report`` stopped with a ParseException."""
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    value = "data$^$here"
+    table = hetfl.sweep({"data.root": [value, "plain"]}, overrides=[*TINY, "train.rounds=1"], out=tmp_path / "sweep")
+    assert "Curves not drawn" not in table.markdown and "![Learning curves" in table.markdown
+    html_path, _ = build_report([tmp_path / "sweep"], tmp_path / "report")
+    assert (tmp_path / "report" / "seed_bands.png").is_file() and "seed_bands" in html_path.read_text()
