@@ -215,3 +215,13 @@ def test_a_swept_value_with_dollar_signs_still_gets_its_curves(tmp_path):
     assert "Curves not drawn" not in table.markdown and "![Learning curves" in table.markdown
     html_path, _ = build_report([tmp_path / "sweep"], tmp_path / "report")
     assert (tmp_path / "report" / "seed_bands.png").is_file() and "seed_bands" in html_path.read_text()
+
+
+def test_the_report_says_how_its_table_aggregates_seeds(report):
+    """report.md and report.html say, under the table, that ± is the sample std over seeds and how the rounds to
+    the target are averaged (before, neither said which std, and the figure's title was the only place)."""
+    md = (report / "report.md").read_text().replace("\\", "")
+    page = html.unescape((report / "report.html").read_text())
+    for text in (md, page):
+        assert "sample std (n − 1) over the row's seeds" in text
+        assert "first evaluated round whose accuracy is at or above 50%" in text

@@ -256,7 +256,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
                   f'<p class="muted">{len(runs)} run(s), {len(groups)} setting(s).</p>',
                   "<h2>Comparison</h2>", _table_html(*tables.table_cells(rows, target)),
                   f'<p class="muted">{html.escape(differences)}</p>',
-                  *(f'<p class="muted">{html.escape(line)}</p>' for line in (tables.diverged_line(rows),
+                  *(f'<p class="muted">{html.escape(line)}</p>' for line in (tables.aggregation_line(rows, target),
+                                                                             tables.diverged_line(rows),
                                                                              tables.chance_line(rows),
                                                                              tables.privacy_line(rows)) if line),
                   "<h2>Curves</h2>", *(_img(png) for _, png in figures)]
