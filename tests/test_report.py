@@ -225,3 +225,14 @@ def test_the_report_says_how_its_table_aggregates_seeds(report):
     for text in (md, page):
         assert "sample std (n − 1) over the row's seeds" in text
         assert "first evaluated round whose accuracy is at or above 50%" in text
+
+
+def test_the_partition_heat_map_says_which_seed_it_shows(report):
+    """A setting's heat map is rebuilt from its first run's configuration, and a split is drawn from the run's seed
+    (``derive_seed(seed, "partition")``): with seeds 0 and 1 it shows seed 0's split, and says so, rather than
+    passing for the split of every seed of the row."""
+    md = (report / "report.md").read_text()
+    page = html.unescape((report / "report.html").read_text())
+    for text in (md, page):
+        assert text.count("The split of the run with seed 0; partitions are drawn from a run's seed, so the run "
+                          "with seed 1 may split differently.") == 2  # one per setting
