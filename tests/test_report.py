@@ -202,3 +202,37 @@ def test_a_row_of_diverged_runs_says_so_in_the_report(tmp_path):
     assert "Diverged: a row" in page
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| 2 of 2 |" in md and "Diverged: a row" in md
+
+
+def test_a_swept_value_with_dollar_signs_still_gets_its_curves(tmp_path):
+    """A swept string (here ``data.root``) is a curve's label; matplotlib read ``$^$`` in it as mathtext and
+    failed, so ``comparison.md`` said "Curves not drawn" and ``hetfl report`` stopped with a ParseException."""
+    import hetfl
+    from tests.helpers.runs import TINY
+
+    value = "data$^$here"
+    table = hetfl.sweep({"data.root": [value, "plain"]}, overrides=[*TINY, "train.rounds=1"], out=tmp_path / "sweep")
+    assert "Curves not drawn" not in table.markdown and "![Learning curves" in table.markdown
+    html_path, _ = build_report([tmp_path / "sweep"], tmp_path / "report")
+    assert (tmp_path / "report" / "seed_bands.png").is_file() and "seed_bands" in html_path.read_text()
+
+
+def test_the_report_says_how_its_table_aggregates_seeds(report):
+    """report.md and report.html say, under the table, that ± is the sample std over seeds and how the rounds to
+    the target are averaged (before, neither said which std, and the figure's title was the only place)."""
+    md = (report / "report.md").read_text().replace("\\", "")
+    page = html.unescape((report / "report.html").read_text())
+    for text in (md, page):
+        assert "sample std (n − 1) over the row's seeds" in text
+        assert "first evaluated round whose accuracy is at or above 50%" in text
+
+
+def test_the_partition_heat_map_says_which_seed_it_shows(report):
+    """A setting's heat map is rebuilt from its first run's configuration, and a split is drawn from the run's seed
+    (``derive_seed(seed, "partition")``): with seeds 0 and 1 it shows seed 0's split, and says so, rather than
+    passing for the split of every seed of the row."""
+    md = (report / "report.md").read_text()
+    page = html.unescape((report / "report.html").read_text())
+    for text in (md, page):
+        assert text.count("The split of the run with seed 0; partitions are drawn from a run's seed, so the run "
+                          "with seed 1 may split differently.") == 2  # one per setting

@@ -502,3 +502,37 @@ def test_a_table_without_a_diverged_run_counts_zero_and_shows_no_column():
     assert rows[0]["diverged"] == 0
     assert "diverged" not in tables.table_cells(rows, None)[0]
     assert "diverged" not in tables.to_markdown(rows, None)
+
+
+def _curve_record(seed: int, accs: list[float | None]) -> tables.RunRecord:
+    """A run evaluated on the rounds whose accuracy is not None (``train.eval_every`` = 2: rounds 2, 4, ...)."""
+    metrics = [{"round": r, "train_loss": 1.0, **({} if a is None else {"global_acc": a})}
+               for r, a in enumerate(accs, start=1)]
+    evaluated = [a for a in accs if a is not None]
+    summary = {"final_global_acc": evaluated[-1], "best_global_acc": max(evaluated), "wall_time_s": 1.0}
+    return tables.RunRecord("fedavg", seed, summary, metrics)
+
+
+def test_the_table_says_which_std_and_how_rounds_to_target_are_averaged():
+    """The cells against numpy on the runs' own numbers, and a note under the table that says how they were
+    aggregated: the sample std (n - 1), and rounds to the target as the first evaluated round at or above it,
+    averaged over the seeds that reached it (k/n). Before, comparison.md and report.md said neither (only the
+    curves' line named the sample std), so "3.0 (2/3)" and "80.78 ± 1.81" could be read several ways."""
+    import numpy as np
+
+    runs = [_curve_record(0, [None, 0.81, None, 0.82]), _curve_record(1, [None, 0.74, None, 0.815]),
+            _curve_record(2, [None, 0.71, None, 0.79])]
+    rows = tables.table_rows(runs, 0.8)
+    head, (cells,) = tables.table_cells(rows, 0.8)
+    final = 100 * np.array([0.82, 0.815, 0.79])
+    best = 100 * np.array([0.82, 0.815, 0.79])
+    assert cells[head.index("final acc (%)")] == f"{final.mean():.2f} ± {final.std(ddof=1):.2f}" == "80.83 ± 1.61"
+    assert cells[head.index("best acc (%)")] == f"{best.mean():.2f} ± {best.std(ddof=1):.2f}"
+    assert cells[head.index("rounds to 80%")] == f"{np.mean([2, 4]):.1f} (2/3)"  # round 2, round 4, never
+    markdown = tables.to_markdown(rows, 0.8)
+    note = tables.aggregation_line(rows, 0.8)
+    assert note in markdown.replace("\\", "")
+    assert "sample std (n − 1) over the row's seeds" in note and "one seed: its value alone" in note
+    assert "first evaluated round whose accuracy is at or above 80%" in note
+    assert "mean over the seeds that reached it" in note and "(k/n): k of the row's n seeds" in note
+    assert "rounds to" not in tables.aggregation_line(rows, None)

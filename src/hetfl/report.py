@@ -233,6 +233,18 @@ def partition_plot(run: Run, out: Path) -> Path | None:
     return target
 
 
+def partition_note(shown: Run, group: list[Run]) -> str:
+    """Which run's split a setting's heat map shows (:func:`partition_plot` draws its first run's): a split is
+    drawn from the run's seed (``derive_seed(seed, "partition")``), so the row's other seeds may split otherwise."""
+    others = [r.seed for r in group if r is not shown]
+    note = f"The split of the run with seed {shown.seed}"
+    if not others:
+        return note + "."
+    which = "the run with seed" if len(others) == 1 else "the runs with seeds"
+    return (f"{note}; partitions are drawn from a run's seed, so {which} {', '.join(map(str, others))} may split "
+            "differently.")
+
+
 def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float | None = None,
                  title: str = "hetfl report", per_seed: bool = False) -> tuple[Path, Path]:
     """Write ``out/report.html`` (self-contained) and ``out/report.md`` (+ PNGs); return both paths.
@@ -256,7 +268,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
                   f'<p class="muted">{len(runs)} run(s), {len(groups)} setting(s).</p>',
                   "<h2>Comparison</h2>", _table_html(*tables.table_cells(rows, target)),
                   f'<p class="muted">{html.escape(differences)}</p>',
-                  *(f'<p class="muted">{html.escape(line)}</p>' for line in (tables.diverged_line(rows),
+                  *(f'<p class="muted">{html.escape(line)}</p>' for line in (tables.aggregation_line(rows, target),
+                                                                             tables.diverged_line(rows),
                                                                              tables.chance_line(rows),
                                                                              tables.privacy_line(rows)) if line),
                   "<h2>Curves</h2>", *(_img(png) for _, png in figures)]
@@ -273,8 +286,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path, *, target: float |
                      fence + "toml", first.config_text.rstrip(), fence, ""]
         heat = partition_plot(first, out)
         if heat is not None:
-            html_parts += ["<h3>Partition</h3>", _img(heat)]
-            md_parts += [_md_img("partition", heat, out), ""]
+            which = partition_note(first, group)
+            html_parts += ["<h3>Partition</h3>", f'<p class="muted">{html.escape(which)}</p>', _img(heat)]
+            md_parts += [which, "", _md_img("partition", heat, out), ""]
         for run in group:
             index_path = run.path / "analysis" / "index.json"
             if not index_path.is_file():

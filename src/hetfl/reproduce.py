@@ -443,8 +443,8 @@ def run_counter(preset: Preset, plan: list[tuple[RunSpec, config_mod.RunConfig, 
 def markdown(result: dict[str, Any]) -> str:
     cols = result["columns"]
     md = markdown_text  # the preset's own strings (title, paper, labels, notes) shown literally
-    lines = [f"# {md(result['title'])}", "", f"Paper numbers: {md(result['paper'])}. Ours: mean ± std over seeds "
-             "(the value alone for one seed), in %; diff = ours - paper.", "",
+    lines = [f"# {md(result['title'])}", "", f"Paper numbers: {md(result['paper'])}. Ours: mean ± sample std "
+             "(n − 1) over seeds (the value alone for one seed), in %; diff = ours - paper.", "",
              "| method | " + " | ".join(f"{md(label)} ours | paper | diff" for label in cols.values()) + " |",
              "|---|" + "---|---|---|" * len(cols)]
     for label, by_col in result["table"].items():

@@ -308,6 +308,21 @@ def privacy_cell(row: dict[str, Any]) -> str:
     return budget_text(row["dp_epsilon"], row["dp_delta"], row["dp_per_upload"])
 
 
+def aggregation_line(rows: list[dict[str, Any]], target: float | None) -> str:
+    """How the table's cells aggregate a row's seeds (:func:`mean_std`, :func:`rounds_to_target`), said under it:
+    the reader of ``80.78 ± 1.81`` or ``3.0 (2/3)`` should not have to guess which std or which mean."""
+    if not rows:
+        return ""
+    line = ("Accuracies in %: mean ± sample std (n − 1) over the row's seeds (one seed: its value alone); final: the "
+            "last evaluated round's accuracy (after any post-hoc step), best: the highest evaluated one; time (s): "
+            "each run's wall time, its mean over the seeds.")
+    if target is None:
+        return line
+    return line + (f" Rounds to {percent(target):g}%: each seed's first evaluated round whose accuracy is at or above "
+                   f"{percent(target):g}% (rounds are evaluated every train.eval_every and at the last), the mean over "
+                   "the seeds that reached it; (k/n): k of the row's n seeds reached it.")
+
+
 def diverged_line(rows: list[dict[str, Any]]) -> str:
     """What the diverged column means, for a table that has one ('' otherwise)."""
     if not any(row.get("diverged") for row in rows):
@@ -328,13 +343,13 @@ def privacy_line(rows: list[dict[str, Any]]) -> str:
 
 
 def to_markdown(rows: list[dict[str, Any]], target: float | None) -> str:
-    """The table as Markdown (every cell escaped: :func:`markdown_text`), followed by :func:`differences_line`
-    and, for a table with private rows, :func:`privacy_line`."""
+    """The table as Markdown (every cell escaped: :func:`markdown_text`), followed by :func:`differences_line`,
+    :func:`aggregation_line` and, for a table with private rows, :func:`privacy_line`."""
     head, body = table_cells(rows, target)
     lines = ["| " + " | ".join(map(markdown_text, head)) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(map(markdown_text, cells)) + " |" for cells in body]
-    notes = [markdown_text(line) for line in (differences_line(rows), diverged_line(rows), chance_line(rows),
-                                              privacy_line(rows)) if line]
+    notes = [markdown_text(line) for line in (differences_line(rows), aggregation_line(rows, target),
+                                              diverged_line(rows), chance_line(rows), privacy_line(rows)) if line]
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes) + "\n"
 
 

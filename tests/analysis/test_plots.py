@@ -408,3 +408,46 @@ def test_spectrum_of_logistic_regression_is_one_curve_of_the_inputs(tmp_path):
     hidden = analysis_of(MLP((6,), 3, hidden=(8,)), tmp_path).spectrum()
     assert (tmp_path / "spectrum.csv").read_text().splitlines()[0] == "index,global,client 0,client 1,client 2"
     assert "note" not in hidden
+
+
+# ------------------------------------------------------------------ user strings drawn as written
+#: a label (a swept ``data.root``, a run folder's name) that matplotlib would read as mathtext: two ``$`` make
+#: "5 vs " math italics; ``$^$`` is no valid mathtext at all, and drawing it raises
+DOLLARS = ["cost $5 vs $10", "a$^$b"]
+
+
+def shown(text) -> tuple[str, bool]:
+    """What matplotlib draws for a Text artist: the characters, and whether it typesets them as mathtext."""
+    drawn, math_mode = text._preprocess_math(text.get_text())
+    return drawn, bool(math_mode)
+
+
+@pytest.mark.parametrize("label", DOLLARS)
+def test_dollar_signs_in_labels_and_titles_are_drawn_as_written(label):
+    """Issue: run labels and folder names are user strings; matplotlib typesets the text between two ``$`` as
+    math, so the legend showed other characters than the table's row (or the figure could not be drawn, and
+    ``hetfl report`` stopped with a mathtext ParseException). Every label and title shows its characters."""
+    from hetfl.analysis.plots import png_bytes, seed_bands_figure
+
+    rows = [{"round": r, "train_loss": 1.0 / r, "global_acc": 0.1 * r, "client_acc_mean": 0.1 * r}
+            for r in (1, 2, 3)]
+    for fig, legend in ((curves_figure({label: rows, "other": rows}, context=f"runs in {label}"), [label, "other"]),
+                        (seed_bands_figure({label: {0: rows, 1: rows}}, context=f"runs in {label}"),
+                         [f"{label} (2 seeds)"])):
+        assert [shown(t) for t in fig.legends[0].get_texts()] == [(text, False) for text in legend]
+        title, math_mode = shown(fig._suptitle)
+        assert not math_mode and f"runs in {label}" in " ".join(title.split())
+        assert png_bytes(fig, 40).startswith(b"\x89PNG")  # drawn without a mathtext error
+
+
+def test_partition_class_names_and_title_with_dollar_signs_are_drawn_as_written():
+    """An image folder's class names and the report's title line are user strings too (see above)."""
+    from hetfl.analysis.plots import png_bytes
+
+    part, y = partition([[5, 0], [0, 8]])
+    fig = partition_figure(part, y, 2, class_names=DOLLARS, title="folder a$^$b")
+    (ax,) = data_axes(fig)
+    assert [shown(t) for t in ax.get_xticklabels()] == [(name, False) for name in DOLLARS]
+    title, math_mode = shown(ax.title)
+    assert not math_mode and "folder a$^$b" in flat(title)
+    assert png_bytes(fig, 40).startswith(b"\x89PNG")

@@ -67,10 +67,18 @@ def _grid(count: int, max_cols: int = 4) -> tuple[int, int]:
     return math.ceil(count / cols), cols
 
 
+def literal(text: Any) -> str:
+    """``text`` as matplotlib should draw it, character for character: every ``$`` escaped. Matplotlib typesets
+    the text between two ``$`` as mathtext, and labels and titles hold user strings (a swept ``data.root``, a run
+    folder's name): ``cost $5 vs $10`` would show ``5 vs `` in math italics, and ``a$^$b`` cannot be drawn at all
+    (a ParseException). hetfl's own texts use no mathtext."""
+    return str(text).replace("$", r"\$")
+
+
 def _heading(what: str, context: str | None = None, note: str | None = None, *, width: float = 80) -> str:
     """A title: what is shown, then which run and round, then a caveat, each wrapped to ``width``
-    characters so that no line runs off the figure."""
-    return "\n".join(textwrap.fill(part, max(20, int(width))) for part in (what, context, note) if part)
+    characters so that no line runs off the figure (each drawn as written: :func:`literal`)."""
+    return "\n".join(literal(textwrap.fill(part, max(20, int(width)))) for part in (what, context, note) if part)
 
 
 def _suptitle(fig: Any, what: str, context: str | None = None, note: str | None = None, *,
@@ -177,7 +185,7 @@ def _legend(ax: Any, handles: Sequence[Any] | None = None, labels: Sequence[str]
         handles, labels = ax.get_legend_handles_labels()
     if not handles:
         return None
-    labels = list(labels) if labels is not None else [h.get_label() for h in handles]
+    labels = [literal(text) for text in (labels if labels is not None else [h.get_label() for h in handles])]
     if len(handles) <= LEGEND_INSIDE_MAX:
         return ax.legend(handles, labels, loc="best", fontsize="x-small", title=title, markerscale=markerscale)
     return ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
@@ -399,7 +407,7 @@ def swd_figure(
     if mat.ndim != 2 or mat.shape[0] != mat.shape[1]:
         raise ValueError(f"expected a square matrix, got shape {mat.shape}")
     m = mat.shape[0]
-    names = list(labels) if labels is not None else [str(k) for k in range(m)]
+    names = [literal(name) for name in labels] if labels is not None else [str(k) for k in range(m)]
     side = min(10.0, 3.5 + 0.45 * m)
     fig, axes = _figure(1, 1, size=(side + 1.0, side + 0.6))
     ax = axes[0, 0]
@@ -624,7 +632,8 @@ def _curves_figure(curves: Mapping[str, dict[str, Any]], target: float | None, c
         from matplotlib.lines import Line2D
 
         handles = [Line2D([], [], color=c) for c in colours]
-        fig.legend(handles, list(curves), loc="outside lower center", ncols=min(3, len(curves)), fontsize="x-small")
+        fig.legend(handles, [literal(label) for label in curves], loc="outside lower center",
+                   ncols=min(3, len(curves)), fontsize="x-small")
     single = next(iter(curves)) if len(curves) == 1 and next(iter(curves)) != "run" else None
     _suptitle(fig, "Learning curves", context or single)
     return fig
@@ -840,7 +849,8 @@ def _seed_bands_figure(bands: Mapping[str, Mapping[str, SeedBand | None]], per_s
     _loss_panel(loss_ax, bands)
     for ax in (acc_ax, loss_ax):
         _integer_ticks(ax)
-    fig.legend(handles, wrapped, loc="outside lower center", ncols=ncols, fontsize=LEGEND_FONT_PT)
+    fig.legend(handles, [literal(text) for text in wrapped], loc="outside lower center", ncols=ncols,
+               fontsize=LEGEND_FONT_PT)
     _suptitle(fig, "Learning curves over seeds", context, _seed_note(bands, ddof, per_seed), fontsize=11.0)
     return fig
 

@@ -132,6 +132,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 LOG_COLOUR_RATIO = 50.0  # counts spanning more than this factor get a log colour scale
 
 
+def _literal(text: object) -> str:
+    """``text`` drawn by matplotlib as written, each ``$`` escaped: class names (an image folder's) and titles are
+    user strings, and matplotlib typesets the text between two ``$`` as mathtext (``hetfl.analysis.plots.literal``,
+    which this layer cannot import)."""
+    return str(text).replace("$", r"\$")
+
+
 def partition_figure(
     partition: Partition,
     train_labels: np.ndarray,
@@ -168,7 +175,7 @@ def partition_figure(
     if num_classes <= 30:
         ax.set_xticks(range(num_classes))
         if class_names is not None and len(class_names) == num_classes:
-            ax.set_xticklabels(class_names, rotation=45, ha="right")
+            ax.set_xticklabels([_literal(name) for name in class_names], rotation=45, ha="right")
     if k <= 40:
         ax.set_yticks(range(k))
     if 0 < k * num_classes <= ANNOTATE_MAX_CELLS:
@@ -180,7 +187,7 @@ def partition_figure(
     fig.colorbar(image, ax=ax, label=label)
     width = max(20, int(fig.get_figwidth() * 0.7 * 72 / 6.0))  # characters of a 10-point title over the axes
     what = f"Training samples per client and class ({k} clients x {num_classes} classes)"
-    ax.set_title("\n".join(textwrap.fill(part, width) for part in (what, title) if part), fontsize="medium")
+    ax.set_title(_literal("\n".join(textwrap.fill(part, width) for part in (what, title) if part)), fontsize="medium")
     return fig
 
 
