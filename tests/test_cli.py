@@ -108,6 +108,25 @@ def test_compare_writes_mean_std_tables_and_reuses_finished_runs(tmp_path, capsy
     assert "finished earlier, reusing" in capsys.readouterr().out
 
 
+def test_compare_tables_each_settings_traffic_as_its_runs_metrics_count_it(tmp_path):
+    """The MB up / down column: the mean over a row's seeds of the bytes its runs' metrics.jsonl count up and
+    down; SCAFFOLD's control variates double FedAvg's traffic both ways."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "fedavg,scaffold", "--seeds", "0,1", "--out", str(out),
+                 "--set", "train.rounds=2", "--quiet"]) == 0
+    rows = {r["method"]: r for r in csv.DictReader((out / "comparison.csv").open())}
+    table = (out / "comparison.md").read_text()
+    for method in ("fedavg", "scaffold"):
+        lines = [[json.loads(x) for x in (out / f"{method}-seed{s}" / "metrics.jsonl").read_text().splitlines()]
+                 for s in (0, 1)]
+        up, down = (sum(sum(m[key] for m in run) for run in lines) / 2 / 1e6 for key in ("bytes_up", "bytes_down"))
+        assert up > 0 and down > 0
+        assert abs(float(rows[method]["mb_up"]) - up) < 1e-9 and abs(float(rows[method]["mb_down"]) - down) < 1e-9
+        assert f"| {up:.3g} / {down:.3g} |" in table, table  # under 10 MB: three significant digits
+    assert float(rows["scaffold"]["mb_up"]) == 2 * float(rows["fedavg"]["mb_up"])
+    assert "MB up / down" in table and "the bytes each run's clients sent and received" in table
+
+
 def test_resume_takes_the_settings_that_change_no_number(tmp_path, capsys):
     """A run made with --quiet keeps runtime.progress = false in its config.toml; its resume may turn the
     progress back on (or change any other key that changes no number: identity.PRESENTATION_KEYS), while a

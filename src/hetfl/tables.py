@@ -225,6 +225,7 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
             "final_mean": final_m, "final_std": final_s,
             "best_mean": best_m, "best_std": best_s,
             "wall_time_s": mean(r.summary["wall_time_s"] for r in runs),
+            "mb_up": traffic_mb(runs, "bytes_up_total"), "mb_down": traffic_mb(runs, "bytes_down_total"),
         })
         row["chance"], row["at_chance"] = at_chance(final_m, [r.summary.get("chance_global_acc") if key ==
                                                               "final_global_acc" else None for r in runs])
@@ -238,6 +239,26 @@ def table_rows(records: list[RunRecord], target: float | None) -> list[dict[str,
         row["setting_id"] = runs[0].setting_id
         rows.append(row)
     return rows
+
+
+def traffic_mb(runs: list[RunRecord], key: str) -> float | None:
+    """A row's traffic in MB (10^6 bytes), the mean over its seeds of ``summary.json``'s ``key``
+    (``bytes_up_total``: the bytes of every tensor the clients sent the server, the set-up round's and
+    post-hoc steps' included; ``bytes_down_total``: of every tensor sent to them). Methods differ in it as
+    much as in accuracy (SCAFFOLD's control variates double both ways, FedPAC uploads centroids, CCVR
+    per-class statistics).
+    None where a run's summary does not say it."""
+    values = [r.summary.get(key) for r in runs]
+    return None if any(v is None for v in values) else mean(values) / 1e6
+
+
+def traffic_cell(row: dict[str, Any]) -> str:
+    """``"12.3 / 24.6"``: a row's mean MB up and down (:func:`traffic_mb`), three significant digits below 10
+    MB (a small model's runs move a fraction of one), ``"?"`` where unknown."""
+    up, down = row.get("mb_up"), row.get("mb_down")
+    if up is None or down is None:
+        return "?"
+    return " / ".join(f"{mb:.1f}" if mb >= 10 else f"{mb:.3g}" for mb in (up, down))
 
 
 def key_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -279,7 +300,7 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
     private = bool(rows) and "dp_epsilon" in rows[0]
     if private:
         head += ["privacy: epsilon (delta)"]
-    head += ["time (s)", "setting"]
+    head += ["MB up / down", "time (s)", "setting"]
     body = []
     for row in rows:
         cells = [row["method"], *(row[k] for k in keys), row["metric"], str(row["seeds"]),
@@ -293,7 +314,7 @@ def table_cells(rows: list[dict[str, Any]], target: float | None) -> tuple[list[
             cells.append("not reached" if rtt is None else f"{rtt:.1f} ({row['reached']})")
         if private:
             cells.append(privacy_cell(row))
-        cells += [f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
+        cells += [traffic_cell(row), f"{row['wall_time_s']:.1f}", row["setting_id"] or "?"]
         body.append([str(cell) for cell in cells])
     return head, body
 
@@ -314,8 +335,9 @@ def aggregation_line(rows: list[dict[str, Any]], target: float | None) -> str:
     if not rows:
         return ""
     line = ("Accuracies in %: mean ± sample std (n − 1) over the row's seeds (one seed: its value alone); final: the "
-            "last evaluated round's accuracy (after any post-hoc step), best: the highest evaluated one; time (s): "
-            "each run's wall time, its mean over the seeds.")
+            "last evaluated round's accuracy (after any post-hoc step), best: the highest evaluated one; MB up / down: "
+            "the bytes each run's clients sent and received over the whole run (10^6 bytes), and time (s): each "
+            "run's wall time, each the mean over the seeds.")
     if target is None:
         return line
     return line + (f" Rounds to {percent(target):g}%: each seed's first evaluated round whose accuracy is at or above "
