@@ -66,6 +66,8 @@ log = logging.getLogger("hetfl")
 UPLOAD_FACTOR, UPLOAD_SLACK = 8, 16 * 2**20
 #: what reading a reply of a client raises when the reply is malformed (a missing record or number, bad tensors)
 MALFORMED = (KeyError, TypeError, ValueError, RuntimeError, AttributeError)
+#: the record of a phase's reply that carries the client's upload (under differential privacy, its noise)
+UPLOAD_RECORDS = {P.TRAIN: P.UPLOAD, P.POSTHOC: P.REPLY}
 
 
 class MalformedReply(ValueError):
@@ -189,6 +191,8 @@ class FlowerFederation:
         self.digests: dict[int, str] = {}  # client -> digest of its samples here (client_data_digest)
         # client -> (node, reason): a node found holding other data for the client, left out of SecAgg+ too
         self.other_data_nodes: dict[int, tuple[int, str]] = {}
+        # this phase's replies received and refused that carry an upload: client -> digest of its bytes (upload_digest)
+        self.refused: dict[int, str] = {}
 
     # ------------------------------------------------------------------ run hooks
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
@@ -347,8 +351,10 @@ class FlowerFederation:
         return replies, sorted(lost + [index[i] for i in pending]), why
 
     def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
-        """One phase: a message per client, the replies by client (failures recorded)."""
+        """One phase: a message per client, the replies by client (failures recorded; the uploads in replies
+        refused here or later in the phase kept in ``refused``, for the privacy ledger)."""
         self.refresh()
+        self.refused = {}
         clients, messages = [], []
         for c, content in contents.items():
             node = self.nodes.get(c)
@@ -373,12 +379,22 @@ class FlowerFederation:
             if other:
                 self.other_data_nodes[c] = (message.metadata.src_node_id, other)
                 self.fail(c, f"{kind}: {other}")
+                self.refuse(c, message.content, kind)
                 continue
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
         for k in late:
             self.fail(clients[k], f"{kind}: {why}")
         return out
+
+    def refuse(self, c: int, content: RecordDict, kind: str) -> None:
+        """Keep a digest of the upload in client ``c``'s refused reply to a ``kind`` message, if it carries one
+        (:data:`UPLOAD_RECORDS`): the server received it all the same, and under differential privacy it is a
+        noisy release of the client's data (recorded when the phase stops with nothing usable:
+        :class:`~hetfl.engine.federation.PhaseStopped`'s ``refused``)."""
+        digest = upload_digest(content, UPLOAD_RECORDS.get(kind, ""))
+        if digest is not None:
+            self.refused[c] = digest
 
     def holds_other_data(self, c: int) -> str:
         """Why client ``c``'s present node is known to hold other data than the server's for it; "" if not (a
@@ -406,7 +422,8 @@ class FlowerFederation:
         """How many of ``asked`` clients must answer a phase for the run to go on (runtime.flower_min_replies)."""
         return max(asked if self.min_replies == 0 else min(self.min_replies, asked), 1)
 
-    def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
+    def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None,
+                     refused: dict[int, str] | None = None) -> None:
         if asked == 0:
             return
         need = self.quorum(asked)
@@ -415,7 +432,7 @@ class FlowerFederation:
             raise FlowerRoundError(
                 f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
                 f"{self.min_replies} needs {need} ({reasons}). The run stops with its last checkpoint kept: once "
-                "enough clients' nodes can answer (see the reasons), resume it", received)
+                "enough clients' nodes can answer (see the reasons), resume it", received, refused)
 
     def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
         shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
@@ -473,6 +490,7 @@ class FlowerFederation:
                 update, has_state = self.read_update(c, replies[c], sent, server)
             except MALFORMED as err:
                 self.fail(c, f"{P.TRAIN}: {_why(err)}")
+                self.refuse(c, replies[c], P.TRAIN)
                 continue
             updates.append(update)
             self.state_round[c] = round_  # this round's state is the node's (a late reply's never is)
@@ -480,7 +498,7 @@ class FlowerFederation:
                 self.has_state.add(c)
             self.acknowledge(c, server)
             reporter.client_done()
-        self.check_quorum(len(updates), len(sampled), round_, "training", updates)
+        self.check_quorum(len(updates), len(sampled), round_, "training", updates, self.refused)
         return updates, bytes_down
 
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
@@ -516,6 +534,7 @@ class FlowerFederation:
                 out[c] = from_record(replies[c][P.REPLY], self.exp.device)
             except MALFORMED as err:
                 self.fail(c, f"{kind}: {_why(err)}")
+                self.refuse(c, replies[c], kind)
         return out
 
     def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
@@ -531,7 +550,7 @@ class FlowerFederation:
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
         replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
-        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies)
+        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies, self.refused)
         return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
@@ -585,6 +604,24 @@ class FlowerFederation:
                     accs[c] = acc
             self.check_quorum(answered, len(contents), round_, "evaluation")
         return accs
+
+
+def upload_digest(content: Any, name: str) -> str | None:
+    """SHA-256 of the arrays in record ``name`` of a reply (name, dtype, stype, shape and bytes of each, in name
+    order), read without decoding them (an oversized or undecodable upload too); None where the reply carries
+    no such record of arrays (no upload reached the server)."""
+    try:
+        record = content[name] if name and name in content else None
+    except MALFORMED:
+        return None
+    if not isinstance(record, ArrayRecord):
+        return None
+    h = hashlib.sha256()
+    for key in sorted(record.keys()):
+        a = record[key]
+        h.update(f"{key}|{a.dtype}|{a.stype}|{tuple(a.shape)}|{len(a.data)}|".encode())
+        h.update(a.data)
+    return h.hexdigest()
 
 
 def _why(err: BaseException) -> str:
