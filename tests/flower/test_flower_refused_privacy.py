@@ -11,6 +11,7 @@ epsilon a run may report is at least the largest client's."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,3 +148,54 @@ def test_a_refused_ccvr_reply_of_a_round_stopped_with_nothing_usable_counts_afte
     assert ledger_rounds(run) == [1, 2, 2]
     assert privacy["releases"] == 3
     assert privacy["epsilon"] == pytest.approx(spent, rel=1e-9)
+
+
+# ------------------------------------------------------------- replies in when the Flower run is stopped mid-phase
+class StoppingGrid(LoopbackGrid):
+    """The first time a ``kind`` message of round ``at`` is sent, node ``who`` does not answer and the Flower run is
+    stopped (``stop`` set: the simulation ended under the server, Ctrl-C) while the server waits for it; the other
+    nodes' replies are in."""
+
+    def __init__(self, num_nodes: int, who: int, at: int, kind: str) -> None:
+        super().__init__(num_nodes)
+        self.node, self.at, self.kind = self.ids[who], str(at), kind
+        self.stop = threading.Event()
+        self.fired = False
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        fire = not self.fired and any(m.metadata.message_type == self.kind and m.metadata.group_id == self.at
+                                      for m in messages)
+        if fire:
+            self.fired = True
+            self.dead.add(self.node)
+            self.stop.set()
+        try:
+            return super().push_messages(messages)
+        finally:
+            self.dead.discard(self.node)
+
+
+@pytest.mark.parametrize("method", ["fedpac", "ccvr"])
+def test_uploads_in_when_the_flower_run_is_stopped_mid_phase_count_after_the_resume(tmp_path, method):
+    """Local OS noise, 2 planned releases, a checkpoint every round. In round 2's private phase clients 0 and 1
+    answer (their noisy uploads reach the server) and the run is stopped while the server waits for client 2
+    (FlowerStopped). Resumed, round 2 runs again: clients 0 and 1 uploaded 3 times, epsilon_spent([z] * 3) = 5.06
+    spent. Before the fix the replies in hand when the stop came were dropped unrecorded: 4.0 reported."""
+    from hetfl import config
+    from hetfl.engine.experiment import Experiment
+    from hetfl.flower.protocol import NODES_DIR
+    from hetfl.flower.server import FlowerFederation, FlowerStopped
+
+    private = FEDPAC if method == "fedpac" else [*CCVR, "train.local_steps=2"]
+    overrides = [*SMALL, *private, "runtime.checkpoint_every=1", "runtime.flower_min_replies=0"]
+    grid, run = StoppingGrid(3, 2, 2, "train" if method == "fedpac" else "query.posthoc"), tmp_path / "run"
+    exp = Experiment(config.load(None, [*overrides, "runtime.executor=flower"]))
+    exp.federation = FlowerFederation(exp, grid, poll_s=0.01, state_root=str(run / NODES_DIR), stop=grid.stop)
+    with pytest.raises(FlowerStopped):
+        exp.run(run)
+    assert ledger_rounds(run) == [1, 2]  # round 2: the two uploads in hand when the stop came
+    run_on(grid, overrides, run, resume=True)
+    assert ledger_rounds(run) == [1, 2, 2]
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy["releases"] == 3
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)

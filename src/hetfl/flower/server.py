@@ -79,8 +79,14 @@ class FlowerRoundError(PhaseStopped):
     privacy ledger)."""
 
 
-class FlowerStopped(RuntimeError):
-    """The federation was told to stop (the simulation ended under it: Ctrl-C, an error)."""
+class FlowerStopped(PhaseStopped):
+    """The federation was told to stop (the simulation ended under it: Ctrl-C, an error). Stopped while it waited
+    for a phase's replies, ``received`` and ``refused`` hold those already in (:class:`PhaseStopped`): they
+    reached the server, and the privacy ledger records their releases before the run ends. ``messages``: the
+    raw replies in when the wait stopped; ``contents``: the same by client (for the phase to read)."""
+
+    messages: list[Message] | None = None
+    contents: dict[int, RecordDict] | None = None
 
 
 class _Reads(dict):
@@ -347,7 +353,11 @@ class FlowerFederation:
                            "runtime.flower_grace_s)")
             if not pending or time.monotonic() > deadline:
                 break
-            self._sleep()
+            try:
+                self._sleep()
+            except FlowerStopped as err:  # what is in reached the server: the phase reads it before the stop goes on
+                err.messages = replies
+                raise
         return replies, sorted(lost + [index[i] for i in pending]), why
 
     def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
@@ -365,7 +375,21 @@ class FlowerFederation:
             messages.append(Message(content, dst_node_id=node, message_type=kind, ttl=self.ttl,
                                     group_id=str(round_)))
             self.traffic[0] += record_nbytes(r for r in content.values() if isinstance(r, ArrayRecord))
-        replies, late, why = self._send_and_receive(messages, quorum=self.quorum(len(contents)))
+        try:
+            replies, late, why = self._send_and_receive(messages, quorum=self.quorum(len(contents)))
+        except FlowerStopped as err:
+            err.contents = self.by_client(kind, err.messages or [], messages, clients)
+            raise
+        out = self.by_client(kind, replies, messages, clients)
+        for k in late:
+            self.fail(clients[k], f"{kind}: {why}")
+        return out
+
+    def by_client(self, kind: str, replies: list[Message], messages: list[Message], clients: list[int]
+                  ) -> dict[int, RecordDict]:
+        """The replies to a ``kind`` phase's ``messages`` (pushed: their ids set; one for each of ``clients``) by
+        client, without the error replies and those of a node holding other data (failures recorded, refused
+        uploads kept)."""
         owner = {m.metadata.message_id: c for m, c in zip(messages, clients, strict=True)}
         out: dict[int, RecordDict] = {}
         for message in replies:
@@ -383,8 +407,6 @@ class FlowerFederation:
                 continue
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
-        for k in late:
-            self.fail(clients[k], f"{kind}: {why}")
         return out
 
     def refuse(self, c: int, content: RecordDict, kind: str) -> None:
@@ -480,18 +502,14 @@ class FlowerFederation:
             h = self.header(c, round_, lr=lr)
             self.add_client_records(records, h, c, server, encoder)
             contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
-        replies = self.exchange(P.TRAIN, contents, round_)
+        try:
+            replies = self.exchange(P.TRAIN, contents, round_)
+        except FlowerStopped as err:  # the uploads already in reached the server: recorded before the run ends
+            read = self.read_updates(sampled, contents, err.contents or {}, server)
+            raise FlowerStopped(str(err), [u for u, _ in read], self.refused) from None
         updates = []
-        for c in sampled:
-            if c not in replies:
-                continue
-            sent = record_nbytes(r for r in contents[c].values() if isinstance(r, ArrayRecord))
-            try:
-                update, has_state = self.read_update(c, replies[c], sent, server)
-            except MALFORMED as err:
-                self.fail(c, f"{P.TRAIN}: {_why(err)}")
-                self.refuse(c, replies[c], P.TRAIN)
-                continue
+        for update, has_state in self.read_updates(sampled, contents, replies, server):
+            c = update.client_id
             updates.append(update)
             self.state_round[c] = round_  # this round's state is the node's (a late reply's never is)
             if has_state:
@@ -500,6 +518,22 @@ class FlowerFederation:
             reporter.client_done()
         self.check_quorum(len(updates), len(sampled), round_, "training", updates, self.refused)
         return updates, bytes_down
+
+    def read_updates(self, sampled: list[int], contents: dict[int, RecordDict], replies: dict[int, RecordDict],
+                     server: ServerState) -> list[tuple[ClientUpdate, bool]]:
+        """The training replies as updates, in ``sampled`` order (:meth:`read_update`); a reply the server cannot
+        use is recorded as failed and its upload kept in ``refused``."""
+        out = []
+        for c in sampled:
+            if c not in replies:
+                continue
+            sent = record_nbytes(r for r in contents[c].values() if isinstance(r, ArrayRecord))
+            try:
+                out.append(self.read_update(c, replies[c], sent, server))
+            except MALFORMED as err:
+                self.fail(c, f"{P.TRAIN}: {_why(err)}")
+                self.refuse(c, replies[c], P.TRAIN)
+        return out
 
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
         """Client ``c``'s training reply as an update (and whether its node now keeps state for it), checked: an
@@ -549,7 +583,10 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
-        replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
+        try:
+            replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
+        except FlowerStopped as err:  # the replies already in reached the server: recorded before the run ends
+            raise FlowerStopped(str(err), self.tensor_replies(P.POSTHOC, err.contents or {}), self.refused) from None
         self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies, self.refused)
         return replies
 
