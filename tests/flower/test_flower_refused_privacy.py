@@ -199,3 +199,23 @@ def test_uploads_in_when_the_flower_run_is_stopped_mid_phase_count_after_the_res
     privacy = json.loads((run / "summary.json").read_text())["privacy"]
     assert privacy["releases"] == 3
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
+
+
+# ------------------------------------------------------------- an accepted reply the ledger cannot read
+def _no_counts(content) -> None:
+    del content["upload"]["fedpac.counts"]  # the model's tensors and the feature sums are there
+
+
+def test_a_fedpac_reply_without_its_noisy_counts_is_refused_not_a_crash_before_the_ledger(tmp_path):
+    """FedPAC, local OS noise, 2 of 3 must answer. Node 2's round-2 training reply lacks the noisy class counts.
+    The server accepted it (only the model's tensors were checked) and the ledger's digest of the round's release
+    then raised KeyError: the run crashed with clients 0 and 1's noisy uploads received and unrecorded (resumed, 2
+    releases and 4.0 reported where they made 3: 5.06). The reply is refused like any malformed one; the round
+    goes on and its release is recorded."""
+    grid = LoopbackGrid(3)
+    grid.tamper[grid.ids[2]] = _no_counts
+    run = tmp_path / "run"
+    privacy = run_on(grid, [*SMALL, *FEDPAC, "train.rounds=1", "runtime.flower_min_replies=2"], run)["privacy"]
+    assert ledger_rounds(run) == [1]
+    assert privacy["summed_clients"] == 2 and privacy["epsilon"] == pytest.approx(4.0, rel=1e-9)
+    assert [json.loads(x)["failed_clients"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [[2]]

@@ -538,7 +538,8 @@ class FlowerFederation:
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
         """Client ``c``'s training reply as an update (and whether its node now keeps state for it), checked: an
         upload of at most :data:`UPLOAD_FACTOR` x ``sent`` + :data:`UPLOAD_SLACK` bytes, tensors that decode, the
-        model's shape for each of the model's tensors, the client's own sample count, whole numbers. Raises one of
+        model's shape for each of the model's tensors, the method's noisy statistics (``dp_upload_keys``), the
+        client's own sample count, whole numbers. Raises one of
         :data:`MALFORMED` (:class:`MalformedReply` with the reason) otherwise."""
         record, result = content[P.UPLOAD], content[P.RESULT]
         size, limit = record_nbytes([record]), UPLOAD_FACTOR * sent + UPLOAD_SLACK
@@ -546,6 +547,9 @@ class FlowerFederation:
             raise MalformedReply(f"oversized reply: an upload of {size} bytes, more than {limit} ({UPLOAD_FACTOR} "
                                  f"x the {sent} bytes sent + {UPLOAD_SLACK})")
         upload = {k: decode_tensor(a, self.exp.device) for k, a in record.items()}
+        missing = [k for k in self.exp.algorithm.dp_upload_keys if k not in upload]
+        if missing:  # the method's noisy statistics: the privacy ledger's digest of the round reads them
+            raise MalformedReply(f"malformed reply: the upload lacks {', '.join(missing)}")
         for name, t in upload.items():
             expected = server.model.get(name)
             if expected is not None and t.shape != expected.shape:
