@@ -64,9 +64,11 @@ class RefusingGrid(LoopbackGrid):
     """The first time a ``kind`` message of round ``at`` is sent: node ``who``'s reply is changed by ``change`` (so
     that the server refuses it; ``change`` None: left as it is) and every other node answers with an error."""
 
-    def __init__(self, num_nodes: int, who: int, at: int, kind: str, change: Callable | None) -> None:
+    def __init__(self, num_nodes: int, who: int, at: int, kind: str, change: Callable | None,
+                 answering: tuple[int, ...] = ()) -> None:
         super().__init__(num_nodes)
         self.node, self.at, self.kind, self.change = self.ids[who], str(at), kind, change
+        self.answering = {self.ids[k] for k in answering}  # nodes that answer as usual all the same
         self.sent: set[int] = set()
 
     def push_messages(self, messages: list[Message]) -> list[str]:
@@ -76,7 +78,7 @@ class RefusingGrid(LoopbackGrid):
         fire = bool(hits) and not self.sent
         for message in messages:
             node = message.metadata.dst_node_id
-            if fire and node in hits and node != self.node:
+            if fire and node in hits and node != self.node and node not in self.answering:
                 self.broken.add(node)
             ids += super().push_messages([message])
             self.broken.discard(node)
@@ -91,9 +93,9 @@ def ledger_rounds(run: Path) -> list[int]:
     return [e["round"] for e in json.loads((run / "privacy_ledger.json").read_text())["releases"]]
 
 
-def stopped_then_resumed(grid: LoopbackGrid, overrides: list[str], run: Path) -> dict:
+def stopped_then_resumed(grid: LoopbackGrid, overrides: list[str], run: Path, answered: int = 0) -> dict:
     """The run stops in the phase ``grid`` breaks (too few clients answered); resumed; its summary's privacy."""
-    with pytest.raises(FlowerRoundError, match=r"round 2, .*0 of 3 clients answered"):
+    with pytest.raises(FlowerRoundError, match=rf"round 2, .*{answered} of 3 clients answered"):
         run_on(grid, overrides, run)
     run_on(grid, overrides, run, resume=True)
     return json.loads((run / "summary.json").read_text())["privacy"]
@@ -132,6 +134,19 @@ def test_a_reply_without_an_upload_releases_nothing(tmp_path):
                                           "runtime.flower_min_replies=0"], run)
     assert ledger_rounds(run) == [1, 2]
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 2, 1e-5), rel=1e-9)
+
+
+def test_a_refused_upload_beside_a_usable_one_in_a_stopped_round_is_not_counted_twice(tmp_path):
+    """Round 2: node 0 answers, node 1 errs, node 2's reply is refused (num-samples); 3 needed, the run stops with
+    one usable upload, whose release (round 2) also counts client 2's refused upload (one upload of every client
+    per release). Resumed: clients 0 and 2 uploaded 3 times: 3 releases, epsilon_spent([z] * 3) = 5.06, not a
+    fourth release for the refused upload (5.99)."""
+    run = tmp_path / "run"
+    grid = RefusingGrid(3, 2, 2, "train", _inflated_samples, answering=(0,))
+    privacy = stopped_then_resumed(grid, [*SMALL, *FEDPAC, "runtime.checkpoint_every=1",
+                                          "runtime.flower_min_replies=0"], run, answered=1)
+    assert ledger_rounds(run) == [1, 2, 2]
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
 
 
 @pytest.mark.parametrize("case", ["other data", "undecodable"])
