@@ -27,7 +27,10 @@ no answer, its reason logged: malformed (a record or number missing, tensors tha
 upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
 outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
 sent to the client plus :data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
-client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`).
+client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`). Such a reply
+reached the server all the same: the upload it carries is kept (a digest of its bytes, ``refused``) and, under
+differential privacy, recorded in the privacy ledger when its phase stops with nothing usable
+(``docs/privacy.md``).
 """
 
 from __future__ import annotations
