@@ -101,6 +101,15 @@ def release_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+def refused_digest(refused: Mapping[int, str]) -> str:
+    """SHA-256 over the digests of uploads a server received and refused, by client (in client order): the
+    digest of such a release in the privacy ledger."""
+    h = hashlib.sha256(b"refused|")
+    for client in sorted(refused):
+        h.update(f"{int(client)}|{refused[client]}|".encode())
+    return h.hexdigest()
+
+
 def require_accountant():
     """Google's dp-accounting (its exact Gaussian-mechanism module); an ImportError that says how to install it."""
     try:
@@ -185,5 +194,5 @@ def symmetric_noise(shape: tuple[int, ...], std: float, generator: torch.Generat
 
 
 __all__ = ["DELTA_RANGE", "EPSILON_RANGE", "Release", "accountant_name", "budget_problem", "check_budget",
-           "clip_rows", "composed_multiplier", "epsilon_spent", "noise_multiplier", "release_digest",
+           "clip_rows", "composed_multiplier", "epsilon_spent", "noise_multiplier", "refused_digest", "release_digest",
            "require_accountant", "symmetric_noise"]

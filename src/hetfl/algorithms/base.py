@@ -520,6 +520,13 @@ class PrivateReleases:
         """The release in what the server just received (a step's replies, a round's uploads); None: none."""
         return None
 
+    def dp_refused(self, refused: Mapping[int, str]) -> Release | None:
+        """The release in noisy uploads the server received and refused, when it received nothing usable in that
+        attempt of the phase (``refused``: client -> SHA-256 of the upload's bytes, as the federation read them);
+        None: the method releases nothing. Such uploads reached the server all the same: a round run again after
+        them releases again, and both count."""
+        return None
+
     def dp_recorded(self, server: ServerState) -> list[float]:
         """The multipliers of the releases ``server`` (e.g. a checkpoint's state) accounts for."""
         key = self.dp_releases_key

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -160,6 +161,13 @@ class CCVRStatistics(PostHoc):
             named = [(f"{c}/{k}", received[c][k]) for c in sorted(received) for k in sorted(received[c])]
         return Release(self.mechanism.sum_multiplier(_summed_clients(received)), release_digest(named),
                        self.hp.dp_noise_source)
+
+    def dp_refused(self, refused: Mapping[int, str]) -> Release | None:
+        """The noisy statistics the server received and refused in a phase with nothing usable (a node with
+        other data, a reply that does not decode): a release of those uploads (``MomentsMechanism.refused_release``)."""
+        if self.mechanism is None:
+            return None
+        return self.mechanism.refused_release(refused, self.hp.dp_noise_source)
 
     def server_sees(self) -> str:
         """What the server receives of the private statistics, in words (``privacy.server_sees``)."""

@@ -34,13 +34,22 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from hetfl.algorithms.gaussian_stats import ClassMoments, class_moments
 from hetfl.params import ConfigError
-from hetfl.privacy import budget_problem, clip_rows, epsilon_spent, noise_multiplier, symmetric_noise
+from hetfl.privacy import (
+    Release,
+    budget_problem,
+    clip_rows,
+    epsilon_spent,
+    noise_multiplier,
+    refused_digest,
+    symmetric_noise,
+)
 from hetfl.rng import method_generator
 
 NOISE_MODES = ("distributed", "local")
@@ -131,6 +140,13 @@ class MomentsMechanism:
     def upload_multiplier(self) -> float:
         """The multiplier of one upload's own noise (against a server that sees each upload)."""
         return self.multiplier * math.sqrt(self.share)
+
+    def refused_release(self, refused: Mapping[int, str], noise_source: str) -> Release:
+        """The release in the noisy uploads the server received and refused (by client: the digest of each
+        upload's bytes), when nothing usable came in that attempt: accounted as the sum of those uploads (the
+        multiplier of the noise in ``len(refused)`` uploads), like the uploads a stopped phase received; each
+        refused upload is one of its client's uploads, covered per upload as a release's are."""
+        return Release(self.sum_multiplier(len(refused)), refused_digest(refused), noise_source)
 
     def guarantee(self, sum_multipliers: list[float]) -> dict[str, float | str]:
         """The budget spent by the releases so far (their sums' multipliers, in order), for the metrics

@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -384,6 +385,13 @@ class FedPAC(Algorithm):
             return None
         named = [(f"{u.client_id}/{k}", u.tensors[k]) for u in received for k in self.dp_upload_keys]
         return Release(self.mechanism.sum_multiplier(len(received)), release_digest(named), self.hp.dp_noise_source)
+
+    def dp_refused(self, refused: Mapping[int, str]) -> Release | None:
+        """The noisy centroid statistics in training replies the server received and refused in a round with
+        nothing usable (another sample count, oversized, a node with other data): a release of those uploads."""
+        if self.mechanism is None:
+            return None
+        return self.mechanism.refused_release(refused, self.hp.dp_noise_source)
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
         model = dict(server.model)  # the shared model: FedAvg's size-weighted mean (integer buffers: max)

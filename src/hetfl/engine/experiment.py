@@ -100,6 +100,7 @@ from hetfl.files import atomic_write_bytes, atomic_write_text
 from hetfl.models import build_model
 from hetfl.models.base import param_groups
 from hetfl.params import ConfigError, inactive_settings
+from hetfl.privacy import Release
 from hetfl.rng import derive_seed
 
 METRICS_NAME = "metrics.jsonl"
@@ -431,7 +432,24 @@ class Experiment:
     def account_release(self, method: PrivateReleases, received: Any, round_: int, server: ServerState) -> ServerState:
         """Record the differentially private release in what the server just ``received`` (if any) in the
         ledger, durably, before the server uses it; ``server`` then accounts for every earlier release."""
-        release = method.dp_release(received)
+        return self.record_release(method, method.dp_release(received), round_, server)
+
+    def account_stop(self, method: PrivateReleases, stop: PhaseStopped, received: Any, round_: int,
+                     server: ServerState) -> None:
+        """Record what a phase that stopped the run had received (``received``: its usable replies, in the
+        form :meth:`account_release` takes) before the stop propagates: the server has those uploads, and the
+        resumed round releases again. With nothing usable, the uploads it received and refused
+        (``stop.refused``) are a release of their own (``dp_refused``); with something usable, that release
+        already counts one upload of every client for this attempt, the refused ones included."""
+        if received:
+            self.account_release(method, received, round_, server)
+        elif stop.refused:
+            self.record_release(method, method.dp_refused(stop.refused), round_, server)
+
+    def record_release(self, method: PrivateReleases, release: Release | None, round_: int,
+                       server: ServerState) -> ServerState:
+        """Record ``release`` (if any) in the ledger, durably, before the server uses it; ``server`` then
+        accounts for every earlier release of ``method``."""
         if release is None:
             return server
         if self.ledger is None:  # the pieces driven without run(): a ledger kept in memory only
@@ -621,8 +639,7 @@ class Experiment:
             try:
                 replies = self.federation.posthoc_replies(step, raw, round_)
             except PhaseStopped as err:  # the replies the server got before the stop are spent: recorded
-                if err.received:
-                    self.account_release(step, err.received, round_, server)
+                self.account_stop(step, err, err.received, round_, server)
                 raise
             server = self.account_release(step, replies, round_, server)
             if isinstance(replies, SummedReplies):  # secure aggregation: each client uploaded its masked vector
@@ -698,9 +715,8 @@ class Experiment:
         try:
             updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
         except PhaseStopped as err:  # the uploads the server got before the stop are spent: recorded
-            if err.received:
-                self.account_release(algo, [Upload(u.client_id, u.upload, u.num_samples, u.steps)
-                                            for u in err.received], round_, server)
+            self.account_stop(algo, err, [Upload(u.client_id, u.upload, u.num_samples, u.steps)
+                                          for u in err.received or []], round_, server)
             raise
         uploads: list[Upload] = []
         bytes_up = 0

@@ -33,13 +33,18 @@ GLOBAL_EVAL_HOOKS = ("client_model", "personalize_stages", "predictor")
 class PhaseStopped(RuntimeError):
     """A phase of a round stopped the run (too few clients answered) after the server had received some replies.
 
-    ``received``: what it received (a training phase's ``ClientUpdate`` list, a post-hoc step's replies by
-    client; None: nothing). The engine records the differentially private releases in it in the run's privacy
-    ledger before the run stops: the server has them, and the resumed round releases again."""
+    ``received``: what it received and could use (a training phase's ``ClientUpdate`` list, a post-hoc step's
+    replies by client; None: nothing). ``refused``: the uploads it received but refused (a reply with another
+    sample count, oversized, undecodable, from a node holding other data), by client: a SHA-256 digest of each
+    upload's bytes (None: none). The engine records the differentially private releases in them in the run's
+    privacy ledger before the run stops: the server has them, and the resumed round releases again. The refused
+    uploads count as a release of their own only when nothing usable came (:meth:`PrivateReleases.dp_refused`);
+    otherwise the release of what it used already counts one upload of every client for the attempt."""
 
-    def __init__(self, message: str, received: Any = None) -> None:
+    def __init__(self, message: str, received: Any = None, refused: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.received = received
+        self.refused = refused
 
 
 class Federation(Protocol):

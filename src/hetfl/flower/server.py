@@ -27,7 +27,10 @@ no answer, its reason logged: malformed (a record or number missing, tensors tha
 upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
 outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
 sent to the client plus :data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
-client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`).
+client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`). Such a reply
+reached the server all the same: the upload it carries is kept (a digest of its bytes, ``refused``) and, under
+differential privacy, recorded in the privacy ledger when its phase stops with nothing usable
+(``docs/privacy.md``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ log = logging.getLogger("hetfl")
 UPLOAD_FACTOR, UPLOAD_SLACK = 8, 16 * 2**20
 #: what reading a reply of a client raises when the reply is malformed (a missing record or number, bad tensors)
 MALFORMED = (KeyError, TypeError, ValueError, RuntimeError, AttributeError)
+#: the record of a phase's reply that carries the client's upload (under differential privacy, its noise)
+UPLOAD_RECORDS = {P.TRAIN: P.UPLOAD, P.POSTHOC: P.REPLY}
 
 
 class MalformedReply(ValueError):
@@ -77,8 +82,14 @@ class FlowerRoundError(PhaseStopped):
     privacy ledger)."""
 
 
-class FlowerStopped(RuntimeError):
-    """The federation was told to stop (the simulation ended under it: Ctrl-C, an error)."""
+class FlowerStopped(PhaseStopped):
+    """The federation was told to stop (the simulation ended under it: Ctrl-C, an error). Stopped while it waited
+    for a phase's replies, ``received`` and ``refused`` hold those already in (:class:`PhaseStopped`): they
+    reached the server, and the privacy ledger records their releases before the run ends. ``messages``: the
+    raw replies in when the wait stopped; ``contents``: the same by client (for the phase to read)."""
+
+    messages: list[Message] | None = None
+    contents: dict[int, RecordDict] | None = None
 
 
 class _Reads(dict):
@@ -189,6 +200,8 @@ class FlowerFederation:
         self.digests: dict[int, str] = {}  # client -> digest of its samples here (client_data_digest)
         # client -> (node, reason): a node found holding other data for the client, left out of SecAgg+ too
         self.other_data_nodes: dict[int, tuple[int, str]] = {}
+        # this phase's replies received and refused that carry an upload: client -> digest of its bytes (upload_digest)
+        self.refused: dict[int, str] = {}
 
     # ------------------------------------------------------------------ run hooks
     def start(self, run_dir: str | Path, start_round: int, info: dict[str, Any]) -> None:
@@ -343,12 +356,18 @@ class FlowerFederation:
                            "runtime.flower_grace_s)")
             if not pending or time.monotonic() > deadline:
                 break
-            self._sleep()
+            try:
+                self._sleep()
+            except FlowerStopped as err:  # what is in reached the server: the phase reads it before the stop goes on
+                err.messages = replies
+                raise
         return replies, sorted(lost + [index[i] for i in pending]), why
 
     def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
-        """One phase: a message per client, the replies by client (failures recorded)."""
+        """One phase: a message per client, the replies by client (failures recorded; the uploads in replies
+        refused here or later in the phase kept in ``refused``, for the privacy ledger)."""
         self.refresh()
+        self.refused = {}
         clients, messages = [], []
         for c, content in contents.items():
             node = self.nodes.get(c)
@@ -359,7 +378,21 @@ class FlowerFederation:
             messages.append(Message(content, dst_node_id=node, message_type=kind, ttl=self.ttl,
                                     group_id=str(round_)))
             self.traffic[0] += record_nbytes(r for r in content.values() if isinstance(r, ArrayRecord))
-        replies, late, why = self._send_and_receive(messages, quorum=self.quorum(len(contents)))
+        try:
+            replies, late, why = self._send_and_receive(messages, quorum=self.quorum(len(contents)))
+        except FlowerStopped as err:
+            err.contents = self.by_client(kind, err.messages or [], messages, clients)
+            raise
+        out = self.by_client(kind, replies, messages, clients)
+        for k in late:
+            self.fail(clients[k], f"{kind}: {why}")
+        return out
+
+    def by_client(self, kind: str, replies: list[Message], messages: list[Message], clients: list[int]
+                  ) -> dict[int, RecordDict]:
+        """The replies to a ``kind`` phase's ``messages`` (pushed: their ids set; one for each of ``clients``) by
+        client, without the error replies and those of a node holding other data (failures recorded, refused
+        uploads kept)."""
         owner = {m.metadata.message_id: c for m, c in zip(messages, clients, strict=True)}
         out: dict[int, RecordDict] = {}
         for message in replies:
@@ -373,12 +406,20 @@ class FlowerFederation:
             if other:
                 self.other_data_nodes[c] = (message.metadata.src_node_id, other)
                 self.fail(c, f"{kind}: {other}")
+                self.refuse(c, message.content, kind)
                 continue
             out[c] = message.content
             self.traffic[1] += record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))
-        for k in late:
-            self.fail(clients[k], f"{kind}: {why}")
         return out
+
+    def refuse(self, c: int, content: RecordDict, kind: str) -> None:
+        """Keep a digest of the upload in client ``c``'s refused reply to a ``kind`` message, if it carries one
+        (:data:`UPLOAD_RECORDS`): the server received it all the same, and under differential privacy it is a
+        noisy release of the client's data (recorded when the phase stops with nothing usable:
+        :class:`~hetfl.engine.federation.PhaseStopped`'s ``refused``)."""
+        digest = upload_digest(content, UPLOAD_RECORDS.get(kind, ""))
+        if digest is not None:
+            self.refused[c] = digest
 
     def holds_other_data(self, c: int) -> str:
         """Why client ``c``'s present node is known to hold other data than the server's for it; "" if not (a
@@ -406,7 +447,8 @@ class FlowerFederation:
         """How many of ``asked`` clients must answer a phase for the run to go on (runtime.flower_min_replies)."""
         return max(asked if self.min_replies == 0 else min(self.min_replies, asked), 1)
 
-    def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None) -> None:
+    def check_quorum(self, answered: int, asked: int, round_: int, phase: str, received: Any = None,
+                     refused: dict[int, str] | None = None) -> None:
         if asked == 0:
             return
         need = self.quorum(asked)
@@ -415,7 +457,7 @@ class FlowerFederation:
             raise FlowerRoundError(
                 f"round {round_}, {phase}: {answered} of {asked} clients answered; runtime.flower_min_replies = "
                 f"{self.min_replies} needs {need} ({reasons}). The run stops with its last checkpoint kept: once "
-                "enough clients' nodes can answer (see the reasons), resume it", received)
+                "enough clients' nodes can answer (see the reasons), resume it", received, refused)
 
     def shared_version(self, server: ServerState) -> tuple[Tensors, tuple]:
         shared = {k[len(SHARED):]: v for k, v in server.extra.items() if k.startswith(SHARED)}
@@ -463,30 +505,44 @@ class FlowerFederation:
             h = self.header(c, round_, lr=lr)
             self.add_client_records(records, h, c, server, encoder)
             contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
-        replies = self.exchange(P.TRAIN, contents, round_)
+        try:
+            replies = self.exchange(P.TRAIN, contents, round_)
+        except FlowerStopped as err:  # the uploads already in reached the server: recorded before the run ends
+            read = self.read_updates(sampled, contents, err.contents or {}, server)
+            raise FlowerStopped(str(err), [u for u, _ in read], self.refused) from None
         updates = []
-        for c in sampled:
-            if c not in replies:
-                continue
-            sent = record_nbytes(r for r in contents[c].values() if isinstance(r, ArrayRecord))
-            try:
-                update, has_state = self.read_update(c, replies[c], sent, server)
-            except MALFORMED as err:
-                self.fail(c, f"{P.TRAIN}: {_why(err)}")
-                continue
+        for update, has_state in self.read_updates(sampled, contents, replies, server):
+            c = update.client_id
             updates.append(update)
             self.state_round[c] = round_  # this round's state is the node's (a late reply's never is)
             if has_state:
                 self.has_state.add(c)
             self.acknowledge(c, server)
             reporter.client_done()
-        self.check_quorum(len(updates), len(sampled), round_, "training", updates)
+        self.check_quorum(len(updates), len(sampled), round_, "training", updates, self.refused)
         return updates, bytes_down
+
+    def read_updates(self, sampled: list[int], contents: dict[int, RecordDict], replies: dict[int, RecordDict],
+                     server: ServerState) -> list[tuple[ClientUpdate, bool]]:
+        """The training replies as updates, in ``sampled`` order (:meth:`read_update`); a reply the server cannot
+        use is recorded as failed and its upload kept in ``refused``."""
+        out = []
+        for c in sampled:
+            if c not in replies:
+                continue
+            sent = record_nbytes(r for r in contents[c].values() if isinstance(r, ArrayRecord))
+            try:
+                out.append(self.read_update(c, replies[c], sent, server))
+            except MALFORMED as err:
+                self.fail(c, f"{P.TRAIN}: {_why(err)}")
+                self.refuse(c, replies[c], P.TRAIN)
+        return out
 
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
         """Client ``c``'s training reply as an update (and whether its node now keeps state for it), checked: an
         upload of at most :data:`UPLOAD_FACTOR` x ``sent`` + :data:`UPLOAD_SLACK` bytes, tensors that decode, the
-        model's shape for each of the model's tensors, the client's own sample count, whole numbers. Raises one of
+        model's shape for each of the model's tensors, the method's noisy statistics (``dp_upload_keys``), the
+        client's own sample count, whole numbers. Raises one of
         :data:`MALFORMED` (:class:`MalformedReply` with the reason) otherwise."""
         record, result = content[P.UPLOAD], content[P.RESULT]
         size, limit = record_nbytes([record]), UPLOAD_FACTOR * sent + UPLOAD_SLACK
@@ -494,6 +550,9 @@ class FlowerFederation:
             raise MalformedReply(f"oversized reply: an upload of {size} bytes, more than {limit} ({UPLOAD_FACTOR} "
                                  f"x the {sent} bytes sent + {UPLOAD_SLACK})")
         upload = {k: decode_tensor(a, self.exp.device) for k, a in record.items()}
+        missing = [k for k in self.exp.algorithm.dp_upload_keys if k not in upload]
+        if missing:  # the method's noisy statistics: the privacy ledger's digest of the round reads them
+            raise MalformedReply(f"malformed reply: the upload lacks {', '.join(missing)}")
         for name, t in upload.items():
             expected = server.model.get(name)
             if expected is not None and t.shape != expected.shape:
@@ -516,6 +575,7 @@ class FlowerFederation:
                 out[c] = from_record(replies[c][P.REPLY], self.exp.device)
             except MALFORMED as err:
                 self.fail(c, f"{kind}: {_why(err)}")
+                self.refuse(c, replies[c], kind)
         return out
 
     def posthoc_replies(self, step: Any, raw: Tensors, round_: int) -> Replies:
@@ -530,8 +590,11 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
-        replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
-        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies)
+        try:
+            replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
+        except FlowerStopped as err:  # the replies already in reached the server: recorded before the run ends
+            raise FlowerStopped(str(err), self.tensor_replies(P.POSTHOC, err.contents or {}), self.refused) from None
+        self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies, self.refused)
         return replies
 
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
@@ -585,6 +648,24 @@ class FlowerFederation:
                     accs[c] = acc
             self.check_quorum(answered, len(contents), round_, "evaluation")
         return accs
+
+
+def upload_digest(content: Any, name: str) -> str | None:
+    """SHA-256 of the arrays in record ``name`` of a reply (name, dtype, stype, shape and bytes of each, in name
+    order), read without decoding them (an oversized or undecodable upload too); None where the reply carries
+    no such record of arrays (no upload reached the server)."""
+    try:
+        record = content[name] if name and name in content else None
+    except MALFORMED:
+        return None
+    if not isinstance(record, ArrayRecord):
+        return None
+    h = hashlib.sha256()
+    for key in sorted(record.keys()):
+        a = record[key]
+        h.update(f"{key}|{a.dtype}|{a.stype}|{tuple(a.shape)}|{len(a.data)}|".encode())
+        h.update(a.data)
+    return h.hexdigest()
 
 
 def _why(err: BaseException) -> str:
