@@ -92,8 +92,15 @@ TARGETS = (
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # differential privacy and secure aggregation of the post-hoc statistics
-    Target("privacy", "src/hetfl/privacy.py", ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py"),
-           E2E_CCVR_DP),
+    # test_privacy_edges.py (session 31): the accepted budgets, epsilon rounded up; less its two killed-and-resumed
+    # whole runs (6 and 4 s; the ledger's tests cover what they check of the releases)
+    Target("privacy", "src/hetfl/privacy.py",
+           ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py", "tests/test_privacy_edges.py"),
+           (*E2E_CCVR_DP,
+            "--deselect", "tests/test_privacy_edges.py::"
+                          "test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made",
+            "--deselect", "tests/test_privacy_edges.py::"
+                          "test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uninterrupted_one")),
     Target("dp_moments", "src/hetfl/algorithms/dp_moments.py",
            ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py"), E2E_CCVR_DP),
     Target("secure_sum", "src/hetfl/engine/secure_sum.py",
