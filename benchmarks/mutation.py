@@ -92,10 +92,12 @@ TARGETS = (
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # differential privacy and secure aggregation of the post-hoc statistics
-    # test_privacy_edges.py (session 31): the accepted budgets, epsilon rounded up; less its two killed-and-resumed
+    # test_privacy_edges.py (session 31): the accepted budgets, epsilon rounded up (test_privacy_mutants.py: the texts,
+    # digests and edges the others left untested); less test_privacy_edges.py's two killed-and-resumed
     # whole runs (6 and 4 s; the ledger's tests cover what they check of the releases)
     Target("privacy", "src/hetfl/privacy.py",
-           ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py", "tests/test_privacy_edges.py"),
+           ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py", "tests/test_privacy_edges.py",
+            "tests/test_privacy_mutants.py"),
            (*E2E_CCVR_DP,
             "--deselect", "tests/test_privacy_edges.py::"
                           "test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made",
