@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fnmatch
 import itertools
 import json
 import os
@@ -50,6 +51,14 @@ class Target:
     tests: tuple[str, ...]
     #: extra pytest arguments (e.g. ``--deselect`` of an end-to-end run the unit tests already cover)
     pytest_args: tuple[str, ...] = ()
+    #: the module-level functions of ``source`` whose mutants make the target (all of the file's when empty):
+    #: one part of a large file, whose other functions are tested elsewhere (``mutmut run NAME...`` by glob)
+    functions: tuple[str, ...] = ()
+
+    def mutant_globs(self) -> tuple[str, ...]:
+        """mutmut's names of the mutants of :attr:`functions` (``hetfl.params.x_former_values__mutmut_*``)."""
+        module = self.source.removeprefix("src/").removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        return tuple(f"{module}.x_{fn}__mutmut_*" for fn in self.functions)
 
 
 # CCVR's end-to-end MNIST runs take a minute per mutant; the hand-computed cases cover the same code
@@ -83,8 +92,17 @@ TARGETS = (
     Target("gaussian_stats", "src/hetfl/algorithms/gaussian_stats.py",
            ("tests/algorithms/test_gaussian_stats.py", "tests/algorithms/test_ccvr_math.py")),
     # differential privacy and secure aggregation of the post-hoc statistics
-    Target("privacy", "src/hetfl/privacy.py", ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py"),
-           E2E_CCVR_DP),
+    # test_privacy_edges.py (session 31): the accepted budgets, epsilon rounded up (test_privacy_mutants.py: the texts,
+    # digests and edges the others left untested); less test_privacy_edges.py's two killed-and-resumed
+    # whole runs (6 and 4 s; the ledger's tests cover what they check of the releases)
+    Target("privacy", "src/hetfl/privacy.py",
+           ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py", "tests/test_privacy_edges.py",
+            "tests/test_privacy_mutants.py"),
+           (*E2E_CCVR_DP,
+            "--deselect", "tests/test_privacy_edges.py::"
+                          "test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made",
+            "--deselect", "tests/test_privacy_edges.py::"
+                          "test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uninterrupted_one")),
     Target("dp_moments", "src/hetfl/algorithms/dp_moments.py",
            ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py"), E2E_CCVR_DP),
     Target("secure_sum", "src/hetfl/engine/secure_sum.py",
@@ -103,8 +121,11 @@ TARGETS = (
     # the personalised baselines (session 26); personalized.py (LocalOnly) is no target: mutmut 3.8 makes no
     # mutant of it (no operator, number, string or argument to change), and its few lines are checked by
     # tests/algorithms/test_baselines.py::test_local_only_never_communicates_and_keeps_own_model
-    Target("apfl", "src/hetfl/algorithms/apfl.py", ("tests/algorithms/test_personalized_baselines.py",)),
-    Target("ditto", "src/hetfl/algorithms/ditto.py", ("tests/algorithms/test_personalized_baselines.py",)),
+    # test_personalized_batchnorm.py (session 31): the personal copy's BatchNorm statistics (running_buffers)
+    Target("apfl", "src/hetfl/algorithms/apfl.py",
+           ("tests/algorithms/test_personalized_baselines.py", "tests/algorithms/test_personalized_batchnorm.py")),
+    Target("ditto", "src/hetfl/algorithms/ditto.py",
+           ("tests/algorithms/test_personalized_baselines.py", "tests/algorithms/test_personalized_batchnorm.py")),
     Target("pfedme", "src/hetfl/algorithms/pfedme.py", ("tests/algorithms/test_personalized_baselines.py",)),
     Target("fedrod", "src/hetfl/algorithms/fedrod.py",
            ("tests/algorithms/test_personalized_baselines.py", "tests/algorithms/test_baseline_math.py")),
@@ -127,9 +148,13 @@ TARGETS = (
     Target("fedmix", "src/hetfl/algorithms/fedmix.py", ("tests/algorithms/test_mixup.py",)),
     # the Algorithm base class (session 27): its hooks' FedAvg defaults, the loss contract, head transforms, the
     # model caller, cross-entropy and the weighted mean; the local step's engine path and CCVR's head transform
+    # (session 31) the plug-in hooks' checks (test_plugins.py), bf16 copies (test_low_precision.py) and the
+    # reference models' eval mode (MOON's round by hand)
     Target("algorithm_base", "src/hetfl/algorithms/base.py",
            ("tests/algorithms/test_base_mutants.py", "tests/algorithms/test_cross_entropy.py",
-            "tests/algorithms/test_baselines.py", "tests/engine/test_local_step.py", "tests/algorithms/test_ccvr.py"),
+            "tests/algorithms/test_baselines.py", "tests/engine/test_local_step.py", "tests/algorithms/test_ccvr.py",
+            "tests/algorithms/test_plugins.py", "tests/engine/test_low_precision.py",
+            "tests/algorithms/test_baseline_rounds.py::test_moon_reference_models_use_their_running_statistics"),
            (*NOT_SLOW, *E2E_CCVR)),
     # the shared core (session 26)
     Target("schedule", "src/hetfl/engine/schedule.py",
@@ -149,6 +174,15 @@ TARGETS = (
             "tests/data/test_partition.py::test_a_run_says_a_partition_setting_it_ignores_has_no_effect")),
     Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
     Target("ledger", "src/hetfl/engine/ledger.py", ("tests/engine/test_ledger.py",)),
+    # the settings added with a default that changed the computation (session 31): how a setting declares the
+    # value runs before it computed with (``setting(former=...)``) and how it is read back (``former_values``);
+    # the rest of params.py (the configuration's checks) is tested by tests/test_config.py and is no part of it.
+    # The MOON run resumed across the setting is a whole run (the unit tests of the same file cover the reading)
+    Target("params_former", "src/hetfl/params.py",
+           ("tests/engine/test_former_settings.py", "tests/engine/test_former_values_mutants.py"),
+           ("--deselect", "tests/engine/test_former_settings.py::"
+                          "test_a_moon_run_written_before_reference_mode_resumes_as_it_started_and_is_not_reused_as_eval_mode"),
+           functions=("setting", "former_values")),
 )
 
 
@@ -209,8 +243,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def run_target(target: Target, workdir: Path, children: int) -> dict:
     prepare(target, workdir)
     started = dt.datetime.now()
-    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=workdir,
-                          env=ENV, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children),
+                           *target.mutant_globs()], cwd=workdir, env=ENV, capture_output=True, text=True)
     seconds = (dt.datetime.now() - started).total_seconds()
     meta_path = workdir / "mutants" / (target.source + ".meta")
     if proc.returncode != 0 or not meta_path.exists():
@@ -226,6 +260,8 @@ def collect_target(target: Target, workdir: Path, seconds: float | None = None) 
         raise SystemExit(f"--collect-only: no finished mutmut run of {target.name} in {workdir} "
                          f"({meta_path.name} missing); run it without --collect-only first")
     codes = json.loads(meta_path.read_text())["exit_code_by_key"]
+    if target.functions:  # the mutants of the target's functions only (the file's others are not its)
+        codes = {k: c for k, c in codes.items() if any(fnmatch.fnmatch(k, g) for g in target.mutant_globs())}
     statuses = {key: STATUS.get(code, "suspicious") for key, code in codes.items()}
     survivors = sorted(k for k, s in statuses.items() if s == "survived")
     diffs = []

@@ -613,3 +613,22 @@ def test_inference_batchnorm_is_eval_mode_batchnorm_and_vmaps(shape, affine):
         torch.testing.assert_close(batched[i], functional_call(twin, state, (x,)))
     plain = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
     assert inference_copy(plain) is plain  # nothing depends on the mode: the model itself
+
+
+def test_inference_copy_holds_the_models_tensors_by_name_on_the_meta_device_and_replaces_nested_batchnorms():
+    """``inference_copy``'s twin: every parameter and buffer of the model under the same name, shape and dtype,
+    none of them with storage (meta device: each call hands it its tensors); every BatchNorm with running
+    statistics replaced, nested ones included (``block.1``), and one without running statistics left as it is
+    (in eval mode it normalises by the batch, as the model's own layer does)."""
+    from hetfl.models.layers import InferenceBatchNorm, inference_copy
+
+    block = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    model = nn.Sequential(block, nn.BatchNorm2d(4, affine=False), nn.BatchNorm2d(4, track_running_stats=False))
+    twin = inference_copy(model.train())
+    want = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    got = {k: (tuple(v.shape), v.dtype) for k, v in [*twin.named_parameters(), *twin.named_buffers()]}
+    assert got == want
+    assert all(v.is_meta for v in twin.state_dict().values())
+    assert isinstance(twin[0][1], InferenceBatchNorm) and isinstance(twin[1], InferenceBatchNorm)
+    assert type(twin[2]) is nn.BatchNorm2d and not twin[2].training
+    assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in twin.modules()) == 1
