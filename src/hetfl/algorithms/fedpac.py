@@ -418,9 +418,9 @@ class FedPAC(Algorithm):
         return self.mechanism.refused_release(refused, self.hp.dp_noise_source)
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        model = dict(server.model)  # the shared model: FedAvg's size-weighted mean (integer buffers: max)
+        model = dict(server.model)  # the shared model: FedAvg's mean, train.weighting's (integer buffers: max)
         model.update(weighted_mean([{n: u.tensors[n] for n in self.model.state_names} for u in uploads],
-                                   [float(u.num_samples) for u in uploads]))
+                                   self.client_weights(uploads)))
         extra = dict(server.extra)
         centroids, has = global_centroids([u.tensors[COUNTS] for u in uploads],
                                           [u.tensors[CENTROID_SUMS] for u in uploads])

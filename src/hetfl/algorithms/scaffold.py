@@ -83,7 +83,9 @@ class Scaffold(Algorithm):
         return upload, new_c
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        ones = [1.0] * len(uploads)  # the paper averages uniformly over the sampled clients
+        # the paper averages uniformly over the sampled clients (1/|S|, model and control variates alike),
+        # whatever train.weighting says: the control variate's update c += |S|/N mean(dc_i) needs that mean
+        ones = [1.0] * len(uploads)
         mean = weighted_mean([u.tensors for u in uploads], ones)
         model = {n: mean[n] for n in self.model.state_names}
         for n in self.model.param_names:
