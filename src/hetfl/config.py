@@ -99,6 +99,12 @@ class TrainConfig:
     momentum: float = setting(0.0, ge=0.0, lt=1.0, doc="client SGD momentum")
     weight_decay: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX, doc="client SGD weight decay")
     max_grad_norm: float = setting(0.0, ge=0.0, doc="clip each client's gradient norm (0 = off)")
+    weighting: str = setting(
+        "size", choices=("size", "uniform"),
+        doc="server weights of a round's clients in the methods that average by data size: size (n_i / n, "
+            "FedAvg's) or uniform (1/M, FedBR's Algorithm 1 and its code); SCAFFOLD, FedDyn and GroupDRO over "
+            "clients keep their own weights, FedBR's algorithm.weighting wins (a contradiction is refused), "
+            "FedNova refuses uniform")
     precision: str = setting("fp32", choices=("fp32", "bf16"),
                              doc="local training's forward pass: float32, or bfloat16 autocast (parameters, "
                                  "gradients and optimiser stay float32)")

@@ -38,6 +38,7 @@ from hetfl.algorithms.fedpac import (
 )
 from hetfl.algorithms.simplex_qp import SimplexQPResult, drop_small_eigenvalues
 from hetfl.config import TrainConfig
+from hetfl.params import ConfigError
 from tests.helpers import context, initial_state, perturbed, tiny_setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -654,3 +655,66 @@ def test_non_finite_statistics_fall_back_to_the_clients_own_head(bad):
     for i in range(3):
         alpha = combination_weights(h, v, i)
         assert torch.equal(alpha, torch.nn.functional.one_hot(torch.tensor(i), 3).double()), (bad, i)
+
+
+# ------------------------------------------------------------------ a client that has not taken part yet
+def aggregated_round(first_head: str | None):
+    """FedPAC (``first_head`` as given, else the default) after a round of clients 0 and 1 of 4, whose uploaded
+    classifiers differ from the initial one: (algorithm, initial state, server after the round)."""
+    setup = tiny_setup(num_clients=4)
+    algo = build_algorithm("fedpac", {} if first_head is None else {"first_head": first_head}, setup)
+    init = initial_state(setup)
+    server = algo.init_server({n: t.clone() for n, t in init.items()})
+    uploads = []
+    for c in (0, 1):
+        local = perturbed(server.model, 0.3, c)
+        counts = torch.tensor([4.0 + 8 * c, 0.0, 2.0])
+        tensors = {**{n: local[n] for n in setup.model.state_names}, COUNTS: counts,
+                   CENTROID_SUMS: counts.unsqueeze(1) * torch.full((3, 8), 1.0 + c),
+                   "fedpac.h": torch.rand(3, 8, dtype=torch.float64), "fedpac.v": torch.tensor(0.1)}
+        uploads.append(Upload(c, tensors, 10 * (c + 1), 3))
+    return algo, init, algo.aggregate(server, uploads, 1)
+
+
+@pytest.mark.parametrize("first_head", [None, "initial", "server"])
+def test_a_client_that_has_not_taken_part_starts_and_is_evaluated_with_the_chosen_head(first_head):
+    """Authors' code (JianXu95/FedPAC, federated_main.py: every client's local model a copy of the initial
+    model; running.py: the global encoder sent to all clients, a classifier only to the round's participants):
+    a client that has not trained keeps the initial classifier ("initial", the default). "server": the
+    server model's classifier, the data-size-weighted mean of the last round's uploaded ones."""
+    algo, init, server = aggregated_round(first_head)
+    heads = algo.head_names
+    expected = init if first_head in (None, "initial") else server.model
+    other = server.model if first_head in (None, "initial") else init
+    for n in heads:  # the two choices differ here: the check can fail
+        assert not torch.allclose(server.model[n], init[n]), n
+    own = algo.init_client_state(3, server)
+    state = algo.start_state(context(3, algo.payload(server, 3), own))
+    evaluated = algo.client_model(server, own, 3)
+    for n in heads:
+        assert torch.equal(state[n], expected[n]) and not torch.equal(state[n], other[n]), n
+        assert torch.equal(evaluated[n], expected[n]), n
+    for n in algo.encoder_names():  # the encoder is the global one in both
+        assert torch.equal(state[n], server.model[n]) and torch.equal(evaluated[n], server.model[n]), n
+
+
+def test_the_initial_head_is_kept_in_the_server_state_and_not_aliased_to_the_model():
+    """Kept in ``ServerState.extra`` (checkpointed with it), as a copy: a later change of the server model's
+    tensors in place does not move it."""
+    setup = tiny_setup(num_clients=4)
+    algo = build_algorithm("fedpac", {}, setup)
+    init = initial_state(setup)
+    server = algo.init_server(init)
+    kept = {k: v for k, v in server.extra.items() if k.startswith("fedpac.initial_head/")}
+    assert set(kept) == {f"fedpac.initial_head/{n}" for n in algo.head_names}
+    before = {k: v.clone() for k, v in kept.items()}
+    for n in algo.head_names:
+        init[n].add_(1.0)
+    assert all(torch.equal(kept[k], before[k]) for k in kept)
+    server_mode = build_algorithm("fedpac", {"first_head": "server"}, setup).init_server(initial_state(setup))
+    assert not any(k.startswith("fedpac.initial_head/") for k in server_mode.extra)  # as before the setting
+
+
+def test_first_head_is_validated_naming_the_key():
+    with pytest.raises(ConfigError, match=r"algorithm\.first_head.*'global'.*initial.*server"):
+        build_algorithm("fedpac", {"first_head": "global"}, tiny_setup(num_clients=4))

@@ -15,6 +15,7 @@ evaluated on the client's own split, a never-trained client's model) as the pape
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -456,3 +457,45 @@ def test_fedpac_combines_the_uploaded_classifiers_by_the_papers_qp(executor):
         head = {n: sum(a * g[n] for a, g in zip(alpha, uploaded, strict=True)).float() for n in HEAD}
         personal[i] = {**{n: server.model[n] for n in ENCODER}, **head}
     check(fed, exp, server, clients, line, personal)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("first_head", ["initial", "server"])
+def test_fedpac_a_client_that_never_trained_is_evaluated_with_the_chosen_classifier(first_head, executor):
+    """2 of 5 clients a round: a client never sampled is evaluated with the global encoder and, by default, the
+    initial model's classifier (the authors' code: each client's model a copy of the initial one, its classifier
+    replaced only when it takes part); ``first_head = "server"``: the server model's classifier."""
+    exp, server, clients, line = run_engine("fedpac", {"first_head": first_head}, executor)
+    fed = Federation(exp)
+    never, _ = never_and_skipped(fed)
+    assert never
+    head = fed.init if first_head == "initial" else server.model
+    other = server.model if first_head == "initial" else fed.init
+    for c in never:
+        model = evaluated_model(exp, server, clients, c)
+        assert_close(model, {**server.model, **{n: head[n] for n in HEAD}}, f"client {c}'s evaluated model")
+        assert any((model[n] - other[n]).abs().max() > 1e-3 for n in HEAD)  # the two rules differ here
+        assert line["_client_acc"][c] == pytest.approx(accuracy(lambda x, p=model: logits(p, x), fed.test[c]),
+                                                       abs=1e-9)
+
+
+def test_fedpac_resumed_from_a_checkpoint_gives_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The initial classifier lives in the server state: a run resumed after round 1 (its checkpoint holds it)
+    gives the uninterrupted run's metrics, a never-trained client's accuracy included."""
+    from hetfl.engine.checkpoint import load_checkpoint
+    from hetfl.runtimes import set_up
+    from tests.helpers.runs import interrupted
+
+    cfg = config.load(None, [*BASE, "algorithm.name=fedpac", "runtime.checkpoint_every=1"])
+    set_up(cfg).run(tmp_path / "whole")
+    interrupted(tmp_path / "cut", 1, monkeypatch, cfg)
+    ckpt = load_checkpoint(tmp_path / "cut", torch.device("cpu"))
+    assert {k for k in ckpt.server.extra if k.startswith("fedpac.initial_head/")} == {
+        f"fedpac.initial_head/{n}" for n in HEAD}
+    set_up(cfg).run(tmp_path / "cut", resume=True)
+
+    def lines(d):
+        return [{k: v for k, v in json.loads(x).items() if not k.endswith("time_s")}
+                for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert lines(tmp_path / "cut") == lines(tmp_path / "whole")

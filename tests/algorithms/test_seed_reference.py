@@ -395,12 +395,14 @@ def fedpac_round(fed, start, r, centroids, has):
     return trained, (sums / counts.clamp(min=1)[:, None]).float(), counts > 0
 
 
+@pytest.mark.parametrize("first_head", ["initial", "server"])
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_fedpac_local_stages_and_alignment_follow_algorithm_1(executor):
-    exp = experiment("fedpac", FEDPAC, executor, "seed=1")
+def test_fedpac_local_stages_and_alignment_follow_algorithm_1(executor, first_head):
+    exp = experiment("fedpac", {**FEDPAC, "first_head": first_head}, executor, "seed=1")
     fed = Federation(exp)
     # seed 1: rounds {1, 2}, {2, 3}; client 2 comes back with its personalised head, client 3 starts from the
-    # server's classifier and holds a class (1) no client of round 1 held: it aligns that class to its own mean
+    # initial model's classifier (first_head = "initial", the authors' code) or the server's ("server") and
+    # holds a class (1) no client of round 1 held: it aligns that class to its own mean
     assert (fed.sampled[1], fed.sampled[2]) == ([1, 2], [2, 3])
     held = set(torch.cat([fed.train[c][1] for c in fed.sampled[1]]).tolist())
     assert 1 not in held and 1 in fed.train[3][1].tolist()
@@ -415,8 +417,9 @@ def test_fedpac_local_stages_and_alignment_follow_algorithm_1(executor):
     assert_close(servers[0].extra, {"fedpac.centroids": centroids}, "round 1's centroids", ("fedpac.centroids",))
     assert servers[0].extra["fedpac.has_centroid"].bool().tolist() == has.tolist()
     # round 2: a client of round 1 starts from its personalised head (the QP's, checked elsewhere), a new one
-    # from the server's classifier (the size-weighted mean of round 1's classifiers)
-    personal = {c: {n: servers[0].extra.get(f"head.{c}/{n}", heads[n]) for n in HEAD} for c in fed.sampled[2]}
+    # from the initial classifier or the server's (the size-weighted mean of round 1's classifiers)
+    first = init if first_head == "initial" else heads
+    personal = {c: {n: servers[0].extra.get(f"head.{c}/{n}", first[n]) for n in HEAD} for c in fed.sampled[2]}
     start = {c: {**encoder, **personal[c]} for c in fed.sampled[2]}
     trained2, _, _ = fedpac_round(fed, start, 2, centroids, has)
     encoder2 = mean([trained2[c] for c in fed.sampled[2]], [fed.size[c] for c in fed.sampled[2]], ENCODER)

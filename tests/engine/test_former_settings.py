@@ -40,6 +40,7 @@ MOON_BN = ["algorithm.name=moon", "data.dataset=mnist", "data.download=false", "
 def test_the_settings_that_changed_the_computation_name_what_runs_before_them_computed():
     assert former_values(algorithm_class("moon").Hyper) == {"reference_mode": "train"}
     assert former_values(algorithm_class("feduv").Hyper) == {"sigma_grad": False}
+    assert former_values(algorithm_class("fedpac").Hyper) == {"first_head": "server"}
 
 
 @pytest.mark.parametrize("hyper", [algorithm_class(n).Hyper for n in available()]

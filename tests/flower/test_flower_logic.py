@@ -114,6 +114,21 @@ def test_personalised_evaluation_on_the_nodes_gives_the_sequential_numbers(metho
     assert all(x["failed_clients"] == [] for x in got)
 
 
+@pytest.mark.parametrize("first_head", ["initial", "server"])
+def test_fedpac_clients_not_yet_sampled_get_the_sequential_numbers_on_the_nodes(first_head, tmp_path):
+    """One of 3 clients a round: the clients that have not trained are evaluated (and later start) with the
+    classifier ``first_head`` names, the server's initial state sent as their node's first state, as the
+    sequential executor does."""
+    overrides = [*SMALL, "algorithm.name=fedpac", "train.clients_per_round=1", "train.rounds=3",
+                 f"algorithm.first_head={first_head}"]
+    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
+    run_on(LoopbackGrid(3), overrides, tmp_path / "flower")
+    got = metrics(tmp_path / "flower")
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "sequential")]
+    assert all(x["failed_clients"] == [] for x in got)
+
+
 def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
     grid = LoopbackGrid(3)
     grid.dead.add(grid.ids[2])

@@ -35,6 +35,25 @@ Buffers (BatchNorm statistics) of the mixture are those of ``v_i``.
 Departures from the paper/code: the one alpha step per round is computed on the
 client's whole training set at the start of the round (the code: at the first
 local batch); ``alpha = 0.5`` initial value (the paper's middle fixed value).
+
+Deliberate differences in alpha's defaults from the authors' code
+(MLOPTPSU/FedTorch ab8068d):
+
+- Learned by default (``learn_alpha = true``); the code keeps alpha fixed unless
+  asked (``fedtorch/parameters.py`` l. 70: ``--fed_adaptive_alpha`` default False;
+  its launcher ``run_mpi.py`` l. 156-157: alpha 0.0 and no adaptation, i.e. FedAvg
+  with a local model on the side). Why: the method the paper names and evaluates
+  as APFL is the adaptive one (Algorithm 1 updates alpha); fixed alpha is its
+  ablation, kept as ``learn_alpha = false``.
+- Initial alpha 0.5, as the code's ``parameters.py`` l. 68 (``--fed_personal_alpha``
+  0.5), not ``run_mpi.py``'s 0.0 (a mixture with no local model at all, which the
+  adaptive step can only leave through the gradient of ``v``).
+- The code's alpha step adds ``0.02 * alpha`` to the gradient (an L2 penalty
+  ``0.01 alpha^2``, ``fedtorch/comms/utils/flow_utils.py`` l. 247) and uses the
+  gradient mix ``alpha grad_v + (1 - alpha) grad_w`` of the two copies
+  (l. 244); hetfl takes the plain projected gradient step of Algorithm 1 on
+  ``<v_i - w_i, grad f_i(v_bar_i)>``, the paper's update, without the penalty the
+  paper does not state.
 """
 
 from __future__ import annotations

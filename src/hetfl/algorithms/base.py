@@ -584,8 +584,17 @@ class Algorithm(PrivateReleases):
         return server.model
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        model = weighted_mean([u.tensors for u in uploads], self.client_weights(uploads))
         return ServerState(model=model, extra=server.extra)
+
+    def client_weights(self, uploads: list[Upload]) -> list[float]:
+        """The server's weights of the round's uploads (``train.weighting``): their sample counts ("size",
+        FedAvg's ``n_i / n`` once normalised) or 1 each ("uniform", ``1/M``: FedBR's Algorithm 1 and the
+        authors' code). Methods with a weighting rule of their own (SCAFFOLD, FedDyn, GroupDRO over clients,
+        FedBR, FedNova) do not call it and say so."""
+        if self.setup.train.weighting == "uniform":
+            return [1.0] * len(uploads)
+        return [float(u.num_samples) for u in uploads]
 
     def memory_needs(self, input_shape: tuple[int, ...], feature_dim: int) -> list[tuple[str, Any, int, str]]:
         """Host memory the method's size settings make it hold beyond the model's copies (a hypernetwork, a

@@ -45,7 +45,7 @@ class FedAvgM(Algorithm):
         return ServerState(model=model_state, extra=momentum)
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        mean = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        mean = weighted_mean([u.tensors for u in uploads], self.client_weights(uploads))
         model, velocity = dict(mean), {}
         for name in self.model.param_names:  # buffers (BatchNorm statistics) are plainly averaged
             delta = server.model[name] - mean[name]

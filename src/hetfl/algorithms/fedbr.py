@@ -57,7 +57,10 @@ one-hot label, or its Mixup label under FedBR + Mixup).
 
 The server averages the participating clients' models and heads with uniform
 weights ``1/M`` (the code's ``FedAvg.p = 1``); ``weighting = "size"`` weights them
-by their number of samples.
+by their number of samples. FedBR's own ``weighting`` sets its weights whatever the
+run-wide ``train.weighting`` (whose default, "size", is for the other methods); the
+one contradiction a configuration can state, ``train.weighting = "uniform"`` with
+``weighting = "size"``, is refused.
 
 Ablations (Table 4): ``components = "classifier"`` (component 1: the pseudo-data
 CE only), ``"features"`` (component 2: ``L_con`` with its max step only),
@@ -257,6 +260,10 @@ class FedBR(Algorithm):
 
     def __init__(self, hyper: FedBRHyper, setup: Setup) -> None:
         super().__init__(hyper, setup)
+        if setup.train.weighting == "uniform" and hyper.weighting == "size":  # asked for both: refused, not guessed
+            raise ConfigError("train.weighting", setup.train.weighting,
+                              "contradicts algorithm.weighting = 'size'; FedBR's own key sets its server weights "
+                              "(its default, 'uniform', is 1/M as Algorithm 1): drop one of the two")
         self.proxy: tuple[torch.Tensor, Any] | None = None
         if hyper.pseudo_source == "proxy":
             self.proxy = load_proxy(hyper, setup.seed, setup.cache_dir)

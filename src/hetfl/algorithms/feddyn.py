@@ -54,6 +54,8 @@ class FedDyn(Algorithm):
         return {n: local[n] for n in self.model.state_names}, grad_state
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
+        # 1/|P_t| over the participants (Algorithm 1), whatever train.weighting says: h's update is the
+        # uniform sum of the drifts, and the model's correction h / alpha assumes the same average
         mean = weighted_mean([u.tensors for u in uploads], [1.0] * len(uploads))
         m, a = self.setup.num_clients, self.hp.alpha
         h, model = {}, dict(mean)

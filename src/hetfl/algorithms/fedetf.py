@@ -23,6 +23,17 @@ details from the authors' code, github.com/ZexiLee/ICCV-2023-FedETF:
   size), 1.0 for LeNet-5 and the ResNet / DenseNet / MobileNet / EfficientNet
   models (d = C). hetfl's default is 1.0 (``beta_init``); the argument
   ``--scaling_train`` (default 1.0) is FedNH's fixed scale, not this one.
+  Deliberate difference: the code's default run (``args.py``: ``--dataset
+  cifar10``, ``--local_model CNN``) is ``CNNCifar10``, which starts at 10.0
+  (ZexiLee/ICCV-2023-FedETF 092ace3, ``models_dict/cnn.py`` l. 27; ``vgg.py``
+  l. 30; 1.0 at ``cnn.py`` l. 66 for LeNet-5 and in ``resnet.py``,
+  ``densenet.py``, ``mobilenetv2.py``, ``efficientnet.py``). hetfl has one default
+  for every model and its own ``etf_dim`` rule (the feature dimension, not the
+  code's per-model 64 or C), so it takes the value the code gives most of its
+  architectures, 1.0, rather than the one its CIFAR-10 CNN and VGG carry; the
+  paper gives no value (it is not among the papers hetfl holds). ``beta`` is
+  learned and averaged either way; set ``beta_init = 10.0`` to match the code's
+  CNN / VGG runs.
 - Local loss: balanced softmax (Ren et al., NeurIPS 2020),
   ``CE(logits + log n_c, y)`` with ``n_c`` the client's count of class c
   (absent classes count 1, as the code does). The server is FedAvg (over
@@ -96,7 +107,8 @@ class FedETFHyper:
     etf_dim: dimension d of the ETF and the projection (0 = the model's feature
         dimension, at least the number of classes).
     beta_init: initial learnable temperature (1.0: the code's value for LeNet-5 and its
-        ResNets; its CIFAR-10 CNN and VGG start at 10.0).
+        ResNets; its CIFAR-10 CNN and VGG, the code's default run, start at 10.0;
+        module docstring: why 1.0).
     balanced: balanced-softmax local loss (the paper's); false: cross-entropy.
     personalize: run the local adaptation before each client's evaluation.
     pers_cycles: alternations of ETF and projection fine-tuning (20).

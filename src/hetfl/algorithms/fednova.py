@@ -12,14 +12,19 @@ Departures from the paper/code: none in the rule; ``a_i`` uses the run's
 ``local_normalizing_vec``) and ignores weight decay, as the code does. FedNova's
 proximal variant (FedProx's local solver, where the code uses ``tau_eff =
 sum p_i tau_i``) is not offered.
+
+``train.weighting = "uniform"`` is refused: FedNova's ``p_i = n_i / n`` weigh both
+the normalised direction and ``tau_eff``; the objective it is consistent with is
+``sum_i p_i F_i`` for those weights, so a uniform ``p_i`` would be another method,
+not FedNova with another server average.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetfl.algorithms.base import Algorithm, ServerState, Upload, weighted_mean
-from hetfl.params import FLOAT32_MAX, setting
+from hetfl.algorithms.base import Algorithm, ServerState, Setup, Upload, weighted_mean
+from hetfl.params import FLOAT32_MAX, ConfigError, setting
 
 
 def normalizing_factor(steps: int, momentum: float) -> float:
@@ -41,6 +46,13 @@ class FedNova(Algorithm):
     name = "fednova"
     Hyper = FedNovaHyper
     citation = "Wang et al., NeurIPS 2020"
+
+    def __init__(self, hyper: FedNovaHyper, setup: Setup) -> None:
+        super().__init__(hyper, setup)
+        if setup.train.weighting != "size":
+            raise ConfigError("train.weighting", setup.train.weighting,
+                              "FedNova weighs its normalised updates by p_i = n_i / n (the data sizes): only "
+                              "'size' is allowed")
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
         total = float(sum(u.num_samples for u in uploads))

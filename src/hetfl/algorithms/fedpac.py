@@ -85,10 +85,18 @@ Remaining departures from the paper and the authors' code:
 - Alignment is on once the server has centroids (the code: from its second
   round, ``round > 0``); the same after any round with participants.
 - A client that has not taken part yet (``train.clients_per_round`` below the
-  number of clients) starts, and is evaluated, with the server model's
-  classifier, the data-size-weighted mean of the last round's uploaded
-  classifiers; the authors' code keeps the initial classifier for it (every
-  client's encoder is the global one in both).
+  number of clients) starts, and is evaluated, with the initial model's
+  classifier (``first_head = "initial"``, the default since 2026-11-28), as in
+  the authors' code: every client's local model is a copy of the initial model
+  (``federated_main.py`` l. 49-51), the global encoder goes to every client after
+  each round (``running.py`` l. 226-229) but a combined classifier only to the
+  round's participants (l. 232-242), so a client keeps the initial classifier
+  until it trains. The initial classifier is kept in the server state
+  (``fedpac.initial_head/<name>``, checkpointed with it). ``first_head =
+  "server"`` gives hetfl's former rule: the server model's classifier, the
+  data-size-weighted mean of the last round's uploaded classifiers (a run written
+  before the setting existed is read with it: ``setting(former=...)``). Every
+  client's encoder is the global one in both.
 
 Differential privacy (``dp_epsilon`` finite; not in the paper): the additive uploads, per-class counts
 and feature sums, go through the Gaussian mechanism of :mod:`hetfl.algorithms.dp_moments` (features
@@ -145,6 +153,8 @@ from hetfl.privacy import Release, accountant_name, release_digest, require_acco
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
 COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
 HEAD, OWN_HEAD = "fedpac.head/", "fedpac.local_head/"
+INITIAL_HEAD = "fedpac.initial_head/"  # server extra (first_head = "initial"): the initial model's classifier
+FIRST_HEADS = ("initial", "server")
 DP_RELEASES = "fedpac/dp_multipliers"  # server extra: the noise multiplier of each round's summed statistics
 DP_COVERS = ("per-class counts and feature sums (the centroids); not the sample count n_i (the aggregation weight), "
              "h_i, v_i, the classifiers or the encoder")
@@ -160,6 +170,10 @@ class FedPACHyper:
         eigen-components with eigenvalue >= this (authors' code: 0.01).
     min_weight: classifier-combination weights <= this are zeroed, the rest
         renormalised (authors' code: 1e-3; 0 keeps the exact solution).
+    first_head: the classifier a client that has not taken part yet starts, and
+        is evaluated, with: "initial" (the initial model's, as the authors' code)
+        or "server" (the server model's, the size-weighted mean of the last
+        round's uploaded classifiers; hetfl's rule before 2026-11-28).
     clip_norm, dp_*: differential privacy of the centroid statistics (module
         docstring; ``dp_epsilon = inf``: none).
     """
@@ -170,6 +184,10 @@ class FedPACHyper:
     head_momentum: float = setting(0.5, when={"head_epochs": above(0)}, ge=0.0, lt=1.0, doc="classifier-stage momentum")
     head_weight_decay: float = setting(5e-4, when={"head_epochs": above(0)}, ge=0.0, lt=FLOAT32_MAX,
                                        doc="classifier-stage weight decay")
+    first_head: str = setting("initial", choices=FIRST_HEADS, former="server",
+                              doc="classifier of a client that has not taken part yet: initial (the initial "
+                                  "model's, as the authors' code) or server (the server model's, the mean of the "
+                                  "last round's uploaded classifiers)")
     qp_eig_floor: float = setting(0.01, ge=0.0, doc="eigenvalues kept when repairing a non-PSD QP matrix")
     min_weight: float = setting(1e-3, ge=0.0, lt=1.0, doc="combination weights <= this are zeroed")
     clip_norm: float = setting(10.0, when={"dp_epsilon": FINITE}, gt=0.0,
@@ -313,6 +331,8 @@ class FedPAC(Algorithm):
         weight = model_state[self.head_names[0]]
         extra = {CENTROIDS: torch.zeros(self.setup.num_classes, weight.shape[1], device=weight.device),
                  HAS_CENTROID: torch.zeros(self.setup.num_classes, device=weight.device)}
+        if self.hp.first_head == "initial":  # a copy: kept whatever happens to the model's tensors
+            extra.update({INITIAL_HEAD + n: model_state[n].detach().clone() for n in self.head_names})
         return ServerState(model=model_state, extra=extra)
 
     def payload(self, server: ServerState, client_id: int) -> Tensors:
@@ -323,6 +343,10 @@ class FedPAC(Algorithm):
 
     # --------------------------------------------------------------- client
     def init_client_state(self, client_id: int, server: ServerState) -> Tensors:
+        """A client that has not taken part yet: the classifier ``first_head`` names (the initial model's, kept
+        in the server state, or the server model's)."""
+        if self.hp.first_head == "initial":
+            return {OWN_HEAD + n: server.extra[INITIAL_HEAD + n].clone() for n in self.head_names}
         return {OWN_HEAD + n: server.model[n].clone() for n in self.head_names}
 
     def start_state(self, ctx: ClientContext) -> Tensors:
@@ -394,9 +418,9 @@ class FedPAC(Algorithm):
         return self.mechanism.refused_release(refused, self.hp.dp_noise_source)
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        model = dict(server.model)  # the shared model: FedAvg's size-weighted mean (integer buffers: max)
+        model = dict(server.model)  # the shared model: FedAvg's mean, train.weighting's (integer buffers: max)
         model.update(weighted_mean([{n: u.tensors[n] for n in self.model.state_names} for u in uploads],
-                                   [float(u.num_samples) for u in uploads]))
+                                   self.client_weights(uploads)))
         extra = dict(server.extra)
         centroids, has = global_centroids([u.tensors[COUNTS] for u in uploads],
                                           [u.tensors[CENTROID_SUMS] for u in uploads])

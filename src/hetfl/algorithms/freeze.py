@@ -91,7 +91,7 @@ class Freeze(Algorithm):
         return {n: local[n] for n in self.model.state_names if n not in frozen}, ctx.state
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        model = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        model = weighted_mean([u.tensors for u in uploads], self.client_weights(uploads))
         model.update({n: server.model[n] for n in self.classifier_names()})
         return ServerState(model=model, extra=server.extra)
 

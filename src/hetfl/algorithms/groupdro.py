@@ -38,7 +38,8 @@ Two federated versions (``groups``):
   groups are clients; local training is plain cross-entropy (one group per
   client); the server keeps ``log q`` over clients, adds ``eta L_k`` for every
   participating client k, and averages the uploads with weights proportional
-  to ``q_k`` (normalised over the round's clients) instead of data sizes.
+  to ``q_k`` (normalised over the round's clients) instead of data sizes
+  (``train.weighting`` is not read there: q is the method's weighting).
   ``L_k`` is the received global model's cross-entropy on client k's whole
   training set (eval mode; uploaded as one scalar), where FedBR's code uses the
   loss of the round's first local step. Two more differences from that code:

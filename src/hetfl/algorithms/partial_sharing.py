@@ -102,7 +102,7 @@ class PartialSharing(Algorithm):
         return {n: server.model[n] for n in self.shared_names()}
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        mean = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        mean = weighted_mean([u.tensors for u in uploads], self.client_weights(uploads))
         return ServerState(model={**server.model, **mean}, extra=server.extra)
 
     # --------------------------------------------------------------- client

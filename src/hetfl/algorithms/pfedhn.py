@@ -292,7 +292,7 @@ class PFedHN(Algorithm):
         model = dict(server.model)
         if self.model.buffer_names:
             buffers = weighted_mean([{n: u.tensors[n] for n in self.model.buffer_names} for u in uploads],
-                                    [u.num_samples for u in uploads])
+                                    self.client_weights(uploads))
             model.update(buffers)
         return ServerState(model=model, extra=extra)
 

@@ -146,8 +146,9 @@ class PFedMe(Algorithm):
         return upload, {THETA + n: local[THETA + n] for n in self.model.param_names}
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        """``w <- (1 - beta) w + beta sum_i n_i/n w_i`` (buffers: the plain weighted mean)."""
-        mean = weighted_mean([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        """``w <- (1 - beta) w + beta sum_i n_i/n w_i`` (``train.weighting = "uniform"``: ``1/M``; buffers: the
+        plain weighted mean)."""
+        mean = weighted_mean([u.tensors for u in uploads], self.client_weights(uploads))
         beta = self.hp.beta
         model = dict(mean)
         for n in self.model.param_names:

@@ -18,9 +18,26 @@ corrected gradient ``g - c_i + c`` is what the run's SGD sees: its momentum
 carries the correction too. The NIID-Bench code (and MOON's, CCVR's comparisons)
 instead subtracts ``lr (c - c_i)`` after each optimiser step, outside momentum and
 weight decay, on every state entry (BatchNorm statistics included) and averages
-the models by data size; with plain SGD (``train.momentum = 0``) the local steps
-are the same. ``tests/algorithms/test_baseline_rounds.py`` recomputes three
-partially participated rounds of this rule by hand.
+the models by data size (Xtra-Computing/NIID-Bench 61b901a, ``experiments.py``
+``train_net_scaffold``: l. 312 SGD with momentum ``rho``, l. 345 the step, l. 349
+the correction); with plain SGD (``train.momentum = 0``) the local steps
+are the same.
+
+Deliberate difference with momentum ``m > 0`` (kept as the default, not a bug):
+for the same ``c - c_i``, a correction that goes through the momentum buffer
+``b <- m b + (g - c_i + c)`` settles at ``(c - c_i) / (1 - m)`` per step, so the
+applied correction is ``1 / (1 - m)`` times the references' ``lr (c - c_i)``
+(10x at ``m = 0.9``), while the gradient itself is amplified by ``1 / (1 - m)`` in
+both. Why: Algorithm 1 is stated for plain SGD, where the corrected gradient *is*
+the step; hetfl hands every method's descent direction to the one optimiser the
+run configures (``train.momentum``, ``train.weight_decay``), so the correction
+and the gradient it corrects are treated alike (their ratio is Algorithm 1's),
+where the references' form makes the correction ``1 - m`` times weaker than the
+gradient it is meant to cancel. Set ``train.momentum = 0`` to compare with
+numbers from the references' code under momentum-free SGD (the same steps).
+
+``tests/algorithms/test_baseline_rounds.py`` recomputes three partially
+participated rounds of this rule by hand.
 """
 
 from __future__ import annotations
@@ -83,7 +100,9 @@ class Scaffold(Algorithm):
         return upload, new_c
 
     def aggregate(self, server: ServerState, uploads: list[Upload], round: int) -> ServerState:
-        ones = [1.0] * len(uploads)  # the paper averages uniformly over the sampled clients
+        # the paper averages uniformly over the sampled clients (1/|S|, model and control variates alike),
+        # whatever train.weighting says: the control variate's update c += |S|/N mean(dc_i) needs that mean
+        ones = [1.0] * len(uploads)
         mean = weighted_mean([u.tensors for u in uploads], ones)
         model = {n: mean[n] for n in self.model.state_names}
         for n in self.model.param_names:
