@@ -5,6 +5,8 @@
   thread per core, which on a busy machine wait for each other at every operation; and under
   ``pytest -n N`` each of the N worker processes keeps to its core. A test that needs another count
   sets it (``runtime.threads`` or ``torch.set_num_threads``); it is put back to one before the next.
+* **Processes a test starts import this hetfl**: the folder of the ``hetfl`` package the tests imported
+  goes first on ``PYTHONPATH`` (a worktree's or a mutation tool's copy of the sources, not the installed one).
 * **``runtime.device = "auto"`` is the CPU** (``HETFL_DEVICE=cpu``, set here for this process and
   every process it starts: CLI subprocesses, Flower's nodes). Tests that pin numbers or compare with
   a CPU computation then give the same result on a machine with CUDA as without. A CUDA test states
@@ -28,9 +30,17 @@ import torch
 
 torch.set_num_threads(1)  # before hetfl is imported: its "auto" threads (hetfl.engine.threads) start from here
 
+import hetfl  # noqa: E402
 from hetfl.engine.setup import AUTO_DEVICE_ENV  # noqa: E402
 
 os.environ[AUTO_DEVICE_ENV] = "cpu"
+
+#: the folder of the hetfl these tests import, first on every started process's PYTHONPATH: a ``hetfl run``,
+#: a Flower node or a --jobs worker that a test starts runs the same sources as the test (a git worktree's, a
+#: mutation tool's scratch copy), not whichever hetfl the environment has installed
+HETFL_SOURCES = str(Path(hetfl.__file__).resolve().parent.parent)
+_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != HETFL_SOURCES]
+os.environ["PYTHONPATH"] = os.pathsep.join([HETFL_SOURCES, *_path])
 
 
 def pytest_configure(config: pytest.Config) -> None:

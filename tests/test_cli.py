@@ -151,3 +151,15 @@ def test_help_version_and_a_mistyped_option_answer_without_loading_torch():
             "assert 'torch' not in sys.modules, 'the CLI loaded torch'; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_a_process_a_test_starts_imports_the_hetfl_the_tests_import(tmp_path):
+    """tests/conftest.py puts this hetfl's folder first on PYTHONPATH: a ``hetfl run`` a test starts runs the
+    sources under test (a git worktree's, mutmut's scratch copy), not the environment's installed hetfl (a
+    killed-and-resumed privacy test failed on every mutant of a scratch copy whose config had a key the installed
+    sources lacked, and mutmut counted those mutants killed)."""
+    import hetfl
+
+    done = subprocess.run([sys.executable, "-c", "import hetfl; print(hetfl.__file__)"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert Path(done.stdout.strip()).resolve() == Path(hetfl.__file__).resolve()
