@@ -113,10 +113,14 @@ class MomentsMechanism:
         return 1.0 / self.clients if self.noise == "distributed" else 1.0
 
     def upload_std(self) -> dict[str, float]:
-        """Noise standard deviation per entry of one client's upload, by tensor."""
+        """Noise standard deviation per entry of one client's upload, by tensor: the tensors it uploads only
+        (no ``outer`` without :attr:`with_outer`: FedPAC's bounds and refusals name what it sends)."""
         base = self.multiplier * self.sensitivity * math.sqrt(self.share)
         c = self.clip_norm
-        return {"counts": base, "sums": base * c, "outer": base * c * c}
+        std = {"counts": base, "sums": base * c}
+        if self.with_outer:
+            std["outer"] = base * c * c
+        return std
 
     def privatize(self, features: torch.Tensor, labels: torch.Tensor, num_classes: int,
                   generator: torch.Generator) -> ClassMoments:
