@@ -103,8 +103,12 @@ TARGETS = (
                           "test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made",
             "--deselect", "tests/test_privacy_edges.py::"
                           "test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uninterrupted_one")),
+    # (session 33) the set-up checks of budgets and clip norms (check_settings, FedPAC's counts-and-sums-only
+    # bounds: test_privacy_edges.py, test_fedpac_dp.py) and the refused uploads' release (test_privacy_mutants.py);
+    # their whole runs (marked slow) left out
     Target("dp_moments", "src/hetfl/algorithms/dp_moments.py",
-           ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py"), E2E_CCVR_DP),
+           ("tests/algorithms/test_ccvr_dp.py", "tests/test_privacy.py", "tests/test_privacy_edges.py",
+            "tests/algorithms/test_fedpac_dp.py", "tests/test_privacy_mutants.py"), (*E2E_CCVR_DP, *NOT_SLOW)),
     Target("secure_sum", "src/hetfl/engine/secure_sum.py",
            ("tests/engine/test_secure_sum.py", "tests/flower/test_flower_secagg.py"), NO_PROCESSES),
     # the baselines' update rules
