@@ -67,10 +67,11 @@ def check_settings(prefix: str, epsilon: float, delta: float, clip_norm: float, 
             name, value, allowed = problem
             raise ConfigError(f"{prefix}dp_{name}", value, allowed)
     scale = clip_norm * clip_norm if with_outer else clip_norm
-    if not math.isfinite(scale):
+    if not math.isfinite(scale):  # the largest C whose power is finite (the check applies no other bound)
         power = "clip_norm^2 (the outer products' bound)" if with_outer else "clip_norm"
+        largest = torch.finfo(torch.float64).max
         raise ConfigError(f"{prefix}clip_norm", clip_norm, f"{power} is not a finite float64; "
-                          f"must be at most {math.sqrt(torch.finfo(torch.float64).max) if with_outer else 1e300:.3g}")
+                          f"must be at most {math.sqrt(largest) if with_outer else largest:.3g}")
 
 
 def nonfinite_bounds(bounds: dict[str, float]) -> list[str]:
