@@ -314,6 +314,9 @@ def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_fo
     assert info["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(3 / 4)], 1e-5))
     assert info["ccvr_floats_per_client"] == 3 + 3 * 8 + 3 * 64
     assert info["dp_psd_removed"] > 0.01  # epsilon 0.5 on 90 samples: noisy covariances far from PSD, repaired
+    # what the guarantee covers and what not, whole (commit 01c0a4d's text was untested: mutation, session 33)
+    assert info["dp_covers"] == ("CCVR's per-class statistics; not the training rounds' model updates, nor what a "
+                                 "set-up round uploads (FedMix's and FedBR's rsm_clients averaged inputs)")
 
 
 @pytest.mark.parametrize("private", [False, True])
