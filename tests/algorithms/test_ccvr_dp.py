@@ -314,6 +314,9 @@ def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_fo
     assert info["dp_epsilon"] == pytest.approx(epsilon_spent([z * math.sqrt(3 / 4)], 1e-5))
     assert info["ccvr_floats_per_client"] == 3 + 3 * 8 + 3 * 64
     assert info["dp_psd_removed"] > 0.01  # epsilon 0.5 on 90 samples: noisy covariances far from PSD, repaired
+    # what the guarantee covers and what not, whole (commit 01c0a4d's text was untested: mutation, session 33)
+    assert info["dp_covers"] == ("CCVR's per-class statistics; not the training rounds' model updates, nor what a "
+                                 "set-up round uploads (FedMix's and FedBR's rsm_clients averaged inputs)")
 
 
 @pytest.mark.parametrize("private", [False, True])
@@ -398,3 +401,41 @@ def test_what_the_server_sees_and_the_runs_first_line_state_the_guarantee_it_fac
                             setup)
     assert (step.server_sees(), step.privacy_notice()) == (sees, notice)
     assert _step(rounds=3)[0].privacy_notice() is None  # no privacy, nothing to say
+
+
+# ------------------------------------------------ set-up refusals and refused uploads (mutation, session 33)
+def test_a_clip_norm_whose_power_overflows_is_refused_naming_that_power_and_its_largest_value():
+    """check_settings' whole message (the tests matched 'not a finite' only): CCVR names C^2, the outer
+    products' bound, and its largest value sqrt(float64 max); without outer products (FedPAC) C itself, whose
+    largest value is float64's max (the message said 1e300, a bound the check never applied)."""
+    from hetfl.algorithms.dp_moments import check_settings
+
+    fmax = torch.finfo(torch.float64).max
+    with pytest.raises(ConfigError) as outer:
+        check_settings("algorithm.ccvr.", 4.0, 1e-5, 1e300, with_outer=True)
+    assert str(outer.value) == ("algorithm.ccvr.clip_norm = 1e+300: clip_norm^2 (the outer products' bound) is not a "
+                                f"finite float64; must be at most {math.sqrt(fmax):.3g}")
+    with pytest.raises(ConfigError) as plain:
+        check_settings("algorithm.", 4.0, 1e-5, math.inf, with_outer=False)
+    assert str(plain.value) == ("algorithm.clip_norm = inf: clip_norm is not a finite float64; "
+                                f"must be at most {fmax:.3g}")
+    check_settings("algorithm.", 4.0, 1e-5, 1e300, with_outer=False)  # C finite, no C^2 uploaded: accepted
+    check_settings("algorithm.ccvr.", 4.0, 1e-5, 1e150, with_outer=True)
+
+
+@pytest.mark.parametrize("noise", ["local", "distributed"])
+def test_refused_uploads_are_released_as_their_sum_with_the_refused_digest(noise):
+    """MomentsMechanism.refused_release (no test reached it in the mutation run): the uploads the server refused
+    count as the sum of that many uploads' noise, their digest the refused one, the run's noise source kept;
+    CCVR's dp_refused gives it under differential privacy and nothing without."""
+    from hetfl.privacy import Release, refused_digest
+
+    mech = MomentsMechanism(4.0, 1e-5, clip_norm=3.0, clients=10, noise=noise)
+    refused = {4: "dd", 2: "bb", 7: "ee"}
+    release = mech.refused_release(refused, "os")
+    assert release == Release(mech.sum_multiplier(3), refused_digest(refused), "os")
+    share = 1.0 if noise == "local" else 0.1
+    assert math.isclose(release.multiplier, mech.multiplier * math.sqrt(3 * share), rel_tol=1e-12)
+    step, _ = _step(dp_epsilon=4.0, dp_noise=noise)
+    assert step.dp_refused(refused) == Release(step.mechanism.sum_multiplier(3), refused_digest(refused), "seed")
+    assert _step()[0].dp_refused(refused) is None

@@ -108,6 +108,28 @@ def test_without_privacy_nothing_changes():
     assert algo.mechanism is None and DP_RELEASES not in new.extra and algo.round_info(new, uploads, 1) == {}
 
 
+def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
+    """FedPAC uploads counts and feature sums, no outer products: its set-up refusal named "the derived noise
+    std of outer" (a tensor it never sends) and refused clip_norm = 1e160, whose sums' noise is finite. Now the
+    clip norm is refused only where a bound of what it uploads overflows, naming that bound and the largest
+    clip norm the budget allows."""
+    from hetfl.params import ConfigError
+
+    setup = tiny_setup(num_clients=4)
+    accepted = build_algorithm("fedpac", {"dp_epsilon": 4.0, "clip_norm": 1e160}, setup)
+    std = accepted.mechanism.upload_std()
+    assert set(std) == {"counts", "sums"} and std["sums"] == std["counts"] * 1e160
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedpac", {"dp_epsilon": 4.0, "clip_norm": 1e308}, setup)
+    limit = torch.finfo(torch.float64).max / std["counts"]
+    assert refused.value.key == "algorithm.clip_norm" and refused.value.value == 1e308
+    assert str(refused.value) == (
+        "algorithm.clip_norm = 1e+308: the derived noise std of sums (counts and sums are what FedPAC uploads) is "
+        f"not a finite float64; must be at most {limit:.3g} at this budget; choose a clip norm near the "
+        "features' norms")
+    assert "outer" not in str(refused.value)
+
+
 @pytest.mark.parametrize(("key", "value"), [("algorithm.dp_epsilon", "0"), ("algorithm.dp_delta", "1.5"),
                                             ("algorithm.clip_norm", "-1")])
 def test_invalid_budget_exits_2_naming_the_key(key, value, tmp_path, capsys):

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from hetfl import algorithms, config
-from hetfl.algorithms import register
-from hetfl.algorithms.base import Algorithm, cross_entropy
+from hetfl.algorithms import base, register
+from hetfl.algorithms.base import Algorithm, MethodError, cross_entropy
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.vectorized import train_clients_vectorized
@@ -296,6 +296,82 @@ def test_a_plugin_whose_hooks_return_the_right_things_runs_as_before(tmp_path):
     plugin = _plugin(tmp_path, "right.py", WRONG_HOOKS.replace("HOOK", "none"))
     assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=wrong_hooks", "--set", "train.rounds=1",
                  "--set", "train.local_steps=1", "--quiet", "--out", str(tmp_path / "r")]) == 0
+
+
+# ------------------------------------------------------------------ hooks that are not callable
+NOT_CALLABLE = '''
+from hetfl.algorithms import register
+from hetfl.algorithms.base import Algorithm
+
+
+@register
+class NotCallable(Algorithm):
+    name = "not_callable"
+    citation = "a test"
+    payload = {"w": 1}
+'''
+
+
+def _not_callable(cls: str, hook: str, kind: str, where: str = "") -> str:
+    params = ", ".join(__import__("inspect").signature(getattr(Algorithm, hook)).parameters)
+    return (f"{cls}.{hook} of method 'not_callable'{where} is {kind}, not callable: a hook must be a method, "
+            f"`def {hook}({params})` as in Algorithm.{hook} (a value assigned to a hook's name replaces the hook)")
+
+
+def test_a_plugin_hook_that_is_not_callable_is_refused_when_the_file_loads(tmp_path, capsys):
+    """`payload = {"w": 1}` on a plug-in's class (a value where a hook belongs) ran until the first round called
+    it: "TypeError: 'dict' object is not callable", a traceback from deep in the engine, the run folder already
+    written. Now refused when the file registers the class: one line naming the class, the method, the hook, the
+    value's type and what a hook must be; exit 2, nothing written."""
+    from hetfl.cli import main
+
+    plugin = _plugin(tmp_path, "not_callable.py", NOT_CALLABLE)
+    out = tmp_path / "r"
+    assert main(["run", "--plugin", str(plugin), "--set", "algorithm.name=not_callable", "--set", "train.rounds=1",
+                 "--set", "train.local_steps=1", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetfl: error: --plugin {plugin}: {_not_callable('NotCallable', 'payload', 'a dict')}"), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("hook", base.HOOKS)
+def test_every_hook_set_to_a_value_is_refused_at_registration(registry, hook):
+    cls = type("NotCallable", (Algorithm,), {"name": "not_callable", "citation": "a test", hook: None})
+    with pytest.raises(MethodError) as refused:
+        register(cls)
+    assert str(refused.value) == _not_callable("NotCallable", hook, "None")
+    assert "not_callable" not in registry
+
+
+def test_a_hook_replaced_by_a_value_on_the_instance_is_refused_at_set_up(registry):
+    """A class that passes registration and sets a hook to a value in its __init__ (`self.aggregate = "mean"`)
+    is refused when the method is built, before any round."""
+    from tests.helpers import tiny_setup
+
+    @register
+    class NotCallable(Algorithm):
+        name = "not_callable"
+        citation = "a test"
+
+        def __init__(self, hyper, setup):
+            super().__init__(hyper, setup)
+            self.aggregate = "mean"
+
+    with pytest.raises(MethodError) as refused:
+        algorithms.build_algorithm("not_callable", {}, tiny_setup())
+    assert str(refused.value) == _not_callable("NotCallable", "aggregate", "a str", " (set on the instance)")
+
+
+def test_hetfls_own_methods_have_every_hook_callable():
+    """HOOKS holds every function a method may override (a hook added to Algorithm must be listed there)."""
+    import inspect
+
+    defined = {n for k in (Algorithm, base.PrivateReleases) for n, v in vars(k).items()
+               if inspect.isfunction(v) and not n.startswith("_") and "mutmut" not in n}
+    assert set(base.HOOKS) == defined
+    for name in algorithms.available():
+        cls = algorithms.algorithm_class(name)
+        assert all(callable(getattr(cls, hook)) for hook in base.HOOKS), name
 
 
 class ReadsUndeclared(Algorithm):

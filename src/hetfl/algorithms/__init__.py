@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import MODEL_PARTS, Algorithm, MethodError, Setup, checked_hooks, model_provides
+from hetfl.algorithms.base import (
+    MODEL_PARTS,
+    Algorithm,
+    MethodError,
+    Setup,
+    check_hooks_callable,
+    checked_hooks,
+    model_provides,
+)
 from hetfl.algorithms.posthoc import PostHoc
 from hetfl.models import MODELS, build_model, model_options, param_groups
 from hetfl.models.meta import NoRandomInit
@@ -83,6 +91,7 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
         raise MethodError(f"{cls.__name__}.Hyper.{no_default[0]} needs a default (`{no_default[0]}: float = "
                           f"setting(0.01, doc=...)`): a run that does not set algorithm.{no_default[0]} takes it, "
                           "and hetfl list shows it")
+    check_hooks_callable(cls)  # before the loss's signature is read
     if cls.loss is not Algorithm.loss:
         try:
             inspect.signature(cls.loss).bind(None, "state", "batch", "ctx")
@@ -329,7 +338,9 @@ def build_posthoc(full_name: str, params: dict[str, Any], setup: Setup) -> list[
 
 def build_algorithm(full_name: str, params: dict[str, Any], setup: Setup) -> Algorithm:
     trainer, _ = parse_name(full_name)
-    return algorithm_class(trainer)(hyperparameters(full_name, params), setup)
+    method = algorithm_class(trainer)(hyperparameters(full_name, params), setup)
+    check_hooks_callable(method)  # a hook its __init__ replaced by a value: refused before any round
+    return method
 
 
 # ------------------------------------------------------------------ a method's model parts

@@ -694,3 +694,28 @@ class Algorithm(PrivateReleases):
             return []
         names = tuple(self.setup.groups["classifier"]) if part == "head" else self.model.param_names
         return [Stage("finetune", self.loss, names, self.setup.sgd(lr or self.setup.train.lr), epochs=epochs)]
+
+
+#: every hook of a method (the functions :class:`Algorithm` and :class:`PrivateReleases` define for a method to
+#: override): each must stay callable in a plug-in's class and instance (:func:`check_hooks_callable`)
+HOOKS = ("init_server", "payload", "aggregate", "memory_needs", "run_notes", "round_info", "setup_query",
+         "setup_aggregate", "has_setup_round", "init_client_state", "begin", "start_state", "trainable_names",
+         "running_buffers", "loss", "stages", "finish", "client_model", "predictor", "personalize_stages",
+         "finetune_stages", "dp_release", "dp_refused", "dp_recorded", "dp_with_past", "privacy_notice")
+
+
+def check_hooks_callable(method: Any) -> None:
+    """Refuse a hook set to a value that cannot be called (``payload = {...}`` in a plug-in's class body,
+    ``self.aggregate = "mean"`` in its ``__init__``): a :class:`MethodError` naming the class, the method, the
+    hook, the value's type and what a hook must be, when the class is registered (``method`` a class) or built
+    (an instance), instead of "TypeError: 'dict' object is not callable" from the first round that calls it."""
+    cls = method if isinstance(method, type) else type(method)
+    for hook in HOOKS:
+        value = getattr(method, hook)
+        if callable(value):
+            continue
+        where = "" if isinstance(method, type) or hook not in vars(method) else " (set on the instance)"
+        params = ", ".join(inspect.signature(getattr(Algorithm, hook)).parameters)
+        raise MethodError(f"{cls.__name__}.{hook} of method {cls.name!r}{where} is {_kind(value)}, not callable: "
+                          f"a hook must be a method, `def {hook}({params})` as in Algorithm.{hook} (a value "
+                          "assigned to a hook's name replaces the hook)")

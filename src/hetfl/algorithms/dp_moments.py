@@ -67,10 +67,11 @@ def check_settings(prefix: str, epsilon: float, delta: float, clip_norm: float, 
             name, value, allowed = problem
             raise ConfigError(f"{prefix}dp_{name}", value, allowed)
     scale = clip_norm * clip_norm if with_outer else clip_norm
-    if not math.isfinite(scale):
+    if not math.isfinite(scale):  # the largest C whose power is finite (the check applies no other bound)
         power = "clip_norm^2 (the outer products' bound)" if with_outer else "clip_norm"
+        largest = torch.finfo(torch.float64).max
         raise ConfigError(f"{prefix}clip_norm", clip_norm, f"{power} is not a finite float64; "
-                          f"must be at most {math.sqrt(torch.finfo(torch.float64).max) if with_outer else 1e300:.3g}")
+                          f"must be at most {math.sqrt(largest) if with_outer else largest:.3g}")
 
 
 def nonfinite_bounds(bounds: dict[str, float]) -> list[str]:
@@ -113,10 +114,14 @@ class MomentsMechanism:
         return 1.0 / self.clients if self.noise == "distributed" else 1.0
 
     def upload_std(self) -> dict[str, float]:
-        """Noise standard deviation per entry of one client's upload, by tensor."""
+        """Noise standard deviation per entry of one client's upload, by tensor: the tensors it uploads only
+        (no ``outer`` without :attr:`with_outer`: FedPAC's bounds and refusals name what it sends)."""
         base = self.multiplier * self.sensitivity * math.sqrt(self.share)
         c = self.clip_norm
-        return {"counts": base, "sums": base * c, "outer": base * c * c}
+        std = {"counts": base, "sums": base * c}
+        if self.with_outer:
+            std["outer"] = base * c * c
+        return std
 
     def privatize(self, features: torch.Tensor, labels: torch.Tensor, num_classes: int,
                   generator: torch.Generator) -> ClassMoments:

@@ -303,10 +303,14 @@ class FedPAC(Algorithm):
                 require_accountant()
             except ImportError as err:
                 raise ConfigError("algorithm.dp_epsilon", hyper.dp_epsilon, str(err)) from None
-            bad = nonfinite_bounds({f"noise std of {k}": v for k, v in self.mechanism.upload_std().items()})
-            if bad:  # refused at set-up, as the keys' own ranges are
-                raise ConfigError("algorithm.clip_norm", hyper.clip_norm, f"the derived {', '.join(bad)} are not "
-                                  "finite; choose a clip norm near the features' norms")
+            std = self.mechanism.upload_std()  # counts and sums: FedPAC uploads no outer products
+            bad = nonfinite_bounds({f"noise std of {k}": v for k, v in std.items()})
+            if bad:  # refused at set-up, as the keys' own ranges are; the sums' std is clip_norm x the counts'
+                limit = torch.finfo(torch.float64).max / std["counts"]
+                raise ConfigError("algorithm.clip_norm", hyper.clip_norm,
+                                  f"the derived {', '.join(bad)} ({' and '.join(std)} are what FedPAC uploads) "
+                                  f"{'is' if len(bad) == 1 else 'are'} not a finite float64; must be at most "
+                                  f"{limit:.3g} at this budget; choose a clip norm near the features' norms")
 
     @functools.cached_property
     def mechanism(self) -> MomentsMechanism | None:
