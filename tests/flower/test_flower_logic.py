@@ -99,6 +99,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_nodes_give_the_sequential_numbers(overrides: list[str], tmp_path: Path) -> None:
+    """The run on 3 loopback nodes gives the sequential executor's metrics (times aside), every client answering."""
+    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
+    run_on(LoopbackGrid(3), overrides, tmp_path / "flower")
+    got = metrics(tmp_path / "flower")
+    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
+        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "sequential")]
+    assert all(x["failed_clients"] == [] for x in got)
+
+
 @pytest.mark.parametrize("method", ["pfedme", "knnper", "fedfomo", "pfedhn", "fedbabu"])
 def test_personalised_evaluation_on_the_nodes_gives_the_sequential_numbers(method, tmp_path):
     """pFedMe (client_model depends on the node's state), kNN-Per (a predictor on the node's data),
@@ -106,12 +116,7 @@ def test_personalised_evaluation_on_the_nodes_gives_the_sequential_numbers(metho
     FedBABU (fine-tuning on the node)."""
     overrides = [*SMALL, f"algorithm.name={method}"]
     overrides += {"fedbabu": ["algorithm.finetune_epochs=1"], "pfedme": ["algorithm.inner_steps=1"]}.get(method, [])
-    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
-    run_on(LoopbackGrid(3), overrides, tmp_path / "flower")
-    got = metrics(tmp_path / "flower")
-    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
-        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "sequential")]
-    assert all(x["failed_clients"] == [] for x in got)
+    assert_nodes_give_the_sequential_numbers(overrides, tmp_path)
 
 
 @pytest.mark.parametrize("first_head", ["initial", "server"])
@@ -121,12 +126,7 @@ def test_fedpac_clients_not_yet_sampled_get_the_sequential_numbers_on_the_nodes(
     sequential executor does."""
     overrides = [*SMALL, "algorithm.name=fedpac", "train.clients_per_round=1", "train.rounds=3",
                  f"algorithm.first_head={first_head}"]
-    Experiment(config.load(None, overrides)).run(tmp_path / "sequential")
-    run_on(LoopbackGrid(3), overrides, tmp_path / "flower")
-    got = metrics(tmp_path / "flower")
-    assert [{k: v for k, v in x.items() if k not in DROP} for x in got] == \
-        [{k: v for k, v in x.items() if k not in DROP} for x in metrics(tmp_path / "sequential")]
-    assert all(x["failed_clients"] == [] for x in got)
+    assert_nodes_give_the_sequential_numbers(overrides, tmp_path)
 
 
 def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
