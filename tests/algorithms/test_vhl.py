@@ -3,8 +3,10 @@ loss with extra virtual classes, per-step draws, learning and vectorisation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from hetfl import config
 from hetfl.algorithms import build_algorithm
+from hetfl.algorithms import vhl as vhl_module
 from hetfl.algorithms.base import Batch, ClientContext, Upload
 from hetfl.algorithms.vhl import HEAD, PICK, VIRTUAL_X, VIRTUAL_Y, generate_virtual, supervised_contrastive_loss
 from hetfl.engine.experiment import Experiment
@@ -152,6 +155,70 @@ def test_begin_shares_one_virtual_set_shaped_like_the_inputs():
     _, _, _, other = ready(client=3)
     assert torch.equal(other.extras[VIRTUAL_X], x_v)
     assert algo.begin(ctx)[VIRTUAL_X] is x_v  # generated once, the same tensor for every client
+
+
+def in_cache(cache: Path, params: dict | None = None, seed: int = 0, features: int = 4):
+    """A fresh VHL (as a new process builds it) whose virtual set is kept in ``cache``; its first client's set."""
+    setup = dataclasses.replace(tiny_setup(), cache_dir=str(cache), seed=seed)
+    algo = build_algorithm("vhl", {"num_virtual": 30, **(params or {})}, setup)
+    x = torch.randn(9, features, generator=torch.Generator().manual_seed(0))
+    ctx = ClientContext(0, 1, 9, 0.1, algo.init_server(initial_state(setup)).model, {},
+                        inputs=lambda: Batch(x, torch.arange(9) % 3))
+    return algo.begin(ctx)
+
+
+def test_a_new_process_reads_the_virtual_set_its_first_one_stored(tmp_path, monkeypatch):
+    """A Flower deployment starts a process for every message: each would generate the set again (30 s for
+    FedBR Table 2's 20,000 CIFAR samples on a 2-core CPU). The first stores it in data.cache_dir, the others
+    read it: the same tensors to the bit, no generation."""
+    calls = []
+    real = vhl_module.generate_virtual
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vhl_module, "generate_virtual", counted)
+    first = in_cache(tmp_path)
+    assert len(calls) == 1 + len(vhl_module.PROBES)  # the set, and the digest's probes
+    (entry,) = [p for p in tmp_path.iterdir() if p.name.startswith("vhl-virtual-")]
+    assert (entry / "manifest.json").exists()
+    expected, labels = real(0, (4,), 3, 10)
+    assert torch.equal(first[VIRTUAL_X], expected) and torch.equal(first[VIRTUAL_Y], labels)
+    calls.clear()
+    again = in_cache(tmp_path)
+    assert [c for c in calls if c[1] == (4,)] == []  # read, not generated
+    assert torch.equal(again[VIRTUAL_X], expected) and torch.equal(again[VIRTUAL_Y], labels)
+
+
+@pytest.mark.parametrize("change", ["seed", "shape", "size", "generator"])
+def test_a_virtual_set_is_read_only_by_runs_that_would_generate_it(tmp_path, monkeypatch, change):
+    """Another seed, input shape, set size or generator is a different set: never read from another's entry."""
+    in_cache(tmp_path)
+    kwargs: dict = {}
+    if change == "seed":
+        kwargs["seed"] = 1
+    elif change == "shape":
+        kwargs["features"] = 5
+    elif change == "size":
+        kwargs["params"] = {"num_virtual": 60}
+    else:  # a generator that computes otherwise with the same source text (as a mutation tool's trampoline):
+        leaky_relu = F.leaky_relu  # its probes give other values
+        monkeypatch.setattr(vhl_module.F, "leaky_relu", lambda x, slope: leaky_relu(x, slope + 0.1))
+    got = in_cache(tmp_path, **kwargs)
+    seed, features = kwargs.get("seed", 0), kwargs.get("features", 4)
+    per_class = 20 if change == "size" else 10
+    expected, _ = vhl_module.generate_virtual(seed, (features,), 3, per_class)
+    assert torch.equal(got[VIRTUAL_X], expected)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("vhl-virtual-")]) == 2
+
+
+def test_an_unwritable_cache_costs_the_generation_not_the_run(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the cache folder cannot be made under a file (the tests may run as root)
+    got = in_cache(blocked / "cache")
+    assert torch.equal(got[VIRTUAL_X], generate_virtual(0, (4,), 3, 10)[0])
+    assert blocked.read_text() == ""
 
 
 def test_draws_pick_virtual_samples_from_the_clients_stream():
