@@ -36,8 +36,9 @@ class DataConfig:
     dataset: str = setting("synthetic", choices=DATASET_NAMES, doc="dataset name")
     root: str = setting("", doc="local folder with the dataset files ('' = ~/.cache/hetfl/data/<name>)")
     cache_dir: str = setting("", doc="folder for decoded datasets, keyed by a fingerprint of the source files "
-                                     "('' = $XDG_CACHE_HOME/hetfl/datasets, else ~/.cache/hetfl/datasets); "
-                                     "never written next to the data, which may be read-only")
+                                     "('' = $XDG_CACHE_HOME/hetfl/datasets, else ~/.cache/hetfl/datasets), and "
+                                     "for generated ones (VHL's virtual set); never written next to the data, "
+                                     "which may be read-only")
     download: bool = setting(True, doc="download missing files from the official source")
     options: dict = setting({}, doc="loader options, e.g. {alpha = 1.0, beta = 1.0} for synthetic")
     partition: str = setting("auto", choices=PARTITION_NAMES,
