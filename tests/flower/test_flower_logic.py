@@ -129,6 +129,20 @@ def test_fedpac_clients_not_yet_sampled_get_the_sequential_numbers_on_the_nodes(
     assert_nodes_give_the_sequential_numbers(overrides, tmp_path)
 
 
+def test_vhls_virtual_set_on_the_nodes_is_the_sequential_one_generated_once(tmp_path, monkeypatch):
+    """VHL's shared virtual set, generated from the run seed on every node (nothing sent): the nodes give the
+    sequential numbers, and with data.cache_dir shared the set is generated once for the whole federation (a
+    deployment's per-message processes read what the first one stored)."""
+    from hetfl.algorithms import vhl
+
+    calls = []
+    real = vhl.generate_virtual
+    monkeypatch.setattr(vhl, "generate_virtual", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    overrides = [*SMALL, "algorithm.name=vhl", "algorithm.num_virtual=60", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert_nodes_give_the_sequential_numbers(overrides, tmp_path)
+    assert calls.count((60,)) == 1, calls  # the synthetic data's 60 features: the set; the rest are the probes
+
+
 def test_a_silent_or_failing_client_is_left_out_and_recorded(tmp_path, caplog):
     grid = LoopbackGrid(3)
     grid.dead.add(grid.ids[2])
