@@ -88,7 +88,12 @@ hetfl's defaults are the authors' latest code's (01dc5c6): Mixup and Mixture off
 ``train.momentum = 0``, hetfl's default. Their first commit, 3e24f7fa, the
 snapshot of its CIFAR-100 runs, differed: its ``update`` always applied Mixup
 (Beta(0.2, 0.2)), always mixed the pseudo-data, added ``0.1 * FedDecorr`` of the
-real features, and gave the head momentum 0.9.
+real features, and gave the head momentum 0.9. Its README's "By default, FedBR
+generates 32 pseudo-data (using Mixture)" (unchanged up to 6c4c539) describes that
+first commit, whose pseudo-data were means of a proxy dataset mixed with the batch
+at every step; since d382a37 the code's Mixture needs ``--use_Mixture`` and its
+default is RSM over the clients' data, which hetfl follows (``pseudo = "mixture"``
+with ``pseudo_source = "proxy"`` is the README's).
 
 Departures from the paper and the authors' code that remain:
 
