@@ -103,6 +103,11 @@ Departures from the paper and the authors' code that remain:
   with momentum the max step is no longer a plain ascent step;
 - a model with dropout draws the max step's masks apart from the min step's (the
   code's two steps share one forward, so one mask);
+- the min step's forward runs the real batch before the pseudo-data, the code's
+  the pseudo-data first: with BatchNorm the running statistics weigh the two
+  batches' statistics the other way round (momentum m: ``m`` for the last one,
+  ``m (1 - m)`` for the first), with dropout the masks are drawn in the other
+  order; no other model is affected;
 - under ``"mixture"`` the code computes the global features once per round on
   the first step's mixed pseudo-data and reuses them at later steps (whose
   mixtures differ); here they are computed at each step from the step's
