@@ -43,6 +43,7 @@ DECLARED = {
     ("fedbr", "proxy_root"): "pseudo_source = 'proxy'",
     ("fedbr", "max_step"): "components is 'both' or 'features'",
     ("fedbr", "head_lr"): "max_step = true and components is 'both' or 'features'",
+    ("fedbr", "max_forward"): "max_step = true and components is 'both' or 'features'",
     ("fedbr", "mixup_alpha"): "mixup = true",
     ("fedetf", "pers_cycles"): "personalize = true",
     ("fedetf", "pers_epochs"): "personalize = true",

@@ -361,3 +361,92 @@ def test_settings_are_validated():
         make(pseudo_refresh="every_round")
     with pytest.raises(ConfigError, match="algorithm.weighting"):
         make(weighting="loss")
+
+
+class BNNet(torch.nn.Module):
+    """4 -> 8 linear, BatchNorm1d, ReLU encoder; 8 -> 3 classifier (training mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+        self.classifier = torch.nn.Linear(8, 3)
+
+    def forward(self, x, return_features: bool = False):  # type: ignore[no-untyped-def]
+        z = self.encoder(x)
+        return (z, self.classifier(z)) if return_features else self.classifier(z)
+
+
+def bn_ready(params):
+    """FedBR on BNNet (4 clients of SIZES samples, batch 4) after its set-up round: client 0's context."""
+    from hetfl.algorithms import build_algorithm
+    from hetfl.algorithms.base import ModelCaller
+
+    setup = sized_setup()
+    model = BNNet().train()
+    names = [n for n, _ in model.named_parameters()]
+    setup.model = ModelCaller(model)
+    setup.groups = {"encoder": [n for n in names if n.startswith("encoder.")], "projector": [],
+                    "classifier": [n for n in names if n.startswith("classifier.")]}
+    algo = build_algorithm("fedbr", params, setup)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["encoder.1.running_mean"] += 2.0  # running statistics far from any batch's
+    server = algo.init_server(state)
+    server, _ = set_up(algo, server)
+    ctx = client_context(0, server, algo)
+    ctx.extras = algo.begin(ctx)
+    return algo, ctx
+
+
+def copied(state):
+    """A copy of ``state`` that a training-mode forward may update (BatchNorm statistics) in place."""
+    return {k: v.clone() for k, v in state.items()}
+
+
+def test_max_step_reads_the_steps_features_and_leaves_batchnorm_statistics_to_the_min_step():
+    """The authors' code runs the encoder once a step (FedBR.update: all_unlabeled_z, all_self_z on the whole
+    pseudo set and batch); its max step projects those features, detached, and so updates no BatchNorm
+    statistics of its own. Here the max step comes first (its own forward): it must give the head the ascent
+    step of L_con on the features of the min step's forward (whole pseudo set, whole batch: BatchNorm by their
+    batch statistics), then the first pairs, and leave the running statistics to the min step."""
+    algo, ctx = bn_ready({"num_pseudo": 3})  # 3 pseudo samples, batches of 4: 3 pairs
+    (stage,) = algo.stages(ctx)
+    state = algo.start_state(ctx)
+    batch = data_batch(4, seed=2)
+    buffers = algo.model.buffer_names
+    new, _, _, _ = sgd_step(stage.adversary, state, {}, batch, ctx, first_step=True, buffers=buffers)
+    for name in ("encoder.1.running_mean", "encoder.1.running_var", "encoder.1.num_batches_tracked"):
+        assert torch.equal(new[name], state[name]), name  # no update by the max step
+    pseudo = ctx.extras[PSEUDO]
+    z_pseudo = algo.model.features_and_logits(copied(state), pseudo)[0].detach()[:3]  # the min step's forward
+    z_real = algo.model.features_and_logits(copied(state), batch.x)[0].detach()[:3]
+    head = {n: state[n].clone().requires_grad_() for n in algo.head_names()}
+    con = contrastive_loss(project(head, z_pseudo), project(head, ctx.extras[GLOBAL_FEATURES][:3]),
+                           project(head, z_real), 0.5, 0.5)
+    ascent = dict(zip(head, torch.autograd.grad(con, list(head.values())), strict=True))
+    for name in algo.head_names():  # theta + lr * dL_con/dtheta
+        torch.testing.assert_close(new[name], state[name] + ctx.lr * ascent[name], rtol=1e-5, atol=1e-7)
+    # the min step updates them, once
+    new, *_ = sgd_step(stage, state, {}, batch, ctx, first_step=True, buffers=buffers)
+    assert new["encoder.1.num_batches_tracked"].item() == state["encoder.1.num_batches_tracked"].item() + 2
+    assert not torch.equal(new["encoder.1.running_mean"], state["encoder.1.running_mean"])
+
+
+def test_the_former_separate_forward_updates_batchnorm_statistics_and_equals_step_without_them():
+    """``max_forward = "separate"`` (what runs before the setting computed): the max step's own forward of
+    the first pairs updates the running statistics. On a network without BatchNorm, with as many pseudo
+    samples as the batch, both rules give the same head to the bit (the presets' VGG-11, simple CNN, CCT
+    and fedbr_cnn have none: their numbers do not change)."""
+    algo, ctx = bn_ready({"num_pseudo": 3, "max_forward": "separate"})
+    (stage,) = algo.stages(ctx)
+    state = algo.start_state(ctx)
+    batch = data_batch(4, seed=2)
+    new, *_ = sgd_step(stage.adversary, state, {}, batch, ctx, first_step=True, buffers=algo.model.buffer_names)
+    assert not torch.equal(new["encoder.1.running_mean"], state["encoder.1.running_mean"])
+    heads = []
+    for rule in ("step", "separate"):
+        _, algo, _, ctx = ready({"max_forward": rule})
+        (stage,) = algo.stages(ctx)
+        new, *_ = sgd_step(stage.adversary, algo.start_state(ctx), {}, data_batch(4, seed=2), ctx, first_step=True)
+        heads.append(new)
+    assert all(torch.equal(heads[0][n], heads[1][n]) for n in algo.head_names())

@@ -371,3 +371,37 @@ def test_the_proxy_is_cached_where_the_run_caches_its_data(monkeypatch, tmp_path
     monkeypatch.undo()
     exp = Experiment(config.load(None, ["train.rounds=1", f"data.cache_dir={tmp_path / 'c2'}"]))
     assert exp.setup.cache_dir == str(tmp_path / "c2")
+
+
+def test_a_contradicting_run_wide_weighting_is_refused_with_the_whole_message():
+    """``train.weighting = "uniform"`` with ``algorithm.weighting = "size"`` is refused by FedBR itself, naming
+    the run-wide key, its value and why (compared whole: the mutation run's survivors changed the key, the
+    compared value and the text); every other pair is accepted."""
+    from tests.helpers import tiny_setup
+
+    for run_wide in ("size", "uniform"):
+        assert build_algorithm("fedbr", {"weighting": "uniform"}, tiny_setup(weighting=run_wide)).hp.weighting \
+            == "uniform"
+    assert build_algorithm("fedbr", {"weighting": "size"}, tiny_setup(weighting="size")).hp.weighting == "size"
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedbr", {"weighting": "size"}, tiny_setup(weighting="uniform"))
+    assert (refused.value.key, refused.value.value) == ("train.weighting", "uniform")
+    assert refused.value.allowed == ("contradicts algorithm.weighting = 'size'; FedBR's own key sets its server "
+                                     "weights (its default, 'uniform', is 1/M as Algorithm 1): drop one of the two")
+
+
+def test_the_proxy_is_loaded_into_the_runs_cache_folder_by_the_method(monkeypatch):
+    """``FedBR.__init__`` hands the run's ``data.cache_dir`` (``Setup.cache_dir``) to ``load_proxy`` (the
+    loader's own test calls it directly; this one goes through the method)."""
+    calls = []
+    proxy = torch.randn(30, 4, generator=torch.Generator().manual_seed(3))
+
+    def recording(hp, seed, cache_dir=""):
+        calls.append((hp.proxy_dataset, seed, cache_dir))
+        return proxy, lambda raw: raw
+
+    monkeypatch.setattr(fedbr_module, "load_proxy", recording)
+    setup = sized_setup()
+    setup.cache_dir = "/somewhere/cache"
+    build_algorithm("fedbr", {"pseudo_source": "proxy", "proxy_dataset": "cifar10"}, setup)
+    assert calls == [("cifar10", setup.seed, "/somewhere/cache")]

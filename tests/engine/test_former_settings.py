@@ -41,6 +41,7 @@ def test_the_settings_that_changed_the_computation_name_what_runs_before_them_co
     assert former_values(algorithm_class("moon").Hyper) == {"reference_mode": "train"}
     assert former_values(algorithm_class("feduv").Hyper) == {"sigma_grad": False}
     assert former_values(algorithm_class("fedpac").Hyper) == {"first_head": "server"}
+    assert former_values(algorithm_class("fedbr").Hyper) == {"max_forward": "separate"}
 
 
 @pytest.mark.parametrize("hyper", [algorithm_class(n).Hyper for n in available()]

@@ -15,7 +15,18 @@ batch ``x`` a client then takes:
 
 1. max step (eq. 2): the projection head ``theta`` (a d -> 2d -> 2d -> d MLP on
    the classifier-input features, averaged by the server like the model) takes
-   one ascent step of its own optimiser on ``L_con`` with the features detached;
+   one ascent step of its own optimiser on ``L_con`` with the features detached.
+   The code computes the features once a step (``all_unlabeled_z``, ``all_self_z``
+   on the whole pseudo set and batch) and both steps project them; here the max
+   step runs first, so it recomputes them (``max_forward = "step"``): the same
+   values, without gradient and without updating BatchNorm running statistics,
+   which the min step's forward updates once, as the code's. Before 2026-11-28
+   the max step ran a forward of its own on the first ``pairs`` samples of each,
+   which updated the statistics a second time each step (and, with fewer pseudo
+   samples than the batch, normalised the real features by a part of the batch);
+   ``max_forward = "separate"`` keeps that rule, and a run written before reads
+   it (``setting(former=...)``). Models without BatchNorm (every FedBR preset's)
+   compute the same numbers under both;
 2. min step (eq. 3): encoder and classifier take one step on
    ``CE(x, y) + lam * softCE(g(f(P)), q) + mu * L_con``.
 
@@ -77,7 +88,12 @@ hetfl's defaults are the authors' latest code's (01dc5c6): Mixup and Mixture off
 ``train.momentum = 0``, hetfl's default. Their first commit, 3e24f7fa, the
 snapshot of its CIFAR-100 runs, differed: its ``update`` always applied Mixup
 (Beta(0.2, 0.2)), always mixed the pseudo-data, added ``0.1 * FedDecorr`` of the
-real features, and gave the head momentum 0.9.
+real features, and gave the head momentum 0.9. Its README's "By default, FedBR
+generates 32 pseudo-data (using Mixture)" (unchanged up to 6c4c539) describes that
+first commit, whose pseudo-data were means of a proxy dataset mixed with the batch
+at every step; since d382a37 the code's Mixture needs ``--use_Mixture`` and its
+default is RSM over the clients' data, which hetfl follows (``pseudo = "mixture"``
+with ``pseudo_source = "proxy"`` is the README's).
 
 Departures from the paper and the authors' code that remain:
 
@@ -85,6 +101,13 @@ Departures from the paper and the authors' code that remain:
   ``train.weight_decay``; lr ``head_lr`` or the client lr), as the latest code's
   ``disc_opt`` (same lr and weight decay, no momentum) at ``train.momentum = 0``;
   with momentum the max step is no longer a plain ascent step;
+- a model with dropout draws the max step's masks apart from the min step's (the
+  code's two steps share one forward, so one mask);
+- the min step's forward runs the real batch before the pseudo-data, the code's
+  the pseudo-data first: with BatchNorm the running statistics weigh the two
+  batches' statistics the other way round (momentum m: ``m`` for the last one,
+  ``m (1 - m)`` for the first), with dropout the masks are drawn in the other
+  order; no other model is affected;
 - under ``"mixture"`` the code computes the global features once per round on
   the first step's mixed pseudo-data and reuses them at later steps (whose
   mixtures differ); here they are computed at each step from the step's
@@ -158,6 +181,9 @@ class FedBRHyper:
     components: "both", "classifier" (component 1 only) or "features" (component 2 only).
     max_step: train the projection head by the max step (off: a fixed random head).
     head_lr: learning rate of the max step (0 = the round's client lr).
+    max_forward: where the max step's features come from: "step" (the values of the step's
+        forward: the whole pseudo set and batch in training mode, without updating BatchNorm
+        statistics, as the code) or "separate" (hetfl's former rule; see the module docstring).
     mixup: FedBR + Mixup on the real batch.
     mixup_alpha: its Beta(alpha, alpha) parameter, 0.2 as the code.
     """
@@ -184,6 +210,11 @@ class FedBRHyper:
     head_lr: float = setting(0.0, ge=0.0, lt=FLOAT32_MAX,
                              when={"max_step": (True,), "components": ("both", "features")},
                              doc="max-step lr (0 = client lr)")
+    max_forward: str = setting("step", choices=("step", "separate"), former="separate",
+                               when={"max_step": (True,), "components": ("both", "features")},
+                               doc="max-step features: step (the step's forward values, BatchNorm statistics "
+                                   "left to the min step, as the code's one forward a step) or separate (a forward "
+                                   "of the first pairs of its own that updates them: hetfl before 2026-11-28)")
     mixup: bool = setting(False, doc="FedBR + Mixup on the real batch")
     mixup_alpha: float = setting(0.2, gt=0.0, when={"mixup": (True,)}, doc="Beta(alpha, alpha) of FedBR + Mixup")
 
@@ -401,10 +432,19 @@ class FedBR(Algorithm):
         return self.model.reference_features(ctx.payload, pseudo[:pairs])
 
     def max_loss(self, state: Tensors, batch: Batch, ctx: ClientContext) -> tuple[torch.Tensor, Tensors]:
-        """The max step's objective, ``-L_con`` over the head with features detached (eq. 2)."""
+        """The max step's objective, ``-L_con`` over the head with features detached (eq. 2).
+
+        ``max_forward = "step"``: the features the min step's forward gives (the whole pseudo set and
+        batch, training mode), without gradient and without updating BatchNorm statistics (the min
+        step's forward does, once a step, as the code's one forward a step); ``"separate"``: a forward
+        of the first ``pairs`` samples of each, which updates them too (hetfl's former rule)."""
         pseudo, _, pairs = self.pseudo_batch(batch, ctx)
-        z_pseudo = self.model.features_and_logits(state, pseudo[:pairs])[0].detach()
-        z_real = self.model.features_and_logits(state, self.real_inputs(batch)[:pairs])[0].detach()
+        if self.hp.max_forward == "step":
+            z_pseudo = self.model.reference_features(state, pseudo)[:pairs]
+            z_real = self.model.reference_features(state, self.real_inputs(batch))[:pairs]
+        else:
+            z_pseudo = self.model.features_and_logits(state, pseudo[:pairs])[0].detach()
+            z_real = self.model.features_and_logits(state, self.real_inputs(batch)[:pairs])[0].detach()
         z_global = self.global_features(ctx, pseudo, pairs)
         con = contrastive_loss(project(state, z_pseudo), project(state, z_global), project(state, z_real),
                                self.hp.tau1, self.hp.tau2)
