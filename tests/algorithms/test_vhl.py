@@ -306,6 +306,31 @@ def test_vectorised_equals_sequential():
     compare_one_round(exp)
 
 
+@pytest.mark.parametrize("labels", ["shared", "extra"])
+def test_with_its_terms_off_vhl_is_fedavg_in_the_shared_label_space(tmp_path, labels):
+    """alpha = align_weight = virtual_weight = 0: in the shared label space VHL trains FedAvg's steps (the
+    virtual draws come from their own stream, the virtual batch changes no real logit, the server averages as
+    FedAvg) up to rounding (real and virtual rows go through the model as one batch, whose matrix products may
+    round the real rows' last bits otherwise); with extra labels the real cross-entropy still runs over C + C_v
+    outputs, as VHL's code (``VHL_label_style = "extra"``), so the numbers differ."""
+    small = ["data.num_clients=4", "data.partition=dirichlet", "data.options={max_samples = 120}", "train.rounds=2",
+             "train.batch_size=16", "runtime.progress=false", "model.options={hidden = [16]}"]
+    off = ["algorithm.name=vhl", "algorithm.num_virtual=60", "algorithm.alpha=0", "algorithm.align_weight=0",
+           "algorithm.virtual_weight=0", f"algorithm.labels={labels}", f"data.cache_dir={tmp_path / 'cache'}"]
+    Experiment(config.load(None, [*small, *off])).run(tmp_path / "vhl")
+    Experiment(config.load(None, [*small, "algorithm.name=fedavg"])).run(tmp_path / "fedavg")
+
+    def curve(run, key):
+        return [json.loads(x)[key] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    for key in ("train_loss", "global_loss", "client_acc_mean"):
+        vhl, fedavg = curve("vhl", key), curve("fedavg", key)
+        if labels == "shared":
+            assert vhl == pytest.approx(fedavg, rel=1e-5, abs=1e-7), key
+        elif key == "train_loss":
+            assert all(abs(a - b) > 1e-3 for a, b in zip(vhl, fedavg, strict=True)), (vhl, fedavg)
+
+
 @needs_shared_data
 def test_vhl_learns(tmp_path):
     cfg = config.load(None, [*SMALL_MNIST, "algorithm.name=vhl", "algorithm.num_virtual=500"])
