@@ -9,8 +9,10 @@
   goes first on ``PYTHONPATH`` (a worktree's or a mutation tool's copy of the sources, not the installed one).
 * **The tests' temporary folders are on a RAM file system where there is one** (Linux's ``/dev/shm`` with
   4 GiB free; ``PYTEST_DEBUG_TEMPROOT``, unless set). A run's checkpoint, metrics line and ledger each wait
-  for ``fsync`` (about 8 ms a durable write on the development VM's disk, 0.03 ms on ``/dev/shm``), and the
-  suite's runs make thousands of them; the writes are the same, only not waited for by a disk.
+  for ``fsync``, and the suite's runs make thousands of them: on the development VM's disk a durable write took
+  0.6 ms when idle but 8 ms while other processes wrote (a mutation run, another suite), 0.03 ms on
+  ``/dev/shm``. The writes are the same, only not waited for by a disk; the suite's time no longer depends
+  on what else writes to it.
 * **``runtime.device = "auto"`` is the CPU** (``HETFL_DEVICE=cpu``, set here for this process and
   every process it starts: CLI subprocesses, Flower's nodes). Tests that pin numbers or compare with
   a CPU computation then give the same result on a machine with CUDA as without. A CUDA test states
