@@ -260,6 +260,43 @@ def test_private_centroids_that_are_not_finite_stop_the_round_naming_the_cause()
     assert str(failed.value) == ("FedPAC round 7: the private centroids are not finite (inf or NaN): the features "
                                  "overflowed (check algorithm.clip_norm and train_loss)")
 
+
+def test_distributed_noise_and_a_budget_outside_the_range_are_refused_at_set_up_naming_the_key():
+    """FedPAC's own refusal (its uploads are never securely aggregated) and the shared budget check, with the
+    method's prefix, compared whole; distributed noise without privacy is no setting in effect: accepted."""
+    from hetfl.params import ConfigError
+
+    setup = tiny_setup(num_clients=4)
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedpac", {"dp_epsilon": 4.0, "dp_noise": "distributed"}, setup)
+    assert (refused.value.key, refused.value.value) == ("algorithm.dp_noise", "distributed")
+    assert str(refused.value) == (
+        "algorithm.dp_noise = 'distributed': FedPAC's uploads are never securely aggregated: the server sees each "
+        "one, and distributed noise would protect only their sum; use 'local' (each upload carries the whole "
+        "noise and is (dp_epsilon, dp_delta)-DP on its own)")
+    assert build_algorithm("fedpac", {"dp_noise": "distributed"}, setup).mechanism is None
+    with pytest.raises(ConfigError) as budget:
+        build_algorithm("fedpac", {"dp_epsilon": 1e-4}, setup)
+    assert (budget.value.key, budget.value.value) == ("algorithm.dp_epsilon", 1e-4)
+
+
+def test_privacy_without_the_accountant_is_refused_at_set_up_naming_dp_epsilon(monkeypatch):
+    """Without Google's dp-accounting a private FedPAC is refused when it is built, naming algorithm.dp_epsilon,
+    its value and how to install the accountant (the ImportError's text, whole)."""
+    from hetfl.algorithms import fedpac as fedpac_module
+    from hetfl.params import ConfigError
+
+    def missing():
+        raise ImportError("differential privacy needs the accountant: pip install 'hetfl[privacy]'")
+
+    monkeypatch.setattr(fedpac_module, "require_accountant", missing)
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedpac", {"dp_epsilon": 4.0}, tiny_setup(num_clients=4))
+    assert (refused.value.key, refused.value.value) == ("algorithm.dp_epsilon", 4.0)
+    assert str(refused.value) == ("algorithm.dp_epsilon = 4.0: differential privacy needs the accountant: "
+                                  "pip install 'hetfl[privacy]'")
+    assert build_algorithm("fedpac", {}, tiny_setup(num_clients=4)).mechanism is None  # no privacy: not needed
+
 @pytest.mark.parametrize(("key", "value"), [("algorithm.dp_epsilon", "0"), ("algorithm.dp_delta", "1.5"),
                                             ("algorithm.clip_norm", "-1")])
 def test_invalid_budget_exits_2_naming_the_key(key, value, tmp_path, capsys):
