@@ -123,6 +123,24 @@ def test_a_plugins_own_hooks_are_wrapped_once_and_hetfls_are_left_alone():
                               "it returned None")
 
 
+def test_a_plugin_hook_whose_module_is_unknown_is_checked_like_any_plugins():
+    """A function made by ``exec`` with bare globals (generated code, some notebook tools) has ``__module__ =
+    None``: it is a plug-in's hook like any other, wrapped and checked. It stopped ``register`` with
+    "AttributeError: 'NoneType' object has no attribute 'startswith'"."""
+    generated: dict = {}
+    exec("def begin(self, ctx):\n    return None\n", generated)  # the case under test
+    assert generated["begin"].__module__ is None
+
+    class Generated(Algorithm):
+        begin = generated["begin"]
+
+    base.checked_hooks(Generated)
+    assert Generated.__dict__["begin"].__wrapped__ is generated["begin"]
+    with pytest.raises(MethodError, match=r"^Generated.begin \(.*\) must return a dict of name -> tensor; "
+                                          "it returned None$"):
+        Generated.begin(object.__new__(Generated), None)
+
+
 def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_holds():
     few = {n: T for n in ("a", "b", "w")}
     many = {n: T for n in "abcdefgh"}
@@ -145,6 +163,12 @@ def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_hol
     base.check_stage_start([stage(trainable=("w",), adversary=stage("adv", trainable=("a", "b")))], few)
 
 
+class Losses:  # at module level: its functions' qualified names are "Losses.<name>"
+    @staticmethod
+    def contrastive(state, batch, ctx):
+        return plain_loss(state, batch, ctx)
+
+
 def test_a_stage_is_named_by_the_class_of_its_losss_method_or_its_function():
     class Owner:
         def loss(self, state, batch, ctx):
@@ -153,6 +177,9 @@ def test_a_stage_is_named_by_the_class_of_its_losss_method_or_its_function():
     assert base._stage_where(stage("enc", loss=Owner().loss)) == "stage 'enc' of Owner"
     assert base._stage_where(stage("enc", loss=plain_loss)) == "stage 'enc' of plain_loss"
     assert base._stage_where(stage("enc", loss=functools.partial(plain_loss))) == "stage 'enc' of ?"
+    # a function of a class without an instance (a static method): named by its class, the qualified name's
+    # first part ("Losses.contrastive")
+    assert base._stage_where(stage("enc", loss=Losses.contrastive)) == "stage 'enc' of Losses"
 
 
 def test_a_stages_draws_or_gradient_transform_returning_other_than_tensors_is_named():
