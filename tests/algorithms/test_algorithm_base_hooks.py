@@ -157,6 +157,9 @@ def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_hol
     six = {n: T for n in "abcdef"}
     with pytest.raises(MethodError, match=r"it holds a, b, c, d, e, f \(self"):
         base.check_stage_start([stage(trainable=("z",))], six)
+    seven = {n: T for n in "abcdefg"}  # one more than the six shown: the dots say so
+    with pytest.raises(MethodError, match=r"it holds a, b, c, d, e, f, \.\.\. \(self"):
+        base.check_stage_start([stage(trainable=("z",))], seven)
     # a stage's adversary is checked too; stages that train what the state holds pass
     with pytest.raises(MethodError, match="stage 'adv' of plain_loss trains 'v'"):
         base.check_stage_start([stage(trainable=("w",), adversary=stage("adv", trainable=("v",)))], few)
