@@ -141,6 +141,24 @@ def test_a_plugin_hook_whose_module_is_unknown_is_checked_like_any_plugins():
         Generated.begin(object.__new__(Generated), None)
 
 
+def test_a_plugin_hook_without_a_module_attribute_is_wrapped():
+    """A hook set to a callable implemented in C without ``__module__`` (a method descriptor such as
+    ``dict.copy``) is a plug-in's hook too: wrapped (not an AttributeError at registration), its value checked,
+    and named by its qualified name where it has no source file."""
+    assert not hasattr(dict.copy, "__module__")
+
+    class CHook(Algorithm):
+        payload = dict.copy
+
+    base.checked_hooks(CHook)
+    assert CHook.__dict__["payload"].__wrapped__ is dict.copy
+    assert CHook.payload({"w": T}) == {"w": T}  # called as the hook is: self first (here the dict copied)
+    with pytest.raises(MethodError) as err:
+        CHook.payload({"w": 1})
+    assert str(err.value) == ("dict.payload (dict.copy) must return a dict of name -> tensor; "
+                              "its entry 'w' is a int")
+
+
 def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_holds():
     few = {n: T for n in ("a", "b", "w")}
     many = {n: T for n in "abcdefgh"}
