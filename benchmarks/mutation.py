@@ -158,13 +158,16 @@ TARGETS = (
     # the Algorithm base class (session 27): its hooks' FedAvg defaults, the loss contract, head transforms, the
     # model caller, cross-entropy and the weighted mean; the local step's engine path and CCVR's head transform
     # (session 31) the plug-in hooks' checks (test_plugins.py), bf16 copies (test_low_precision.py) and the
-    # reference models' eval mode (MOON's round by hand)
+    # reference models' eval mode (MOON's round by hand); (session 34) client_weights, train.weighting's hook
+    # (test_train_weighting.py, less its presets' test: mutmut's copy in mutants/ holds no configs/ folder)
     Target("algorithm_base", "src/hetfl/algorithms/base.py",
            ("tests/algorithms/test_base_mutants.py", "tests/algorithms/test_cross_entropy.py",
             "tests/algorithms/test_baselines.py", "tests/engine/test_local_step.py", "tests/algorithms/test_ccvr.py",
             "tests/algorithms/test_plugins.py", "tests/engine/test_low_precision.py",
+            "tests/algorithms/test_train_weighting.py",
             "tests/algorithms/test_baseline_rounds.py::test_moon_reference_models_use_their_running_statistics"),
-           (*NOT_SLOW, *E2E_CCVR)),
+           (*NOT_SLOW, *E2E_CCVR, "--deselect", "tests/algorithms/test_train_weighting.py::"
+                                                "test_the_fedbr_table_presets_average_uniformly_as_the_authors_code")),
     # the shared core (session 26)
     Target("schedule", "src/hetfl/engine/schedule.py",
            ("tests/engine/test_schedule.py", "tests/algorithms/test_schedule_mutants.py")),

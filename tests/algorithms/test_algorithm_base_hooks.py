@@ -123,6 +123,42 @@ def test_a_plugins_own_hooks_are_wrapped_once_and_hetfls_are_left_alone():
                               "it returned None")
 
 
+def test_a_plugin_hook_whose_module_is_unknown_is_checked_like_any_plugins():
+    """A function made by ``exec`` with bare globals (generated code, some notebook tools) has ``__module__ =
+    None``: it is a plug-in's hook like any other, wrapped and checked. It stopped ``register`` with
+    "AttributeError: 'NoneType' object has no attribute 'startswith'"."""
+    generated: dict = {}
+    exec("def begin(self, ctx):\n    return None\n", generated)  # the case under test
+    assert generated["begin"].__module__ is None
+
+    class Generated(Algorithm):
+        begin = generated["begin"]
+
+    base.checked_hooks(Generated)
+    assert Generated.__dict__["begin"].__wrapped__ is generated["begin"]
+    with pytest.raises(MethodError, match=r"^Generated.begin \(.*\) must return a dict of name -> tensor; "
+                                          "it returned None$"):
+        Generated.begin(object.__new__(Generated), None)
+
+
+def test_a_plugin_hook_without_a_module_attribute_is_wrapped():
+    """A hook set to a callable implemented in C without ``__module__`` (a method descriptor such as
+    ``dict.copy``) is a plug-in's hook too: wrapped (not an AttributeError at registration), its value checked,
+    and named by its qualified name where it has no source file."""
+    assert not hasattr(dict.copy, "__module__")
+
+    class CHook(Algorithm):
+        payload = dict.copy
+
+    base.checked_hooks(CHook)
+    assert CHook.__dict__["payload"].__wrapped__ is dict.copy
+    assert CHook.payload({"w": T}) == {"w": T}  # called as the hook is: self first (here the dict copied)
+    with pytest.raises(MethodError) as err:
+        CHook.payload({"w": 1})
+    assert str(err.value) == ("dict.payload (dict.copy) must return a dict of name -> tensor; "
+                              "its entry 'w' is a int")
+
+
 def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_holds():
     few = {n: T for n in ("a", "b", "w")}
     many = {n: T for n in "abcdefgh"}
@@ -139,10 +175,19 @@ def test_a_stage_training_a_name_its_start_state_lacks_is_named_with_what_it_hol
     six = {n: T for n in "abcdef"}
     with pytest.raises(MethodError, match=r"it holds a, b, c, d, e, f \(self"):
         base.check_stage_start([stage(trainable=("z",))], six)
+    seven = {n: T for n in "abcdefg"}  # one more than the six shown: the dots say so
+    with pytest.raises(MethodError, match=r"it holds a, b, c, d, e, f, \.\.\. \(self"):
+        base.check_stage_start([stage(trainable=("z",))], seven)
     # a stage's adversary is checked too; stages that train what the state holds pass
     with pytest.raises(MethodError, match="stage 'adv' of plain_loss trains 'v'"):
         base.check_stage_start([stage(trainable=("w",), adversary=stage("adv", trainable=("v",)))], few)
     base.check_stage_start([stage(trainable=("w",), adversary=stage("adv", trainable=("a", "b")))], few)
+
+
+class Losses:  # at module level: its functions' qualified names are "Losses.<name>"
+    @staticmethod
+    def contrastive(state, batch, ctx):
+        return plain_loss(state, batch, ctx)
 
 
 def test_a_stage_is_named_by_the_class_of_its_losss_method_or_its_function():
@@ -153,6 +198,9 @@ def test_a_stage_is_named_by_the_class_of_its_losss_method_or_its_function():
     assert base._stage_where(stage("enc", loss=Owner().loss)) == "stage 'enc' of Owner"
     assert base._stage_where(stage("enc", loss=plain_loss)) == "stage 'enc' of plain_loss"
     assert base._stage_where(stage("enc", loss=functools.partial(plain_loss))) == "stage 'enc' of ?"
+    # a function of a class without an instance (a static method): named by its class, the qualified name's
+    # first part ("Losses.contrastive")
+    assert base._stage_where(stage("enc", loss=Losses.contrastive)) == "stage 'enc' of Losses"
 
 
 def test_a_stages_draws_or_gradient_transform_returning_other_than_tensors_is_named():

@@ -56,6 +56,22 @@ def test_virtual_features_that_cannot_fit_in_memory_are_refused_before_training(
     assert 0 < step.memory_needs(512)[0][2] < 2e9
 
 
+@pytest.mark.parametrize("proportional", [False, True])
+def test_the_virtual_features_memory_is_24_bytes_an_entry_and_the_oracle_needs_none(proportional):
+    """The estimate ``memory_needs`` states, whole: num_virtual x classes draws of feature_dim entries, 24 bytes
+    an entry (the float64 noise and draws, their float32 copy and its transform), named by the key and its
+    value (proportional counts sum to about as many); the oracles calibrate on real features and draw none."""
+    import dataclasses
+
+    setup = dataclasses.replace(tiny_setup(), num_classes=100)
+    (step,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 1000, "proportional": proportional}}, setup)
+    assert step.memory_needs(512) == [("algorithm.ccvr.num_virtual", 1000, 24 * 100_000 * 512,
+                                       "CCVR's 100,000 virtual features of 512 dimensions")]
+    for oracle in ("all", "per_class"):
+        (real,) = build_posthoc("fedavg+ccvr", {"ccvr": {"num_virtual": 1000, "oracle": oracle}}, setup)
+        assert real.memory_needs(512) == []
+
+
 def test_relu_tukey():
     z = torch.tensor([-1.0, 0.0, 4.0])
     assert relu_tukey(z, 0.5).tolist() == [0.0, 0.0, 2.0]

@@ -444,6 +444,24 @@ def test_client_tensors_stay_on_the_features_device_not_torchs_default():
     assert server.extra[CENTROIDS].device.type == server.extra[HAS_CENTROID].device.type == "cpu"
 
 
+def test_begins_extras_are_made_on_the_features_device_not_torchs_default():
+    """Step 1's extras (``v`` and the alignment switch are made from Python floats) on the features' device,
+    with torch's default device switched to ``meta`` (standing in for a CUDA run's CPU default): a tensor made
+    without the features' device lands on ``meta`` and a step could not read it with the CPU batch."""
+    setup = net5_setup()
+    algo = build_algorithm("fedpac", {}, setup)
+    server = algo.init_server(initial_state(setup))
+    server.extra[CENTROIDS] = torch.tensor(CENTROIDS_GOLDEN)
+    server.extra[HAS_CENTROID] = torch.tensor([1.0, 0.0, 1.0])
+    ctx = client_context(algo, server, 1)
+    pinned = features(1)  # made here: under "meta" the pinned input itself would be made there
+    ctx.features = lambda state: pinned
+    with torch.device("meta"):
+        extras = algo.begin(ctx)
+    assert {k: t.device.type for k, t in extras.items()} == {"h": "cpu", "v": "cpu", "target": "cpu", "align": "cpu"}
+    assert float(extras["v"]) == pytest.approx(V[1], rel=1e-6) and float(extras["align"]) == 1.0
+
+
 def test_first_round_server_state_payload_and_client_start():
     setup = net5_setup()
     algo = build_algorithm("fedpac", {}, setup)

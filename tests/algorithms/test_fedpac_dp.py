@@ -3,6 +3,7 @@ dense counts and sums, classes whose noisy total is noise get no centroid, the b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import replace
@@ -13,8 +14,9 @@ import torch
 from hetfl.algorithms import build_algorithm
 from hetfl.algorithms.base import Upload
 from hetfl.algorithms.fedpac import CENTROID_SUMS, CENTROIDS, COUNTS, DP_RELEASES, HAS_CENTROID
+from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.cli import main
-from hetfl.privacy import clip_rows, epsilon_spent
+from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_spent, refused_digest
 from tests.helpers import context, initial_state, tiny_setup
 
 
@@ -129,6 +131,171 @@ def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
         "features' norms")
     assert "outer" not in str(refused.value)
 
+
+
+def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors in order: name, dtype, shape, then the bytes (privacy.release_digest's layout)."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("source", ["seed", "os"])
+def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_and_sums(source):
+    """dp_release, what the run's ledger records before the server uses a round's uploads: the multiplier of
+    the noise in the sum of the uploads received (three of four clients: sqrt(3) local noises), the digest of
+    exactly the private tensors of each upload as received (client/counts, client/sums), the noise's source."""
+    setup = tiny_setup(num_clients=4, rounds=2)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 4.0, "dp_noise_source": source}, setup)
+    server = algo.init_server(initial_state(setup))
+    received = [u for u in _uploads(algo, server, _data()) if u.client_id != 1]
+    release = algo.dp_release(received)
+    assert release == Release(algo.mechanism.sum_multiplier(3),
+                              _digest([(f"{u.client_id}/{k}", u.tensors[k]) for u in received
+                                       for k in (COUNTS, CENTROID_SUMS)]), source)
+    assert math.isclose(release.multiplier, algo.mechanism.multiplier * math.sqrt(3), rel_tol=1e-12)
+    assert build_algorithm("fedpac", {}, setup).dp_release(received) is None  # no privacy, no release
+
+
+@pytest.mark.parametrize("source", ["seed", "os"])
+def test_refused_uploads_are_released_as_their_sum_with_the_refused_digest(source):
+    """dp_refused: noisy uploads the server received and refused in a round with nothing usable count as the
+    sum of that many local noises, with the refused uploads' digest and the run's noise source; nothing
+    without privacy."""
+    setup = tiny_setup(num_clients=10)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 4.0, "dp_noise_source": source}, setup)
+    refused = {4: "dd", 2: "bb", 7: "ee"}
+    release = algo.dp_refused(refused)
+    assert release == Release(algo.mechanism.sum_multiplier(3), refused_digest(refused), source)
+    assert math.isclose(release.multiplier, algo.mechanism.multiplier * math.sqrt(3), rel_tol=1e-12)
+    assert build_algorithm("fedpac", {}, setup).dp_refused(refused) is None
+
+
+def test_round_info_states_the_whole_guarantee_once_a_release_is_recorded():
+    """The metrics line's privacy entries, whole: the mechanism's guarantee over the recorded releases, the
+    accountant, how many uploads the round's sum held, never securely aggregated, what the guarantee covers.
+    Nothing before the first release, nor without privacy (a state holding releases all the same)."""
+    setup = tiny_setup(num_clients=4, rounds=3)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 2.0}, setup)
+    server = algo.init_server(initial_state(setup))
+    uploads = _uploads(algo, server, _data())[:3]
+    assert algo.round_info(server, uploads, 1) == {}  # no release recorded yet
+    server = algo.aggregate(server, uploads, 1)
+    multipliers = server.extra[DP_RELEASES]  # float64, as the mechanism computes them: the accounting's input
+    assert multipliers.dtype == torch.float64 and multipliers.tolist() == [algo.mechanism.sum_multiplier(3)]
+    assert algo.round_info(server, uploads, 1) == {
+        **algo.mechanism.guarantee([algo.mechanism.sum_multiplier(3)]), "dp_accountant": accountant_name(),
+        "dp_summed_clients": 3, "dp_secure_aggregation": False,
+        "dp_covers": "per-class counts and feature sums (the centroids); not the sample count n_i (the aggregation "
+                     "weight), h_i, v_i, the classifiers or the encoder"}
+    assert build_algorithm("fedpac", {}, setup).round_info(server, uploads, 1) == {}
+
+
+def test_seeded_noise_comes_from_the_runs_seed_alone_and_os_noise_is_never_repeated():
+    """dp_noise_source = "seed": a client's noisy counts and sums are the same whatever the state of torch's
+    global generator, which they leave untouched (the run's own stream, per seed, round and client: another
+    seed, other noise); "os": two uploads of the same features carry different noise."""
+    setup = tiny_setup(num_clients=4)
+    data = _data()
+
+    def uploads(hp, global_seed, run_seed=0):
+        algo = build_algorithm("fedpac", hp, replace(setup, seed=run_seed))
+        server = algo.init_server(initial_state(setup))
+        torch.manual_seed(global_seed)
+        before = torch.random.get_rng_state()
+        out = _uploads(algo, server, data)
+        return out, torch.equal(torch.random.get_rng_state(), before)
+
+    (a, untouched), (b, _) = uploads({"dp_epsilon": 4.0}, 0), uploads({"dp_epsilon": 4.0}, 1)
+    assert untouched
+    for key in (COUNTS, CENTROID_SUMS):
+        assert all(torch.equal(u.tensors[key], w.tensors[key]) for u, w in zip(a, b, strict=True)), key
+        assert not torch.equal(a[0].tensors[key], a[1].tensors[key])  # each client its own noise
+    other_seed, _ = uploads({"dp_epsilon": 4.0}, 0, run_seed=1)
+    assert not torch.equal(other_seed[0].tensors[COUNTS], a[0].tensors[COUNTS])
+    (x, _), (y, _) = (uploads({"dp_epsilon": 4.0, "dp_noise_source": "os"}, 0) for _ in range(2))
+    assert not torch.equal(x[0].tensors[COUNTS], y[0].tensors[COUNTS])
+    assert not torch.equal(x[0].tensors[COUNTS], a[0].tensors[COUNTS])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_noisy_uploads_are_on_the_features_device():
+    """The mechanism draws on the CPU; the counts and sums go up from the features' device, as without
+    privacy."""
+    setup = tiny_setup(num_clients=4)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 4.0}, setup)
+    server = algo.init_server(initial_state(setup))
+    up = _uploads(algo, server, [(x.cuda(), y.cuda()) for x, y in _data()])[0]
+    assert up.tensors[COUNTS].device.type == up.tensors[CENTROID_SUMS].device.type == "cuda"
+
+
+def test_a_class_gets_a_centroid_only_when_its_noisy_total_exceeds_three_noise_stds():
+    """The threshold is strict and at three standard deviations of the summed count noise (std per upload
+    times sqrt(uploads)): one upload whose count of class 0 is exactly 3 std gets no centroid for it; 3.5 std
+    (class 1) and 3 std plus one float step (class 2) do; over two uploads 3.5 std of their sum does."""
+    setup = tiny_setup(num_clients=4, rounds=1)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 8.0, "clip_norm": 20.0}, setup)
+    server = algo.init_server(initial_state(setup))
+    std = algo.mechanism.upload_std()["counts"]
+    ups = _uploads(algo, server, _data(absent=None))
+    ups[0].tensors[COUNTS] = torch.tensor([3.0 * std, 3.5 * std, math.nextafter(3.0 * std, math.inf)],
+                                          dtype=torch.float64)
+    assert algo.aggregate(server, ups[:1], 1).extra[HAS_CENTROID].tolist() == [0.0, 1.0, 1.0]
+    total = 3.5 * std * math.sqrt(2)
+    for u in ups[:2]:
+        u.tensors[COUNTS] = torch.full((3,), total / 2, dtype=torch.float64)
+    assert algo.aggregate(server, ups[:2], 1).extra[HAS_CENTROID].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_private_centroids_that_are_not_finite_stop_the_round_naming_the_cause():
+    setup = tiny_setup(num_clients=4)
+    algo = build_algorithm("fedpac", {"dp_epsilon": 4.0}, setup)
+    server = algo.init_server(initial_state(setup))
+    ups = _uploads(algo, server, _data())
+    ups[2].tensors[CENTROID_SUMS][1, 3] = math.inf
+    with pytest.raises(NonFiniteStatistics) as failed:
+        algo.aggregate(server, ups, 7)
+    assert str(failed.value) == ("FedPAC round 7: the private centroids are not finite (inf or NaN): the features "
+                                 "overflowed (check algorithm.clip_norm and train_loss)")
+
+
+def test_distributed_noise_and_a_budget_outside_the_range_are_refused_at_set_up_naming_the_key():
+    """FedPAC's own refusal (its uploads are never securely aggregated) and the shared budget check, with the
+    method's prefix, compared whole; distributed noise without privacy is no setting in effect: accepted."""
+    from hetfl.params import ConfigError
+
+    setup = tiny_setup(num_clients=4)
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedpac", {"dp_epsilon": 4.0, "dp_noise": "distributed"}, setup)
+    assert (refused.value.key, refused.value.value) == ("algorithm.dp_noise", "distributed")
+    assert str(refused.value) == (
+        "algorithm.dp_noise = 'distributed': FedPAC's uploads are never securely aggregated: the server sees each "
+        "one, and distributed noise would protect only their sum; use 'local' (each upload carries the whole "
+        "noise and is (dp_epsilon, dp_delta)-DP on its own)")
+    assert build_algorithm("fedpac", {"dp_noise": "distributed"}, setup).mechanism is None
+    with pytest.raises(ConfigError) as budget:
+        build_algorithm("fedpac", {"dp_epsilon": 1e-4}, setup)
+    assert (budget.value.key, budget.value.value) == ("algorithm.dp_epsilon", 1e-4)
+
+
+def test_privacy_without_the_accountant_is_refused_at_set_up_naming_dp_epsilon(monkeypatch):
+    """Without Google's dp-accounting a private FedPAC is refused when it is built, naming algorithm.dp_epsilon,
+    its value and how to install the accountant (the ImportError's text, whole)."""
+    from hetfl.algorithms import fedpac as fedpac_module
+    from hetfl.params import ConfigError
+
+    def missing():
+        raise ImportError("differential privacy needs the accountant: pip install 'hetfl[privacy]'")
+
+    monkeypatch.setattr(fedpac_module, "require_accountant", missing)
+    with pytest.raises(ConfigError) as refused:
+        build_algorithm("fedpac", {"dp_epsilon": 4.0}, tiny_setup(num_clients=4))
+    assert (refused.value.key, refused.value.value) == ("algorithm.dp_epsilon", 4.0)
+    assert str(refused.value) == ("algorithm.dp_epsilon = 4.0: differential privacy needs the accountant: "
+                                  "pip install 'hetfl[privacy]'")
+    assert build_algorithm("fedpac", {}, tiny_setup(num_clients=4)).mechanism is None  # no privacy: not needed
 
 @pytest.mark.parametrize(("key", "value"), [("algorithm.dp_epsilon", "0"), ("algorithm.dp_delta", "1.5"),
                                             ("algorithm.clip_norm", "-1")])

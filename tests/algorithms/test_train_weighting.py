@@ -60,6 +60,17 @@ def test_fedavg_style_methods_average_by_the_chosen_weights(method, weighting):
     assert not torch.allclose(got[setup.model.param_names[0]], other[setup.model.param_names[0]], atol=1e-4)
 
 
+def test_the_hook_returns_the_sample_counts_or_one_each():
+    """``Algorithm.client_weights``, the hook a plug-in calls for the run's weights, returns what it documents:
+    each upload's sample count ("size") or 1 each ("uniform"), as floats, in the uploads' order."""
+    for weighting, want in (("size", [10.0, 30.0]), ("uniform", [1.0, 1.0])):
+        setup = tiny_setup(weighting=weighting)
+        _, uploads = two_uploads(setup)
+        got = build_algorithm("fedavg", {}, setup).client_weights(uploads)
+        assert got == want and all(type(w) is float for w in got), weighting
+        assert build_algorithm("fedavg", {}, setup).client_weights(uploads[::-1]) == want[::-1]
+
+
 @pytest.mark.parametrize("weighting", ["size", "uniform"])
 def test_fedavgm_and_fedper_and_fedpac_average_by_the_chosen_weights(weighting):
     """Other aggregation paths: FedAvgM's server step from the weighted mean (first round: no momentum yet),

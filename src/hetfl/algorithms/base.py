@@ -178,7 +178,8 @@ def checked_hooks(cls: type) -> None:
     hetfl's own methods are tested, a researcher's first plug-in is not (``register`` calls this)."""
     for hook in HOOK_CONTRACTS:
         fn = getattr(cls, hook)
-        if getattr(fn, "__hetfl_checked__", False) or getattr(fn, "__module__", "").startswith("hetfl."):
+        # a function made by exec with bare globals has __module__ = None: a plug-in's like any other
+        if getattr(fn, "__hetfl_checked__", False) or (getattr(fn, "__module__", None) or "").startswith("hetfl."):
             continue
         setattr(cls, hook, checked_hook(hook, fn))
 
