@@ -32,7 +32,7 @@ from hetfl.algorithms.mixup import LAM, PERM, mixup_draws
 from hetfl.algorithms.pseudo_data import assemble, draw_plan, plan_means, proxy_means
 from hetfl.engine.local import sgd_step
 from hetfl.params import ConfigError
-from tests.helpers import MNIST, needs_shared_data
+from tests.helpers import MNIST, TinyNet, needs_shared_data
 from tests.helpers.fedbr import (
     SIZES,
     client_context,
@@ -363,27 +363,14 @@ def test_settings_are_validated():
         make(weighting="loss")
 
 
-class BNNet(torch.nn.Module):
-    """4 -> 8 linear, BatchNorm1d, ReLU encoder; 8 -> 3 classifier (training mode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
-        self.classifier = torch.nn.Linear(8, 3)
-
-    def forward(self, x, return_features: bool = False):  # type: ignore[no-untyped-def]
-        z = self.encoder(x)
-        return (z, self.classifier(z)) if return_features else self.classifier(z)
-
-
 def bn_ready(params):
-    """FedBR on BNNet (4 clients of SIZES samples, batch 4) after its set-up round: client 0's context."""
+    """FedBR on a BatchNorm TinyNet (4 clients of SIZES samples, batch 4) after its set-up round: client 0's
+    context."""
     from hetfl.algorithms import build_algorithm
     from hetfl.algorithms.base import ModelCaller
 
     setup = sized_setup()
-    model = BNNet().train()
+    model = TinyNet(projector=False, batchnorm=True).train()
     names = [n for n, _ in model.named_parameters()]
     setup.model = ModelCaller(model)
     setup.groups = {"encoder": [n for n in names if n.startswith("encoder.")], "projector": [],

@@ -258,13 +258,19 @@ def test_client_statistics_before_training_and_centroids_after():
         assert torch.equal(upload["encoder.weight"], local["encoder.weight"])
 
 
-def test_alignment_targets_global_centroids_else_own_class_means():
+def golden_centroids_context():
+    """FedPAC on Net5 with the server's golden centroids for classes 0 and 2 (none for class 1): client 1's
+    context."""
     setup = net5_setup()
     algo = build_algorithm("fedpac", {}, setup)
     server = algo.init_server(initial_state(setup))
     server.extra[CENTROIDS] = torch.tensor(CENTROIDS_GOLDEN)
     server.extra[HAS_CENTROID] = torch.tensor([1.0, 0.0, 1.0])
-    ctx = client_context(algo, server, 1)
+    return algo, client_context(algo, server, 1)
+
+
+def test_alignment_targets_global_centroids_else_own_class_means():
+    algo, ctx = golden_centroids_context()
     extras = algo.begin(ctx)
     _, own = class_means(*features(1), C)
     assert torch.equal(extras["target"][0], torch.tensor(CENTROIDS_GOLDEN[0]))
@@ -448,12 +454,7 @@ def test_begins_extras_are_made_on_the_features_device_not_torchs_default():
     """Step 1's extras (``v`` and the alignment switch are made from Python floats) on the features' device,
     with torch's default device switched to ``meta`` (standing in for a CUDA run's CPU default): a tensor made
     without the features' device lands on ``meta`` and a step could not read it with the CPU batch."""
-    setup = net5_setup()
-    algo = build_algorithm("fedpac", {}, setup)
-    server = algo.init_server(initial_state(setup))
-    server.extra[CENTROIDS] = torch.tensor(CENTROIDS_GOLDEN)
-    server.extra[HAS_CENTROID] = torch.tensor([1.0, 0.0, 1.0])
-    ctx = client_context(algo, server, 1)
+    algo, ctx = golden_centroids_context()
     pinned = features(1)  # made here: under "meta" the pinned input itself would be made there
     ctx.features = lambda state: pinned
     with torch.device("meta"):

@@ -26,7 +26,7 @@ from hetfl.engine.checkpoint import load_checkpoint
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import sgd_step
 from hetfl.params import ConfigError
-from tests.helpers import SMALL_MNIST, initial_state, needs_shared_data, perturbed, tiny_setup
+from tests.helpers import SMALL_MNIST, TinyNet, initial_state, needs_shared_data, perturbed, tiny_setup
 from tests.helpers.executors import SYNTHETIC, compare_one_round
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,23 +85,9 @@ def test_eg_step_matches_a_hand_computation():
     assert metrics["ce"].item() == pytest.approx(per_sample.mean().item(), rel=1e-5)
 
 
-class BNNet(torch.nn.Module):
-    """4 -> 8 encoder with BatchNorm, 8 -> 3 classifier."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
-        self.classifier = torch.nn.Linear(8, 3)
-
-    def forward(self, x, return_features: bool = False):
-        z = self.encoder(x)
-        return (z, self.classifier(z)) if return_features else self.classifier(z)
-
-
 def test_the_q_step_leaves_batchnorm_statistics_to_the_model_step():
     setup = tiny_setup()
-    model = BNNet()
+    model = TinyNet(projector=False, batchnorm=True)
     names = [n for n, _ in model.named_parameters()]
     setup.model = ModelCaller(model)
     setup.groups = {"encoder": [n for n in names if n.startswith("encoder.")], "projector": [],

@@ -24,7 +24,7 @@ from hetfl.engine.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from hetfl.engine.local import sgd_step
 from hetfl.optim import sgd_init
 from hetfl.params import ConfigError
-from tests.helpers import context, initial_state, perturbed, tiny_setup
+from tests.helpers import TinyNet, context, initial_state, perturbed, tiny_setup
 
 GEN = torch.Generator().manual_seed(1)
 BATCH = Batch(torch.randn(6, 4, generator=GEN), torch.tensor([0, 1, 2, 0, 1, 2]))
@@ -488,24 +488,8 @@ SMALL = {"fedrep": {"head_epochs": 2}, "fedfomo": {"num_models": 2}, "pfedhn": {
 CLIENTS = 3
 
 
-class TinyBNNet(torch.nn.Module):
-    """4 -> 8 encoder with BatchNorm (running statistics are buffers), 8 -> 3 classifier."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
-        self.projector = None
-        self.classifier = torch.nn.Linear(8, 3)
-
-    def forward(self, x, return_features: bool = False):
-        z = self.encoder(x)
-        logits = self.classifier(z)
-        return (z, logits) if return_features else logits
-
-
 def bn_setup() -> Setup:
-    model = TinyBNNet()
+    model = TinyNet(projector=False, batchnorm=True)
     names = [n for n, _ in model.named_parameters()]
     groups = {part: [n for n in names if n.startswith(part + ".")] for part in ("encoder", "projector", "classifier")}
     return Setup(ModelCaller(model), groups, CLIENTS, 3, [8] * CLIENTS, tiny_setup().train, 0)

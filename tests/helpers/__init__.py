@@ -30,12 +30,14 @@ SMALL_MNIST = [
 
 
 class TinyNet(nn.Module):
-    """4 -> 8 encoder, optional 8 -> 8 projector, 8 -> 3 classifier."""
+    """4 -> 8 encoder (with BatchNorm1d before its ReLU if ``batchnorm``: running statistics as buffers),
+    optional 8 -> 8 projector, 8 -> 3 classifier."""
 
-    def __init__(self, projector: bool = True, seed: int = 0) -> None:
+    def __init__(self, projector: bool = True, seed: int = 0, batchnorm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        norm = [nn.BatchNorm1d(8)] if batchnorm else []
+        self.encoder = nn.Sequential(nn.Linear(4, 8), *norm, nn.ReLU())
         self.projector = nn.Sequential(nn.Linear(8, 8), nn.ReLU()) if projector else None
         self.classifier = nn.Linear(8, 3)
 
