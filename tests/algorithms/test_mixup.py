@@ -101,6 +101,36 @@ def test_fedmix_loss_and_gradient_match_the_taylor_formula():
         assert torch.allclose(g, w, atol=1e-6)
 
 
+def test_fedmix_on_a_batchnorm_model_updates_the_running_statistics_once_a_step():
+    """The input derivative's forward is the step's forward: on a model with BatchNorm (feduv_cnn, the ResNets)
+    it updates the running statistics, once, as a plain training step's forward of the scaled batch would. Its
+    update used to mutate the captured state inside torch.func.grad: every FedMix run on such a model stopped at
+    its first step ("attempted to call in-place operation ... that would mutate a captured Tensor")."""
+    import dataclasses
+
+    from hetfl.algorithms.base import ModelCaller
+    from tests.helpers import TinyNet
+
+    model = TinyNet(projector=False, batchnorm=True).train()
+    names = [n for n, _ in model.named_parameters()]
+    setup = dataclasses.replace(tiny_setup(), model=ModelCaller(model), groups={
+        "encoder": [n for n in names if n.startswith("encoder.")], "projector": [],
+        "classifier": [n for n in names if n.startswith("classifier.")]})
+    algo = build_algorithm("fedmix", {"lam": 0.2}, setup)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=gen), torch.tensor([0, 1, 2, 1])
+    ctx = context(0, state)
+    ctx.shared = {MEAN_X: torch.randn(3, 4, generator=gen), MEAN_Y: F.softmax(torch.randn(3, 3, generator=gen), 1)}
+    reference = {k: v.clone() for k, v in state.items()}
+    want_logits = setup.model.logits(reference, 0.8 * x)  # a training step's forward of the scaled batch
+    _, metrics = algo.loss(state, Batch(x, y, {PICK: torch.tensor([0.1, 0.5, 0.9, 0.4])}), ctx)
+    assert metrics["ce"].item() == pytest.approx(F.cross_entropy(want_logits, y).item(), rel=1e-6)
+    for name in ("encoder.1.running_mean", "encoder.1.running_var", "encoder.1.num_batches_tracked"):
+        assert torch.equal(state[name], reference[name]), name  # updated, and once
+    assert state["encoder.1.num_batches_tracked"].item() == 1
+
+
 def test_fedmix_setup_round_pools_every_clients_means():
     setup = tiny_setup(num_clients=2)
     algo = build_algorithm("fedmix", {"mash_size": 2}, setup)

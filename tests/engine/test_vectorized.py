@@ -97,6 +97,21 @@ def test_images_with_batchnorm_groupnorm_and_no_norm(model, options):
 
 
 @needs_shared_data
+@pytest.mark.slow
+def test_fedmix_input_derivative_on_batchnorm_clients_equals_sequential():
+    """FedMix's input derivative is a forward under torch.func.grad inside the step: on BatchNorm clients under
+    vmap it updates each client's running statistics once, as the sequential step (it stopped every such run
+    at its first step before: an in-place update of a captured tensor)."""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=32", "data.num_clients=2", "model.name=resnet18", f"model.options={NARROW_BN}",
+        "train.batch_size=16", "train.local_steps=2", "train.lr=0.01", "train.momentum=0.9",
+        "runtime.progress=false", "algorithm.name=fedmix",
+    ]))
+    compare_one_round(exp, rounds_before=1)
+
+
+@needs_shared_data
 @pytest.mark.parametrize("augment", ["crop_flip", "flip"])
 def test_augmented_clients_see_the_same_images_as_in_the_sequential_executor(augment):
     """Crops and flips are drawn with the round's plan, before its first step; each client's batch gets

@@ -13,7 +13,9 @@ to first order in ``lam`` using only a mean ``(x̄_j, ȳ_j)`` (the paper's eq. 7
 with a fixed mixing ratio ``lam`` and, per sample i, a mean j drawn uniformly
 from the pooled set. The input derivative is taken with ``torch.func.grad``, so
 the term is differentiated through (a second-order term, as in the paper) and
-composes with ``vmap``. The server is FedAvg.
+composes with ``vmap``; that forward is the step's, so on a model with BatchNorm it
+updates the running statistics once a step (on copies inside the transform, put
+back after it). The server is FedAvg.
 
 Departures from the paper/code: ``lam = 0.05`` as the paper's main runs;
 ``mash_size = 5`` is hetfl's default for M_k (the paper varies it; not
@@ -103,11 +105,18 @@ class FedMix(Algorithm):
         x_bar, y_bar = means_x[pick], means_y[pick]
         scaled = (1 - lam) * batch.x
 
-        def own_loss(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.model.logits(state, inputs)
-            return F.cross_entropy(logits, batch.y, reduction="sum"), logits
+        buffers = self.model.buffer_names
 
-        input_grad, logits = grad(own_loss, has_aux=True)(scaled)
+        def own_loss(inputs: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]:
+            # the step's forward: BatchNorm updates its running statistics in place, which torch.func.grad
+            # allows only on tensors made inside it, so on copies, put back below
+            stats = {name: state[name].clone() for name in buffers}
+            logits = self.model.logits({**state, **stats}, inputs)
+            return F.cross_entropy(logits, batch.y, reduction="sum"), (logits, stats)
+
+        input_grad, (logits, stats) = grad(own_loss, has_aux=True)(scaled)
+        for name, value in stats.items():  # the running statistics updated once, as a plain step's forward
+            state[name].copy_(value)
         ce_own = cross_entropy(logits, batch.y)
         ce_mean = soft_cross_entropy(logits, y_bar)
         taylor = (input_grad * x_bar).flatten(1).sum(1).mean()
