@@ -3,7 +3,6 @@ dense counts and sums, classes whose noisy total is noise get no centroid, the b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import replace
@@ -17,7 +16,7 @@ from hetfl.algorithms.fedpac import CENTROID_SUMS, CENTROIDS, COUNTS, DP_RELEASE
 from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.cli import main
 from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_spent, refused_digest
-from tests.helpers import context, initial_state, tiny_setup
+from tests.helpers import context, initial_state, release_digest_reference, tiny_setup
 
 
 def _uploads(algo, server, data):
@@ -133,15 +132,6 @@ def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
 
 
 
-def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 of named tensors in order: name, dtype, shape, then the bytes (privacy.release_digest's layout)."""
-    h = hashlib.sha256()
-    for name, t in named:
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize("source", ["seed", "os"])
 def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_and_sums(source):
     """dp_release, what the run's ledger records before the server uses a round's uploads: the multiplier of
@@ -153,7 +143,7 @@ def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_an
     received = [u for u in _uploads(algo, server, _data()) if u.client_id != 1]
     release = algo.dp_release(received)
     assert release == Release(algo.mechanism.sum_multiplier(3),
-                              _digest([(f"{u.client_id}/{k}", u.tensors[k]) for u in received
+                              release_digest_reference([(f"{u.client_id}/{k}", u.tensors[k]) for u in received
                                        for k in (COUNTS, CENTROID_SUMS)]), source)
     assert math.isclose(release.multiplier, algo.mechanism.multiplier * math.sqrt(3), rel_tol=1e-12)
     assert build_algorithm("fedpac", {}, setup).dp_release(received) is None  # no privacy, no release

@@ -4,6 +4,7 @@ are in the modules of this package (executors, fedbr, datasets, figures, runs)."
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,13 @@ def context(client: int, payload: Tensors, state: Tensors | None = None, lr: flo
 def perturbed(state: Tensors, scale: float, seed: int) -> Tensors:
     gen = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def release_digest_reference(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors in order: name, dtype, shape, then the bytes; privacy.release_digest's layout,
+    written out independently as the tests' reference."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
