@@ -26,13 +26,15 @@ BASE = ["data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data
 pytestmark = needs_shared_data
 
 
-def first_round(precision: str, executor: str = "sequential"):
-    exp = Experiment(config.load(None, [*BASE, f"train.precision={precision}", "algorithm.name=fedprox"]))
+def first_round(precision: str, executor: str = "sequential", settings: tuple[str, ...] = (),
+                log: list[str] | None = None):
+    exp = Experiment(config.load(None, [*BASE, f"train.precision={precision}", "algorithm.name=fedprox", *settings]))
     server = exp.initial_server()
     ctxs = round_contexts(exp, server, {}, 1)
     if executor == "sequential":
         return [train_client(exp.algorithm, ctx, exp.data, seed=0, train_cfg=exp.cfg.train) for ctx in ctxs]
-    return train_clients_vectorized(exp.algorithm, ctxs, exp.data, seed=0, train_cfg=exp.cfg.train)
+    return train_clients_vectorized(exp.algorithm, ctxs, exp.data, seed=0, train_cfg=exp.cfg.train,
+                                    log=None if log is None else log.append)
 
 
 def test_bf16_autocast_is_on_close_to_fp32_and_keeps_float32_state():
@@ -54,6 +56,35 @@ def test_bf16_vectorised_equals_sequential():
         for name in a.state:
             # bf16 rounds each product to 8 bits of mantissa; batched kernels reassociate sums
             assert (a.state[name] - b.state[name]).abs().max().item() < 2e-2, name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_a_batchnorm_model_vmaps_in_bf16_and_gives_the_sequential_clients(device):
+    """BatchNorm2d and BatchNorm1d (FedUV's CNN has both) under vmap in bf16: the vmapped step trains, it does
+    not fall back to sequential clients. PyTorch's batching rule for a batch norm with per-client running
+    statistics calls the CPU kernel without the weight, and that kernel then refuses a bfloat16 input with
+    float32 statistics ("expected scalar type BFloat16 but found Float"), where the same layer outside vmap
+    (the sequential step) takes them: every BatchNorm model in bf16 fell back (a config fuzz found it).
+    One step: its loss is the forward pass at the start (bf16 rounding apart), and the executors' weights
+    after it differ by less than bf16's differ from float32's (this CNN amplifies any rounding within steps:
+    two float32 runs on one and two threads are 1e-2 apart after two). On CUDA, where PyTorch's kernel takes
+    the mix under vmap, the layer is left as it is: the test checks that it does not fall back there either."""
+    settings = (f"runtime.device={device}", "model.name=feduv_cnn", "data.samples_per_client=64",
+                "train.batch_size=16", "train.local_steps=1")
+    notes: list[str] = []
+    seq, vec = first_round("bf16", settings=settings), first_round("bf16", "vectorized", settings, notes)
+    assert not [n for n in notes if "falling back" in n], notes
+    fp32 = first_round("fp32", settings=settings)
+
+    def gap(xs, ys) -> float:  # the largest difference of any weight or running statistic
+        return max((a.state[n] - b.state[n]).abs().max().item() for a, b in zip(xs, ys, strict=True)
+                   for n in a.state if a.state[n].is_floating_point())
+
+    assert [a.steps for a in seq] == [b.steps for b in vec] == [1, 1, 1]
+    for a, b in zip(seq, vec, strict=True):
+        assert b.loss_sum == pytest.approx(a.loss_sum, rel=4e-3)
+    assert gap(seq, vec) < gap(seq, fp32)
 
 
 @pytest.mark.slow  # two 3-round cnn2 runs; fast cover: the first-round test above

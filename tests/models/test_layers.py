@@ -632,3 +632,59 @@ def test_inference_copy_holds_the_models_tensors_by_name_on_the_meta_device_and_
     assert isinstance(twin[0][1], InferenceBatchNorm) and isinstance(twin[1], InferenceBatchNorm)
     assert type(twin[2]) is nn.BatchNorm2d and not twin[2].training
     assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in twin.modules()) == 1
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(("cls", "shape"), [(layers.BatchNorm2d, (6, 4, 5, 5)), (layers.BatchNorm1d, (6, 4))],
+                         ids=["2d", "1d"])
+def test_a_batchnorm_vmaps_in_bf16_on_the_cpu_as_each_clients_own_layer(cls, shape, training):
+    """Three clients' batch norms (their weights, biases and running statistics stacked) vmapped under bf16
+    autocast on the CPU: each client's outputs, input and weight gradients and updated running statistics are
+    those of its own layer called alone (PyTorch's kernel on bfloat16 input and float32 statistics), to
+    bfloat16's rounding. PyTorch's batching rule refuses this mix on the CPU ("expected scalar type BFloat16
+    but found Float"); the layer normalises such an input in float32 (layers._VmappableNorm)."""
+    torch.manual_seed(0)
+    clients = [cls(shape[1]).train(training) for _ in range(3)]
+    for norm in clients:  # distinct affine weights and statistics per client
+        for t in (norm.weight, norm.bias, norm.running_mean):
+            t.data.normal_()
+        norm.running_var.data.uniform_(0.5, 2.0)
+    x = torch.randn(3, *shape).bfloat16()
+    cotangent = torch.randn(3, *shape).bfloat16()
+    template = cls(shape[1]).train(training)
+
+    def client_loss(params, buffers, x, cotangent):
+        out = torch.func.functional_call(template, {**params, **buffers}, (x,))
+        return (out.float() * cotangent.float()).sum(), out
+
+    params = {n: torch.stack([dict(c.named_parameters())[n].detach() for c in clients]) for n in ("weight", "bias")}
+    buffers = {n: torch.stack([dict(c.named_buffers())[n].clone() for c in clients]) for n in
+               ("running_mean", "running_var", "num_batches_tracked")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (grads, x_grad), out = vmap(grad(client_loss, argnums=(0, 2), has_aux=True))(params, buffers, x, cotangent)
+    for k, norm in enumerate(clients):
+        xk = x[k].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = norm(xk)
+        (want.float() * cotangent[k].float()).sum().backward()
+        assert out.dtype == want.dtype == torch.bfloat16
+        assert torch.allclose(out[k].float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+        assert torch.allclose(x_grad[k].float(), xk.grad.float(), rtol=2 ** -6, atol=2 ** -6)
+        for n in ("weight", "bias"):
+            assert torch.allclose(grads[n][k], dict(norm.named_parameters())[n].grad, rtol=1e-2, atol=1e-2), n
+        for n in ("running_mean", "running_var"):
+            assert buffers[n][k].dtype == torch.float32
+            assert torch.allclose(buffers[n][k], dict(norm.named_buffers())[n], rtol=1e-5, atol=1e-6), n
+        assert int(buffers["num_batches_tracked"][k]) == int(norm.num_batches_tracked)
+
+
+def test_outside_client_batching_a_bf16_batchnorm_is_pytorchs_own(monkeypatch):
+    """Outside the vectorised step (and on CUDA) the layer is nn.BatchNorm2d as it is: no float32 copy."""
+    norm = layers.BatchNorm2d(4)
+    seen = []
+    monkeypatch.setattr(F, "batch_norm", lambda x, *a, **k: seen.append(x.dtype) or x)
+    x = torch.randn(2, 4, 3, 3).bfloat16()
+    norm(x)
+    with client_batching():
+        norm(x)
+    assert seen == [torch.bfloat16, torch.float32]

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hetfl.models.layers import BatchNorm2d
+
 PARTS = ("encoder", "projector", "classifier")
 
 
@@ -106,7 +108,7 @@ NORMS = ("bn", "gn")
 def make_norm(norm: str, channels: int, gn_groups: int) -> nn.Module:
     """``BatchNorm2d(channels)`` for ``"bn"``, ``GroupNorm(gn_groups, channels)`` for ``"gn"``."""
     if norm == "bn":
-        return nn.BatchNorm2d(channels)
+        return BatchNorm2d(channels)
     if channels % gn_groups:
         raise ModelError("model.options.gn_groups", gn_groups, f"must divide every layer's channels ({channels} here)")
     return nn.GroupNorm(gn_groups, channels)

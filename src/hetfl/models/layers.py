@@ -46,6 +46,11 @@ launches of a loop cheap; which is faster on a given device is measured by ``ben
 and ``benchmarks/conv_kernels.py``. ``"per_client"`` runs the very kernels of a sequential step on the
 same shapes, so each convolution's values and gradients are a sequential step's bit for bit (the rest of
 a vmapped step, its batched products and reductions, still rounds in its own order).
+
+:class:`BatchNorm1d` and :class:`BatchNorm2d` are PyTorch's, except that inside :func:`client_batching` on a
+CPU a bfloat16 input with float32 statistics is normalised in float32 (:class:`_VmappableNorm`): PyTorch's
+batching rule refuses that mix on the CPU, and every BatchNorm model's bf16 step fell back to sequential
+clients.
 """
 
 from __future__ import annotations
@@ -329,6 +334,36 @@ class Conv2d(nn.Conv2d):
         settings = (list(self.stride), list(self.padding), list(self.dilation), self.groups)
         x, weight, bias = _autocast(x, self.weight, self.bias)
         return _Conv2d.apply(x, weight, bias, settings)
+
+
+class _VmappableNorm(nn.modules.batchnorm._BatchNorm):
+    """A batch norm whose bfloat16 input, inside :func:`client_batching` on a CPU, is normalised in float32.
+
+    Under bfloat16 autocast a batch norm gets the bfloat16 output of a convolution and keeps float32
+    statistics and affine weights (autocast casts neither): PyTorch's kernels take that mix and compute in
+    float32. Under ``vmap`` with per-client running statistics, PyTorch's batching rule calls the CPU kernel
+    without the weight (applied after it), and that kernel then reads the float32 statistics as bfloat16 and
+    refuses them ("expected scalar type BFloat16 but found Float", torch 2.4-2.13, training and eval mode,
+    1d and 2d), so every BatchNorm model fell back to sequential clients in a bf16 vmapped step. Here the
+    input is cast to the statistics' dtype and the output back: the mixed kernel's arithmetic (float32
+    inside, the output rounded to bfloat16 once), to the rounding of its sums
+    (``tests/engine/test_precision.py``). CUDA's kernel takes the mix under ``vmap`` (the statistics' dtype
+    decides there), so CUDA steps are left as they are, as are steps outside ``vmap``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = self.running_mean if self.running_mean is not None else self.weight
+        if _client_batching() and x.device.type == "cpu" and stats is not None and x.dtype != stats.dtype \
+                and x.is_floating_point():
+            return super().forward(x.to(stats.dtype)).to(x.dtype)
+        return super().forward(x)
+
+
+class BatchNorm1d(_VmappableNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` (same arguments, results and state) that vmaps in bf16 on a CPU (:class:`_VmappableNorm`)."""
+
+
+class BatchNorm2d(_VmappableNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` (same arguments, results and state) that vmaps in bf16 on a CPU (:class:`_VmappableNorm`)."""
 
 
 class InferenceBatchNorm(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from hetfl.models.base import FLModel, ModelError, check_choice, check_positive_int, conv_out, image_shape
-from hetfl.models.layers import Conv2d, Linear, MaxPool2d
+from hetfl.models.layers import BatchNorm1d, BatchNorm2d, Conv2d, Linear, MaxPool2d
 from hetfl.models.resnet import BasicBlock, Bottleneck
 
 
@@ -124,12 +124,12 @@ class FedUVCNN(FLModel):
         inp = c
         for channels, kernel, stride in FEDUV_CONVS:
             out = channels * width
-            layers += [Conv2d(inp, out, kernel, stride=stride, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+            layers += [Conv2d(inp, out, kernel, stride=stride, bias=False), BatchNorm2d(out), nn.ReLU()]
             inp = out
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         projector = nn.Sequential(
-            Linear(inp, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-            Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(inp, out_dim), BatchNorm1d(out_dim), nn.ReLU(),
+            Linear(out_dim, out_dim), BatchNorm1d(out_dim), nn.ReLU(),
         )  # fmt: skip
         super().__init__(nn.Sequential(*layers), Linear(out_dim, num_classes), projector)
 
@@ -158,7 +158,7 @@ class FedUVResNet18(FLModel):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, out_dim: int = 256) -> None:
         c, _, _ = image_shape("feduv_resnet18", input_shape)
         check_positive_int("out_dim", out_dim)
-        layers: list[nn.Module] = [Conv2d(c, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+        layers: list[nn.Module] = [Conv2d(c, 64, 3, 1, 1, bias=False), BatchNorm2d(64), nn.ReLU()]
         inp = 64
         for planes in (64, 128, 256, 512):
             # stride 2 in every stage, the first included: each first block has a 1x1 projection shortcut
@@ -172,8 +172,8 @@ def _feduv_projector(width: int, out_dim: int) -> nn.Sequential:
     """FedUV's projection head (``fc1``/``fc1_bn``/``fc2``/``fc2_bn``): its output, after the last ReLU, is the
     classifier input and what the uniformity loss acts on."""
     return nn.Sequential(
-        Linear(width, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
-        Linear(out_dim, out_dim), nn.BatchNorm1d(out_dim), nn.ReLU(),
+        Linear(width, out_dim), BatchNorm1d(out_dim), nn.ReLU(),
+        Linear(out_dim, out_dim), BatchNorm1d(out_dim), nn.ReLU(),
     )  # fmt: skip
 
 
@@ -203,7 +203,7 @@ class FedUVResNet50(FLModel):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, out_dim: int = 256) -> None:
         c, _, _ = image_shape("feduv_resnet50", input_shape)
         check_positive_int("out_dim", out_dim)
-        layers: list[nn.Module] = [Conv2d(c, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+        layers: list[nn.Module] = [Conv2d(c, 64, 7, 2, 3, bias=False), BatchNorm2d(64), nn.ReLU()]
         inp = 64
         for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
             stage = [Bottleneck(inp if j == 0 else planes * 4, planes, 2 if (i > 0 and j == 0) else 1, "bn", 2)
