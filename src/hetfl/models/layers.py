@@ -347,8 +347,9 @@ class _VmappableNorm(nn.modules.batchnorm._BatchNorm):
     1d and 2d), so every BatchNorm model fell back to sequential clients in a bf16 vmapped step. Here the
     input is cast to the statistics' dtype and the output back: the mixed kernel's arithmetic (float32
     inside, the output rounded to bfloat16 once), to the rounding of its sums
-    (``tests/engine/test_precision.py``). CUDA's kernel takes the mix under ``vmap`` (the statistics' dtype
-    decides there), so CUDA steps are left as they are, as are steps outside ``vmap``."""
+    (``tests/engine/test_precision.py``). CUDA's kernel chooses its arithmetic by the statistics' dtype
+    (``batch_norm_cuda_out``), so CUDA steps are left as they are (not yet run on a GPU: that test's CUDA case
+    checks it), as are steps outside ``vmap``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stats = self.running_mean if self.running_mean is not None else self.weight
