@@ -195,6 +195,11 @@ TARGETS = (
            ("--deselect", "tests/engine/test_former_settings.py::"
                           "test_a_moon_run_written_before_reference_mode_resumes_as_it_started_and_is_not_reused_as_eval_mode"),
            functions=("setting", "former_values")),
+    # the analysis of trained models (session 35): layer-wise linear CKA, the feature covariance's spectrum and
+    # the classifier's weight norms against class counts (CCVR Figures 1-3, Shi et al. 2023)
+    Target("analysis_cka", "src/hetfl/analysis/cka.py", ("tests/analysis/test_analysis.py",)),
+    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py", ("tests/analysis/test_analysis.py",)),
+    Target("analysis_classifier", "src/hetfl/analysis/classifier.py", ("tests/analysis/test_analysis.py",)),
 )
 
 
