@@ -197,9 +197,9 @@ TARGETS = (
            functions=("setting", "former_values")),
     # the analysis of trained models (session 35): layer-wise linear CKA, the feature covariance's spectrum and
     # the classifier's weight norms against class counts (CCVR Figures 1-3, Shi et al. 2023)
-    Target("analysis_cka", "src/hetfl/analysis/cka.py", ("tests/analysis/test_analysis.py",)),
-    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py", ("tests/analysis/test_analysis.py",)),
-    Target("analysis_classifier", "src/hetfl/analysis/classifier.py", ("tests/analysis/test_analysis.py",)),
+    Target("analysis_cka", "src/hetfl/analysis/cka.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_classifier", "src/hetfl/analysis/classifier.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
 )
 
 

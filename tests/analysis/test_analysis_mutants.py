@@ -5,15 +5,21 @@ whole messages, and the identities of CKA and the correlations on inputs where a
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from hetfl.analysis import (
     average_ranks,
+    layer_features,
+    linear_cka,
+    mean_off_diagonal,
+    pairwise_cka,
     class_weight_norms,
     clients_norm_count_correlation,
     effective_rank,
@@ -24,6 +30,7 @@ from hetfl.analysis import (
     singular_values,
     spearman,
 )
+from hetfl.analysis import cka as cka_module
 from hetfl.analysis.spectrum import feature_covariance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,3 +166,190 @@ def test_the_classifier_refusals_name_the_problem_whole():
         clients_norm_count_correlation(weights, [[1.0, 2.0, 3.0]])
     with pytest.raises(ValueError, match=re.escape("counts must be [2, num_classes], got shape (2,)")):
         clients_norm_count_correlation(weights, [1.0, 2.0])
+
+
+# ------------------------------------------------------------------ CKA
+def reference_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Kornblith et al. 2019, linear kernel: ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), column-centred."""
+    xc, yc = x.double() - x.double().mean(0), y.double() - y.double().mean(0)
+    return float((yc.T @ xc).square().sum() / (torch.linalg.norm(xc.T @ xc) * torch.linalg.norm(yc.T @ yc)))
+
+
+def test_cka_is_invariant_to_isotropic_scaling_at_any_scale():
+    x, y = randn(30, 6, seed=1), randn(30, 4, seed=2) + randn(30, 1, seed=3)
+    base = linear_cka(x, y)
+    assert base == pytest.approx(reference_cka(x, y), rel=1e-10)
+    for scale in (1e-8, 1e-4, 1e4, 1e8):  # a constant layer is judged relative to the features' norm, not absolutely
+        assert linear_cka(scale * x, y) == pytest.approx(base, rel=1e-9), scale
+        assert linear_cka(x, scale * y) == pytest.approx(base, rel=1e-9), scale
+    # variation below 1e-12 of the features' norm is rounding: the layer counts as constant, CKA is undefined
+    assert math.isnan(linear_cka(1e6 + 1e-9 * x, y))
+
+
+def test_cka_of_unit_norm_features_is_one_not_nan():
+    x = torch.tensor([[0.5], [-0.5], [0.5], [-0.5]], dtype=torch.float64)  # centred, X^T X = 1: denominator 1
+    assert linear_cka(x, x) == 1.0
+    assert linear_cka(x, torch.tensor([[1.0], [2.0], [3.0], [4.0]])) == pytest.approx(
+        reference_cka(x, torch.tensor([[1.0], [2.0], [3.0], [4.0]])), rel=1e-12)
+
+
+def test_cka_of_two_inputs_and_of_single_columns():
+    # two inputs: the centred features are +-v and +-w, so every pair of non-constant representations has CKA 1
+    assert linear_cka(randn(2, 5, seed=4), randn(2, 3, seed=5)) == pytest.approx(1.0, abs=1e-12)
+    x, y = randn(10, 1, seed=6), randn(10, 1, seed=7)  # one feature each: the squared correlation
+    r = float(torch.corrcoef(torch.cat([x, y], 1).T)[0, 1])
+    assert linear_cka(x, y) == pytest.approx(r * r, rel=1e-10)
+
+
+def test_cka_takes_the_cheaper_route_by_its_cost():
+    # n d1 d2 for Y^T X against n^2 (d1 + d2) for the Gram matrices: the Grams only when strictly cheaper
+    routes = []
+    real = cka_module._cka
+
+    def spy(rx, ry, gram, nx, ny):  # type: ignore[no-untyped-def]
+        routes.append(gram)
+        return real(rx, ry, gram, nx, ny)
+
+    cases = {(2, 4, 4): False, (2, 5, 4): True, (3, 12, 4): False, (3, 13, 4): True, (20, 3, 50): False,
+             (4, 100, 5): True, (6, 7, 30): False, (6, 8, 30): True}  # (2, 4, 4), (3, 12, 4): equal costs
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cka_module, "_cka", spy)
+        for (n, d1, d2), gram in cases.items():
+            x, y = randn(n, d1, seed=n + d1), randn(n, d2, seed=d2)
+            value = linear_cka(x, y)
+            assert routes.pop() is gram, (n, d1, d2)
+            assert value == pytest.approx(reference_cka(x, y), rel=1e-9)
+
+
+def test_the_cka_refusals_name_the_problem_whole():
+    with pytest.raises(ValueError, match=re.escape("x and y must describe the same inputs: 10 vs 11 rows")):
+        linear_cka(randn(10, 3), randn(11, 5))
+    with pytest.raises(ValueError, match="^CKA needs at least 2 inputs$"):
+        linear_cka(randn(1, 3), randn(1, 3))
+    with pytest.raises(ValueError, match=re.escape("features must be a matrix [n, d], got shape (4, 2, 2)")):
+        linear_cka(torch.zeros(4, 2, 2), randn(4, 3))
+    bad = randn(5, 2)
+    bad[0, 0] = math.inf
+    with pytest.raises(ValueError, match=re.escape(
+            "features are not finite (NaN or inf; a diverged model?): CKA is undefined")):
+        linear_cka(randn(5, 2), bad)
+    with pytest.raises(ValueError, match="^pairwise_cka needs at least one state$"):
+        pairwise_cka([], nn.Linear(2, 2), torch.zeros(3, 2), [""])
+
+
+def test_mean_off_diagonal_of_one_model_and_of_non_square_matrices():
+    assert math.isnan(mean_off_diagonal(torch.ones(1, 1)))
+    for shape in ((2, 3), (2, 2, 2), (4,)):
+        with pytest.raises(ValueError, match=re.escape(f"expected a square matrix, got shape {shape}")):
+            mean_off_diagonal(torch.ones(shape))
+
+
+class Pair(nn.Module):
+    """A layer returning a tuple (as an LSTM does): its first element is its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, -h
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = Pair()
+        self.spare = nn.Linear(2, 2)  # never called
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pair(x)[0])
+
+
+class Named(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": x}
+
+
+def test_layer_features_of_a_tuple_output_is_its_first_element_and_the_errors_are_whole():
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 3)
+    state = net.state_dict()
+    feats = layer_features(net, state, x, ["pair"])
+    torch.testing.assert_close(feats["pair"], net.pair.lin(x).detach())
+    with pytest.raises(KeyError, match=re.escape(
+            "no submodule named ['nope'] in the model; available: 'pair', 'pair.lin', 'spare', 'head'")):
+        layer_features(net, state, x, ["nope"])
+    with pytest.raises(KeyError, match=re.escape("state lacks the model tensors ['spare.weight', 'head.bias']")):
+        layer_features(net, {k: v for k, v in state.items() if k not in {"spare.weight", "head.bias"}}, x, ["pair"])
+    with pytest.raises(RuntimeError, match=re.escape("layer 'spare' was not called in the forward pass")):
+        layer_features(net, state, x, ["spare"])
+    with pytest.raises(TypeError, match=re.escape("layer '0' returned dict, not a tensor")):
+        layer_features(nn.Sequential(Named()), {}, x, ["0"])
+
+
+def test_a_shared_layers_refusal_is_whole():
+    relu = nn.ReLU()
+    shared = nn.Sequential(nn.Linear(3, 3), relu, nn.Linear(3, 3), relu)
+    with pytest.raises(ValueError, match=re.escape(
+            "layers ['1'] run more than once per forward pass (a shared module, e.g. one ReLU used twice): their "
+            "outputs are ambiguous; hook another module")):
+        layer_features(shared, shared.state_dict(), torch.randn(2, 3), ["1"])
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def mlp_state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: scale * torch.randn(v.shape, generator=g) for k, v in mlp().state_dict().items()}
+
+
+def test_pairwise_cka_has_exact_ones_on_the_diagonal_and_equals_linear_cka_with_as_many_probes_as_features():
+    model = mlp()
+    states = [mlp_state(s) for s in range(4)]
+    for n in (6, 3, 40):  # layer "0" is 6 wide: n = d (the feature route, at its edge), n < d (Grams), n > d
+        x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+        out = pairwise_cka(states, model, x, ["0", "2"])
+        for layer, mat in out.items():
+            assert torch.equal(torch.diagonal(mat), torch.ones(4, dtype=torch.float64)), (n, layer)
+            feats = [layer_features(model, s, x, [layer])[layer] for s in states]
+            for i, j in itertools.combinations(range(4), 2):
+                assert mat[i, j] == mat[j, i] == pytest.approx(reference_cka(feats[i], feats[j]), rel=1e-9)
+
+
+def test_pairwise_cka_of_one_model_of_a_constant_layer_and_of_a_small_one():
+    model = mlp()
+    x = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pairwise_cka([mlp_state(1)], model, x, ["2"])["2"], torch.ones(1, 1, dtype=torch.float64))
+    constant = {**mlp_state(1), "2.weight": torch.zeros(3, 6)}  # the head outputs its bias for every input
+    mat = pairwise_cka([mlp_state(1), constant], model, x, ["2"])["2"]
+    assert mat[0, 0] == 1.0 and torch.isnan(mat[1, 1]) and torch.isnan(mat[0, 1])
+    small = pairwise_cka([mlp_state(1, 1e-3), mlp_state(2, 1e-3)], model, x, ["2"])["2"]  # ||X^T X|| far below 1
+    assert torch.equal(torch.diagonal(small), torch.ones(2, dtype=torch.float64))
+
+
+def test_pairwise_cka_runs_the_probes_in_batches_of_batch_size():
+    model = mlp()
+    sizes: list[int] = []
+    handle = model.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
+    whole = pairwise_cka([mlp_state(1), mlp_state(2)], model, x, ["0"])["0"]
+    assert sizes == [7, 7]
+    sizes.clear()
+    chunked = pairwise_cka([mlp_state(1), mlp_state(2)], model, x, ["0"], batch_size=3)["0"]
+    handle.remove()
+    assert sizes == [3, 3, 1, 3, 3, 1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cka_of_features_on_two_devices_and_the_mean_of_a_cuda_matrix():
+    x, y = randn(20, 4, seed=1), randn(20, 3, seed=2)
+    assert linear_cka(x.cuda(), y) == pytest.approx(linear_cka(x, y), rel=1e-10)
+    hand = torch.tensor([[1.0, 0.2, 0.4], [0.2, 1.0, 0.6], [0.4, 0.6, 1.0]], device="cuda")
+    assert mean_off_diagonal(hand) == pytest.approx(0.4)
