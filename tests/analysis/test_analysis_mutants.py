@@ -36,6 +36,11 @@ from hetfl.analysis.spectrum import feature_covariance
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def whole(message: str, key_error: bool = False) -> str:
+    """A ``match`` pattern for exactly ``message`` (a KeyError's text is the repr of its message)."""
+    return f"^{re.escape(repr(message) if key_error else message)}$"
+
+
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -63,13 +68,13 @@ def test_two_samples_are_enough_for_a_covariance():
 
 
 def test_the_covariances_refusals_name_the_problem_whole():
-    with pytest.raises(ValueError, match=re.escape("features must be [n, d], got shape (2, 3, 4)")):
+    with pytest.raises(ValueError, match=whole("features must be [n, d], got shape (2, 3, 4)")):
         feature_covariance(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="^the covariance needs at least 2 samples$"):
         feature_covariance(torch.zeros(1, 3))
     bad = torch.zeros(3, 2)
     bad[1, 0] = math.nan
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(ValueError, match=whole(
             "features are not finite (NaN or inf; a diverged model?): no covariance to analyse")):
         feature_covariance(bad)
 
@@ -149,7 +154,7 @@ def test_ties_at_the_end_share_their_average_rank():
 
 
 def test_the_classifier_refusals_name_the_problem_whole():
-    with pytest.raises(ValueError, match=re.escape("classifier weight must be [num_classes, dim], got shape (3,)")):
+    with pytest.raises(ValueError, match=whole("classifier weight must be [num_classes, dim], got shape (3,)")):
         class_weight_norms(torch.ones(3))
     with pytest.raises(ValueError, match="^a needs at least 2 values$"):
         pearson([1.0], [1.0, 2.0])
@@ -162,9 +167,9 @@ def test_the_classifier_refusals_name_the_problem_whole():
     with pytest.raises(ValueError, match="^3 classifier rows but 2 class counts$"):
         norm_count_correlation(torch.ones(3, 4), [3, 1])
     weights = [torch.eye(3), torch.eye(3)]
-    with pytest.raises(ValueError, match=re.escape("counts must be [2, num_classes], got shape (1, 3)")):
+    with pytest.raises(ValueError, match=whole("counts must be [2, num_classes], got shape (1, 3)")):
         clients_norm_count_correlation(weights, [[1.0, 2.0, 3.0]])
-    with pytest.raises(ValueError, match=re.escape("counts must be [2, num_classes], got shape (2,)")):
+    with pytest.raises(ValueError, match=whole("counts must be [2, num_classes], got shape (2,)")):
         clients_norm_count_correlation(weights, [1.0, 2.0])
 
 
@@ -222,15 +227,15 @@ def test_cka_takes_the_cheaper_route_by_its_cost():
 
 
 def test_the_cka_refusals_name_the_problem_whole():
-    with pytest.raises(ValueError, match=re.escape("x and y must describe the same inputs: 10 vs 11 rows")):
+    with pytest.raises(ValueError, match=whole("x and y must describe the same inputs: 10 vs 11 rows")):
         linear_cka(randn(10, 3), randn(11, 5))
     with pytest.raises(ValueError, match="^CKA needs at least 2 inputs$"):
         linear_cka(randn(1, 3), randn(1, 3))
-    with pytest.raises(ValueError, match=re.escape("features must be a matrix [n, d], got shape (4, 2, 2)")):
+    with pytest.raises(ValueError, match=whole("features must be a matrix [n, d], got shape (4, 2, 2)")):
         linear_cka(torch.zeros(4, 2, 2), randn(4, 3))
     bad = randn(5, 2)
     bad[0, 0] = math.inf
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(ValueError, match=whole(
             "features are not finite (NaN or inf; a diverged model?): CKA is undefined")):
         linear_cka(randn(5, 2), bad)
     with pytest.raises(ValueError, match="^pairwise_cka needs at least one state$"):
@@ -240,7 +245,7 @@ def test_the_cka_refusals_name_the_problem_whole():
 def test_mean_off_diagonal_of_one_model_and_of_non_square_matrices():
     assert math.isnan(mean_off_diagonal(torch.ones(1, 1)))
     for shape in ((2, 3), (2, 2, 2), (4,)):
-        with pytest.raises(ValueError, match=re.escape(f"expected a square matrix, got shape {shape}")):
+        with pytest.raises(ValueError, match=whole(f"expected a square matrix, got shape {shape}")):
             mean_off_diagonal(torch.ones(shape))
 
 
@@ -279,21 +284,21 @@ def test_layer_features_of_a_tuple_output_is_its_first_element_and_the_errors_ar
     state = net.state_dict()
     feats = layer_features(net, state, x, ["pair"])
     torch.testing.assert_close(feats["pair"], net.pair.lin(x).detach())
-    with pytest.raises(KeyError, match=re.escape(
-            "no submodule named ['nope'] in the model; available: 'pair', 'pair.lin', 'spare', 'head'")):
+    with pytest.raises(KeyError, match=whole(
+            "no submodule named ['nope'] in the model; available: 'pair', 'pair.lin', 'spare', 'head'", True)):
         layer_features(net, state, x, ["nope"])
-    with pytest.raises(KeyError, match=re.escape("state lacks the model tensors ['spare.weight', 'head.bias']")):
+    with pytest.raises(KeyError, match=whole("state lacks the model tensors ['spare.weight', 'head.bias']", True)):
         layer_features(net, {k: v for k, v in state.items() if k not in {"spare.weight", "head.bias"}}, x, ["pair"])
-    with pytest.raises(RuntimeError, match=re.escape("layer 'spare' was not called in the forward pass")):
+    with pytest.raises(RuntimeError, match=whole("layer 'spare' was not called in the forward pass")):
         layer_features(net, state, x, ["spare"])
-    with pytest.raises(TypeError, match=re.escape("layer '0' returned dict, not a tensor")):
+    with pytest.raises(TypeError, match=whole("layer '0' returned dict, not a tensor")):
         layer_features(nn.Sequential(Named()), {}, x, ["0"])
 
 
 def test_a_shared_layers_refusal_is_whole():
     relu = nn.ReLU()
     shared = nn.Sequential(nn.Linear(3, 3), relu, nn.Linear(3, 3), relu)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(ValueError, match=whole(
             "layers ['1'] run more than once per forward pass (a shared module, e.g. one ReLU used twice): their "
             "outputs are ambiguous; hook another module")):
         layer_features(shared, shared.state_dict(), torch.randn(2, 3), ["1"])
