@@ -197,9 +197,17 @@ TARGETS = (
            functions=("setting", "former_values")),
     # the analysis of trained models (session 35): layer-wise linear CKA, the feature covariance's spectrum and
     # the classifier's weight norms against class counts (CCVR Figures 1-3, Shi et al. 2023)
-    Target("analysis_cka", "src/hetfl/analysis/cka.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
-    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
-    Target("analysis_classifier", "src/hetfl/analysis/classifier.py", ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_cka", "src/hetfl/analysis/cka.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_classifier", "src/hetfl/analysis/classifier.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    # the engine's sequential local trainer (session 35): the round against FedAvg by hand (both executors: the
+    # vectorised one calls step_gradients and clip_grads), the in-place step against the functional one, bf16
+    Target("engine_local", "src/hetfl/engine/local.py",
+           ("tests/engine/test_local_step.py", "tests/engine/test_round_reference.py",
+            "tests/engine/test_low_precision.py"), NOT_SLOW),
 )
 
 

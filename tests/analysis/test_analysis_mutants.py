@@ -16,16 +16,16 @@ from torch import nn
 
 from hetfl.analysis import (
     average_ranks,
-    layer_features,
-    linear_cka,
-    mean_off_diagonal,
-    pairwise_cka,
     class_weight_norms,
     clients_norm_count_correlation,
     effective_rank,
     effective_rank_of_spectrum,
+    layer_features,
+    linear_cka,
+    mean_off_diagonal,
     norm_count_correlation,
     numerical_rank,
+    pairwise_cka,
     pearson,
     singular_values,
     spearman,
@@ -101,8 +101,8 @@ def test_the_effective_rank_of_a_spectrum_is_its_entropys_exponential_at_any_sca
     assert effective_rank_of_spectrum(torch.zeros(4)) == 0.0  # all zero: 0 (an empty p would give exp(0) = 1)
     assert effective_rank(torch.full((5, 3), 7.0)) == 0.0  # constant features: no variance
     assert effective_rank_of_spectrum(torch.full((4,), 0.25)) == pytest.approx(4.0, rel=1e-12)  # sums to 1
-    assert effective_rank_of_spectrum(torch.tensor([0.3, 0.1, 0.0], dtype=torch.float64)) == pytest.approx(entropy_rank([0.3, 0.1]),
-                                                                                       rel=1e-12)
+    spectrum = torch.tensor([0.3, 0.1, 0.0], dtype=torch.float64)
+    assert effective_rank_of_spectrum(spectrum) == pytest.approx(entropy_rank([0.3, 0.1]), rel=1e-12)
     low = torch.tensor([3.0, 1.0, 1.0], dtype=torch.bfloat16)  # exact in bfloat16; computed in float64
     assert effective_rank_of_spectrum(low) == pytest.approx(entropy_rank([3.0, 1.0, 1.0]), rel=1e-12)
 
