@@ -208,6 +208,14 @@ TARGETS = (
     Target("engine_local", "src/hetfl/engine/local.py",
            ("tests/engine/test_local_step.py", "tests/engine/test_round_reference.py",
             "tests/engine/test_low_precision.py"), NOT_SLOW),
+    # the in-process federation (session 35): the clients' side of a round (train, set-up and post-hoc replies,
+    # per-client accuracies): the round by hand, the accuracies from the global model's correctness, the secure
+    # post-hoc sum in process, the saved client models, the protocol's shape
+    Target("engine_federation", "src/hetfl/engine/federation.py",
+           ("tests/engine/test_round_reference.py", "tests/engine/test_scale.py", "tests/engine/test_secure_sum.py",
+            "tests/engine/test_layers.py",
+            "tests/engine/test_engine.py::test_saved_client_models_average_to_the_global_model"),
+           ("-m", "not processes and not slow")),
 )
 
 
