@@ -1,0 +1,219 @@
+"""hetfl.engine.local: what the round reference and the in-place step's tests left open, found by mutation testing
+(benchmarks/mutation.py, target engine_local): gradient clipping (no test reached it), the random streams a
+client's round draws from, the stages' optimiser states and metrics, and the functional step's settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetfl import config
+from hetfl.algorithms.base import Batch, ClientContext, MethodError, Stage
+from hetfl.engine import local
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.local import clip_grads, run_stages
+from hetfl.optim import SGDConfig
+from hetfl.rng import torch_generator
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------ clipping
+def test_clipping_scales_every_gradient_by_max_norm_over_their_joint_norm():
+    grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([[4.0]])}  # joint L2 norm 5
+    clipped = clip_grads(grads, 1.0)
+    scale = 1.0 / (5.0 + 1e-6)
+    torch.testing.assert_close(clipped["a"], torch.tensor([3.0 * scale, 0.0]), rtol=1e-7, atol=0)
+    torch.testing.assert_close(clipped["b"], torch.tensor([[4.0 * scale]]), rtol=1e-7, atol=0)
+    half = clip_grads(grads, 2.5)
+    torch.testing.assert_close(half["a"], torch.tensor([3.0 * 2.5 / (5.0 + 1e-6), 0.0]), rtol=1e-7, atol=0)
+
+
+def test_gradients_within_the_norm_are_left_as_they_are():
+    grads = {"a": torch.tensor([0.3, -0.4]), "b": torch.tensor([0.0])}  # norm 0.5
+    for max_norm in (0.5 + 2e-6, 1.0, 100.0):
+        out = clip_grads(grads, max_norm)
+        assert torch.equal(out["a"], grads["a"]) and torch.equal(out["b"], grads["b"])
+    assert clip_grads({"a": torch.zeros(3)}, 1.0)["a"].tolist() == [0.0, 0.0, 0.0]  # no 0/0
+
+
+def test_the_norm_of_half_precision_gradients_is_taken_in_float32():
+    # 300^2 + 400^2 overflows float16 (largest 65504): squared in float16 the norm is inf and the scale 0
+    out = clip_grads({"a": torch.tensor([300.0, 400.0], dtype=torch.float16)}, 1.0)
+    assert out["a"].dtype == torch.float16
+    torch.testing.assert_close(out["a"], torch.tensor([0.6, 0.8], dtype=torch.float16), rtol=1e-3, atol=0)
+
+
+# ------------------------------------------------------------------ the functional step and a client's stages
+def sgd(lr: float = 0.1, momentum: float = 0.0) -> SGDConfig:
+    return SGDConfig(lr=lr, momentum=momentum)
+
+
+def linear_loss(scale: float = 1.0):  # type: ignore[no-untyped-def]
+    """``scale`` times the cross-entropy of ``x @ w + b``: a matrix product, so that bfloat16 autocast shows."""
+
+    def loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        value = scale * F.cross_entropy(F.linear(batch.x, state["w"].T, state["b"]), batch.y)
+        return value, {"ce": value.detach()}
+
+    return loss
+
+
+def linear_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(6, 3, generator=g), "b": torch.zeros(3)}
+
+
+def linear_batch(seed: int = 1, n: int = 8) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    return Batch(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def ctx(client: int = 0, round_: int = 1) -> ClientContext:
+    return ClientContext(client, round_, 10, 0.1, {}, {})
+
+
+def test_a_functional_step_by_default_is_float32_sgd_on_the_unclipped_gradient():
+    state, batch = linear_state(), linear_batch()
+    stage = Stage("local", linear_loss(scale=50.0), ("w", "b"), sgd(lr=0.01))  # gradient norm far above 1
+    leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
+    loss, _ = stage.loss(leaves, batch, ctx())
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+    assert torch.sqrt(sum((g ** 2).sum() for g in grads.values())) > 10
+    new, _, got_loss, metrics = local.sgd_step(stage, state, {}, batch, ctx(), first_step=True)
+    for name in ("w", "b"):
+        torch.testing.assert_close(new[name], state[name] - grads[name] * 0.01, rtol=1e-6, atol=1e-7)
+    want = float(loss.detach())
+    assert got_loss == pytest.approx(want, rel=1e-6) and metrics["ce"] == pytest.approx(want, rel=1e-6)
+
+
+def test_the_first_step_starts_the_momentum_buffer_at_the_gradient_whatever_the_state_held():
+    state, batch = linear_state(), linear_batch()
+    stage = Stage("local", linear_loss(), ("w", "b"), sgd(lr=0.1, momentum=0.9))
+    stale = {name: torch.full_like(t, 5.0) for name, t in state.items()}
+    _, fresh_buf, _, _ = local.sgd_step(stage, state, {n: torch.zeros_like(t) for n, t in state.items()}, batch,
+                                        ctx(), first_step=True)
+    new, buf, _, _ = local.sgd_step(stage, state, stale, batch, ctx(), first_step=True)
+    for name in ("w", "b"):
+        assert torch.equal(buf[name], fresh_buf[name])
+        torch.testing.assert_close(new[name], state[name] - 0.1 * fresh_buf[name], rtol=0, atol=1e-7)
+    _, later, _, _ = local.sgd_step(stage, state, stale, batch, ctx(), first_step=False)
+    torch.testing.assert_close(later["w"], 0.9 * 5.0 + fresh_buf["w"], rtol=1e-6, atol=1e-6)
+
+
+def batchnorm_loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+    h = F.batch_norm(F.linear(batch.x, state["w"].T), state["rm"], state["rv"], training=True, momentum=0.1)
+    value = F.cross_entropy(h + state["b"], batch.y)
+    return value, {}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_functional_step_updates_the_running_buffers_and_runs_in_the_precision_asked(precision):
+    state = {**linear_state(), "rm": torch.zeros(3), "rv": torch.ones(3)}
+    batch = linear_batch()
+    stage = Stage("local", batchnorm_loss, ("w", "b"), sgd())
+    new, _, loss, _ = local.sgd_step(stage, state, {}, batch, ctx(), True, buffers=("rm", "rv"), precision=precision)
+    in_place = {k: v.clone() for k, v in state.items()}
+    loss_, _ = local.sgd_step_(stage, in_place, {}, batch, ctx(), True, buffers=("rm", "rv"), precision=precision)
+    assert torch.equal(loss, loss_)
+    for name in ("w", "b", "rm", "rv"):
+        assert torch.equal(new[name], in_place[name]), name
+    h = batch.x @ state["w"]
+    torch.testing.assert_close(new["rm"], 0.1 * h.mean(0), rtol=0.02 if precision == "bf16" else 1e-5, atol=1e-3)
+    assert torch.equal(state["rm"], torch.zeros(3))  # on a copy
+    fp32, _, _, _ = local.sgd_step(stage, state, {}, batch, ctx(), True, buffers=("rm", "rv"))
+    assert torch.equal(fp32["w"], new["w"]) == (precision == "fp32")
+
+
+@pytest.fixture(scope="module")
+def data():  # type: ignore[no-untyped-def]
+    """Synthetic(1, 1)'s devices (60-dimensional inputs, 10 classes), 30 of them capped at 200 samples."""
+    return Experiment(config.load(None, ["data.num_clients=30", "data.options={max_samples = 200}",
+                                         "runtime.progress=false"])).data
+
+
+def quadratic(name: str, target: float):  # type: ignore[no-untyped-def]
+    """``sum((state[name] - target)^2)``, whatever the batch; its value logged as ``q``."""
+
+    def loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        value = (state[name] - target).square().sum()
+        return value, {"q": value.detach()}
+
+    return loss
+
+
+def test_an_adversarys_step_runs_before_each_step_with_its_own_tensors_and_its_metrics_named_by_it(data):
+    adversary = Stage("max", quadratic("v", -2.0), ("v",), sgd(lr=0.1))
+    stage = Stage("min", quadratic("w", 1.0), ("w",), sgd(lr=0.1), steps=3, adversary=adversary)
+    start = {"w": torch.tensor([0.0, 3.0]), "v": torch.tensor([1.0])}
+    out = run_stages([stage], start, ctx(client=2), data, seed=0, batch_size=16, drop_last=False)
+    # each step: x <- x - 0.1 * 2 (x - target) = target + 0.8 (x - target)
+    torch.testing.assert_close(out.state["w"], 1.0 + 0.8 ** 3 * (start["w"] - 1.0))
+    torch.testing.assert_close(out.state["v"], -2.0 + 0.8 ** 3 * (start["v"] + 2.0))
+    assert out.steps == 3
+    w_losses = [float(((start["w"] - 1.0) * 0.8 ** k).square().sum()) for k in range(3)]
+    v_losses = [float(((start["v"] + 2.0) * 0.8 ** k).square().sum()) for k in range(3)]
+    assert out.loss_sum == pytest.approx(sum(w_losses), rel=1e-6)
+    assert out.metric_sums == pytest.approx({"q": sum(w_losses), "max/q": sum(v_losses)}, rel=1e-6)
+
+
+def test_a_stages_draws_come_from_the_clients_draw_stream_one_set_a_batch(data):
+    seen: list[torch.Tensor] = []
+
+    def loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        seen.append(batch.draws["u"].clone())
+        assert len(batch.draws["u"]) == len(batch.y)
+        return (state["w"] * batch.draws["u"].mean()).sum(), {}
+
+    def draws(gen, n):  # type: ignore[no-untyped-def]
+        return {"u": torch.rand(n, generator=gen)}
+
+    stage = Stage("local", loss, ("w",), sgd(), epochs=1, draws=draws)
+    client, round_, stream = 4, 3, 1
+    out = run_stages([stage], {"w": torch.ones(2)}, ctx(client, round_), data, seed=7, batch_size=64, drop_last=False,
+                     stream=stream)
+    n = data.client_sizes[client]
+    sizes = [min(64, n - start) for start in range(0, n, 64)]
+    gen = torch_generator(7, "draws", round_, client, stream)
+    want = [torch.rand(size, generator=gen) for size in sizes]
+    assert out.steps == len(want) == len(seen) > 1
+    for got, expected in zip(seen, want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_draws_that_are_not_a_dict_of_tensors_are_refused_naming_the_stage_and_its_draws(data):
+    stage = Stage("mixing", quadratic("w", 0.0), ("w",), sgd(), steps=1, draws=lambda gen, n: [torch.rand(n)])
+    with pytest.raises(MethodError, match=r"^stage 'mixing' of quadratic: its draws must return "):
+        run_stages([stage], {"w": torch.ones(2)}, ctx(), data, seed=0, batch_size=8, drop_last=False)
+
+
+def test_the_batches_are_augmented_from_the_clients_augment_stream(data, monkeypatch):
+    states: list[torch.Tensor] = []
+    real = type(data).train_batches
+
+    def spy(self, client, schedule, augment_gen):  # type: ignore[no-untyped-def]
+        states.append(augment_gen.get_state())
+        return real(self, client, schedule, augment_gen)
+
+    monkeypatch.setattr(type(data), "train_batches", spy)
+    stage = Stage("local", quadratic("w", 0.0), ("w",), sgd(), steps=2)
+    run_stages([stage], {"w": torch.ones(2)}, ctx(5, 2), data, seed=3, batch_size=8, drop_last=False, stream=1)
+    assert len(states) == 1
+    assert torch.equal(states[0], torch_generator(3, "augment", 2, 5, 1).get_state())
+
+
+def test_a_clients_stages_by_default_run_float32_sgd_on_the_unclipped_gradient(data):
+    def loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        return 50.0 * F.cross_entropy(F.linear(batch.x, state["w"]), batch.y), {}
+
+    stage = Stage("local", loss, ("w",), sgd(lr=0.001), steps=2)
+    start = {"w": 0.1 * torch.randn(10, data.client_tests[0].x.shape[1], generator=torch.Generator().manual_seed(0))}
+    settings = {"seed": 0, "batch_size": 16, "drop_last": False}
+    default = run_stages([stage], start, ctx(), data, **settings)
+    explicit = run_stages([stage], start, ctx(), data, **settings, max_grad_norm=0.0, precision="fp32")
+    clipped = run_stages([stage], start, ctx(), data, **settings, max_grad_norm=1.0)
+    assert torch.equal(default.state["w"], explicit.state["w"])
+    assert not torch.allclose(clipped.state["w"], explicit.state["w"], rtol=1e-3, atol=0)  # the norm is above 1
+    bf16 = run_stages([stage], start, ctx(), data, **settings, precision="bf16")
+    assert not torch.allclose(bf16.state["w"], explicit.state["w"], rtol=1e-4, atol=0)
