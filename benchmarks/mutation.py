@@ -207,7 +207,7 @@ TARGETS = (
     # vectorised one calls step_gradients and clip_grads), the in-place step against the functional one, bf16
     Target("engine_local", "src/hetfl/engine/local.py",
            ("tests/engine/test_local_step.py", "tests/engine/test_round_reference.py",
-            "tests/engine/test_low_precision.py"), NOT_SLOW),
+            "tests/engine/test_low_precision.py", "tests/engine/test_local_mutants.py"), NOT_SLOW),
     # the in-process federation (session 35): the clients' side of a round (train, set-up and post-hoc replies,
     # per-client accuracies): the round by hand, the accuracies from the global model's correctness, the secure
     # post-hoc sum in process, the saved client models, the protocol's shape
