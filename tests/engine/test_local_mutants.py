@@ -217,3 +217,19 @@ def test_a_clients_stages_by_default_run_float32_sgd_on_the_unclipped_gradient(d
     assert not torch.allclose(clipped.state["w"], explicit.state["w"], rtol=1e-3, atol=0)  # the norm is above 1
     bf16 = run_stages([stage], start, ctx(), data, **settings, precision="bf16")
     assert not torch.allclose(bf16.state["w"], explicit.state["w"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_draws_are_moved_to_the_data_and_the_losses_summed_there():
+    def loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        assert batch.draws["u"].device == batch.x.device == state["w"].device
+        return (state["w"] * batch.draws["u"].mean()).sum(), {}
+
+    stage = Stage("local", loss, ("w",), sgd(), steps=3, draws=lambda gen, n: {"u": torch.rand(n, generator=gen)})
+    settings = ["data.num_clients=30", "data.options={max_samples = 200}", "runtime.progress=false"]
+    results = {}
+    for device in ("cpu", "cuda"):
+        gpu_data = Experiment(config.load(None, [*settings, f"runtime.device={device}"])).data
+        results[device] = run_stages([stage], {"w": torch.ones(2, device=device)}, ctx(), gpu_data, seed=0,
+                                     batch_size=8, drop_last=False)
+    assert results["cuda"].loss_sum == pytest.approx(results["cpu"].loss_sum, rel=1e-6)
