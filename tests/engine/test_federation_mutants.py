@@ -1,0 +1,72 @@
+"""hetfl.engine.federation: the in-process clients' side of a round, checked against the pieces it is made of
+(the method's hooks and ``train_client``), found by mutation testing (benchmarks/mutation.py, target
+engine_federation): which clients train and in which order, with which state, what they upload and the bytes
+sent down, the set-up round's replies, the post-hoc replies and the per-client accuracies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.local import train_client
+from hetfl.engine.messages import nbytes
+from hetfl.engine.schedule import lr_at
+from hetfl.engine.summary import Reporter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ["data.num_clients=30", "data.options={max_samples = 80}", "train.batch_size=16", "train.local_steps=2",
+         "runtime.progress=false", "model.options={hidden = [8]}"]
+
+
+def experiment(*more: str) -> Experiment:
+    return Experiment(config.load(None, [*SMALL, *more]))
+
+
+def by_hand(exp: Experiment, server, clients, sampled, round_, lr):  # type: ignore[no-untyped-def]
+    """The round's client side from the method's hooks: (client, upload, samples, steps, loss, parts, new state)."""
+    algo, out = exp.algorithm, []
+    for c in sampled:
+        state = clients[c] if c in clients else algo.init_client_state(c, server)
+        ctx = exp.client_context(c, round_, lr, algo.payload(server, c), state, server)
+        result = train_client(algo, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+        upload, new_state = algo.finish(ctx, result.state, result.steps)
+        out.append((c, upload, exp.data.client_sizes[c], result.steps, result.loss_sum, result.metric_sums, new_state))
+    return out
+
+
+@pytest.mark.parametrize("method", ["fedavg", "scaffold"])
+def test_a_round_trains_the_sampled_clients_in_order_from_their_own_state(method):
+    exp = experiment(f"algorithm.name={method}")
+    server = exp.initial_server()
+    clients: dict = {}
+    updates, down = exp.federation.train(server, clients, [4, 1], 1, 0.05, Reporter())
+    want = by_hand(exp, server, {}, [4, 1], 1, 0.05)
+    assert down == sum(nbytes(exp.algorithm.payload(server, c)) for c in (4, 1)) > 0
+    assert [u.client_id for u in updates] == [4, 1]
+    for u, (c, upload, samples, steps, loss, parts, _) in zip(updates, want, strict=True):
+        assert (u.num_samples, u.steps, u.loss_sum, u.part_sums) == (samples, steps, loss, parts) and steps == 2
+        assert u.upload.keys() == upload.keys() and all(torch.equal(u.upload[k], upload[k]) for k in upload), c
+    # a method with client state keeps what finish returned (SCAFFOLD's control variates); FedAvg keeps none
+    assert sorted(clients) == ([1, 4] if method == "scaffold" else [])
+    for c, *_, new_state in want:
+        assert all(torch.equal(clients[c][k], new_state[k]) for k in new_state)
+    # round 2: client 4 starts from the state it kept, client 0 from the method's initial one
+    kept = {c: {k: v.clone() for k, v in s.items()} for c, s in clients.items()}
+    updates, _ = exp.federation.train(server, clients, [0, 4], 2, 0.05, Reporter())
+    again = by_hand(exp, server, kept, [0, 4], 2, 0.05)
+    for u, (c, upload, *_) in zip(updates, again, strict=True):
+        assert all(torch.equal(u.upload[k], upload[k]) for k in upload), c
+
+
+def test_the_set_up_round_asks_every_client_at_round_0_with_round_1s_learning_rate():
+    exp = experiment("algorithm.name=fedmix", "train.lr_schedule=cosine", "train.rounds=4")
+    server = exp.initial_server()
+    replies = exp.federation.setup_replies(server)
+    assert sorted(replies) == list(range(30))
+    for c in range(30):
+        ctx = exp.client_context(c, 0, lr_at(exp.cfg, 1), {}, {}, server)
+        want = exp.algorithm.setup_query(ctx)
+        assert replies[c].keys() == want.keys() and all(torch.equal(replies[c][k], want[k]) for k in want), c
