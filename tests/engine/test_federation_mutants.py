@@ -70,3 +70,24 @@ def test_the_set_up_round_asks_every_client_at_round_0_with_round_1s_learning_ra
         ctx = exp.client_context(c, 0, lr_at(exp.cfg, 1), {}, {}, server)
         want = exp.algorithm.setup_query(ctx)
         assert replies[c].keys() == want.keys() and all(torch.equal(replies[c][k], want[k]) for k in want), c
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_personal_models_are_evaluated_on_each_clients_own_test_split(executor):
+    from hetfl.engine.evaluate import accuracy_and_loss
+
+    exp = experiment("algorithm.name=local", f"runtime.executor={executor}", "runtime.vmap_on_cpu=true")
+    server = exp.initial_server()
+    clients: dict = {}
+    exp.federation.train(server, clients, [0, 3], 1, 0.5, Reporter())  # two clients now hold their own models
+    assert sorted(clients) == [0, 3]
+    accs = exp.federation.client_accuracies(server, clients, 1, None)
+    algo, data = exp.algorithm, exp.data
+    want = {}
+    for c in range(data.num_clients):
+        test = data.client_tests[c]
+        if len(test.y):
+            model = algo.client_model(server, clients.get(c) or algo.init_client_state(c, server), c)
+            want[c] = accuracy_and_loss(exp.caller, model, test.x, test.y, data, exp.cfg.train.eval_batch_size)[1]
+    assert accs == pytest.approx(want, abs=1e-12)
+    assert accs[0] != accs[1] or accs[3] != accs[1]  # the trained clients are evaluated with their own models
