@@ -4,6 +4,8 @@ client's round draws from, the stages' optimiser states and metrics, and the fun
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import clip_grads, run_stages
 from hetfl.optim import SGDConfig
 from hetfl.rng import torch_generator
+from tests.helpers.executors import round_contexts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,3 +236,30 @@ def test_on_a_gpu_the_draws_are_moved_to_the_data_and_the_losses_summed_there():
         results[device] = run_stages([stage], {"w": torch.ones(2, device=device)}, ctx(), gpu_data, seed=0,
                                      batch_size=8, drop_last=False)
     assert results["cuda"].loss_sum == pytest.approx(results["cpu"].loss_sum, rel=1e-6)
+
+
+def test_a_clients_round_runs_its_stages_with_the_train_settings_and_the_methods_buffers(monkeypatch):
+    exp = Experiment(config.load(None, ["data.num_clients=30", "data.options={max_samples = 200}",
+                                        "runtime.progress=false", "train.max_grad_norm=0.5", "train.precision=bf16",
+                                        "train.batch_size=12", "train.drop_last=true"]))
+    algo = exp.algorithm
+    monkeypatch.setattr(algo, "running_buffers", lambda: ("bn.running_mean", "bn.running_var"))
+    monkeypatch.setattr(algo.model, "low_precision_names", ("encoder.0.weight",))
+    calls: list[tuple] = []
+
+    def spy(stages, start, ctx, data, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((stages, start, ctx, data, kwargs))
+        return local.LocalResult(start, 0, 0.0, {})
+
+    monkeypatch.setattr(local, "run_stages", spy)
+    ctx_ = round_contexts(exp, exp.initial_server(), {}, 1)[0]
+    local.train_client(algo, ctx_, exp.data, seed=11, train_cfg=exp.cfg.train)
+    (_, _, got_ctx, got_data, kwargs), = calls
+    assert got_ctx is ctx_ and got_data is exp.data
+    assert kwargs == {"seed": 11, "batch_size": 12, "drop_last": True, "max_grad_norm": 0.5,
+                      "buffers": ("bn.running_mean", "bn.running_var"), "precision": "bf16",
+                      "low_names": ("encoder.0.weight",)}
+    # a training configuration without a precision (an older or a runtime's own) trains in float32
+    bare = SimpleNamespace(batch_size=12, drop_last=False, max_grad_norm=0.0)
+    local.train_client(algo, ctx_, exp.data, seed=11, train_cfg=bare)
+    assert calls[-1][4]["precision"] == "fp32"
