@@ -213,7 +213,7 @@ TARGETS = (
     # post-hoc sum in process, the saved client models, the protocol's shape
     Target("engine_federation", "src/hetfl/engine/federation.py",
            ("tests/engine/test_round_reference.py", "tests/engine/test_scale.py", "tests/engine/test_secure_sum.py",
-            "tests/engine/test_layers.py",
+            "tests/engine/test_layers.py", "tests/engine/test_federation_mutants.py",
             "tests/engine/test_engine.py::test_saved_client_models_average_to_the_global_model"),
            ("-m", "not processes and not slow")),
 )
