@@ -263,3 +263,44 @@ def test_a_clients_round_runs_its_stages_with_the_train_settings_and_the_methods
     bare = SimpleNamespace(batch_size=12, drop_last=False, max_grad_norm=0.0)
     local.train_client(algo, ctx_, exp.data, seed=11, train_cfg=bare)
     assert calls[-1][4]["precision"] == "fp32"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_adversarys_steps_get_the_stages_settings_as_a_by_hand_loop_of_steps(data, precision):
+    """run_stages against its loop written out with sgd_step_: the same batches, and the adversary's step (FedBR's
+    max step) with the clipping, running buffers and precision of the run and momentum started at its first step."""
+    from hetfl.engine.schedule import batch_schedule
+
+    def logits(state, batch):  # type: ignore[no-untyped-def]
+        return F.batch_norm(F.linear(batch.x, state["w"]), state["rm"], state["rv"], training=True) + state["v"]
+
+    def max_loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        value = -F.cross_entropy(logits(state, batch), batch.y)
+        return value, {"ce": -value.detach()}
+
+    def min_loss(state, batch, ctx):  # type: ignore[no-untyped-def]
+        value = F.cross_entropy(logits(state, batch), batch.y)
+        return value, {"ce": value.detach()}
+
+    adversary = Stage("max", max_loss, ("v",), sgd(lr=0.5, momentum=0.9))
+    stage = Stage("min", min_loss, ("w",), sgd(lr=0.5, momentum=0.9), steps=4, adversary=adversary)
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(10, 60, generator=g), "v": torch.zeros(10), "rm": torch.zeros(10), "rv": torch.ones(10)}
+    settings = {"max_grad_norm": 0.05, "buffers": ("rm", "rv"), "precision": precision}
+    out = run_stages([stage], start, ctx(client=2, round_=3), data, seed=5, batch_size=16, drop_last=False,
+                     **settings)
+    state = {k: v.clone() for k, v in start.items()}
+    schedule = batch_schedule(data.client_sizes[2], 16, 1, 4, False, torch_generator(5, "batches", 3, 2, 0))
+    bufs, adv_bufs = ({n: torch.zeros_like(state[n]) for n in s.trainable} for s in (stage, adversary))
+    loss_sum, sums = 0.0, {"ce": 0.0, "max/ce": 0.0}
+    for i, batch in enumerate(data.train_batches(2, schedule, torch_generator(5, "augment", 3, 2, 0))):
+        _, adv = local.sgd_step_(adversary, state, adv_bufs, batch, ctx(2, 3), i == 0, **settings)
+        loss, metrics = local.sgd_step_(stage, state, bufs, batch, ctx(2, 3), i == 0, **settings)
+        loss_sum += float(loss)
+        sums["ce"] += float(metrics["ce"])
+        sums["max/ce"] += float(adv["ce"])
+    assert out.steps == 4
+    for name in start:
+        assert torch.equal(out.state[name], state[name]), name
+    assert out.loss_sum == pytest.approx(loss_sum, rel=1e-6)
+    assert out.metric_sums == pytest.approx(sums, rel=1e-6)
