@@ -77,7 +77,7 @@ def ctx(client: int = 0, round_: int = 1) -> ClientContext:
     return ClientContext(client, round_, 10, 0.1, {}, {})
 
 
-def test_a_functional_step_by_default_is_float32_sgd_on_the_unclipped_gradient():
+def test_a_step_by_default_is_float32_sgd_on_the_unclipped_gradient():
     state, batch = linear_state(), linear_batch()
     stage = Stage("local", linear_loss(scale=50.0), ("w", "b"), sgd(lr=0.01))  # gradient norm far above 1
     leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
@@ -89,6 +89,10 @@ def test_a_functional_step_by_default_is_float32_sgd_on_the_unclipped_gradient()
         torch.testing.assert_close(new[name], state[name] - grads[name] * 0.01, rtol=1e-6, atol=1e-7)
     want = float(loss.detach())
     assert got_loss == pytest.approx(want, rel=1e-6) and metrics["ce"] == pytest.approx(want, rel=1e-6)
+    in_place = {k: v.clone() for k, v in state.items()}
+    local.sgd_step_(stage, in_place, {}, batch, ctx(), first_step=True)  # the in-place step's defaults alike
+    for name in ("w", "b"):
+        assert torch.equal(in_place[name], new[name])
 
 
 def test_the_first_step_starts_the_momentum_buffer_at_the_gradient_whatever_the_state_held():
