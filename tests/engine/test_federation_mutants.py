@@ -91,3 +91,92 @@ def test_personal_models_are_evaluated_on_each_clients_own_test_split(executor):
             want[c] = accuracy_and_loss(exp.caller, model, test.x, test.y, data, exp.cfg.train.eval_batch_size)[1]
     assert accs == pytest.approx(want, abs=1e-12)
     assert accs[0] != accs[1] or accs[3] != accs[1]  # the trained clients are evaluated with their own models
+
+
+def per_client(exp: Experiment, server, clients) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    """Each client's evaluated model (the method's client_model) on its own test split, one by one."""
+    from hetfl.engine.evaluate import accuracy_and_loss
+
+    algo, data, want = exp.algorithm, exp.data, {}
+    for c in range(data.num_clients):
+        test = data.client_tests[c]
+        if len(test.y):
+            model = algo.client_model(server, clients.get(c) or algo.init_client_state(c, server), c)
+            want[c] = accuracy_and_loss(exp.caller, model, test.x, test.y, data, exp.cfg.train.eval_batch_size)[1]
+    return want
+
+
+def test_the_global_models_accuracies_come_from_its_correctness_only_when_it_is_given_and_fits(monkeypatch):
+    exp = experiment("algorithm.name=fedavg")
+    server = exp.initial_server()
+    want = per_client(exp, server, {})
+    assert exp.federation.client_accuracies(server, {}, 1, None) == pytest.approx(want, abs=1e-12)  # not given
+    correct = torch.rand(len(exp.data.test_y), generator=torch.Generator().manual_seed(0)) < 0.5
+    monkeypatch.setattr(exp, "client_accuracy", lambda *a, **k: pytest.fail("per-client work for the global model"))
+    got = exp.federation.client_accuracies(server, {}, 1, correct)  # given: from the correctness, no client's work
+    assert got == exp.data.client_test_accuracies(correct)
+
+
+def test_a_personalised_method_is_evaluated_with_its_own_models_even_given_the_global_correctness():
+    exp = experiment("algorithm.name=local")
+    server = exp.initial_server()
+    clients: dict = {}
+    exp.federation.train(server, clients, [0, 3], 1, 0.5, Reporter())
+    everything_right = torch.ones(len(exp.data.test_y), dtype=torch.bool)
+    accs = exp.federation.client_accuracies(server, clients, 1, everything_right)
+    assert accs == pytest.approx(per_client(exp, server, clients), abs=1e-12) and min(accs.values()) < 1.0
+
+
+def test_only_a_method_with_one_global_model_and_the_base_evaluation_hooks_is_evaluated_with_it():
+    from hetfl.algorithms.base import Algorithm
+    from hetfl.engine.federation import GLOBAL_EVAL_HOOKS, evaluates_with_global_model
+
+    def method(personalized: bool, **hooks):  # type: ignore[no-untyped-def]
+        cls = type("Method", (Algorithm,), {"personalized": personalized, **hooks})
+        return object.__new__(cls)  # the test reads the class and the flag only
+
+    assert evaluates_with_global_model(method(False))
+    assert not evaluates_with_global_model(method(True))
+    for hook in GLOBAL_EVAL_HOOKS:
+        assert not evaluates_with_global_model(method(False, **{hook: lambda self, *a: None})), hook
+
+
+def test_post_hoc_replies_are_each_clients_query_on_its_own_features_and_summed_only_under_secure_aggregation():
+    from types import SimpleNamespace
+
+    from hetfl.algorithms.base import without_feature_transforms
+
+    exp = experiment("algorithm.name=fedavg+ccvr")
+    raw = without_feature_transforms(exp.initial_server().model)
+    calls = []
+
+    def query(raw_, feats, labels, *, client, round_):  # type: ignore[no-untyped-def]
+        calls.append((raw_, client, round_))
+        want_feats, want_labels = exp.client_features(raw, client)
+        assert torch.equal(feats, want_feats) and torch.equal(labels, want_labels)
+        return {"n": torch.tensor([float(len(labels))])}
+
+    step = SimpleNamespace(additive=True, client_query=query)  # additive, but no secure aggregation asked
+    replies = exp.federation.posthoc_replies(step, raw, 7)
+    assert type(replies) is dict and sorted(replies) == list(range(exp.data.num_clients))
+    assert [(r is raw, c, rnd) for r, c, rnd in calls] == [(True, c, 7) for c in range(exp.data.num_clients)]
+    assert all(float(replies[c]["n"]) == exp.data.client_sizes[c] for c in replies)
+
+
+def test_the_set_up_rounds_context_is_round_0_with_round_1s_rate_and_nothing_received_yet(monkeypatch):
+    exp = experiment("algorithm.name=fedmix", "train.lr_schedule=cosine", "train.rounds=4")
+    seen = []
+    monkeypatch.setattr(exp.algorithm, "setup_query", lambda ctx: seen.append(ctx) or {})
+    exp.federation.setup_replies(exp.initial_server())
+    assert [ctx.client_id for ctx in seen] == list(range(exp.data.num_clients))
+    assert lr_at(exp.cfg, 1) != lr_at(exp.cfg, 2)
+    assert {(ctx.round, ctx.lr, len(ctx.payload), len(ctx.state)) for ctx in seen} == {(0, lr_at(exp.cfg, 1), 0, 0)}
+    assert all(isinstance(ctx.payload, dict) and isinstance(ctx.state, dict) for ctx in seen)
+
+
+def test_a_stopped_phase_carries_its_message_what_was_received_and_what_was_refused():
+    from hetfl.engine.federation import PhaseStopped
+
+    stop = PhaseStopped("2 of 5 clients answered", received=["update"], refused={3: "ab12"})
+    assert str(stop) == "2 of 5 clients answered" and stop.received == ["update"] and stop.refused == {3: "ab12"}
+    assert (PhaseStopped("x").received, PhaseStopped("x").refused) == (None, None)
