@@ -107,6 +107,11 @@ def test_the_first_step_starts_the_momentum_buffer_at_the_gradient_whatever_the_
         torch.testing.assert_close(new[name], state[name] - 0.1 * fresh_buf[name], rtol=0, atol=1e-7)
     _, later, _, _ = local.sgd_step(stage, state, stale, batch, ctx(), first_step=False)
     torch.testing.assert_close(later["w"], 0.9 * 5.0 + fresh_buf["w"], rtol=1e-6, atol=1e-6)
+    in_place = {k: v.clone() for k, v in state.items()}
+    stale = {name: torch.full_like(t, 5.0) for name, t in state.items()}
+    local.sgd_step_(stage, in_place, stale, batch, ctx(), first_step=True)  # the in-place step alike
+    for name in ("w", "b"):
+        assert torch.equal(stale[name], fresh_buf[name]) and torch.equal(in_place[name], new[name])
 
 
 def batchnorm_loss(state, batch, ctx):  # type: ignore[no-untyped-def]
@@ -308,3 +313,25 @@ def test_an_adversarys_steps_get_the_stages_settings_as_a_by_hand_loop_of_steps(
         assert torch.equal(out.state[name], state[name]), name
     assert out.loss_sum == pytest.approx(loss_sum, rel=1e-6)
     assert out.metric_sums == pytest.approx(sums, rel=1e-6)
+
+
+def test_a_trained_tensor_the_loss_does_not_use_gets_a_zero_gradient_and_stays():
+    state, batch = {**linear_state(), "unused": torch.tensor([1.5, -2.0])}, linear_batch()
+    stage = Stage("local", linear_loss(), ("w", "b", "unused"), sgd(lr=0.1, momentum=0.9))
+    grads, _, _, _ = local.step_gradients(stage, state, batch, ctx())
+    assert torch.equal(grads["unused"], torch.zeros(2))
+    new, _, _, _ = local.sgd_step(stage, state, {n: torch.zeros_like(state[n]) for n in stage.trainable}, batch,
+                                  ctx(), first_step=True)
+    assert torch.equal(new["unused"], state["unused"]) and not torch.equal(new["w"], state["w"])
+    in_place = {k: v.clone() for k, v in state.items()}
+    local.sgd_step_(stage, in_place, {n: torch.zeros_like(state[n]) for n in stage.trainable}, batch, ctx(), True)
+    assert torch.equal(in_place["unused"], state["unused"])
+
+
+def test_bf16_copies_are_made_of_the_named_float32_weights_the_state_holds_only():
+    state = {"w": torch.randn(3, 2), "b": torch.randn(2), "count": torch.tensor(4), "half": torch.ones(2).bfloat16()}
+    low = local.low_copies(state, ("w", "count", "half", "absent"), "bf16")
+    assert list(low) == ["w"] and low["w"].dtype == torch.bfloat16
+    assert torch.equal(low["w"], state["w"].bfloat16())
+    assert local.low_copies(state, ("w",), "fp32") is None
+    assert local.low_copies(state, ("count", "absent"), "bf16") is None
