@@ -89,6 +89,9 @@ def test_a_step_by_default_is_float32_sgd_on_the_unclipped_gradient():
         torch.testing.assert_close(new[name], state[name] - grads[name] * 0.01, rtol=1e-6, atol=1e-7)
     want = float(loss.detach())
     assert got_loss == pytest.approx(want, rel=1e-6) and metrics["ce"] == pytest.approx(want, rel=1e-6)
+    default_grads, _, _, _ = local.step_gradients(stage, state, batch, ctx())  # the gradients' defaults alike
+    for name in ("w", "b"):
+        torch.testing.assert_close(default_grads[name], grads[name], rtol=1e-6, atol=1e-7)
     in_place = {k: v.clone() for k, v in state.items()}
     local.sgd_step_(stage, in_place, {}, batch, ctx(), first_step=True)  # the in-place step's defaults alike
     for name in ("w", "b"):
@@ -335,3 +338,29 @@ def test_bf16_copies_are_made_of_the_named_float32_weights_the_state_holds_only(
     assert torch.equal(low["w"], state["w"].bfloat16())
     assert local.low_copies(state, ("w",), "fp32") is None
     assert local.low_copies(state, ("count", "absent"), "bf16") is None
+
+
+def test_a_broken_loss_or_gradient_transform_is_refused_naming_its_stage():
+    state, batch = linear_state(), linear_batch()
+
+    def scalar_only(state, batch, ctx):  # type: ignore[no-untyped-def]
+        return state["w"].sum()  # no parts
+
+    with pytest.raises(MethodError, match=r"^test_a_broken_loss_or_gradient_transform_is_refused_naming_its_stage"
+                                          r"\.<locals>\.scalar_only \(stage 'mine'\) "):
+        local.step_gradients(Stage("mine", scalar_only, ("w",), sgd()), state, batch, ctx())
+    listed = Stage("mine", linear_loss(), ("w", "b"), sgd(), grad_transform=lambda grads, state, ctx: list(grads))
+    with pytest.raises(MethodError, match=r"^stage 'mine' of linear_loss: its grad_transform must return "):
+        local.step_gradients(listed, state, batch, ctx())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_bf16_autocasts_to_bfloat16_on_every_device(device):
+    # torch.autocast's default low precision is bfloat16 on the CPU but float16 on CUDA
+    with local.autocast("bf16", torch.device(device)):
+        assert torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        out = torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+    assert out.dtype == torch.bfloat16
+    with local.autocast("fp32", torch.device(device)):
+        assert not torch.is_autocast_enabled(device)
