@@ -364,3 +364,33 @@ def test_bf16_autocasts_to_bfloat16_on_every_device(device):
     assert out.dtype == torch.bfloat16
     with local.autocast("fp32", torch.device(device)):
         assert not torch.is_autocast_enabled(device)
+
+
+def test_in_bf16_the_weights_an_adversary_trains_are_read_fresh_by_the_next_step():
+    """The bfloat16 copies of the weights (hetfl.models.low_precision) are refreshed after each step of the
+    stage that trained them: an adversary training the classifier hands the next min step its new copy. The run
+    against its loop written out with sgd_step_ and the same copies, through the model's caller."""
+    from hetfl.engine.schedule import batch_schedule
+
+    exp = Experiment(config.load(None, ["data.num_clients=30", "data.options={max_samples = 200}",
+                                        "runtime.progress=false", "model.options={hidden = [16]}"]))
+    caller, data = exp.algorithm.model, exp.data
+
+    def ce(state, batch):  # type: ignore[no-untyped-def]
+        return F.cross_entropy(caller(state, batch.x).float(), batch.y)
+
+    adversary = Stage("max", lambda s, b, c: (-ce(s, b), {}), ("classifier.weight", "classifier.bias"), sgd(lr=0.5))
+    stage = Stage("min", lambda s, b, c: (ce(s, b), {}), ("encoder.1.weight", "encoder.1.bias"), sgd(lr=0.5),
+                  steps=3, adversary=adversary)
+    start = {k: v.clone() for k, v in exp.initial_server().model.items()}
+    names = caller.low_precision_names
+    out = run_stages([stage], start, ctx(1, 1), data, seed=0, batch_size=16, drop_last=False, precision="bf16",
+                     low_names=names)
+    state = {k: v.clone() for k, v in start.items()}
+    low = local.low_copies(state, names, "bf16")
+    schedule = batch_schedule(data.client_sizes[1], 16, 1, 3, False, torch_generator(0, "batches", 1, 1, 0))
+    for i, batch in enumerate(data.train_batches(1, schedule, torch_generator(0, "augment", 1, 1, 0))):
+        local.sgd_step_(adversary, state, {}, batch, ctx(1, 1), i == 0, precision="bf16", low=low)
+        local.sgd_step_(stage, state, {}, batch, ctx(1, 1), i == 0, precision="bf16", low=low)
+    for name in start:
+        assert torch.equal(out.state[name], state[name]), name
