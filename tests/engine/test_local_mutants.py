@@ -394,3 +394,19 @@ def test_in_bf16_the_weights_an_adversary_trains_are_read_fresh_by_the_next_step
         local.sgd_step_(stage, state, {}, batch, ctx(1, 1), i == 0, precision="bf16", low=low)
     for name in start:
         assert torch.equal(out.state[name], state[name]), name
+
+
+def test_the_gradient_transform_sees_the_steps_gradients_state_and_context():
+    state, batch, context = linear_state(), linear_batch(), ctx(3, 2)
+    seen = []
+
+    def transform(grads, state_, ctx_):  # type: ignore[no-untyped-def]
+        seen.append((state_, ctx_))
+        return {k: g - state_["b"].sum() - 1.0 for k, g in grads.items()}  # SCAFFOLD-like: reads the state
+
+    plain, _, _, _ = local.step_gradients(Stage("s", linear_loss(), ("w", "b"), sgd()), state, batch, context)
+    grads, _, _, _ = local.step_gradients(Stage("s", linear_loss(), ("w", "b"), sgd(), grad_transform=transform),
+                                          state, batch, context)
+    assert len(seen) == 1 and seen[0][0] is state and seen[0][1] is context
+    for name in ("w", "b"):
+        assert torch.equal(grads[name], plain[name] - 1.0)
