@@ -180,3 +180,39 @@ def test_a_stopped_phase_carries_its_message_what_was_received_and_what_was_refu
     stop = PhaseStopped("2 of 5 clients answered", received=["update"], refused={3: "ab12"})
     assert str(stop) == "2 of 5 clients answered" and stop.received == ["update"] and stop.refused == {3: "ab12"}
     assert (PhaseStopped("x").received, PhaseStopped("x").refused) == (None, None)
+
+
+def test_deferred_personal_models_are_scored_in_one_batch_or_one_by_one_when_they_cannot_be(monkeypatch):
+    from hetfl.engine import federation
+
+    exp = experiment("algorithm.name=local", "runtime.executor=vectorized", "runtime.vmap_on_cpu=true")
+    server = exp.initial_server()
+    clients: dict = {}
+    exp.federation.train(server, clients, [0, 3], 1, 0.5, Reporter())
+    want = per_client(exp, server, clients)
+    initialised, batches = [], []
+    init = exp.algorithm.init_client_state
+    monkeypatch.setattr(exp.algorithm, "init_client_state", lambda c, s: initialised.append(c) or init(c, s))
+    batched = federation.accuracies_vectorized
+    monkeypatch.setattr(federation, "accuracies_vectorized", lambda caller, states, *a: batches.append(len(states))
+                        or batched(caller, states, *a))
+    one_by_one = federation.accuracy_and_loss
+    monkeypatch.setattr(federation, "accuracy_and_loss", lambda *a: pytest.fail("scored one by one"))
+    assert exp.federation.client_accuracies(server, clients, 1, None) == pytest.approx(want, abs=1e-12)
+    assert batches == [len(want)] and initialised == [c for c in range(exp.data.num_clients) if c not in (0, 3)]
+    # models that cannot be stacked (accuracies_vectorized says None): each scored on its own
+    monkeypatch.setattr(federation, "accuracies_vectorized", lambda *a: None)
+    monkeypatch.setattr(federation, "accuracy_and_loss", one_by_one)
+    assert exp.federation.client_accuracies(server, clients, 1, None) == pytest.approx(want, abs=1e-12)
+
+
+def test_a_client_without_state_starts_from_the_methods_initial_state_for_that_client(monkeypatch):
+    exp = experiment("algorithm.name=scaffold")
+    server = exp.initial_server()
+    asked = []
+    init = exp.algorithm.init_client_state
+    monkeypatch.setattr(exp.algorithm, "init_client_state", lambda c, s: asked.append(c) or init(c, s))
+    clients: dict = {}
+    exp.federation.train(server, clients, [4, 1], 1, 0.05, Reporter())
+    exp.federation.train(server, clients, [0, 4], 2, 0.05, Reporter())
+    assert asked == [4, 1, 0]
