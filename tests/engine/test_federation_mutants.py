@@ -216,3 +216,19 @@ def test_a_client_without_state_starts_from_the_methods_initial_state_for_that_c
     exp.federation.train(server, clients, [4, 1], 1, 0.05, Reporter())
     exp.federation.train(server, clients, [0, 4], 2, 0.05, Reporter())
     assert asked == [4, 1, 0]
+
+
+def test_models_fine_tuned_at_evaluation_are_tuned_in_the_round_evaluated():
+    # the fine-tuning's batches come from the client's stream of that round (hetfl.rng): another round tunes
+    # on other batches and scores otherwise
+    exp = experiment("algorithm.name=fedavg_ft", "train.lr_schedule=cosine", "train.rounds=4")
+    server = exp.initial_server()
+    accs = {r: exp.federation.client_accuracies(server, {}, r, None) for r in (2, 3)}
+    for r in (2, 3):
+        want = {}
+        for c in range(exp.data.num_clients):
+            acc, _ = exp.client_accuracy(c, server, exp.algorithm.init_client_state(c, server), r)
+            if acc is not None:
+                want[c] = acc
+        assert accs[r] == want
+    assert accs[2] != accs[3]
