@@ -232,3 +232,24 @@ def test_models_fine_tuned_at_evaluation_are_tuned_in_the_round_evaluated():
                 want[c] = acc
         assert accs[r] == want
     assert accs[2] != accs[3]
+
+
+def test_each_client_gets_its_own_payload():
+    exp = experiment("algorithm.name=pfedhn")  # the server sends each client the model its embedding generates
+    server = exp.initial_server()
+    updates, _ = exp.federation.train(server, {}, [4, 1], 1, 0.05, Reporter())
+    want = by_hand(exp, server, {}, [4, 1], 1, 0.05)
+    for u, (c, upload, *_) in zip(updates, want, strict=True):
+        assert all(torch.equal(u.upload[k], upload[k]) for k in upload), c
+    p4, p1 = exp.algorithm.payload(server, 4), exp.algorithm.payload(server, 1)
+    assert any(not torch.equal(p4[k], p1[k]) for k in p4)
+
+
+def test_client_models_are_saved_only_in_the_rounds_asked(tmp_path):
+    exp = experiment("algorithm.name=fedavg", "runtime.save_client_models=[2]")
+    exp.run_dir = tmp_path
+    server = exp.initial_server()
+    exp.federation.train(server, {}, [4, 1], 1, 0.05, Reporter())
+    assert not (tmp_path / "client_models").exists()
+    exp.federation.train(server, {}, [4, 1], 2, 0.05, Reporter())
+    assert [p.name for p in (tmp_path / "client_models").iterdir()] == ["round_0002.safetensors"]
