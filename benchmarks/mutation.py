@@ -195,6 +195,27 @@ TARGETS = (
            ("--deselect", "tests/engine/test_former_settings.py::"
                           "test_a_moon_run_written_before_reference_mode_resumes_as_it_started_and_is_not_reused_as_eval_mode"),
            functions=("setting", "former_values")),
+    # the analysis of trained models (session 35): layer-wise linear CKA, the feature covariance's spectrum and
+    # the classifier's weight norms against class counts (CCVR Figures 1-3, Shi et al. 2023)
+    Target("analysis_cka", "src/hetfl/analysis/cka.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_spectrum", "src/hetfl/analysis/spectrum.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    Target("analysis_classifier", "src/hetfl/analysis/classifier.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    # the engine's sequential local trainer (session 35): the round against FedAvg by hand (both executors: the
+    # vectorised one calls step_gradients and clip_grads), the in-place step against the functional one, bf16
+    Target("engine_local", "src/hetfl/engine/local.py",
+           ("tests/engine/test_local_step.py", "tests/engine/test_round_reference.py",
+            "tests/engine/test_low_precision.py", "tests/engine/test_local_mutants.py"), NOT_SLOW),
+    # the in-process federation (session 35): the clients' side of a round (train, set-up and post-hoc replies,
+    # per-client accuracies): the round by hand, the accuracies from the global model's correctness, the secure
+    # post-hoc sum in process, the saved client models, the protocol's shape
+    Target("engine_federation", "src/hetfl/engine/federation.py",
+           ("tests/engine/test_round_reference.py", "tests/engine/test_scale.py", "tests/engine/test_secure_sum.py",
+            "tests/engine/test_layers.py", "tests/engine/test_federation_mutants.py",
+            "tests/engine/test_engine.py::test_saved_client_models_average_to_the_global_model"),
+           ("-m", "not processes and not slow")),
 )
 
 

@@ -22,8 +22,14 @@ def class_weight_norms(weight: Tensor) -> Tensor:
     return torch.linalg.vector_norm(weight.detach().to(torch.float64), dim=1)
 
 
+def _as_float64(v: Tensor | Sequence[float]) -> Tensor:
+    """``v`` as a flat float64 CPU tensor; Python floats are read as float64 (``torch.as_tensor`` alone would make
+    a list of them float32, rounding e.g. 1e8 + 1 and 1e8 + 2 to one value)."""
+    return torch.as_tensor(v, dtype=torch.float64).detach().flatten().cpu()
+
+
 def _vector(v: Tensor | Sequence[float], name: str) -> Tensor:
-    t = torch.as_tensor(v).detach().to(torch.float64).flatten().cpu()
+    t = _as_float64(v)
     if t.numel() < 2:
         raise ValueError(f"{name} needs at least 2 values")
     return t
@@ -45,7 +51,7 @@ def average_ranks(v: Tensor | Sequence[float]) -> Tensor:
     """1-based ranks of ``v`` with ties given the mean of the ranks they span (float64); all NaN when
     ``v`` holds a NaN (as ``scipy.stats.rankdata``'s default: a NaN has no rank, and ranking by its position
     would make e.g. a diverged model's NaN norms look perfectly correlated)."""
-    x = torch.as_tensor(v).detach().to(torch.float64).flatten().cpu()
+    x = _as_float64(v)
     if torch.isnan(x).any():
         return torch.full_like(x, float("nan"))
     order = torch.argsort(x, stable=True)
