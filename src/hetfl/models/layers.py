@@ -343,7 +343,7 @@ class _VmappableNorm(nn.modules.batchnorm._BatchNorm):
     statistics and affine weights (autocast casts neither): PyTorch's kernels take that mix and compute in
     float32. Under ``vmap`` with per-client running statistics, PyTorch's batching rule calls the CPU kernel
     without the weight (applied after it), and that kernel then reads the float32 statistics as bfloat16 and
-    refuses them ("expected scalar type BFloat16 but found Float", torch 2.4-2.13, training and eval mode,
+    refuses them ("expected scalar type BFloat16 but found Float", torch 2.13; training and eval mode,
     1d and 2d), so every BatchNorm model fell back to sequential clients in a bf16 vmapped step. Here the
     input is cast to the statistics' dtype and the output back: the mixed kernel's arithmetic (float32
     inside, the output rounded to bfloat16 once), to the rounding of its sums
