@@ -64,11 +64,16 @@ def put(sets: list[str], key: str, value: Any) -> list[str]:
     return [*(s for s in sets if not s.startswith(key + "=")), f"{key}={value}"]
 
 
-def draw_resume(rng: random.Random, datasets: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """A configuration (``config_fuzz.draw``'s with a resume's settings) and a crash point."""
-    sets = draw(rng, datasets)
-    get = dict(s.split("=", 1) for s in sets)
-    method = get["algorithm.name"]
+def draw_resume(rng: random.Random, datasets: list[str],
+                methods: list[str] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """A configuration (``config_fuzz.draw``'s with a resume's settings; of ``methods`` only, when given: drawn
+    until one of them comes) and a crash point."""
+    while True:
+        sets = draw(rng, datasets)
+        get = dict(s.split("=", 1) for s in sets)
+        method = get["algorithm.name"]
+        if not methods or method in methods:
+            break
     rounds = rng.choice([3, 4])
     sets = put(sets, "train.rounds", rounds)
     sets = put(sets, "train.eval_every", rng.choice([1, 2, 100]))
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "synthetic", "synthetic", "mnist", "cifar10"],
                         help="drawn from, with repeats as weights (config_fuzz.DATASETS)")
+    parser.add_argument("--methods", nargs="+", help="only these algorithm.name values (e.g. fedpac fedavg+ccvr)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop drawing after this many seconds")
     parser.add_argument("--out", default=str(RESULTS / "resume_fuzz_cpu.md"))
     args = parser.parse_args(argv)
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.count):
             if time.perf_counter() - start > args.budget_s:
                 break
-            sets, point = draw_resume(rng, args.datasets)
+            sets, point = draw_resume(rng, args.datasets, args.methods)
             record = check(sets, point, root, Path(tmp) / str(i))
             records.append(record)
             with log.open("a") as f:
