@@ -68,6 +68,7 @@ SLACK_REL, SLACK_ABS = 0.01, 1e-3  # PLD's pessimism at value_discretization_int
 
 # ----------------------------------------------------------------------------------------- instrumentation
 UPLOADS: list[dict[str, Any]] = []  # every noisy upload drawn, in order
+MASKED: set[int] = set()  # sessions ended by a SecAgg+ protocol stop (their last attempt never unmasked)
 STATE: dict[str, Any] = {"session": 0, "clip": None}
 _ORIGINAL_PRIVATIZE = MomentsMechanism.privatize
 
@@ -188,8 +189,15 @@ def pld_epsilon(multipliers: list[float], delta: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
-def truth(uploads: list[dict], delta: float) -> dict[str, Any]:
-    """The budget spent, per client, from the uploads drawn (see the module's docstring)."""
+def truth(uploads: list[dict], delta: float, masked: set[int] = frozenset()) -> dict[str, Any]:
+    """The budget spent, per client, from the uploads drawn (see the module's docstring). ``masked``: sessions
+    that a SecAgg+ protocol stop ended, whose last attempt's uploads reached the server masked and were never
+    unmasked (they reveal nothing)."""
+    for session in masked:
+        mine = [u for u in uploads if u["session"] == session]
+        if mine:
+            last = (mine[-1]["method"], mine[-1]["round"])
+            uploads = [u for u in uploads if u["session"] != session or (u["method"], u["round"]) != last]
     seen: dict[tuple, str] = {}
     reused = False
     kept = []
@@ -423,6 +431,8 @@ def one_run(plan: dict, run_dir: Path, crashes: list[list], grid=None) -> dict:
             if not isinstance(err, FlowerRoundError) or sessions >= 4:
                 raise
             stops.append(f"stopped: {str(err)[:120]}")
+            if "SecAgg+ stopped" in str(err):
+                MASKED.add(STATE["session"])
             if grid is not None:
                 grid.fail_at.clear()  # a SecAgg+ dropout happens once: the resumed run goes through
         finally:
@@ -446,6 +456,7 @@ def check(plan: dict, scratch: Path) -> dict:
     variants = [("main", plan["crashes"])] + ([("uninterrupted", [])] if plan["crashes"] or plan.get("faults") else [])
     for name, crashes in variants:
         UPLOADS.clear()
+        MASKED.clear()
         run_dir = scratch / name
         grid = _grid(plan if name == "main" else {}, clients) if plan["executor"] == "flower" else None
         start = time.perf_counter()
@@ -461,7 +472,7 @@ def check(plan: dict, scratch: Path) -> dict:
             break
         summary = result["summary"]
         privacy = summary.get("privacy", {})
-        t = truth(UPLOADS, plan["delta"])
+        t = truth(UPLOADS, plan["delta"], set(MASKED))
         entries = ledger(run_dir)
         out = {"outcome": "ok", "seconds": round(time.perf_counter() - start, 1), "sessions": result["sessions"],
                "stops": result["stops"], "truth": t, "ledger": [(e["round"], e["multiplier"]) for e in entries],
@@ -535,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=math.inf, help="stop drawing after this long")
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy_fuzz_cpu")
+    parser.add_argument("--only", type=int, nargs="*", help="run only these indices of the drawn sequence")
     parser.add_argument("--data", default="/work/shared/datasets", help="folder with mnist/ (the shared datasets)")
     args = parser.parse_args(argv)
     global MNIST
@@ -551,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         if (time.perf_counter() - start) / 60 > args.minutes:
             break
         plan = draw(rng)
+        if args.only and i not in args.only:
+            continue
         scratch = scratch_root / f"c{i}"
         record = check(plan, scratch)
         record["index"], record["seed"] = i, args.seed
