@@ -208,8 +208,8 @@ def truth(uploads: list[dict], delta: float, masked: set[int] = frozenset()) -> 
         seen[key] = u["out"]
         kept.append(u)
     noise_seen: dict[tuple, set] = {}
-    for u in kept:
-        noise_seen.setdefault((u["method"], u["client"], u["noise"]), set()).add(u["out"])
+    for u in kept:  # the same noise on two different uploads (of one client, or of two): a noiseless difference
+        noise_seen.setdefault((u["method"], u["noise"]), set()).add(u["out"])
     reused = any(len(v) > 1 for v in noise_seen.values())
     clients = sorted({u["client"] for u in kept})
     per_upload = {c: pld_epsilon([u["z"] for u in kept if u["client"] == c], delta) for c in clients}
@@ -288,6 +288,8 @@ def draw(rng: random.Random) -> dict[str, Any]:
             sets.append("algorithm.pseudo_source=rsm_clients")
     if secagg:
         sets.append("runtime.secure_aggregation=true")
+        if clients == 2:  # the default threshold (3) needs 3 clients
+            sets.append("runtime.secagg_reconstruction_threshold=2")
     executor = "flower" if flower else rng.choice(["sequential", "vectorized"])
     if executor == "vectorized":
         sets.append("runtime.vmap_on_cpu=true")
