@@ -587,7 +587,7 @@ def write_report(path: Path, records: list[dict], args) -> None:
     lines = [f"# Privacy accounting fuzz ({dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, CPU)", "",
              f"`python benchmarks/privacy_fuzz.py --count {args.count} --seed {args.seed}`: {len(records)} "
              f"configurations, {len(flagged)} flagged. Method in the module docstring of benchmarks/privacy_fuzz.py.",
-             "", "| # | method | executor | secagg | noise source | crashes | outcome | spent (faced) | reported "
+             "", "| seed/# | method | executor | secagg | noise source | crashes | outcome | spent (faced) | reported "
              "(faced) | ledger / received | flags / notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         p, m = r["plan"], r.get("main", {})
@@ -598,7 +598,8 @@ def write_report(path: Path, records: list[dict], args) -> None:
         faced = None if eps is None else (eps if sum_only else max(eps, pu if pu is not None else eps))
         noise = next((s.split("=")[1] for s in p["sets"] if "dp_noise=" in s), "")
         text = "; ".join(r["flags"] + r["notes"]).replace("|", "/")
-        lines.append(f"| {r['index']} | {p['method']} ({noise}) | {p['executor']} | {p['secagg']} | {p['sources']} | "
+        lines.append(f"| {r.get('seed', '')}/{r['index']} | {p['method']} ({noise}) | {p['executor']} | "
+                     f"{p['secagg']} | {p['sources']} | "
                      f"{p['crashes'] or ''} | {m.get('outcome')} {m.get('error', '')[:80]} | "
                      f"{'' if spent is None else f'{spent:.4g}'} | {'' if faced is None else f'{faced:.4g}'} | "
                      f"{len(m.get('ledger', []))} / {t.get('releases', '')} | {text} |")
