@@ -28,6 +28,7 @@ releases than releases received (a release not in the ledger); a killed and resu
 same configuration run uninterrupted. Over-reporting (reported above 1.5 x spent + 0.1) is listed, not flagged.
 
     python benchmarks/privacy_fuzz.py --count 60 --seed 0
+    python benchmarks/privacy_fuzz.py --self-check   # three planted bugs: each must be flagged
 
 Writes ``benchmarks/results/privacy_fuzz_cpu.md`` and ``privacy_fuzz_cpu.jsonl`` (one line per configuration,
 appended as it goes).
@@ -542,6 +543,44 @@ def judge(plan: dict, out: dict, clients: int) -> dict[str, list[str]]:
     return {"flags": flags, "notes": notes}
 
 
+def self_check(scratch_root: Path, count: int = 6, seed: int = 7) -> dict[str, int]:
+    """The fuzz's own sensitivity: three bugs put into the code under test (each upload's noise 0.9 of its
+    calibration; round 2's releases not recorded; the reported guarantee that of the last release only), each run on
+    ``count`` drawn in-process configurations of two rounds or more; how many of them each bug is flagged in."""
+    original = {"upload_std": MomentsMechanism.upload_std, "record_release": Experiment.record_release,
+                "guarantee": MomentsMechanism.guarantee}
+
+    def weak_noise(self):
+        return {k: 0.9 * v for k, v in original["upload_std"](self).items()}
+
+    def round_2_unrecorded(self, method, release, r, server):
+        if r == 2 and release is not None:
+            return server
+        return original["record_release"](self, method, release, r, server)
+
+    def last_release_only(self, sum_multipliers):
+        return original["guarantee"](self, sum_multipliers[-1:])
+
+    bugs = {"noise 0.9 x calibration": (MomentsMechanism, "upload_std", weak_noise),
+            "round 2 not in the ledger": (Experiment, "record_release", round_2_unrecorded),
+            "guarantee of the last release only": (MomentsMechanism, "guarantee", last_release_only)}
+    rng, plans = random.Random(seed), []
+    while len(plans) < count:
+        plan = draw(rng)
+        refused = "algorithm.dp_noise=distributed" in plan["sets"] or (plan["secagg"] and plan["method"] == "fedpac")
+        if plan["executor"] != "flower" and "train.rounds=1" not in plan["sets"] and not refused:
+            plans.append(plan)
+    caught = {}
+    for name, (owner, attr, bug) in bugs.items():
+        setattr(owner, attr, bug)
+        try:
+            caught[name] = sum(bool(check(plan, scratch_root / f"{attr}{i}")["flags"]) for i, plan in enumerate(plans))
+        finally:
+            setattr(owner, attr, original[attr])
+        print(f"self-check: {name}: flagged in {caught[name]} of {count}", flush=True)
+    return caught
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=40)
@@ -549,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=math.inf, help="stop drawing after this long")
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy_fuzz_cpu")
     parser.add_argument("--only", type=int, nargs="*", help="run only these indices of the drawn sequence")
+    parser.add_argument("--self-check", action="store_true", help="only check that three planted bugs are flagged")
     parser.add_argument("--data", default="/work/shared/datasets", help="folder with mnist/ (the shared datasets)")
     args = parser.parse_args(argv)
     global MNIST
@@ -557,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     scratch_root = Path(tempfile.mkdtemp(prefix="hetfl-privfuzz-"))
     from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
     os.environ[TRUSTED_ROOTS_ENV] = str(scratch_root)
+    if args.self_check:
+        caught = self_check(scratch_root)
+        shutil.rmtree(scratch_root, ignore_errors=True)
+        return 0 if all(caught.values()) else 1
     jsonl = args.out.with_suffix(".jsonl")
     rng = random.Random(args.seed)
     start = time.perf_counter()
