@@ -523,8 +523,10 @@ def judge(plan: dict, out: dict, clients: int) -> dict[str, list[str]]:
             flags.append(f"reported epsilon {eps:.4g} < spent on the sum {t['eps_sum']:.4g}")
         if rep.get("noise") == "local" and below(t["eps_upload"], eps):
             flags.append(f"reported epsilon {eps:.4g} < spent per upload {t['eps_upload']:.4g}")
-        if math.isfinite(faced_reported) and faced_reported > 1.5 * faced_truth + 0.1:
-            notes.append(f"over-reported: {faced_reported:.4g} for {faced_truth:.4g} spent")
+        if faced_reported > 1.5 * faced_truth + 0.1:
+            notes.append(f"over-reported: {faced_reported:.4g} for {faced_truth:.4g} spent"
+                         + (f" (noise_reused_rounds {rep.get('noise_reused_rounds')})" if rep.get("noise_reused_rounds")
+                            else ""))
     z_run = rep.get("noise_multiplier")
     if z_run:
         m = (int(next((s.split("=")[1] for s in plan["sets"] if s.startswith("train.clients_per_round=")), "0"))
