@@ -560,8 +560,8 @@ def self_check(scratch_root: Path, count: int = 6, seed: int = 7) -> dict[str, i
             return server
         return original["record_release"](self, method, release, r, server)
 
-    def last_release_only(self, sum_multipliers):
-        return original["guarantee"](self, sum_multipliers[-1:])
+    def last_release_only(self, sum_multipliers, taken_part=None):
+        return original["guarantee"](self, sum_multipliers[-1:], None if taken_part is None else taken_part[-1:])
 
     bugs = {"noise 0.9 x calibration": (MomentsMechanism, "upload_std", weak_noise),
             "round 2 not in the ledger": (Experiment, "record_release", round_2_unrecorded),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from importlib import metadata
@@ -84,11 +84,14 @@ class Release:
     digest: SHA-256 of the released tensors (:func:`release_digest`): a release made again with the same
         seeded noise on the same data is the same release (nothing new is revealed), and is recognised so.
     noise_source: where its noise came from ("seed" or "os").
+    clients: the clients whose uploads it may hold: those its phase asked (a client not asked uploaded nothing),
+        whether their replies came, came late or were refused; None: any client (counted for every one).
     """
 
     multiplier: float
     digest: str
     noise_source: str
+    clients: tuple[int, ...] | None = None
 
 
 def release_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -177,6 +180,48 @@ def epsilon_spent(multipliers: Sequence[float], delta: float) -> float:
     return float(gaussian.get_epsilon_gaussian(z, delta))
 
 
+def participation(clients: Sequence[Collection[int] | None]) -> torch.Tensor | None:
+    """Who took part in each release (``clients``: per release, the clients it may hold, None for any client) as a
+    boolean ``[releases, max client + 1]`` matrix, a row of None all True; None when no release names its clients
+    (every client in every release). A client beyond the matrix's columns is in the all-True rows only, which
+    every column is in too: it is never the worst (:func:`worst_client_multipliers`)."""
+    named = [row for row in clients if row is not None]
+    if not named:
+        return None
+    width = 1 + max((max(row) for row in named if row), default=0)
+    matrix = torch.zeros(len(clients), width, dtype=torch.bool)
+    for i, row in enumerate(clients):
+        if row is None:
+            matrix[i] = True
+        elif row:
+            matrix[i, list(row)] = True
+    return matrix
+
+
+def worst_client_multipliers(multipliers: Sequence[float], taken_part: torch.Tensor | None) -> list[float]:
+    """The multipliers of the releases the most exposed client is in, in order: the client whose releases' privacy
+    losses compose to the largest one (the largest ``sum z_i^-2``: exact composition, :func:`composed_multiplier`).
+    ``taken_part``: :func:`participation`'s matrix for these releases; None: every client is in every release.
+
+    Why per client: the neighbouring relation is one sample added or removed, and a sample lives at one client;
+    a release whose phase did not ask that client is computed without its data. Who is asked is drawn from the
+    run's seed, apart from the data, and known to the server, so this claims no amplification by sampling, only
+    that a client's releases are those it took part in."""
+    if taken_part is None:
+        return list(multipliers)
+    if taken_part.shape[0] != len(multipliers):
+        raise ValueError(f"participation has {taken_part.shape[0]} rows for {len(multipliers)} releases")
+    if not multipliers:
+        return []
+    z = torch.tensor([float(m) for m in multipliers], dtype=torch.float64)
+    precision = torch.where(z > 0, z.clamp(min=1e-300).pow(-2), torch.full_like(z, math.inf))
+    per_client = torch.where(taken_part, precision.unsqueeze(1), torch.zeros(())).sum(0)
+    candidates = (per_client >= per_client.max() * (1 - 1e-12)).nonzero().flatten().tolist()  # then exactly
+    columns = [[float(m) for m, took in zip(multipliers, taken_part[:, c].tolist(), strict=True) if took]
+               for c in candidates]
+    return min(columns, key=composed_multiplier)
+
+
 def clip_rows(x: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Each row scaled to L2 norm at most ``max_norm`` (``x * min(1, max_norm / ||x||)``): the bound
     that gives a sum of rows its sensitivity."""
@@ -194,5 +239,5 @@ def symmetric_noise(shape: tuple[int, ...], std: float, generator: torch.Generat
 
 
 __all__ = ["DELTA_RANGE", "EPSILON_RANGE", "Release", "accountant_name", "budget_problem", "check_budget",
-           "clip_rows", "composed_multiplier", "epsilon_spent", "noise_multiplier", "refused_digest", "release_digest",
-           "require_accountant", "symmetric_noise"]
+           "clip_rows", "composed_multiplier", "epsilon_spent", "noise_multiplier", "participation", "refused_digest",
+           "release_digest", "require_accountant", "symmetric_noise", "worst_client_multipliers"]

@@ -29,12 +29,17 @@ def release(name: str, multiplier: float = 2.0) -> Release:
     return Release(multiplier=multiplier, digest=name, noise_source="seed")
 
 
+def added_to(ledger: PrivacyLedger, method: str, round_: int, r: Release) -> list[float]:
+    """The multipliers of the releases recording ``r`` adds to."""
+    return [e.multiplier for e in ledger.record(method, round_, r)]
+
+
 def test_a_first_release_adds_to_every_earlier_release_of_its_method():
     ledger = PrivacyLedger()
-    assert ledger.record("ccvr", 1, release("r1", 2.0)) == []
-    assert ledger.record("fedpac", 1, release("p1", 5.0)) == []
-    assert ledger.record("ccvr", 2, release("r2", 3.0)) == [2.0]
-    assert ledger.record("ccvr", 3, release("r3", 4.0)) == [2.0, 3.0]
+    assert added_to(ledger, "ccvr", 1, release("r1", 2.0)) == []
+    assert added_to(ledger, "fedpac", 1, release("p1", 5.0)) == []
+    assert added_to(ledger, "ccvr", 2, release("r2", 3.0)) == [2.0]
+    assert added_to(ledger, "ccvr", 3, release("r3", 4.0)) == [2.0, 3.0]
     assert ledger.multipliers("ccvr") == [2.0, 3.0, 4.0]
 
 
@@ -66,8 +71,8 @@ def test_a_replay_of_an_uninterrupted_history_adds_to_what_the_uninterrupted_run
     ledger = PrivacyLedger()
     for r in range(1, 6):
         ledger.record("ccvr", r, release(f"r{r}", float(r)))
-    assert ledger.record("ccvr", 4, release("r4", 4.0)) == [1.0, 2.0, 3.0]
-    assert ledger.record("ccvr", 5, release("r5", 5.0)) == [1.0, 2.0, 3.0, 4.0]
+    assert added_to(ledger, "ccvr", 4, release("r4", 4.0)) == [1.0, 2.0, 3.0]
+    assert added_to(ledger, "ccvr", 5, release("r5", 5.0)) == [1.0, 2.0, 3.0, 4.0]
     assert len(ledger.entries) == 5
 
 
@@ -80,8 +85,8 @@ def test_a_replay_counts_the_releases_of_an_abandoned_resume_up_to_its_round():
         ledger.record("ccvr", r, release(f"r{r}", float(r)))
     ledger.record("ccvr", 4, release("r4'", 40.0))
     ledger.record("ccvr", 5, release("r5'", 50.0))
-    assert sorted(ledger.record("ccvr", 4, release("r4", 4.0))) == [1.0, 2.0, 3.0, 40.0]
-    assert sorted(ledger.record("ccvr", 5, release("r5", 5.0))) == [1.0, 2.0, 3.0, 4.0, 40.0, 50.0]
+    assert sorted(added_to(ledger, "ccvr", 4, release("r4", 4.0))) == [1.0, 2.0, 3.0, 40.0]
+    assert sorted(added_to(ledger, "ccvr", 5, release("r5", 5.0))) == [1.0, 2.0, 3.0, 4.0, 40.0, 50.0]
 
 
 def test_the_checkpoints_releases_may_lie_anywhere_in_the_ledger():

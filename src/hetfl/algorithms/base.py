@@ -39,7 +39,7 @@ from torch.func import functional_call
 from hetfl.models.layers import inference_copy
 from hetfl.models.low_precision import low_precision_names, substitute
 from hetfl.optim import SGDConfig
-from hetfl.privacy import Release
+from hetfl.privacy import Release, participation
 
 Tensors = dict[str, torch.Tensor]
 
@@ -503,12 +503,16 @@ def model_provides(groups: Mapping[str, Sequence[str]]) -> frozenset[str]:
     """The parts of :data:`MODEL_PARTS` a model has, from its parameter groups (``param_groups``)."""
     return frozenset(part for part in MODEL_PARTS if groups.get(part))
 
+#: the server-state extra (``dp_releases_key`` + this) that says who was asked in each release (a boolean matrix)
+PARTICIPATION_SUFFIX = "/taken_part"
+
 
 class PrivateReleases:
     """Hooks of a method (trainer or post-hoc step) that makes differentially private releases, for the
     run's privacy ledger (``hetfl.engine.ledger``): the engine records each release durably before the
     server uses it, then hands the method the multipliers of the releases made before it, so that what
-    the method reports spent counts every release the server ever received (a resumed run's too).
+    the method reports spent counts every release the server ever received (a resumed run's too), each for
+    the clients its phase asked (:meth:`dp_participation`: a client counts the releases it took part in).
 
     A method that releases sets ``dp_releases_key`` (the server-state extra that lists its releases'
     multipliers) and implements :meth:`dp_release`; the rest is generic."""
@@ -533,15 +537,31 @@ class PrivateReleases:
         key = self.dp_releases_key
         return [] if key is None or key not in server.extra else [float(z) for z in server.extra[key].tolist()]
 
-    def dp_with_past(self, server: ServerState, multipliers: list[float]) -> ServerState:
-        """``server`` accounting for exactly ``multipliers``: the releases made before the one at hand."""
+    def dp_with_past(self, server: ServerState, multipliers: list[float],
+                     clients: Sequence[Sequence[int] | None] | None = None) -> ServerState:
+        """``server`` accounting for exactly ``multipliers``: the releases made before the one at hand; and, in
+        :meth:`dp_participation`'s key, who was asked in each of them and in the one at hand (``clients``, one
+        row more than ``multipliers``: the method appends the multiplier of the one at hand when it uses it).
+        ``clients`` None, or no row naming clients: every client in every release (the key is dropped)."""
         key = self.dp_releases_key
         if key is None:
             return server
-        extra = {k: v for k, v in server.extra.items() if k != key}
+        taken_part = None if clients is None else participation(clients)
+        extra = {k: v for k, v in server.extra.items() if k not in (key, key + PARTICIPATION_SUFFIX)}
         if multipliers:
             extra[key] = torch.tensor(multipliers, dtype=torch.float64)
+        if taken_part is not None:
+            extra[key + PARTICIPATION_SUFFIX] = taken_part
         return ServerState(model=server.model, extra=extra)
+
+    def dp_participation(self, server: ServerState, releases: int) -> torch.Tensor | None:
+        """Who was asked in each of ``server``'s ``releases`` releases (:func:`hetfl.privacy.participation`'s
+        matrix, kept by :meth:`dp_with_past`), for the method's guarantee; None (every client in every
+        release, the conservative reading) where the state has no such matrix or one of another length (a
+        checkpoint written before hetfl kept it)."""
+        key = self.dp_releases_key
+        taken_part = None if key is None else server.extra.get(key + PARTICIPATION_SUFFIX)
+        return taken_part if taken_part is not None and taken_part.shape[0] == releases else None
 
     def privacy_notice(self) -> str | None:
         """What the server sees of the method's private uploads, when the headline epsilon does not say it

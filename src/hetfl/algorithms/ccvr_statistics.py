@@ -203,7 +203,8 @@ class CCVRStatistics(PostHoc):
         summed = _summed_clients(replies)
         before = server.extra.get(DP_RELEASES)
         multipliers = ([] if before is None else before.tolist()) + [self.mechanism.sum_multiplier(summed)]
-        return {**self.mechanism.guarantee(multipliers), "dp_accountant": accountant_name(),
+        taken_part = self.dp_participation(server, len(multipliers))
+        return {**self.mechanism.guarantee(multipliers, taken_part), "dp_accountant": accountant_name(),
                 "dp_secure_aggregation": self.setup.secure_aggregation,
                 "dp_covers": "CCVR's per-class statistics; not the training rounds' model updates, nor what a "
                              "set-up round uploads (FedMix's and FedBR's rsm_clients averaged inputs)",

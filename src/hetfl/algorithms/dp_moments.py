@@ -49,6 +49,7 @@ from hetfl.privacy import (
     noise_multiplier,
     refused_digest,
     symmetric_noise,
+    worst_client_multipliers,
 )
 from hetfl.rng import method_generator
 
@@ -153,16 +154,21 @@ class MomentsMechanism:
         refused upload is one of its client's uploads, covered per upload as a release's are."""
         return Release(self.sum_multiplier(len(refused)), refused_digest(refused), noise_source)
 
-    def guarantee(self, sum_multipliers: list[float]) -> dict[str, float | str]:
+    def guarantee(self, sum_multipliers: list[float], taken_part: torch.Tensor | None = None) -> dict[str, float | str]:
         """The budget spent by the releases so far (their sums' multipliers, in order), for the metrics
         line and the summary: ``dp_epsilon`` against what the server is meant to see (the sum, for
-        distributed noise; each upload, for local noise) and ``dp_epsilon_per_upload``."""
-        per_upload = [self.upload_multiplier()] * len(sum_multipliers)
+        distributed noise; each upload, for local noise) and ``dp_epsilon_per_upload``, each that of the most
+        exposed client (:func:`hetfl.privacy.worst_client_multipliers`; ``taken_part``: who was asked in each
+        release, None: every client in every release). ``dp_releases``: the releases the server received;
+        ``dp_client_releases``: the most of them one client took part in."""
+        per_upload = worst_client_multipliers([self.upload_multiplier()] * len(sum_multipliers), taken_part)
         upload_eps = epsilon_spent(per_upload, self.delta)
-        eps = epsilon_spent(sum_multipliers, self.delta) if self.noise == "distributed" else upload_eps
+        eps = (epsilon_spent(worst_client_multipliers(sum_multipliers, taken_part), self.delta)
+               if self.noise == "distributed" else upload_eps)
         return {"dp_epsilon": eps, "dp_delta": self.delta, "dp_epsilon_target": self.epsilon,
                 "dp_epsilon_per_upload": upload_eps, "dp_noise_multiplier": self.multiplier,
-                "dp_noise": self.noise, "dp_clip_norm": self.clip_norm, "dp_releases": len(sum_multipliers)}
+                "dp_noise": self.noise, "dp_clip_norm": self.clip_norm, "dp_releases": len(sum_multipliers),
+                "dp_client_releases": len(per_upload)}
 
 
 def noise_generator(source: str, seed: int, method: str, round_: int, client: int) -> torch.Generator:

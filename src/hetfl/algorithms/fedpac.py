@@ -453,7 +453,9 @@ class FedPAC(Algorithm):
         """The privacy budget the centroid statistics spent so far (none without differential privacy)."""
         if self.mechanism is None or DP_RELEASES not in server.extra:
             return {}
-        return {**self.mechanism.guarantee(server.extra[DP_RELEASES].tolist()), "dp_accountant": accountant_name(),
+        multipliers = server.extra[DP_RELEASES].tolist()
+        taken_part = self.dp_participation(server, len(multipliers))
+        return {**self.mechanism.guarantee(multipliers, taken_part), "dp_accountant": accountant_name(),
                 "dp_summed_clients": len(uploads), "dp_secure_aggregation": False,  # never: the server sees each
                 "dp_covers": DP_COVERS}
 

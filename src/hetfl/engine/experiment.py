@@ -21,6 +21,7 @@ import logging
 import math
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -429,22 +430,25 @@ class Experiment:
                           "(summary.json privacy.epsilon) will exceed the target", reporter)
         return ledger
 
-    def account_release(self, method: PrivateReleases, received: Any, round_: int, server: ServerState) -> ServerState:
+    def account_release(self, method: PrivateReleases, received: Any, round_: int, server: ServerState,
+                        asked: Sequence[int] | None = None) -> ServerState:
         """Record the differentially private release in what the server just ``received`` (if any) in the
-        ledger, durably, before the server uses it; ``server`` then accounts for every earlier release."""
-        return self.record_release(method, method.dp_release(received), round_, server)
+        ledger, durably, before the server uses it; ``server`` then accounts for every earlier release.
+        ``asked``: the clients the phase asked (the round's sampled clients), whom the release counts for,
+        replied or not; None: every client (a post-hoc step asks them all)."""
+        return self.record_release(method, asked_release(method.dp_release(received), asked), round_, server)
 
     def account_stop(self, method: PrivateReleases, stop: PhaseStopped, received: Any, round_: int,
-                     server: ServerState) -> None:
+                     server: ServerState, asked: Sequence[int] | None = None) -> None:
         """Record what a phase that stopped the run had received (``received``: its usable replies, in the
         form :meth:`account_release` takes) before the stop propagates: the server has those uploads, and the
         resumed round releases again. With nothing usable, the uploads it received and refused
         (``stop.refused``) are a release of their own (``dp_refused``); with something usable, that release
-        already counts one upload of every client for this attempt, the refused ones included."""
+        already counts one upload of every client asked in this attempt, the refused ones included."""
         if received:
-            self.account_release(method, received, round_, server)
+            self.account_release(method, received, round_, server, asked)
         elif stop.refused:
-            self.record_release(method, method.dp_refused(stop.refused), round_, server)
+            self.record_release(method, asked_release(method.dp_refused(stop.refused), asked), round_, server)
 
     def record_release(self, method: PrivateReleases, release: Release | None, round_: int,
                        server: ServerState) -> ServerState:
@@ -464,7 +468,8 @@ class Experiment:
                 + ("both count in the epsilon reported" if release.noise_source != "seed" else
                    "both carry the same seeded noise, so their difference is noiseless: the epsilon reported is "
                    "inf"))
-        return method.dp_with_past(server, before)
+        current = self.ledger.entry(method.name, round_, release)  # a replay: the entry it replays
+        return method.dp_with_past(server, [e.multiplier for e in before], [e.clients for e in [*before, current]])
 
     def mark_reused_noise(self, line: dict[str, Any], reporter: Reporter) -> None:
         """A metrics line's budget once the ledger holds a round released twice, with different content, under
@@ -716,7 +721,7 @@ class Experiment:
             updates, bytes_down = self.federation.train(server, clients, sampled, round_, lr, reporter)
         except PhaseStopped as err:  # the uploads the server got before the stop are spent: recorded
             self.account_stop(algo, err, [Upload(u.client_id, u.upload, u.num_samples, u.steps)
-                                          for u in err.received or []], round_, server)
+                                          for u in err.received or []], round_, server, sampled)
             raise
         uploads: list[Upload] = []
         bytes_up = 0
@@ -731,7 +736,7 @@ class Experiment:
             steps_total += u.steps
             for key, value in u.part_sums.items():
                 part_sums[key] = part_sums.get(key, 0.0) + value
-        new_server = algo.aggregate(self.account_release(algo, uploads, round_, server), uploads, round_)
+        new_server = algo.aggregate(self.account_release(algo, uploads, round_, server, sampled), uploads, round_)
         return {
             **algo.round_info(new_server, uploads, round_),
             "round": round_,
@@ -745,6 +750,13 @@ class Experiment:
             "_server": new_server,
         }
 
+
+
+def asked_release(release: Release | None, asked: Sequence[int] | None) -> Release | None:
+    """``release`` naming the clients its phase asked (``Release.clients``); as it is for ``asked = None``."""
+    if release is None or asked is None:
+        return release
+    return dataclasses.replace(release, clients=tuple(sorted(int(c) for c in asked)))
 
 
 def plugin_edits(changed: list[str]) -> list[str]:

@@ -8,8 +8,9 @@ releases carry fresh noise and spend budget again (10 releases where 8 were plan
 target of 4), which a budget kept only in the checkpoint would not count.
 
 What. One entry per release, in the order the server received them: the method's name, the round,
-the noise multiplier the method accounts it with, the noise source and a SHA-256 digest of what the
-server received (:class:`hetfl.privacy.Release`). The file is rewritten whole for each release
+the noise multiplier the method accounts it with, the noise source, a SHA-256 digest of what the
+server received and the clients the phase asked (:class:`hetfl.privacy.Release`: a client counts the
+releases it was asked in). The file is rewritten whole for each release
 (temporary file, fsync, rename, fsync of the folder), so a kill at any moment leaves the previous or
 the new ledger, and a release is on disk before its result is used.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,16 @@ LEDGER_VERSION = 1
 
 @dataclass(frozen=True)
 class Entry:
-    """One release in the ledger."""
+    """One release in the ledger. ``clients``: those its phase asked (:attr:`hetfl.privacy.Release.clients`;
+    None in a ledger written before hetfl recorded them: every client); not part of what makes two entries the
+    same release (a replay of such an entry is a replay)."""
 
     method: str
     round: int
     multiplier: float
     noise_source: str
     digest: str
+    clients: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 class PrivacyLedger:
@@ -68,21 +72,27 @@ class PrivacyLedger:
         """Whether the ledger holds a release of ``method`` in round ``round_`` (a resumed run's lost round)."""
         return any(e.method == method and e.round == round_ for e in self.entries)
 
-    def record(self, method: str, round_: int, release: Release) -> list[float]:
+    def record(self, method: str, round_: int, release: Release) -> list[Entry]:
         """Record ``release`` (durably, before the caller uses it) unless it replays one already in the ledger;
-        returns the multipliers of the releases of ``method`` it adds to: every release of ``method`` before it
-        in the ledger, and, for a replay, those after it that belong to rounds up to ``round_`` (made by an
-        earlier resume that released those rounds differently: the server received them). A replay does
-        not count the later rounds of its own history, which it will replay (or, released differently,
-        append) when it gets there."""
-        entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest)
+        returns the releases of ``method`` it adds to: every release of ``method`` before it in the ledger,
+        and, for a replay, those after it that belong to rounds up to ``round_`` (made by an earlier resume
+        that released those rounds differently: the server received them). A replay does not count the later
+        rounds of its own history, which it will replay (or, released differently, append) when it gets
+        there."""
+        clients = None if release.clients is None else tuple(sorted(int(c) for c in release.clients))
+        entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest, clients)
         if entry not in self.entries:
             self.entries.append(entry)
             self.write()
-            return [e.multiplier for e in self.entries[:-1] if e.method == method]
+            return [e for e in self.entries[:-1] if e.method == method]
         position = self.entries.index(entry)  # a replay: the very numbers the server already received
-        return [e.multiplier for i, e in enumerate(self.entries)
+        return [e for i, e in enumerate(self.entries)
                 if e.method == method and i != position and (i < position or e.round <= round_)]
+
+    def entry(self, method: str, round_: int, release: Release) -> Entry:
+        """The ledger's entry for ``release`` (recorded): the one it replays, if it is a replay."""
+        probe = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest)
+        return self.entries[self.entries.index(probe)]
 
     def reused_seeded_noise(self) -> list[int]:
         """The rounds in which a method released twice with noise drawn from the run's seed
@@ -136,7 +146,8 @@ def read_entries(path: Path) -> list[Entry]:
         if doc.get("version") != LEDGER_VERSION:
             raise ValueError(f"version {doc.get('version')!r}, expected {LEDGER_VERSION}")
         return [Entry(str(e["method"]), int(e["round"]), float(e["multiplier"]), str(e["noise_source"]),
-                      str(e["digest"])) for e in doc["releases"]]
+                      str(e["digest"]), None if e.get("clients") is None else tuple(int(c) for c in e["clients"]))
+                for e in doc["releases"]]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise RunDirError(f"{path}: not a readable privacy ledger ({err}); the budget spent cannot be "
                           "known, so the run is not resumed") from None
