@@ -723,7 +723,7 @@ HOOKS = ("init_server", "payload", "aggregate", "client_weights", "memory_needs"
          "setup_query", "setup_aggregate", "has_setup_round", "init_client_state", "begin", "start_state",
          "trainable_names", "running_buffers", "loss", "stages", "finish", "client_model", "predictor",
          "personalize_stages", "finetune_stages", "dp_release", "dp_refused", "dp_recorded", "dp_with_past",
-         "privacy_notice")
+         "dp_participation", "privacy_notice")
 
 
 def check_hooks_callable(method: Any) -> None:
