@@ -42,3 +42,23 @@ def method_generator(seed: int, name: str, *coords: int) -> torch.Generator:
     """A CPU generator for a method's own draws (``name`` such as ``"fedbr.pseudo"``),
     independent of every engine stream and of every other name."""
     return torch_generator(seed, "algorithm", zlib.crc32(name.encode()), *coords)
+
+
+def sampled_clients(seed: int, round_: int, num_clients: int, per_round: int) -> list[int]:
+    """The clients of a 1-based round, sorted: all of them if ``per_round`` is 0 or at least
+    ``num_clients``, else ``per_round`` drawn without replacement from the round's own stream."""
+    if per_round == 0 or per_round >= num_clients:
+        return list(range(num_clients))
+    rng = numpy_generator(seed, "sample", round_)
+    return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
+
+
+def most_rounds_asked(seed: int, rounds: int, num_clients: int, per_round: int) -> int:
+    """The most rounds any one client is asked in over rounds 1..``rounds`` (:func:`sampled_clients`): drawn from
+    the run's seed before and apart from any data, so a method may calibrate a per-client budget with it."""
+    if per_round == 0 or per_round >= num_clients:
+        return rounds
+    counts = np.zeros(num_clients, dtype=np.int64)
+    for r in range(1, rounds + 1):
+        counts[sampled_clients(seed, r, num_clients, per_round)] += 1
+    return int(counts.max()) if rounds > 0 else 0

@@ -23,7 +23,8 @@ from hetfl.algorithms.dp_moments import MomentsMechanism
 from hetfl.engine.federation import InProcessFederation
 from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.schedule import sampled_clients
-from hetfl.privacy import Release, epsilon_spent, participation, worst_client_multipliers
+from hetfl.privacy import Release, epsilon_spent, noise_multiplier, participation, worst_client_multipliers
+from hetfl.rng import most_rounds_asked
 from hetfl.runtimes import set_up
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,8 +35,12 @@ TINY = ["data.partition=iid", "data.num_clients=4", "data.options={num_devices=8
         "train.clients_per_round=2"]
 
 
-def rounds_taken(seed: int, rounds: int = 4) -> Counter:
-    return Counter(c for r in range(1, rounds + 1) for c in sampled_clients(seed, r, 4, 2))
+def rounds_taken_by(seed: int, rounds: int, clients: int, per_round: int) -> Counter:
+    return Counter(c for r in range(1, rounds + 1) for c in sampled_clients(seed, r, clients, per_round))
+
+
+def rounds_taken(seed: int) -> Counter:
+    return rounds_taken_by(seed, 4, 4, 2)
 
 
 def run(tmp_path, seed: int, monkeypatch=None, drop_round: int | None = None) -> tuple[dict, list[dict]]:
@@ -56,22 +61,32 @@ def run(tmp_path, seed: int, monkeypatch=None, drop_round: int | None = None) ->
 
 
 def test_a_sampled_run_reports_what_its_most_exposed_client_spent(tmp_path):
-    """Seed 1: client 3 is asked in rounds 1, 3 and 4, the others in two rounds or fewer. Its three uploads (each
-    with the whole local noise) are what the run spent: 3.39 of the target 4, reported; every round's line says
-    what had been spent by then."""
+    """Seed 1: client 3 is asked in rounds 1, 3 and 4, the others in two rounds or fewer. The noise is calibrated
+    for three releases (the most one client takes part in, known from the seed before any data is read), and
+    client 3's three uploads (each with the whole local noise) spend the target, reported; every round's line
+    says what had been spent by then. Before, the noise was calibrated for all four rounds and every round
+    counted for every client: 4.0 reported for 3.39 spent."""
     taken = rounds_taken(1)
     assert taken.most_common(1) == [(3, 3)] and sorted(taken.values()) == [1, 2, 2, 3]
     privacy, lines = run(tmp_path, seed=1)
     z = privacy["noise_multiplier"]
+    assert z == noise_multiplier(4.0, 1e-5, 3)
     assert privacy["releases"] == 4 and privacy["client_releases"] == 3
     assert privacy["epsilon"] == epsilon_spent([z] * 3, privacy["delta"]) == privacy["epsilon_per_upload"]
-    assert privacy["epsilon"] == pytest.approx(3.392, abs=1e-3)  # docs/privacy.md's example
-    assert epsilon_spent([z] * 4, privacy["delta"]) == pytest.approx(4.0, rel=1e-6)  # all four rounds: the target
+    assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-9)
+    assert epsilon_spent([noise_multiplier(4.0, 1e-5, 4)] * 3, 1e-5) == pytest.approx(3.392, abs=1e-3)  # the docs
     worst_by_round = [1, 2, 2, 3]  # the most rounds one client was asked in, after each round (client 1, then 3)
     assert [x["dp_client_releases"] for x in lines] == worst_by_round
     assert [x["dp_epsilon"] for x in lines] == [epsilon_spent([z] * k, privacy["delta"]) for k in worst_by_round]
     ledger = json.loads((tmp_path / "run" / "privacy_ledger.json").read_text())["releases"]
     assert [e["clients"] for e in ledger] == [sampled_clients(1, r, 4, 2) for r in (1, 2, 3, 4)]
+
+
+def test_the_calibration_counts_the_most_rounds_one_client_is_asked_in():
+    assert most_rounds_asked(1, 4, 4, 2) == 3 and most_rounds_asked(8, 4, 4, 2) == 2
+    assert most_rounds_asked(1, 4, 4, 0) == most_rounds_asked(1, 4, 4, 4) == 4  # every client, every round
+    for seed in range(5):
+        assert most_rounds_asked(seed, 30, 10, 3) == max(rounds_taken_by(seed, 30, 10, 3).values())
 
 
 def test_a_client_asked_counts_though_its_reply_was_lost(tmp_path, monkeypatch):

@@ -149,6 +149,7 @@ from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.algorithms.simplex_qp import drop_small_eigenvalues, solve_simplex_qp
 from hetfl.params import FINITE, FLOAT32_MAX, ConfigError, above, setting
 from hetfl.privacy import Release, accountant_name, release_digest, require_accountant
+from hetfl.rng import most_rounds_asked
 
 CENTROIDS, HAS_CENTROID = "fedpac.centroids", "fedpac.has_centroid"
 COUNTS, CENTROID_SUMS = "fedpac.counts", "fedpac.centroid_sums"  # a client's upload: additive over clients
@@ -315,12 +316,17 @@ class FedPAC(Algorithm):
     @functools.cached_property
     def mechanism(self) -> MomentsMechanism | None:
         """The Gaussian mechanism of the counts and feature sums (None without differential privacy): the
-        budget over all rounds, the noise shared by a round's participants when distributed."""
+        budget split over the most rounds one client is asked in (every round without client sampling; with
+        it, drawn from the run's seed apart from the data: :func:`hetfl.rng.most_rounds_asked`), the noise
+        shared by a round's participants when distributed."""
         if not math.isfinite(self.hp.dp_epsilon):
             return None
-        participants = self.setup.train.clients_per_round or self.setup.num_clients
+        train = self.setup.train
+        participants = train.clients_per_round or self.setup.num_clients
+        releases = max(1, most_rounds_asked(self.setup.seed, train.rounds, self.setup.num_clients,
+                                            train.clients_per_round))
         return MomentsMechanism(self.hp.dp_epsilon, self.hp.dp_delta, self.hp.clip_norm, participants,
-                                self.setup.train.rounds, self.hp.dp_noise, with_outer=False)
+                                releases, self.hp.dp_noise, with_outer=False)
 
     @property
     def head_names(self) -> list[str]:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from hetfl.config import RunConfig
-from hetfl.rng import numpy_generator
+from hetfl.rng import sampled_clients as sampled_clients  # re-exported: the engine's name for it
 
 
 def batch_schedule(
@@ -45,15 +45,6 @@ def batch_schedule_flat(
         parts.append(perm[: sum(taken)])
         sizes.extend(taken)
     return torch.cat(parts), sizes
-
-
-def sampled_clients(seed: int, round_: int, num_clients: int, per_round: int) -> list[int]:
-    """The clients of a 1-based round, sorted: all of them if ``per_round`` is 0 or at least
-    ``num_clients``, else ``per_round`` drawn without replacement from the round's own stream."""
-    if per_round == 0 or per_round >= num_clients:
-        return list(range(num_clients))
-    rng = numpy_generator(seed, "sample", round_)
-    return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
 
 
 def lr_at(cfg: RunConfig, round_: int) -> float:
