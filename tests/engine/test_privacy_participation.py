@@ -142,3 +142,24 @@ def test_a_ledger_keeps_who_was_asked_and_reads_one_that_did_not(tmp_path):
     assert old.entries[0].clients is None
     assert old.record("fedpac", 1, Release(2.0, "a", "seed", clients=(0, 3))) == []  # a replay: nothing before it
     assert len(old.entries) == 1 and math.isfinite(old.entries[0].multiplier)
+
+
+@pytest.mark.parametrize("source", ["seed", "os"])
+def test_a_killed_and_resumed_sampled_run_reports_what_it_spent(tmp_path, monkeypatch, source):
+    """Killed after round 3's line (checkpoint at round 2), resumed: with seeded noise round 3 is replayed and
+    the numbers are the uninterrupted run's; with noise from the operating system round 3 reached the server
+    twice, each time counted for the clients it asked (2 and 3): client 3 took part in 4 releases."""
+    from tests.engine.test_ledger import session
+
+    cfg = config.load(None, [*TINY, "seed=1", f"algorithm.dp_noise_source={source}", "runtime.checkpoint_every=2"])
+    session(monkeypatch, cfg, tmp_path / "killed", resume=False, kill_after=3)
+    session(monkeypatch, cfg, tmp_path / "killed", resume=True)
+    set_up(cfg).run(tmp_path / "whole")
+    got, whole = (json.loads((tmp_path / d / "summary.json").read_text())["privacy"] for d in ("killed", "whole"))
+    z = whole["noise_multiplier"]
+    assert whole["client_releases"] == 3 and whole["epsilon"] == pytest.approx(4.0, rel=1e-9)
+    if source == "seed":
+        assert got == whole
+        return
+    assert got["releases"] == 5 and got["client_releases"] == 4  # round 3 ([2, 3]) twice: client 3 in 4
+    assert got["epsilon"] == epsilon_spent([z] * 4, got["delta"]) > whole["epsilon"]

@@ -503,6 +503,7 @@ def model_provides(groups: Mapping[str, Sequence[str]]) -> frozenset[str]:
     """The parts of :data:`MODEL_PARTS` a model has, from its parameter groups (``param_groups``)."""
     return frozenset(part for part in MODEL_PARTS if groups.get(part))
 
+
 #: the server-state extra (``dp_releases_key`` + this) that says who was asked in each release (a boolean matrix)
 PARTICIPATION_SUFFIX = "/taken_part"
 
