@@ -86,12 +86,18 @@ class Release:
     noise_source: where its noise came from ("seed" or "os").
     clients: the clients whose uploads it may hold: those its phase asked (a client not asked uploaded nothing),
         whether their replies came, came late or were refused; None: any client (counted for every one).
+    uploads: per client, the digest of its noisy upload as the server received it (:func:`release_digest` of
+        the noisy tensors), where the server sees each upload; None where it does not (a secure sum) or the
+        method does not say. With seeded noise, the same client's round uploaded twice with different
+        content is a noiseless difference; twice the same is nothing new (:meth:`PrivacyLedger.reused_seeded_noise`
+        in ``hetfl.engine.ledger``).
     """
 
     multiplier: float
     digest: str
     noise_source: str
     clients: tuple[int, ...] | None = None
+    uploads: Mapping[int, str] | None = None
 
 
 def release_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

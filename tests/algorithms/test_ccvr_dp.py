@@ -20,7 +20,7 @@ from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.cli import main
 from hetfl.params import ConfigError
 from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
-from tests.helpers import initial_state, tiny_setup
+from tests.helpers import initial_state, release_digest_reference, tiny_setup
 from tests.helpers.runs import interrupted
 
 F64 = torch.float64
@@ -377,6 +377,8 @@ def test_a_release_is_its_sums_multiplier_and_a_digest_of_exactly_what_the_serve
     assert summed.digest == "7eb14bf2d996a31ff2c14921a9d0b0d8b76a80c661e1de9fc2ae86da525977fc"
     assert step.dp_release(dict(reversed(replies.items()))).digest == by_client.digest  # by client id, not order
     assert step.dp_release(SummedReplies(total, (0, 3))).digest != summed.digest  # which clients are in the sum
+    assert by_client.uploads == {c: release_digest_reference(sorted(r.items())) for c, r in replies.items()}
+    assert summed.uploads is None  # a secure sum: no client's upload reached the server
     assert _step(rounds=1)[0].dp_release(replies) is None  # no privacy, no release
 
 

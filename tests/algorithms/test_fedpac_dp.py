@@ -136,7 +136,8 @@ def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
 def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_and_sums(source):
     """dp_release, what the run's ledger records before the server uses a round's uploads: the multiplier of
     the noise in the sum of the uploads received (three of four clients: sqrt(3) local noises), the digest of
-    exactly the private tensors of each upload as received (client/counts, client/sums), the noise's source."""
+    exactly the private tensors of each upload as received (client/counts, client/sums), the noise's source,
+    and each client's upload's own digest (what tells a client's two different uploads under seeded noise)."""
     setup = tiny_setup(num_clients=4, rounds=2)
     algo = build_algorithm("fedpac", {"dp_epsilon": 4.0, "dp_noise_source": source}, setup)
     server = algo.init_server(initial_state(setup))
@@ -144,7 +145,10 @@ def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_an
     release = algo.dp_release(received)
     assert release == Release(algo.mechanism.sum_multiplier(3),
                               release_digest_reference([(f"{u.client_id}/{k}", u.tensors[k]) for u in received
-                                       for k in (COUNTS, CENTROID_SUMS)]), source)
+                                       for k in (COUNTS, CENTROID_SUMS)]), source,
+                              uploads={u.client_id: release_digest_reference([(k, u.tensors[k])
+                                                                              for k in (COUNTS, CENTROID_SUMS)])
+                                       for u in received})
     assert math.isclose(release.multiplier, algo.mechanism.multiplier * math.sqrt(3), rel_tol=1e-12)
     assert build_algorithm("fedpac", {}, setup).dp_release(received) is None  # no privacy, no release
 

@@ -140,9 +140,10 @@ def session(monkeypatch, cfg, run, *, resume: bool, kill_after: int | None = Non
 def test_three_sessions_report_every_release_the_server_received(tmp_path, monkeypatch, source):
     """Killed after round 5 (checkpoint at 3), resumed with a client's reply lost in round 4 and killed after
     round 5 again, resumed to the end. With noise from the operating system every release counts. With
-    seeded noise rounds 4 and 5 reached the server twice with different content (a client fewer, then the
-    model that followed) and the same noise: their difference carries none, so no finite epsilon holds
-    (reported 4.86 before the privacy audit of session 31)."""
+    seeded noise round 5 reached the server twice with different content (the model that followed a round 4
+    with a client fewer) and the same noise: their difference carries none, so no finite epsilon holds
+    (reported 4.86 before the privacy audit of session 31). Round 4's second release held the same uploads
+    as its first, one fewer: nothing new (named too until session 37, which compares the uploads by client)."""
     cfg = config.load(None, [*TINY, "algorithm.name=fedpac", "model.name=mlp", "algorithm.dp_epsilon=4",
                              f"algorithm.dp_noise_source={source}", "train.rounds=5", "train.local_steps=2",
                              "runtime.checkpoint_every=3"])
@@ -154,7 +155,7 @@ def test_three_sessions_report_every_release_the_server_received(tmp_path, monke
     privacy = json.loads((run / "summary.json").read_text())["privacy"]
     if source == "seed":  # the last session replays the first's rounds 4 and 5: nothing new
         assert [e["round"] for e in ledger] == [1, 2, 3, 4, 5, 4, 5]
-        assert privacy["epsilon"] == math.inf and privacy["noise_reused_rounds"] == [4, 5]
+        assert privacy["epsilon"] == math.inf and privacy["noise_reused_rounds"] == [5]
         return
     assert [e["round"] for e in ledger] == [1, 2, 3, 4, 5, 4, 5, 4, 5] and "noise_reused_rounds" not in privacy
     # FedPAC adds its noise locally: each client's upload is one release of multiplier z (the headline epsilon)
@@ -172,3 +173,30 @@ def test_seeded_releases_of_a_round_that_differ_are_named_and_replays_are_not():
     assert ledger.reused_seeded_noise() == []  # a replay, other methods' releases, fresh noise
     ledger.record("ccvr", 1, Release(multiplier=1.0, digest="a2", noise_source="seed"))
     assert ledger.reused_seeded_noise() == [1]
+
+
+def test_a_rounds_releases_that_differ_only_in_who_is_in_them_are_no_noiseless_difference():
+    """Seeded noise, uploads named by client: round 3 released with clients 0 and 1, then (resumed) with 0, 1
+    and 2, each client's upload the same: nothing new. Client 1 uploading something else under the same noise
+    is the noiseless difference; so is any difference where a release does not name its clients' uploads."""
+    def seeded(digest: str, uploads: dict[int, str] | None) -> Release:
+        return Release(multiplier=1.0, digest=digest, noise_source="seed", uploads=uploads)
+
+    ledger = PrivacyLedger()
+    ledger.record("fedpac", 3, seeded("ab", {0: "a", 1: "b"}))
+    ledger.record("fedpac", 3, seeded("abc", {0: "a", 1: "b", 2: "c"}))
+    assert len(ledger.entries) == 2 and ledger.reused_seeded_noise() == []
+    ledger.record("fedpac", 3, seeded("ab'", {0: "a", 1: "b'"}))
+    assert ledger.reused_seeded_noise() == [3]
+    other = PrivacyLedger()
+    other.record("fedpac", 3, seeded("ab", {0: "a", 1: "b"}))
+    other.record("fedpac", 3, seeded("sum", None))  # a secure sum: what differs cannot be told by client
+    assert other.reused_seeded_noise() == [3]
+
+
+def test_a_ledger_keeps_each_clients_upload_digest(tmp_path):
+    ledger = PrivacyLedger(tmp_path)
+    ledger.record("fedpac", 1, Release(2.0, "a", "seed", clients=(0, 3), uploads={3: "d3", 0: "d0"}))
+    (entry,) = PrivacyLedger(tmp_path).entries
+    assert entry.uploads == {0: "d0", 3: "d3"} and entry.clients == (0, 3)
+

@@ -149,6 +149,25 @@ def test_a_refused_upload_beside_a_usable_one_in_a_stopped_round_is_not_counted_
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
 
 
+def test_a_seeded_round_stopped_with_some_replies_and_run_again_is_no_noiseless_difference(tmp_path):
+    """The privacy fuzz's configuration 61 (session 36), reduced: FedPAC with seeded noise; in round 2 nodes 0 and 1
+    answer, node 2's reply is refused (other data); 3 needed, the run stops with two usable uploads, recorded as
+    round 2's release. Resumed, round 2 runs again with all three: a second release of round 2 with other content
+    (a client more) under the same seeded noise, but each client's upload in it is the one it sent before, so
+    nothing new reached the server. Reported: finite, every attempt counted for every client asked (3 releases:
+    epsilon_spent([z] * 3), over the 2 each client's distinct uploads spent); before, inf."""
+    run = tmp_path / "run"
+    seeded = [x for x in FEDPAC if not x.startswith("algorithm.dp_noise_source=")] + ["algorithm.dp_noise_source=seed"]
+    grid = RefusingGrid(3, 2, 2, "train", _other_data, answering=(0, 1))
+    privacy = stopped_then_resumed(grid, [*SMALL, *seeded, "runtime.checkpoint_every=1",
+                                          "runtime.flower_min_replies=0"], run, answered=2)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2, 2] and sorted(ledger[1]["uploads"]) == ["0", "1"]
+    assert all(ledger[2]["uploads"][c] == d for c, d in ledger[1]["uploads"].items())  # the same uploads
+    assert "noise_reused_rounds" not in privacy
+    assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
+
+
 @pytest.mark.parametrize("case", ["other data", "undecodable"])
 def test_a_refused_ccvr_reply_of_a_round_stopped_with_nothing_usable_counts_after_the_resume(tmp_path, case):
     """CCVR's statistics every round (2 planned releases), local OS noise; in round 2's statistics phase nodes 0

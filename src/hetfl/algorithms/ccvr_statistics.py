@@ -154,13 +154,15 @@ class CCVRStatistics(PostHoc):
         noise in the sum of the uploads it got, and the digest of what it got (for the run's ledger)."""
         if self.mechanism is None:
             return None
+        uploads = None  # a secure sum: the server never saw an upload
         if isinstance(received, SummedReplies):
             named = [(f"sum/{k}", received.total[k]) for k in sorted(received.total)]
             named.append(("clients", torch.tensor(received.clients, dtype=torch.int64)))
         else:
             named = [(f"{c}/{k}", received[c][k]) for c in sorted(received) for k in sorted(received[c])]
+            uploads = {c: release_digest([(k, received[c][k]) for k in sorted(received[c])]) for c in received}
         return Release(self.mechanism.sum_multiplier(_summed_clients(received)), release_digest(named),
-                       self.hp.dp_noise_source)
+                       self.hp.dp_noise_source, uploads=uploads)
 
     def dp_refused(self, refused: Mapping[int, str]) -> Release | None:
         """The noisy statistics the server received and refused in a phase with nothing usable (a node with

@@ -418,7 +418,9 @@ class FedPAC(Algorithm):
         if self.mechanism is None:
             return None
         named = [(f"{u.client_id}/{k}", u.tensors[k]) for u in received for k in self.dp_upload_keys]
-        return Release(self.mechanism.sum_multiplier(len(received)), release_digest(named), self.hp.dp_noise_source)
+        uploads = {u.client_id: release_digest([(k, u.tensors[k]) for k in self.dp_upload_keys]) for u in received}
+        return Release(self.mechanism.sum_multiplier(len(received)), release_digest(named), self.hp.dp_noise_source,
+                       uploads=uploads)
 
     def dp_refused(self, refused: Mapping[int, str]) -> Release | None:
         """The noisy centroid statistics in training replies the server received and refused in a round with

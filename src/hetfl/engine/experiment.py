@@ -462,12 +462,17 @@ class Experiment:
         count = len(self.ledger.entries)
         before = self.ledger.record(method.name, round_, release)
         if released_before and len(self.ledger.entries) > count:
+            if release.noise_source != "seed":
+                consequence = "both count in the epsilon reported"
+            elif round_ in self.ledger.reused_seeded_noise():
+                consequence = ("both carry the same seeded noise, so their difference is noiseless: the epsilon "
+                               "reported is inf")
+            else:  # the same clients' same uploads, with others or fewer: nothing new, counted all the same
+                consequence = ("every client's upload in both is the same (seeded noise on the same content), so "
+                               "nothing new reached the server; both count in the epsilon reported")
             logging.getLogger("hetfl").warning(
                 f"privacy: {method.name} released round {round_} again and it differs from the release the ledger "
-                f"holds (noise source {release.noise_source!r}): "
-                + ("both count in the epsilon reported" if release.noise_source != "seed" else
-                   "both carry the same seeded noise, so their difference is noiseless: the epsilon reported is "
-                   "inf"))
+                f"holds (noise source {release.noise_source!r}): {consequence}")
         current = self.ledger.entry(method.name, round_, release)  # a replay: the entry it replays
         return method.dp_with_past(server, [e.multiplier for e in before], [e.clients for e in [*before, current]])
 

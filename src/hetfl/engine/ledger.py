@@ -45,8 +45,9 @@ LEDGER_VERSION = 1
 @dataclass(frozen=True)
 class Entry:
     """One release in the ledger. ``clients``: those its phase asked (:attr:`hetfl.privacy.Release.clients`;
-    None in a ledger written before hetfl recorded them: every client); not part of what makes two entries the
-    same release (a replay of such an entry is a replay)."""
+    None in a ledger written before hetfl recorded them: every client); ``uploads``: the digest of each client's
+    upload in it, where the server saw each (:attr:`hetfl.privacy.Release.uploads`; None: not known). Neither is
+    part of what makes two entries the same release (a replay of an entry written without them is a replay)."""
 
     method: str
     round: int
@@ -54,6 +55,7 @@ class Entry:
     noise_source: str
     digest: str
     clients: tuple[int, ...] | None = field(default=None, compare=False)
+    uploads: dict[int, str] | None = field(default=None, compare=False)
 
 
 class PrivacyLedger:
@@ -80,7 +82,9 @@ class PrivacyLedger:
         rounds of its own history, which it will replay (or, released differently, append) when it gets
         there."""
         clients = None if release.clients is None else tuple(sorted(int(c) for c in release.clients))
-        entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest, clients)
+        uploads = None if release.uploads is None else {int(c): str(d) for c, d in sorted(release.uploads.items())}
+        entry = Entry(method, round_, float(release.multiplier), release.noise_source, release.digest, clients,
+                      uploads)
         if entry not in self.entries:
             self.entries.append(entry)
             self.write()
@@ -98,12 +102,15 @@ class PrivacyLedger:
         """The rounds in which a method released twice with noise drawn from the run's seed
         (``dp_noise_source = "seed"``) and different content: the noise of a (method, round, client) is the
         same in both, so their difference reaches the server without noise, and no finite epsilon holds.
-        A replay (same digest) is no such pair."""
-        digests: dict[tuple[str, int], set[str]] = {}
+        A replay (same digest) is no such pair. Where every such release of the round says what each client
+        uploaded (``Entry.uploads``: the server saw each upload), the pair is a client's: two releases that
+        differ only in who is in them (a phase stopped with some replies, then run again with all) carry each
+        client's same upload, nothing new; one client's two different uploads are the noiseless difference."""
+        seeded: dict[tuple[str, int], list[Entry]] = {}
         for e in self.entries:
             if e.noise_source == "seed":
-                digests.setdefault((e.method, e.round), set()).add(e.digest)
-        return sorted({r for (_, r), seen in digests.items() if len(seen) > 1})
+                seeded.setdefault((e.method, e.round), []).append(e)
+        return sorted({r for (_, r), entries in seeded.items() if _differ_under_one_noise(entries)})
 
     def after(self, method: str, recorded: int) -> list[Entry]:
         """The ledger's releases of ``method`` beyond the ``recorded`` a checkpoint accounts for (made after it,
@@ -139,6 +146,21 @@ class PrivacyLedger:
         fsync_path(self.path.parent)
 
 
+def _differ_under_one_noise(entries: list[Entry]) -> bool:
+    """Whether releases of one method and round, all under the same seeded noise, hold two different contents
+    under it: different digests, and, where each names its clients' uploads, one client with two."""
+    if len({e.digest for e in entries}) < 2:
+        return False
+    if any(e.uploads is None for e in entries):
+        return True  # what differs cannot be told apart by client: take it as the noiseless difference
+    seen: dict[int, str] = {}
+    for e in entries:
+        for client, digest in e.uploads.items():  # type: ignore[union-attr]
+            if seen.setdefault(client, digest) != digest:
+                return True
+    return False
+
+
 def read_entries(path: Path) -> list[Entry]:
     """The entries of a ledger file; a RunDirError naming the file if it cannot be read as one."""
     try:
@@ -146,7 +168,8 @@ def read_entries(path: Path) -> list[Entry]:
         if doc.get("version") != LEDGER_VERSION:
             raise ValueError(f"version {doc.get('version')!r}, expected {LEDGER_VERSION}")
         return [Entry(str(e["method"]), int(e["round"]), float(e["multiplier"]), str(e["noise_source"]),
-                      str(e["digest"]), None if e.get("clients") is None else tuple(int(c) for c in e["clients"]))
+                      str(e["digest"]), None if e.get("clients") is None else tuple(int(c) for c in e["clients"]),
+                      None if e.get("uploads") is None else {int(c): str(d) for c, d in e["uploads"].items()})
                 for e in doc["releases"]]
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise RunDirError(f"{path}: not a readable privacy ledger ({err}); the budget spent cannot be "
