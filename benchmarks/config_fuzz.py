@@ -28,25 +28,19 @@ Writes ``benchmarks/results/config_fuzz_<device>.md`` (findings, then every conf
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import platform
 import random
 import shutil
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
-import torch
+import fuzz_common
 
 from hetfl import config
 from hetfl.algorithms import available
 from hetfl.engine.experiment import Experiment
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 #: per dataset: its settings (ROOT: the datasets folder) and the models drawn for it (CPU-sized: no VGG-11,
 #: MobileNetV2, ResNets or CCT, whose evaluation on 10,000 test images, and CCVR's features of the 50,000
@@ -111,9 +105,7 @@ def run_once(sets: list[str], executor: list[str], folder: Path) -> dict:
                    nonfinite=[] if summary.get("diverged_round") is not None else
                    sorted({k for x in lines for k, v in x.items() if isinstance(v, float) and not math.isfinite(v)}))
     except Exception as err:  # every kind is the point
-        out.update(outcome="refused" if refusal(err) else "crash", error=f"{type(err).__name__}: {err}"[:500])
-        if out["outcome"] == "crash":
-            out["trace"] = traceback.format_exc()[-2000:]
+        fuzz_common.note_exception(out, err, refusal(err))
     out["seconds"] = round(time.perf_counter() - start, 1)
     return out
 
@@ -144,56 +136,22 @@ def check(drawn: list[str], root: str, scratch: Path) -> dict:
 
 
 def write_markdown(records: list[dict], path: Path, command: str) -> None:
-    counts: dict[str, int] = {}
-    for r in records:
-        key = "finding" if r["findings"] else r["seq"]["outcome"]
-        counts[key] = counts.get(key, 0) + 1
-    lines = ["# Config fuzz: both executors on random configurations (benchmarks/config_fuzz.py)", "",
-             f"`{command}` on {platform.machine()} ({torch.get_num_threads()} threads, torch {torch.__version__}), "
-             f"{dt.date.today()}: {len(records)} configurations; "
-             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "", "## Findings", ""]
-    found = [r for r in records if r["findings"]]
-    lines += [f"- `{' '.join(r['sets'])}`: " + "; ".join(r["findings"]) for r in found] or ["none"]
-    lines += ["", "## Every configuration", "", "| # | method | model | outcome | s (seq / vec) |",
-              "|---|---|---|---|---|"]
-    for i, r in enumerate(records):
-        get = dict(s.split("=", 1) for s in r["sets"] if "=" in s)
-        outcome = "finding" if r["findings"] else r["seq"]["outcome"]
-        if outcome == "refused":
-            outcome += ": " + r["seq"]["error"].split(":", 1)[0]
-        seconds = f"{r['seq']['seconds']} / {r.get('vec', {}).get('seconds', '-')}"
-        lines.append(f"| {i} | {get.get('algorithm.name')} | {get.get('model.name')} | {outcome} | {seconds} |")
+    lines = fuzz_common.report_head("Config fuzz: both executors on random configurations (benchmarks/config_fuzz.py)",
+                                    command, records, "seq")
+    lines += fuzz_common.two_run_table(records, "seq", "vec", "s (seq / vec)")
     path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default="../shared/datasets", help="folder holding mnist/ and cifar10-jpeg.tar.gz")
-    parser.add_argument("--count", type=int, default=50, help="configurations to draw")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    parser.add_argument("--datasets", nargs="+", default=["synthetic", "synthetic", "mnist", "mnist", "cifar10"],
-                        choices=sorted(DATASETS), help="drawn from, with repeats as weights")
-    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop drawing after this many seconds")
-    parser.add_argument("--out", default=str(RESULTS / "config_fuzz_cpu.md"))
+    fuzz_common.add_arguments(parser, count=50, datasets=fuzz_common.DEFAULT_DATASETS, dataset_names=list(DATASETS),
+                              out="config_fuzz_cpu.md")
     args = parser.parse_args(argv)
     root = str(Path(args.data).resolve())
-    rng = random.Random(args.seed)
-    out = Path(args.out)
-    log = out.with_suffix(".jsonl")
-    records: list[dict] = []
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.count):
-            if time.perf_counter() - start > args.budget_s:
-                break
-            sets = draw(rng, args.datasets)
-            record = check(sets, root, Path(tmp) / str(i))
-            records.append(record)
-            with log.open("a") as f:
-                f.write(json.dumps({"seed": args.seed, "i": i, **record}) + "\n")
-            print(i, "FINDING " + "; ".join(record["findings"]) if record["findings"] else record["seq"]["outcome"],
-                  " ".join(s for s in sets if s.startswith(("algorithm.", "model."))), flush=True)
-    write_markdown(records, out, "python benchmarks/config_fuzz.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    records = fuzz_common.run_trials(
+        args, lambda rng, scratch: check(draw(rng, args.datasets), root, scratch), "seq",
+        lambda r: " ".join(s for s in r["sets"] if s.startswith(("algorithm.", "model."))))
+    write_markdown(records, Path(args.out), fuzz_common.command_line("config_fuzz.py", argv))
     return 1 if any(r["findings"] for r in records) else 0
 
 

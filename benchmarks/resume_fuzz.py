@@ -28,17 +28,12 @@ appended as it goes.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import logging
-import math
-import platform
 import random
 import shutil
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +42,14 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from config_fuzz import draw, refusal
+import fuzz_common
+from config_fuzz import DATASETS, draw, refusal
 
 from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.rundir import LOCK_NAME
 from hetfl.engine.summary import Reporter
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TENSOR_FILES = ("checkpoint.safetensors", "trained.safetensors")
 KINDS = ("start", "clients", "eval", "end")
 
@@ -209,9 +204,7 @@ def attempt(fn: Any) -> dict[str, Any]:
     except Crash as err:
         out.update(outcome="crashed", at=str(err))
     except Exception as err:  # every kind is the point
-        out.update(outcome="refused" if refusal(err) else "crash", error=f"{type(err).__name__}: {err}"[:500])
-        if out["outcome"] == "crash":
-            out["trace"] = traceback.format_exc()[-2000:]
+        fuzz_common.note_exception(out, err, refusal(err))
     out["seconds"] = round(time.perf_counter() - start, 1)
     return out
 
@@ -249,66 +242,44 @@ def check(drawn: list[str], point: dict[str, Any], root: str, scratch: Path) -> 
 
 
 def write_markdown(records: list[dict], path: Path, command: str) -> None:
-    counts: dict[str, int] = {}
-    for r in records:
-        key = "finding" if r["findings"] else r["a"]["outcome"]
-        counts[key] = counts.get(key, 0) + 1
-    lines_ = ["# Resume fuzz: crash-and-resume on random configurations (benchmarks/resume_fuzz.py)", "",
-              f"`{command}` on {platform.machine()} ({torch.get_num_threads()} threads, torch {torch.__version__}), "
-              f"{dt.date.today()}: {len(records)} configurations; "
-              + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "", "## Findings", ""]
-    found = [r for r in records if r["findings"]]
-    lines_ += [f"- `{' '.join(r['sets'])}`, crash {r['crash']}: " + "; ".join(r["findings"]) for r in found] or ["none"]
-    lines_ += ["", "## Every configuration", "",
-               "| # | method | model | executor | ckpt every | crash | outcome | s (a / b / crashed) |",
-               "|---|---|---|---|---|---|---|---|"]
+    lines = fuzz_common.report_head(
+        "Resume fuzz: crash-and-resume on random configurations (benchmarks/resume_fuzz.py)", command, records, "a",
+        lambda r: f"`{' '.join(r['sets'])}`, crash {r['crash']}")
+    lines += ["", "## Every configuration", "",
+              "| # | method | model | executor | ckpt every | crash | outcome | s (a / b / crashed) |",
+              "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(records):
-        get = dict(s.split("=", 1) for s in r["sets"] if "=" in s)
-        outcome = "finding" if r["findings"] else r["a"]["outcome"]
-        if outcome == "refused":
-            outcome += ": " + r["a"]["error"].split(":", 1)[0]
-        elif outcome == "ok":
+        get = fuzz_common.settings(r)
+        outcome = fuzz_common.table_outcome(r, "a")
+        if outcome == "ok":
             outcome = "ok, " + (r["crashed"].get("at") or "crash point not reached")
         crash = f"{r['crash']['kind']} r{r['crash']['round']}" + (
             f" c{r['crash']['client']}" if r["crash"]["kind"] == "clients" else "")
         seconds = " / ".join(str(r.get(k, {}).get("seconds", "-")) for k in ("a", "b", "crashed"))
-        lines_.append(f"| {i} | {get.get('algorithm.name')} | {get.get('model.name')} | "
-                      f"{get.get('runtime.executor', 'sequential')} | {get.get('runtime.checkpoint_every')} | "
-                      f"{crash} | {outcome} | {seconds} |")
-    path.write_text("\n".join(lines_) + "\n")
+        lines.append(f"| {i} | {get.get('algorithm.name')} | {get.get('model.name')} | "
+                     f"{get.get('runtime.executor', 'sequential')} | {get.get('runtime.checkpoint_every')} | "
+                     f"{crash} | {outcome} | {seconds} |")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default="../shared/datasets", help="folder holding mnist/ and cifar10-jpeg.tar.gz")
-    parser.add_argument("--count", type=int, default=50, help="configurations to draw")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    parser.add_argument("--datasets", nargs="+", default=["synthetic", "synthetic", "synthetic", "mnist", "cifar10"],
-                        help="drawn from, with repeats as weights (config_fuzz.DATASETS)")
+    fuzz_common.add_arguments(parser, count=50, datasets=("synthetic", "synthetic", "synthetic", "mnist", "cifar10"),
+                              dataset_names=list(DATASETS), out="resume_fuzz_cpu.md")
     parser.add_argument("--methods", nargs="+", help="only these algorithm.name values (e.g. fedpac fedavg+ccvr)")
-    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop drawing after this many seconds")
-    parser.add_argument("--out", default=str(RESULTS / "resume_fuzz_cpu.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("hetfl").setLevel(logging.ERROR)  # the runs' notes, four times a configuration
     root = str(Path(args.data).resolve())
-    rng = random.Random(args.seed)
-    out = Path(args.out)
-    log = out.with_suffix(".jsonl")
-    records: list[dict] = []
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.count):
-            if time.perf_counter() - start > args.budget_s:
-                break
-            sets, point = draw_resume(rng, args.datasets, args.methods)
-            record = check(sets, point, root, Path(tmp) / str(i))
-            records.append(record)
-            with log.open("a") as f:
-                f.write(json.dumps({"seed": args.seed, "i": i, **record}) + "\n")
-            print(i, "FINDING " + "; ".join(record["findings"]) if record["findings"] else record["a"]["outcome"],
-                  " ".join(s for s in sets if s.startswith(("algorithm.name", "model."))), point, flush=True)
-    write_markdown(records, out, "python benchmarks/resume_fuzz.py " + " ".join(sys.argv[1:] if argv is None else argv))
+
+    def trial(rng: random.Random, scratch: Path) -> dict:
+        sets, point = draw_resume(rng, args.datasets, args.methods)
+        return check(sets, point, root, scratch)
+
+    records = fuzz_common.run_trials(
+        args, trial, "a",
+        lambda r: " ".join(s for s in r["sets"] if s.startswith(("algorithm.name", "model."))) + f" {r['crash']}")
+    write_markdown(records, Path(args.out), fuzz_common.command_line("resume_fuzz.py", argv))
     return 1 if any(r["findings"] for r in records) else 0
 
 
