@@ -80,16 +80,6 @@ KILLED_RUNS = ("--deselect", "tests/test_privacy_edges.py::"
 NO_PROCESSES = ("-m", "not processes")
 # the end-to-end runs marked slow (whole runs; the unit tests of the same files cover their code)
 NOT_SLOW = ("-m", "not slow")
-# the tests of test_first_day.py and test_sweep.py that read the README or the presets in configs/ (mutmut's copy
-# of the repository, mutants/, holds only src/ and tests/)
-NEEDS_README_OR_CONFIGS = tuple(itertools.chain.from_iterable(("--deselect", test) for test in (
-    "tests/test_first_day.py::test_the_plugin_example_changes_the_run_and_logs_its_loss_parts",
-    "tests/test_first_day.py::test_the_feduv_preset_runs_the_authors_code_bandwidth_and_says_so",
-    "tests/test_first_day.py::test_the_readme_explains_global_against_mean_client_accuracy_and_lists_eval_time",
-    "tests/test_first_day.py::test_the_quick_ccvr_presets_runs_have_distinct_progress_labels",
-    "tests/test_first_day.py::test_a_measured_quick_estimate_is_shown_with_its_machine_and_load",
-    "tests/test_first_day.py::test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it",
-    "tests/test_sweep.py::test_reproduce_list_labels_estimates_measured_or_rough")))
 
 TARGETS = (
     # the four seed methods
@@ -213,12 +203,6 @@ TARGETS = (
            ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
     Target("analysis_classifier", "src/hetfl/analysis/classifier.py",
            ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
-    # the comparison tables (session 38): mean ± std over seeds, best and final accuracy, rounds to a target, the
-    # shown columns, chance, divergence, traffic and privacy cells; the CLI's whole compare runs left out
-    Target("tables", "src/hetfl/tables.py",
-           ("tests/test_tables_mutants.py", "tests/test_sweep.py", "tests/test_first_day.py",
-            "tests/engine/test_run_identity.py"),
-           ("-m", "not processes and not slow", *NEEDS_README_OR_CONFIGS)),
     # the engine's sequential local trainer (session 35): the round against FedAvg by hand (both executors: the
     # vectorised one calls step_gradients and clip_grads), the in-place step against the functional one, bf16
     Target("engine_local", "src/hetfl/engine/local.py",

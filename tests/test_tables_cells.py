@@ -1,6 +1,6 @@
 """The comparison table's cells and notes, computed by hand for a small table that has every kind of column
-(``hetfl.tables``; session 38's mutation run of tables.py: the survivors these tests kill were cells, edges
-and notes no test read whole).
+(``hetfl.tables``): what a researcher reads of a comparison, every cell and note, whole (session 38: the first
+mutation run of tables.py left cells, edges and notes that no test read whole).
 
 The table: FedAvg+CCVR, two seeds (one diverged), private with distributed noise and no secure aggregation,
 traffic known; FedProx, one seed, at chance, nothing private, no traffic recorded. Target accuracy 70%, which
