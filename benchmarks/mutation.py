@@ -219,7 +219,8 @@ TARGETS = (
     # the clients' data on the device (session 38): per-client views, batch sampling from per-client generators,
     # the augmentation draws, the per-client test accuracies
     Target("engine_data", "src/hetfl/engine/data.py",
-           ("tests/engine/test_federated_data.py", "tests/engine/test_data_mutants.py"), ("-m", "not processes and not slow")),
+           ("tests/engine/test_federated_data.py", "tests/engine/test_data_mutants.py"),
+           ("-m", "not processes and not slow")),
     # a vectorised round's host-side schedule (session 38): the same draws as the sequential executor, in the same
     # order, laid out as calls of blocks of steps (the whole-run vectorised tests are left to test_vectorized.py)
     Target("engine_step_plan", "src/hetfl/engine/step_plan.py",
@@ -227,7 +228,8 @@ TARGETS = (
     # the run's checkpoint (session 38): what is saved and restored for an exact resume, the refusals of a
     # foreign or damaged file
     Target("engine_checkpoint", "src/hetfl/engine/checkpoint.py",
-           ("tests/engine/test_run_dir_safety.py", "tests/engine/test_checkpoint_mutants.py"), ("-m", "not processes and not slow")),
+           ("tests/engine/test_run_dir_safety.py", "tests/engine/test_checkpoint_mutants.py"),
+           ("-m", "not processes and not slow")),
 )
 
 
