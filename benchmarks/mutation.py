@@ -224,7 +224,8 @@ TARGETS = (
     # a vectorised round's host-side schedule (session 38): the same draws as the sequential executor, in the same
     # order, laid out as calls of blocks of steps (the whole-run vectorised tests are left to test_vectorized.py)
     Target("engine_step_plan", "src/hetfl/engine/step_plan.py",
-           ("tests/engine/test_vectorized_host.py",), ("-m", "not processes and not slow")),
+           ("tests/engine/test_vectorized_host.py", "tests/engine/test_step_plan_mutants.py"),
+           ("-m", "not processes and not slow")),
     # the run's checkpoint (session 38): what is saved and restored for an exact resume, the refusals of a
     # foreign or damaged file
     Target("engine_checkpoint", "src/hetfl/engine/checkpoint.py",
