@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hetfl.algorithms.base import Stage
-from hetfl.engine.schedule import batch_schedule_flat
+from hetfl.engine.schedule import batch_schedule
 from hetfl.engine.step_plan import BLOCK_STEPS, bucket_width, plan_round, split_steps
 from hetfl.optim import SGDConfig
 
@@ -41,14 +41,16 @@ def _reference(stages, clients, sizes, batch_size, drop_last, augment, draws):
     for stage in stages:
         per_row = []
         for r in range(k):
-            flat, batches = batch_schedule_flat(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, bg[r])
-            glob = _global(clients[r], flat)
+            # local.run_stages' order: the stage's schedule, its augmentation (FederatedData.train_batches:
+            # one stage_augment), then a step's draws before each step
+            schedule = batch_schedule(sizes[r], batch_size, stage.epochs, stage.steps, drop_last, bg[r])
+            batches = [len(b) for b in schedule]
             aug = _augment(batches, ag[r]) if augment else None
             seq, a = [], 0
-            for j, n in enumerate(batches):
-                d = _draws(dg[r], n) if draws else {}
-                seq.append((j == 0, glob[a:a + n], None if aug is None else aug[:, a:a + n], d))
-                a += n
+            for j, b in enumerate(schedule):
+                d = _draws(dg[r], len(b)) if draws else {}
+                seq.append((j == 0, _global(clients[r], b), None if aug is None else aug[:, a:a + len(b)], d))
+                a += len(b)
             per_row.append(seq)
         out.append(per_row)
     return out
