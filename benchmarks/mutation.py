@@ -226,11 +226,11 @@ TARGETS = (
     Target("engine_step_plan", "src/hetfl/engine/step_plan.py",
            ("tests/engine/test_vectorized_host.py", "tests/engine/test_step_plan_mutants.py"),
            ("-m", "not processes and not slow")),
-    # the run's checkpoint (session 38): what is saved and restored for an exact resume, the refusals of a
-    # foreign or damaged file
+    # the run's checkpoint (session 38): what is saved and restored for an exact resume (every tensor under its
+    # scope, in its order, in memory of its own), the refusals of a foreign or damaged file. The hand tests only:
+    # test_run_dir_safety.py's resumed runs (14 s) checked 49 mutants in 5 minutes on the shared 2 cores
     Target("engine_checkpoint", "src/hetfl/engine/checkpoint.py",
-           ("tests/engine/test_run_dir_safety.py", "tests/engine/test_checkpoint_mutants.py"),
-           ("-m", "not processes and not slow")),
+           ("tests/engine/test_checkpoint_mutants.py",), ("-m", "not processes and not slow")),
 )
 
 

@@ -82,7 +82,9 @@ def test_refusals_name_the_file_and_the_fault(tmp_path):
     with pytest.raises(CheckpointError, match=r"format '2', expected 1"):
         load_checkpoint(tmp_path, CPU)
     _raw(tmp_path, {"server.model/w": torch.ones(1)}, order=json.dumps(["server.model/v"]))
-    with pytest.raises(CheckpointError, match="corrupt or not a hetfl checkpoint.*not the ones its metadata"):
+    with pytest.raises(CheckpointError, match=r"corrupt or not a hetfl checkpoint \(ValueError: its tensors are "
+                                              r"not the ones its metadata lists\); delete it to restart the run "
+                                              r"from round 1$"):
         load_checkpoint(tmp_path, CPU)
     _raw(tmp_path, {"server.model/w": torch.ones(1)}, round=None)
     with pytest.raises(CheckpointError, match="KeyError"):
@@ -91,7 +93,7 @@ def test_refusals_name_the_file_and_the_fault(tmp_path):
     with pytest.raises(CheckpointError, match="unexpected tensor 'other/w'"):
         load_checkpoint(tmp_path, CPU)
     (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a safetensors file")
-    with pytest.raises(CheckpointError, match="delete it to restart the run from round 1"):
+    with pytest.raises(CheckpointError, match=r"\); delete it to restart the run from round 1$"):
         load_checkpoint(tmp_path, CPU)
 
 
@@ -101,3 +103,41 @@ def test_a_checkpoint_without_an_order_is_read_in_the_files_order(tmp_path):
     back = load_checkpoint(tmp_path, CPU)
     assert back.round == 2 and back.info == {}
     assert list(back.server.model) == ["a", "b"] and torch.equal(back.clients[2]["s"], torch.full((1,), 2.0))
+
+
+def test_names_with_a_slash_keep_it(tmp_path):
+    """A tensor's scope is what comes before its name's first "/": a state name may hold one itself."""
+    ck = Checkpoint(round=1, server=ServerState(model={"block/w": torch.ones(1)}, extra={"a/b/c": torch.zeros(1)}),
+                    clients={0: {"x/y": torch.full((1,), 3.0)}}, info={})
+    save_checkpoint(tmp_path, ck)
+    back = load_checkpoint(tmp_path, CPU)
+    assert list(back.server.model) == ["block/w"] and list(back.server.extra) == ["a/b/c"]
+    assert list(back.clients[0]) == ["x/y"]
+
+
+def test_tensors_are_loaded_onto_the_device_asked_for(tmp_path):
+    """The "meta" device stands for a GPU here: not the CPU, so each tensor is moved there."""
+    save_checkpoint(tmp_path, _ckpt())
+    back = load_checkpoint(tmp_path, torch.device("meta"))
+    assert {t.device.type for t in back.server.model.values()} == {"meta"}
+    assert {t.device.type for s in back.clients.values() for t in s.values()} == {"meta"}
+
+
+def test_the_temp_file_is_hidden_beside_the_target_and_removed_when_the_write_fails(tmp_path, monkeypatch):
+    import hetfl.engine.checkpoint as checkpoint
+
+    seen = []
+
+    def failing_save(tensors, filename, metadata=None):
+        seen.append(filename)
+        with open(filename, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_tensors(tmp_path / "trained.safetensors", {"a": torch.ones(2)})
+    (tmp,) = seen
+    name = tmp.rsplit("/", 1)[-1]
+    assert tmp.startswith(str(tmp_path) + "/") and name.startswith(".trained.safetensors.") and name.endswith(".tmp")
+    assert list(tmp_path.iterdir()) == []
