@@ -46,6 +46,11 @@ def test_a_view_only_for_one_ascending_run():
     assert torch.equal(fd._client_view(np.array([4, 5, 6])).y, ds.test.y[4:7])
     assert torch.equal(fd._client_view(np.array([2, 2, 4])).x, ds.test.x[[2, 2, 4]])  # first..last spans 3, not a run
     assert fd._client_view(np.array([], dtype=np.int64)).x.shape[0] == 0
+    base = fd.test_x.untyped_storage().data_ptr()
+    assert fd._client_view(np.array([4, 5, 6])).x.untyped_storage().data_ptr() == base  # a view, not a copy
+    assert fd._client_view(np.array([0])).y.untyped_storage().data_ptr() == fd.test_y.untyped_storage().data_ptr()
+    for gathered in ([1, 3, 4], [2, 2, 4], [4, 5, 7], [3, 4, 6, 7]):
+        assert fd._client_view(np.array(gathered)).x.untyped_storage().data_ptr() != base
 
 
 def test_permuted_labels_in_training_and_test():
@@ -109,8 +114,9 @@ def test_a_stages_batches_are_its_draws_split_by_batch():
         ref = fd.batch_at(fd.global_indices(1, local), aug)
         assert torch.equal(b.x, ref.x) and torch.equal(b.y, ds.train.y[local + 4])
     plain, _ = _images("none")
-    (b,) = plain.train_batches(0, [torch.tensor([2, 1])], torch.Generator())
+    b, c = plain.train_batches(0, [torch.tensor([2, 1]), torch.tensor([0])], torch.Generator())
     assert torch.equal(b.x, plain.prepare(ds.train.x[[2, 1]])) and torch.equal(b.y, ds.train.y[[2, 1]])
+    assert torch.equal(c.x, plain.prepare(ds.train.x[[0]]))
 
 
 def test_rotated_clients_train_and_test_on_rotated_images():
