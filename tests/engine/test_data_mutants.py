@@ -127,3 +127,10 @@ def test_rotated_clients_train_and_test_on_rotated_images():
     assert torch.equal(fd.train_x[4:], rotate(ds.train.x[4:], 90.0))
     assert torch.equal(fd.client_tests[1].x, rotate(ds.test.x[2:4], 90.0))
     assert torch.equal(fd.client_tests[0].x, ds.test.x[:2])
+
+
+def test_the_crops_of_wide_images_run_along_their_width():
+    fd, _ = _images("crop_flip", shape=(3, 16, 24))
+    got = fd.augment_draws(4, torch.Generator().manual_seed(2))
+    dx, dy, flips = augment_params(4, 3, True, torch.Generator().manual_seed(2))
+    assert torch.equal(got, crop_starts(dx, dy, flips, 24))
