@@ -35,6 +35,8 @@ def test_client_test_splits_and_accuracies_by_hand():
     # client 0: samples 2, 3, 4 -> 2/3; client 1: samples 0, 5, 7 -> 3/3; client 2 holds no test sample
     assert fd.client_test_accuracies(correct) == {0: pytest.approx(2 / 3), 1: 1.0}
     assert fd.client_test_accuracies(~correct) == {0: pytest.approx(1 / 3), 1: 0.0}  # the cached segments again
+    # the same floats as each client's float32 mean (not float64's 2/3)
+    assert fd.client_test_accuracies(correct)[0] == correct[2:5].float().mean().item() != 2 / 3
     x, y = fd.client_train_split(1)
     assert torch.equal(x, ds.train.x[6:10]) and torch.equal(y, ds.train.y[6:10])
     assert torch.equal(fd.global_indices(1, torch.tensor([3, 0])), torch.tensor([9, 6]))
