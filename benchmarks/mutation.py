@@ -216,6 +216,21 @@ TARGETS = (
             "tests/engine/test_layers.py", "tests/engine/test_federation_mutants.py",
             "tests/engine/test_engine.py::test_saved_client_models_average_to_the_global_model"),
            ("-m", "not processes and not slow")),
+    # the clients' data on the device (session 38): per-client views, batch sampling from per-client generators,
+    # the augmentation draws, the per-client test accuracies
+    Target("engine_data", "src/hetfl/engine/data.py",
+           ("tests/engine/test_federated_data.py", "tests/engine/test_data_mutants.py"),
+           ("-m", "not processes and not slow")),
+    # a vectorised round's host-side schedule (session 38): the same draws as the sequential executor, in the same
+    # order, laid out as calls of blocks of steps: the plan replayed call by call against the sequential draws (1.3 s;
+    # test_vectorized_host.py's whole vectorised rounds, 19 s, and test_vectorized.py are left out: minutes a mutant)
+    Target("engine_step_plan", "src/hetfl/engine/step_plan.py",
+           ("tests/engine/test_step_plan_mutants.py",), ("-m", "not processes and not slow")),
+    # the run's checkpoint (session 38): what is saved and restored for an exact resume (every tensor under its
+    # scope, in its order, in memory of its own), the refusals of a foreign or damaged file. The hand tests only:
+    # test_run_dir_safety.py's resumed runs (14 s) checked 49 mutants in 5 minutes on the shared 2 cores
+    Target("engine_checkpoint", "src/hetfl/engine/checkpoint.py",
+           ("tests/engine/test_checkpoint_mutants.py",), ("-m", "not processes and not slow")),
 )
 
 
