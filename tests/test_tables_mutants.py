@@ -25,8 +25,8 @@ from hetfl.tables import (
 
 def _run(method, seed, final, best, curve, **summary):
     metrics = [{"round": r, "global_acc": a} for r, a in curve]
-    return RunRecord(method, seed, {"final_global_acc": final, "best_global_acc": best, "wall_time_s": 10.0 * (seed + 1),
-                                    **summary}, metrics)
+    summary = {"final_global_acc": final, "best_global_acc": best, "wall_time_s": 10.0 * (seed + 1), **summary}
+    return RunRecord(method, seed, summary, metrics)
 
 
 def test_rounds_to_target_is_the_first_round_at_or_above_it():
@@ -70,7 +70,7 @@ def test_at_chance_and_diverged_count_and_traffic():
     assert diverged_count(runs[1:2]) == 0
     assert traffic_mb(runs, "bytes_up_total") == pytest.approx(4.0)
     assert traffic_mb(runs, "bytes_down_total") is None
-    assert traffic_mb(runs[:1] + [_run("a", 1, 0.5, 0.5, [])], "bytes_up_total") is None
+    assert traffic_mb([*runs[:1], _run("a", 1, 0.5, 0.5, [])], "bytes_up_total") is None
 
 
 def test_table_rows_by_hand():
@@ -104,8 +104,8 @@ def test_table_rows_by_hand():
 
 
 def test_table_rows_of_a_personalised_method_use_the_client_mean():
-    runs = [RunRecord("ditto", s, {"final_client_acc_mean": f, "best_client_acc_mean": f + 0.1, "wall_time_s": 1.0,
-                                   "chance_global_acc": 0.1},
+    runs = [RunRecord("ditto", s, {"final_client_acc_mean": f, "best_client_acc_mean": f + 0.1,
+                                   "wall_time_s": 1.0, "chance_global_acc": 0.1},
                       [{"round": 1, "client_acc_mean": f - 0.2, "global_acc": 0.99}, {"round": 2, "client_acc_mean": f}])
             for s, f in ((0, 0.6), (1, 0.8))]
     (row,) = table_rows(runs, target=0.55)
