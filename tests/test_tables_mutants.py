@@ -106,7 +106,8 @@ def test_table_rows_by_hand():
 def test_table_rows_of_a_personalised_method_use_the_client_mean():
     runs = [RunRecord("ditto", s, {"final_client_acc_mean": f, "best_client_acc_mean": f + 0.1,
                                    "wall_time_s": 1.0, "chance_global_acc": 0.1},
-                      [{"round": 1, "client_acc_mean": f - 0.2, "global_acc": 0.99}, {"round": 2, "client_acc_mean": f}])
+                      [{"round": 1, "client_acc_mean": f - 0.2, "global_acc": 0.99},
+                       {"round": 2, "client_acc_mean": f}])
             for s, f in ((0, 0.6), (1, 0.8))]
     (row,) = table_rows(runs, target=0.55)
     assert row["metric"] == "client mean"
