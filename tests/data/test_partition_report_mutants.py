@@ -84,3 +84,10 @@ def test_a_client_with_one_sample_holds_its_class_whole():
                        "top_class_share": 1.0, "entropy_bits": 0.0, "test_tv": 0.0}
     part = Partition([np.array([0], dtype=np.int64)], [np.array([0], dtype=np.int64)])
     assert partition_table(part, np.array([2]), np.array([0]), 3)[0]["test_tv"] == 1.0
+
+
+def test_the_table_rounds_to_four_digits():
+    part = Partition([np.array([0, 1, 2, 3], dtype=np.int64)], [np.array([0, 1, 2], dtype=np.int64)])
+    (row,) = partition_table(part, np.array([0, 1, 1, 1]), np.array([0, 0, 1]), 2)
+    # p = (1/4, 3/4): H = 2 - (3/4) log2 3 = 0.811278..., top share 0.75, TV |1/4 - 2/3| = 0.416666...
+    assert row["entropy_bits"] == 0.8113 and row["top_class_share"] == 0.75 and row["test_tv"] == 0.4167
