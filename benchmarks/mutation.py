@@ -212,10 +212,14 @@ TARGETS = (
             "--deselect", "tests/test_sweep.py::test_reproduce_list_labels_estimates_measured_or_rough"),
            functions=("rounds_to_target", "mean_std", "with_spread", "percent", "table_rows", "at_chance",
                       "diverged_count", "traffic_mb")),
-    # the sliced Wasserstein distance between Gaussian mixtures (CCVR appendix): against closed forms and samples
+    # the sliced Wasserstein distance between Gaussian mixtures (CCVR appendix): against closed forms and samples.
+    # Session 38 ran the distance's assembly (directions, quadrature, W_p^p, the matrix) only (time); the quantile
+    # solver (projected_quantiles and its helpers) and GaussianMixture's checks were not mutated
     Target("analysis_swd", "src/hetfl/analysis/swd.py",
            ("tests/analysis/test_analysis.py", "tests/analysis/test_swd_mutants.py"),
-           ("-m", "not processes and not slow")),
+           ("-m", "not processes and not slow"),
+           functions=("random_directions", "quantile_grid", "_wpp", "_chunks", "sliced_wasserstein_matrix",
+                      "sliced_wasserstein")),
     # learning curves and seed bands (mean ± std over seeds per round, rounds to a target); tests/test_report.py
     # (which draws them into report.html, seconds per mutant) is left out: the known answers of the two files cover it.
     # Session 38 ran the functions behind published numbers only (time): load_metrics, client_spread,

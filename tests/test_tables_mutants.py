@@ -115,3 +115,17 @@ def test_table_rows_of_a_personalised_method_use_the_client_mean():
     assert row["final_std"] == pytest.approx(math.sqrt(0.02))
     assert row["rounds_to_target"] == pytest.approx(1.5) and row["reached"] == "2/2"  # rounds 2 and 1
     assert row["chance"] is None and row["at_chance"] is False  # a personalised metric has no chance level
+
+
+def test_a_key_a_row_lacks_shows_unset_and_privacy_columns_only_for_private_tables():
+    summary = {"final_global_acc": 0.5, "best_global_acc": 0.5, "wall_time_s": 1.0}
+    with_key = RunRecord("x", 0, dict(summary), [], {"algorithm": {"name": "nosuch1"}, "a": {"b": 1}})
+    without = RunRecord("y", 0, dict(summary), [], {"algorithm": {"name": "nosuch2"}})
+    rows = table_rows([with_key, without], None)
+    assert [r["a.b"] for r in rows] == ["1", "-"]
+    assert not any(k.startswith("dp_") for r in rows for k in r)
+    private = RunRecord("y", 1, {**summary, "privacy": {"epsilon": 2.5, "delta": 1e-5}}, [], without.config)
+    rows = table_rows([with_key, without, private], None)
+    assert rows[0]["dp_epsilon"] is None and rows[0]["dp_delta"] is None
+    assert rows[1]["seeds"] == 2 and rows[1]["dp_epsilon"] == float("inf")  # one seed made no release
+    assert rows[1]["dp_delta"] == 1e-5
