@@ -68,7 +68,8 @@ def test_at_chance_and_diverged_count_and_traffic():
             _run("a", 2, 0.5, 0.5, [], diverged_round=0, bytes_up_total=6_000_000)]
     assert diverged_count(runs) == 2
     assert diverged_count(runs[1:2]) == 0
-    assert traffic_mb(runs, "bytes_up_total") == pytest.approx(4.0)
+    assert traffic_mb(runs, "bytes_up_total") == 4.0  # 10^6 bytes a MB, exactly
+    assert traffic_mb(runs[:1], "bytes_up_total") == 2.0
     assert traffic_mb(runs, "bytes_down_total") is None
     assert traffic_mb([*runs[:1], _run("a", 1, 0.5, 0.5, [])], "bytes_up_total") is None
 
@@ -129,3 +130,8 @@ def test_a_key_a_row_lacks_shows_unset_and_privacy_columns_only_for_private_tabl
     assert rows[0]["dp_epsilon"] is None and rows[0]["dp_delta"] is None
     assert rows[1]["seeds"] == 2 and rows[1]["dp_epsilon"] == float("inf")  # one seed made no release
     assert rows[1]["dp_delta"] == 1e-5
+
+
+def test_a_mean_exactly_the_margin_from_chance_is_not_at_chance():
+    assert at_chance(CHANCE_MARGIN, [0.0]) == (0.0, False)  # "within": strictly less than the margin
+    assert at_chance(0.0, [CHANCE_MARGIN]) == (CHANCE_MARGIN, False)
