@@ -203,6 +203,36 @@ TARGETS = (
            ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
     Target("analysis_classifier", "src/hetfl/analysis/classifier.py",
            ("tests/analysis/test_analysis.py", "tests/analysis/test_analysis_mutants.py")),
+    # the numbers researchers publish (session 38, helper mutation3): the compare tables' mean ± std over seeds,
+    # best/final accuracy and rounds to a target (its numeric core; the rest of tables.py renders text that
+    # tests/test_sweep.py and tests/test_cli.py read back whole)
+    Target("tables", "src/hetfl/tables.py",
+           ("tests/test_sweep.py", "tests/test_tables_mutants.py"),
+           ("-m", "not processes and not slow",  # the preset list's rendering (rich) failed under mutmut's stats
+            "--deselect", "tests/test_sweep.py::test_reproduce_list_labels_estimates_measured_or_rough"),
+           functions=("rounds_to_target", "mean_std", "with_spread", "percent", "table_rows", "at_chance",
+                      "diverged_count", "traffic_mb")),
+    # the sliced Wasserstein distance between Gaussian mixtures (CCVR appendix): against closed forms and samples.
+    # Session 38 ran the distance's assembly (directions, quadrature, W_p^p, the matrix) only (time); the quantile
+    # solver (projected_quantiles and its helpers) and GaussianMixture's checks were not mutated
+    Target("analysis_swd", "src/hetfl/analysis/swd.py",
+           ("tests/analysis/test_analysis.py", "tests/analysis/test_swd_mutants.py"),
+           ("-m", "not processes and not slow"),
+           functions=("random_directions", "quantile_grid", "_wpp", "_chunks", "sliced_wasserstein_matrix",
+                      "sliced_wasserstein")),
+    # learning curves and seed bands (mean ± std over seeds per round, rounds to a target); tests/test_report.py
+    # (which draws them into report.html, seconds per mutant) is left out: the known answers of the two files cover it.
+    # Session 38 ran the functions behind published numbers only (time): load_metrics, client_spread,
+    # train_loss_curve, cumulative_bytes and run_curves have known-answer tests but were not mutated
+    Target("analysis_curves", "src/hetfl/analysis/curves.py",
+           ("tests/analysis/test_seed_bands.py", "tests/analysis/test_curves_mutants.py"),
+           ("-m", "not processes and not slow"),
+           functions=("seed_band", "_series", "rounds_to_target", "default_accuracy_key", "accuracy_curves")),
+    # the partition's statistics report (class counts, entropy, top class, train/test TV, the `all` row)
+    Target("partition_report", "src/hetfl/data/partition_report.py",
+           ("tests/data/test_partition.py", "tests/data/test_partition_groups.py",
+            "tests/data/test_partition_report_mutants.py"), ("-m", "not processes and not slow"),
+           functions=("_counts", "class_counts", "_entropy_bits", "partition_table", "summary_row")),
     # the engine's sequential local trainer (session 35): the round against FedAvg by hand (both executors: the
     # vectorised one calls step_gradients and clip_grads), the in-place step against the functional one, bf16
     Target("engine_local", "src/hetfl/engine/local.py",
