@@ -109,8 +109,10 @@ def bucket_width(width: int, rows: int) -> int:
 
 
 def split_steps(steps: int, most: int = BLOCK_STEPS) -> list[int]:
-    """A block of ``steps`` slots cut into powers of two (largest first), so that blocks of any length
-    are made of few distinct call shapes: 13 -> [8, 4, 1]."""
+    """A block of ``steps`` slots cut into pieces of at most ``most`` (largest first), each the largest power
+    of two left or ``most``, so that blocks of any length are made of few distinct call shapes: 13 -> [8, 4, 1]
+    with ``most`` 8 or more, [4, 4, 4, 1] with the default 4; a ``most`` that is no power of two
+    (``runtime.graph_steps = 3``) gives its own length too: 6 -> [3, 2, 1]."""
     parts = []
     while steps:
         part = min(most, 1 << (steps.bit_length() - 1))
