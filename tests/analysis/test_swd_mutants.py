@@ -146,3 +146,53 @@ def test_mixture_from_features_adds_eps_and_checks_labels():
         GaussianMixture.from_features(feats, torch.tensor([0, -1, 2]), 3)
     with pytest.raises(ValueError, match=r"features must be \[n, d\] with labels \[n\]"):
         GaussianMixture.from_features(feats, torch.tensor([0, 1]))
+
+
+def _mixture(seed: int, components: int, dim: int = 2) -> GaussianMixture:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(components, dim, generator=g, dtype=torch.float64) + 0.1
+    return GaussianMixture(torch.rand(components, generator=g, dtype=torch.float64) + 0.1,
+                           torch.randn(components, dim, generator=g, dtype=torch.float64), torch.diag_embed(scale))
+
+
+def test_directions_in_several_chunks_give_the_one_chunk_matrix(monkeypatch):
+    """Large mixtures' matrices are computed in chunks of directions (memory: at most 2e6 quantiles of one
+    mixture's components at once): 25 components on the default grid make chunks of 199 directions. The
+    distances of every chunk add up to the one-chunk result (here chunks of 5 of 16 directions: 5, 5, 5, 1)."""
+    from hetfl.analysis import swd
+
+    assert [swd._chunks(256, 25, 401), swd._chunks(256, 2, 401), swd._chunks(3, 10**7, 401)] == [199, 256, 1]
+    mixtures = [_mixture(s, 2) for s in range(3)]
+    whole = sliced_wasserstein_matrix(mixtures, num_projections=16, grid_size=41)
+    monkeypatch.setattr(swd, "_chunks", lambda num, mix_size, grid_size: 5)
+    torch.testing.assert_close(sliced_wasserstein_matrix(mixtures, num_projections=16, grid_size=41), whole,
+                               rtol=1e-12, atol=0)
+
+
+def test_every_pair_of_the_matrix_is_its_own_distance_and_one_mixture_is_zero():
+    mixtures = [_mixture(s, 2) for s in range(3)]
+    mat = sliced_wasserstein_matrix(mixtures, num_projections=16, grid_size=41)
+    for i in range(3):
+        for j in range(3):
+            expected = 0.0 if i == j else sliced_wasserstein(mixtures[i], mixtures[j], num_projections=16, grid_size=41)
+            assert float(mat[i, j]) == pytest.approx(expected, rel=1e-12, abs=0)
+    assert sliced_wasserstein_matrix(mixtures[:1]).tolist() == [[0.0]]
+    with pytest.raises(ValueError, match="^no mixtures given$"):
+        sliced_wasserstein_matrix([])
+
+
+def test_the_defaults_are_256_directions_from_seed_0_on_the_401_point_grid_to_8():
+    a, b = _mixture(0, 2), _mixture(1, 3)
+    kwargs = {"p": 2.0, "num_projections": 256, "seed": 0, "orthogonal": False, "grid_size": 401, "z_max": 8.0}
+    assert sliced_wasserstein(a, b) == sliced_wasserstein(a, b, **kwargs)
+    assert torch.equal(sliced_wasserstein_matrix([a, b]), sliced_wasserstein_matrix([a, b], **kwargs))
+    assert torch.equal(random_directions(5, 3), random_directions(5, 3, seed=0, orthogonal=False))
+    # the quadrature's settings reach the matrix: a coarse or narrow grid gives another number
+    for other in ({"grid_size": 5}, {"z_max": 1.0}):
+        assert sliced_wasserstein(a, b, **{**kwargs, **other}) == float(sliced_wasserstein_matrix([a, b], **{
+            **kwargs, **other})[0, 1]) != sliced_wasserstein(a, b)
+
+
+def test_the_smallest_accepted_shapes():
+    assert random_directions(1, 3).shape == (1, 3)
+    assert quantile_grid(3, 0.5)[0].tolist() == [-0.5, 0.0, 0.5]
