@@ -63,6 +63,11 @@ def _replay(plan, k: int, client_major: bool):
         for call in sp.calls:
             assert call.idx.shape == ((call.steps, call.width, call.size) if client_major
                                       else (call.steps, call.size, call.width))
+            # what a step indexes with is int64 (a float index cannot gather), the draws keep their own dtype
+            assert call.idx.dtype == torch.long and (call.rows is None or call.rows.dtype == torch.long)
+            assert call.augment is None or call.augment.dtype == torch.long
+            assert {n: t.dtype for n, t in call.draws.items()} == ({"u": torch.float32, "v": torch.long}
+                                                                   if call.draws else {})
             if call.rows is None:
                 assert call.start + call.width <= k
             else:
