@@ -208,7 +208,7 @@ TARGETS = (
     # tests/test_sweep.py and tests/test_cli.py read back whole)
     Target("tables", "src/hetfl/tables.py",
            ("tests/test_sweep.py", "tests/test_tables_mutants.py"),
-           ("-m", "not processes and not slow",  # the preset list's rendering (rich) failed under mutmut's stats
+           ("-m", "not processes and not slow",  # the preset list test reads configs/, which mutmut's copy lacks
             "--deselect", "tests/test_sweep.py::test_reproduce_list_labels_estimates_measured_or_rough"),
            functions=("rounds_to_target", "mean_std", "with_spread", "percent", "table_rows", "at_chance",
                       "diverged_count", "traffic_mb")),

@@ -125,11 +125,6 @@ def test_traffic_is_three_significant_digits_below_10_mb_and_one_decimal_from_10
     assert tables.traffic_cell({"mb_up": up, "mb_down": down}) == shown
 
 
-def test_rounds_to_target_is_the_first_round_at_or_above_it():
-    assert tables.rounds_to_target([(1, 0.5), (3, 0.7), (5, 0.9)], 0.7) == 3
-    assert tables.rounds_to_target([(1, 0.5)], 0.7) is None
-
-
 def test_a_personalised_runs_curve_is_its_mean_client_accuracy():
     run = tables.RunRecord("fedper", 0, {"final_client_acc_mean": 0.9, "best_client_acc_mean": 0.9, "wall_time_s": 1.0},
                            [{"round": 1, "global_acc": 0.2, "client_acc_mean": 0.6},
