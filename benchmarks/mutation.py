@@ -51,14 +51,22 @@ class Target:
     tests: tuple[str, ...]
     #: extra pytest arguments (e.g. ``--deselect`` of an end-to-end run the unit tests already cover)
     pytest_args: tuple[str, ...] = ()
-    #: the module-level functions of ``source`` whose mutants make the target (all of the file's when empty):
-    #: one part of a large file, whose other functions are tested elsewhere (``mutmut run NAME...`` by glob)
+    #: the functions of ``source`` whose mutants make the target (all of the file's when empty): module-level
+    #: ones by name, methods as ``Class.method``; one part of a large file, whose other functions are tested
+    #: elsewhere (``mutmut run NAME...`` by glob)
     functions: tuple[str, ...] = ()
 
     def mutant_globs(self) -> tuple[str, ...]:
-        """mutmut's names of the mutants of :attr:`functions` (``hetfl.params.x_former_values__mutmut_*``)."""
+        """mutmut's names of the mutants of :attr:`functions` (``hetfl.params.x_former_values__mutmut_*``; a
+        method's: ``hetfl.engine.vectorized.xǁGroupBuffersǁload__mutmut_*``)."""
         module = self.source.removeprefix("src/").removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        return tuple(f"{module}.x_{fn}__mutmut_*" for fn in self.functions)
+        return tuple(f"{module}.{mangled(fn)}__mutmut_*" for fn in self.functions)
+
+
+def mangled(function: str) -> str:
+    """mutmut's name of a function (``x_name``) or a method (``Class.method``: ``xǁClassǁmethod``)."""
+    owner, _, name = function.rpartition(".")
+    return f"xǁ{owner}ǁ{name}" if owner else f"x_{name}"
 
 
 # CCVR's end-to-end MNIST runs take a minute per mutant; the hand-computed cases cover the same code
@@ -261,6 +269,24 @@ TARGETS = (
     # test_run_dir_safety.py's resumed runs (14 s) checked 49 mutants in 5 minutes on the shared 2 cores
     Target("engine_checkpoint", "src/hetfl/engine/checkpoint.py",
            ("tests/engine/test_checkpoint_mutants.py",), ("-m", "not processes and not slow")),
+    # the vectorised executor's numeric core (session 39): the stacked buffers a group's steps read and write, a
+    # step (gather, vmapped gradients, the in-place update, write-back, the sums), the round's results, chunking
+    # and the fallback; against the sequential clients (every method, every chunk size and block length, eager
+    # and static steps) and the host-free step's counts. The CUDA-graph capture, the caches' bookkeeping and
+    # the messages are left out (their tests are CUDA-only or about the log)
+    Target("engine_vectorized", "src/hetfl/engine/vectorized.py",
+           ("tests/engine/test_vectorized.py", "tests/engine/test_vectorized_static.py",
+            "tests/engine/test_vectorized_host.py"),
+           ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
+            "--deselect", "tests/engine/test_vectorized_static.py::"
+                          "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),
+           functions=("client_axes", "GroupBuffers.__init__", "GroupBuffers._rows", "GroupBuffers._shared_or_rows",
+                      "GroupBuffers.fits", "GroupBuffers.load", "GroupBuffers.load_rates", "GroupBuffers.tensors",
+                      "channels_last_for_vmap", "client_channels_last", "VectorizedGroup.generators",
+                      "VectorizedGroup.plan", "VectorizedGroup.vmapped_gradients",
+                      "VectorizedGroup.single_client_gradients", "VectorizedGroup.step", "VectorizedGroup.train",
+                      "VectorizedGroup.write", "VectorizedGroup.body", "VectorizedGroup.run",
+                      "VectorizedGroup.results", "restore", "train_clients_vectorized")),
 )
 
 

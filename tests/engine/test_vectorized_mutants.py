@@ -1,0 +1,160 @@
+"""Paths of the vectorised executor that its mutation run (``benchmarks/mutation.py``'s ``engine_vectorized``,
+session 39) found untested: each test below failed on mutants that every other test of the executor let pass.
+
+* **Buffers kept across rounds** (the CUDA-graph path's cache; ``static`` steps here): a later round loads its own
+  values into the group's kept buffers (:meth:`hetfl.engine.vectorized.GroupBuffers.load`). Every earlier test of
+  it started each round from the initial server, so all clients started equal and a load that gave every client
+  client 0's start, or that failed for a group of one client, went unseen.
+* **Per-client convolutions on channels-last batches** (``runtime.conv_batching = "per_client"``): the layout each
+  client's convolutions read.
+* **A client training alone** (:meth:`~hetfl.engine.vectorized.VectorizedGroup.single_client_gradients`, the
+  sequential step on its row): its gradient clipping, and a client state that every client shares (kept once,
+  read as it is).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetfl import config
+from hetfl.engine import vectorized
+from hetfl.engine.experiment import Experiment
+from hetfl.engine.local import train_client
+from hetfl.engine.summary import Reporter
+from hetfl.engine.vectorized import GroupBuffers, VectorizedCache, client_channels_last, train_clients_vectorized
+from tests.helpers import MNIST, needs_shared_data
+from tests.helpers.executors import ATOL, SYNTHETIC, compare_one_round, round_contexts
+
+# eight Synthetic(1, 1) devices, capped at 300 samples: clients that finish early, short batches,
+# a client that trains alone at the end, in a tenth of the 30 devices' time
+FEW = [*SYNTHETIC, "data.num_clients=8", "data.options={max_samples = 300, num_devices = 8}",
+       "train.local_epochs=1", "train.momentum=0.5"]
+
+
+def assert_same_clients(seq, vec, what: str) -> None:
+    assert [a.steps for a in seq] == [b.steps for b in vec], what
+    for a, b in zip(seq, vec, strict=True):
+        assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-4, abs=1e-5), what
+        for name in a.state:
+            diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
+            assert diff <= ATOL, f"{what}: {name} differs by {diff}"
+
+
+def rounds_with_kept_buffers(overrides: list[str], rounds: int, chunk_size: int = 0) -> list[int]:
+    """``rounds`` rounds of a run (each advanced by the engine's own round, so that later rounds start from their
+    clients' own states), whose clients are also trained vectorised in static mode with one cache kept across
+    the rounds, and compared with the sequential clients; returns how many group buffers each round made."""
+    exp = Experiment(config.load(None, overrides))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    clients: dict = {}
+    cache, made = VectorizedCache(), []
+    created = {"n": 0}
+    init = GroupBuffers.__init__
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        created["n"] += 1
+        init(self, *args, **kwargs)
+
+    GroupBuffers.__init__ = counting  # type: ignore[method-assign]
+    try:
+        for round_ in range(1, rounds + 1):
+            seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+                   for ctx in round_contexts(exp, server, clients, round_)]
+            notes: list[str] = []
+            created["n"] = 0
+            vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, round_), exp.data,
+                                           seed=exp.cfg.seed, train_cfg=exp.cfg.train, chunk_size=chunk_size,
+                                           step_mode="static", cache=cache, log=notes.append)
+            made.append(created["n"])
+            assert not [n for n in notes if "falling back" in n], notes
+            assert_same_clients(seq, vec, f"round {round_}")
+            server = exp.round(server, clients, round_, Reporter())["_server"]
+    finally:
+        GroupBuffers.__init__ = init  # type: ignore[method-assign]
+    return made
+
+
+@pytest.mark.parametrize("method", ["fedrep", "scaffold"])
+def test_kept_buffers_are_loaded_with_each_clients_own_start_and_state(method):
+    """FedRep: from round 2 each client starts from its own head (the clients' start states differ); SCAFFOLD:
+    each client's own control variate in its state. Round 1 makes the group's buffers, rounds 2 and 3 load
+    theirs into them (none made), and every round gives the sequential clients."""
+    made = rounds_with_kept_buffers([*FEW, f"algorithm.name={method}"], rounds=3)
+    assert made[0] > 0 and made[1:] == [0, 0], made
+
+
+@pytest.mark.parametrize("method", ["fedrep", "fedmix"])
+def test_kept_buffers_of_groups_of_one_client_are_loaded_too(method):
+    """``runtime.chunk_size = 1``: groups of one client (no second row to read), kept and loaded in round 2;
+    FedMix's steps also read the data every client received once (``ctx.shared``: the clients' mean batches)."""
+    three = [*FEW, "data.num_clients=3", "data.options={max_samples = 300, num_devices = 3}"]
+    made = rounds_with_kept_buffers([*three, f"algorithm.name={method}"], rounds=2, chunk_size=1)
+    assert made[0] > 0 and made[1] == 0, made
+
+
+def test_a_client_training_alone_clips_its_gradient():
+    """``train.max_grad_norm``: the steps of the largest client after the others finished (the sequential step
+    on its row) clip as the vmapped steps and the sequential executor do; a bound this small clips every step."""
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedavg", "train.max_grad_norm=0.05"]))
+    compare_one_round(exp)
+
+
+def test_a_client_state_every_client_shares_is_read_whole_by_a_client_training_alone():
+    """A client state tensor that is one object for every client (kept once, unbatched: ``client_axes`` None) is
+    read as it is by the steps of a client that trains alone, not indexed as a row: SCAFFOLD whose clients all
+    hold the same control variate (random values: constant ones would hide a row taken for the whole; the run's
+    own state is per client)."""
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=scaffold"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    shared = exp.algorithm.init_client_state(0, server)
+    assert shared and all(t.dim() > 0 for t in shared.values())
+    gen = torch.Generator().manual_seed(0)
+    shared = {n: 0.01 * torch.randn(t.shape, generator=gen) for n, t in shared.items()}
+    clients = {c: shared for c in range(exp.cfg.data.num_clients)}  # one dict, the same tensors for every client
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, clients, 2)]
+    notes: list[str] = []
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, 2), exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, log=notes.append)
+    assert not [n for n in notes if "falling back" in n], notes
+    assert_same_clients(seq, vec, "shared client state")
+
+
+def test_the_per_client_channels_last_copy_is_each_clients_nhwc_layout():
+    """``client_channels_last``: the same values, each client's ``[batch, C, H, W]`` one channels-last block (what
+    per-client convolutions read), the clients one after another."""
+    x = torch.randn(4, 5, 3, 8, 8)  # clients, batch, C, H, W
+    y = client_channels_last(x)
+    assert torch.equal(x, y) and y.shape == x.shape
+    assert all(y[i].is_contiguous(memory_format=torch.channels_last) for i in range(4))
+    assert [y[i].data_ptr() - y.data_ptr() for i in range(4)] == [i * 5 * 3 * 8 * 8 * 4 for i in range(4)]
+
+
+@needs_shared_data
+def test_per_client_convolutions_read_channels_last_batches_and_give_the_nchw_clients(monkeypatch):
+    """``runtime.conv_batching = "per_client"`` with channels-last batches: the steps lay each client's batch
+    out with :func:`client_channels_last` (not the grouped convolution's layout) and the clients equal those
+    trained on NCHW batches to float rounding."""
+    layouts: list[torch.Tensor] = []
+
+    def recorded(x: torch.Tensor) -> torch.Tensor:
+        layouts.append(out := client_channels_last(x))
+        return out
+
+    monkeypatch.setattr(vectorized, "client_channels_last", recorded)
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=32", "data.num_clients=2", "model.name=cnn2", "train.batch_size=16",
+        "train.local_steps=2", "train.lr=0.01", "train.momentum=0.9", "runtime.progress=false",
+        "algorithm.name=fedavg", "runtime.device=cpu",
+    ]))
+    server = exp.initial_server()
+    runs = [train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=0,
+                                     train_cfg=exp.cfg.train, channels_last=layout, conv_batching="per_client")
+            for layout in (False, True)]
+    assert len(layouts) == 2 and all(x[1].is_contiguous(memory_format=torch.channels_last) for x in layouts)
+    for a, b in zip(*runs, strict=True):
+        for name in a.state:
+            diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
+            assert diff <= ATOL, f"{name} differs by {diff}"
