@@ -18,11 +18,19 @@ import pytest
 import torch
 
 from hetfl import config
+from hetfl.algorithms.base import Batch
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
-from hetfl.engine.local import train_client
+from hetfl.engine.local import step_gradients, train_client
 from hetfl.engine.summary import Reporter
-from hetfl.engine.vectorized import GroupBuffers, VectorizedCache, client_channels_last, train_clients_vectorized
+from hetfl.engine.vectorized import (
+    ClientPlan,
+    GroupBuffers,
+    VectorizedCache,
+    VectorizedGroup,
+    client_channels_last,
+    train_clients_vectorized,
+)
 from tests.helpers import MNIST, needs_shared_data
 from tests.helpers.executors import ATOL, SYNTHETIC, compare_one_round, round_contexts
 
@@ -158,3 +166,44 @@ def test_per_client_convolutions_read_channels_last_batches_and_give_the_nchw_cl
         for name in a.state:
             diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
             assert diff <= ATOL, f"{name} differs by {diff}"
+
+
+@needs_shared_data
+def test_a_lone_clients_step_is_the_sequential_step_with_the_runs_settings():
+    """The step of one row of a group of several (:meth:`VectorizedGroup.single_client_gradients`, the path of a
+    client training alone) gives the sequential executor's step of that client under the run's settings: its
+    gradients clipped to ``train.max_grad_norm``, the BatchNorm running statistics it updates, bf16 autocast.
+    (A round whose clients all hold the same number of samples never takes this path: tested directly.)"""
+    exp = Experiment(config.load(None, [
+        "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
+        "data.samples_per_client=16", "data.num_clients=2", "model.name=feduv_cnn", "model.options={out_dim = 16}",
+        "train.batch_size=8", "train.max_grad_norm=0.01", "train.precision=bf16", "runtime.progress=false",
+        "algorithm.name=fedavg", "runtime.device=cpu",
+    ]))
+    algorithm = exp.algorithm
+    plans = [ClientPlan.of(algorithm, ctx) for ctx in round_contexts(exp, exp.initial_server(), {}, 1)]
+    running = algorithm.running_buffers()
+    assert running  # BatchNorm's statistics
+    group = VectorizedGroup(plans, exp.data, seed=0, batch_size=8, drop_last=False, max_grad_norm=0.01,
+                            buffers=running, precision="bf16", low_names=algorithm.model.low_precision_names)
+    b = group.buffers
+    assert b.low  # the weights' bfloat16 copies a bf16 step reads
+
+    def first_row(tensors, dims=None):
+        return {n: t if dims is not None and dims[n] is None else t[:1] for n, t in tensors.items()}
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1, 8, 1, 28, 28, generator=gen), torch.randint(0, 10, (1, 8), generator=gen)
+    stage = plans[0].stages[0]
+    grads, new_buffers, loss, _ = group.vmapped_gradients(
+        stage, first_row(b.state), Batch(x, y, {}), first_row(b.payload, b.payload_dims),
+        first_row(b.cstate, b.cstate_dims), first_row(b.extras, b.extras_dims), first_row(b.low))
+    want_grads, want_buffers, want_loss, _ = step_gradients(
+        stage, {n: t.clone() for n, t in plans[0].start.items()}, Batch(x[0], y[0], {}), plans[0].ctx, 0.01,
+        buffers=running, precision="bf16")
+    assert want_buffers  # the running statistics the step updated
+    assert torch.equal(loss[0], want_loss)
+    for got, want in ((grads, want_grads), (new_buffers, want_buffers)):
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name][0], want[name]), name
