@@ -140,17 +140,26 @@ def test_the_per_client_channels_last_copy_is_each_clients_nhwc_layout():
 
 
 @needs_shared_data
-def test_per_client_convolutions_read_channels_last_batches_and_give_the_nchw_clients(monkeypatch):
-    """``runtime.conv_batching = "per_client"`` with channels-last batches: the steps lay each client's batch
-    out with :func:`client_channels_last` (not the grouped convolution's layout) and the clients equal those
-    trained on NCHW batches to float rounding."""
-    layouts: list[torch.Tensor] = []
+@pytest.mark.parametrize(("batching", "layout"), [("per_client", "client_channels_last"),
+                                                  ("grouped", "channels_last_for_vmap")])
+def test_channels_last_batches_are_laid_out_for_the_convolutions_batching(monkeypatch, batching, layout):
+    """``runtime.channels_last`` with either ``runtime.conv_batching``: the steps lay the batch out for the way
+    the clients' convolutions are batched (each client's batch one channels-last block for per-client
+    convolutions, :func:`client_channels_last`; the grouped convolution's folded NHWC view,
+    :func:`channels_last_for_vmap`), and the clients equal those trained on NCHW batches to float rounding."""
+    calls: dict[str, int] = {"client_channels_last": 0, "channels_last_for_vmap": 0}
 
-    def recorded(x: torch.Tensor) -> torch.Tensor:
-        layouts.append(out := client_channels_last(x))
-        return out
+    def counted(name: str):  # type: ignore[no-untyped-def]
+        real = getattr(vectorized, name)
 
-    monkeypatch.setattr(vectorized, "client_channels_last", recorded)
+        def recorded(x: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            return real(x)
+
+        return recorded
+
+    for name in calls:
+        monkeypatch.setattr(vectorized, name, counted(name))
     exp = Experiment(config.load(None, [
         "data.dataset=mnist", f"data.root={MNIST}", "data.download=false", "data.partition=dominant",
         "data.samples_per_client=32", "data.num_clients=2", "model.name=cnn2", "train.batch_size=16",
@@ -159,9 +168,9 @@ def test_per_client_convolutions_read_channels_last_batches_and_give_the_nchw_cl
     ]))
     server = exp.initial_server()
     runs = [train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=0,
-                                     train_cfg=exp.cfg.train, channels_last=layout, conv_batching="per_client")
-            for layout in (False, True)]
-    assert len(layouts) == 2 and all(x[1].is_contiguous(memory_format=torch.channels_last) for x in layouts)
+                                     train_cfg=exp.cfg.train, channels_last=channels_last, conv_batching=batching)
+            for channels_last in (False, True)]
+    assert calls == {name: 2 if name == layout else 0 for name in calls}  # a call a step, both clients in it
     for a, b in zip(*runs, strict=True):
         for name in a.state:
             diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
