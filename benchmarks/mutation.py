@@ -272,11 +272,13 @@ TARGETS = (
     # the vectorised executor's numeric core (session 39): the stacked buffers a group's steps read and write, a
     # step (gather, vmapped gradients, the in-place update, write-back, the sums), the round's results, chunking
     # and the fallback; against the sequential clients (every method, every chunk size and block length, eager
-    # and static steps) and the host-free step's counts. The CUDA-graph capture, the caches' bookkeeping and
-    # the messages are left out (their tests are CUDA-only or about the log)
+    # and static steps, bf16, BatchNorm, compiled steps) and the host-free step's counts. The CUDA-graph capture,
+    # the caches' bookkeeping and the messages are left out (their tests are CUDA-only or about the log)
     Target("engine_vectorized", "src/hetfl/engine/vectorized.py",
            ("tests/engine/test_vectorized.py", "tests/engine/test_vectorized_static.py",
-            "tests/engine/test_vectorized_host.py"),
+            "tests/engine/test_vectorized_host.py", "tests/engine/test_vectorized_mutants.py",
+            "tests/engine/test_low_precision.py", "tests/engine/test_precision.py",
+            "tests/engine/test_compiled_step.py", "tests/algorithms/test_personalized_batchnorm.py"),
            ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
             "--deselect", "tests/engine/test_vectorized_static.py::"
                           "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),

@@ -7,6 +7,7 @@ session 39) found untested: each test below failed on mutants that every other t
   client 0's start, or that failed for a group of one client, went unseen.
 * **Per-client convolutions on channels-last batches** (``runtime.conv_batching = "per_client"``): the layout each
   client's convolutions read.
+* **Clients of two structures in one round** (FedFomo's sampled round): two groups, and the log says so.
 * **A client training alone** (:meth:`~hetfl.engine.vectorized.VectorizedGroup.single_client_gradients`, the
   sequential step on its row): its gradient clipping, and a client state that every client shares (kept once,
   read as it is).
@@ -216,3 +217,14 @@ def test_a_lone_clients_step_is_the_sequential_step_with_the_runs_settings():
         assert set(got) == set(want)
         for name in want:
             assert torch.equal(got[name][0], want[name]), name
+
+
+def test_clients_of_two_structures_train_as_two_groups_and_the_log_says_so():
+    """A sampled round of FedFomo mixes clients of two tensor structures (those that trained before hold the
+    models they downloaded); they train as two vectorised groups, each giving the sequential clients, and the
+    log names the number of groups."""
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedfomo", "train.clients_per_round=4"]))
+    notes: list[str] = []
+    compare_one_round(exp, notes=notes)
+    assert [n for n in notes if "client groups" in n] == [
+        "vectorized: 2 client groups with different stage structures or tensor shapes"], notes
