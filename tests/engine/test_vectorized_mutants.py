@@ -8,6 +8,7 @@ session 39) found untested: each test below failed on mutants that every other t
 * **Per-client convolutions on channels-last batches** (``runtime.conv_batching = "per_client"``): the layout each
   client's convolutions read.
 * **Clients of two structures in one round** (FedFomo's sampled round): two groups, and the log says so.
+* **Device memory**: what fits sizes the groups (and is said), and running out frees what the cache kept.
 * **A client training alone** (:meth:`~hetfl.engine.vectorized.VectorizedGroup.single_client_gradients`, the
   sequential step on its row): its gradient clipping, and a client state that every client shares (kept once,
   read as it is).
@@ -228,3 +229,52 @@ def test_clients_of_two_structures_train_as_two_groups_and_the_log_says_so():
     compare_one_round(exp, notes=notes)
     assert [n for n in notes if "client groups" in n] == [
         "vectorized: 2 client groups with different stage structures or tensor shapes"], notes
+
+
+@pytest.mark.parametrize(("fit", "said"), [(3, True), (8, False)])
+def test_what_fits_in_device_memory_sizes_the_groups_and_is_said_when_it_splits_them(monkeypatch, fit, said):
+    """The number of clients that fit in the free device memory (the probe's answer, CUDA only: stood in for
+    here) sizes the groups, is kept by group structure for later rounds, and is said once where it splits
+    the round's clients (8 here), not where all of them fit."""
+    monkeypatch.setattr(vectorized, "clients_that_fit", lambda *args, **kwargs: fit)
+    sizes: list[int] = []
+    real_run = VectorizedGroup.run
+
+    def recorded(self):  # type: ignore[no-untyped-def]
+        sizes.append(len(self.plans))
+        return real_run(self)
+
+    monkeypatch.setattr(VectorizedGroup, "run", recorded)
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedavg"]))
+    notes: list[str] = []
+    memo: dict = {}
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, log=notes.append, memo=memo)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, exp.initial_server(), {}, 1)]
+    assert_same_clients(seq, vec, f"{fit} at once")
+    assert sizes == ([3, 3, 2] if said else [8]) and list(memo.values()) == [fit]
+    assert notes == (["vectorized: 3 of 8 clients at once fit in the free device memory"] if said else [])
+
+
+def test_running_out_of_memory_drops_what_the_cache_kept_for_that_group_size(monkeypatch):
+    """A chunk that runs out of device memory frees the buffers (and compiled calls) the cache kept for groups
+    of its size before a smaller one is tried; the clients are the sequential ones."""
+    real_run = VectorizedGroup.run
+
+    def run_fitting_four(self):  # type: ignore[no-untyped-def]
+        if len(self.plans) > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_run(self)
+
+    monkeypatch.setattr(VectorizedGroup, "run", run_fitting_four)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedavg"]))
+    cache = VectorizedCache()
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static", cache=cache)
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, exp.initial_server(), {}, 1)]
+    assert_same_clients(seq, vec, "after running out of memory")
+    assert sorted(key[1] for key in cache.buffers) == [4]  # the 8 clients' buffers dropped; the two 4s share one
+    assert all(key[0][1] == 4 for key in cache.programs)
