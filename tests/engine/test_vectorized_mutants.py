@@ -271,10 +271,34 @@ def test_running_out_of_memory_drops_what_the_cache_kept_for_that_group_size(mon
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedavg"]))
     cache = VectorizedCache()
+    notes: list[str] = []
     vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
-                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static", cache=cache)
+                                   seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="static", cache=cache,
+                                   log=notes.append)
     seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
            for ctx in round_contexts(exp, exp.initial_server(), {}, 1)]
     assert_same_clients(seq, vec, "after running out of memory")
+    assert notes == ["vectorized: 8 clients at once ran out of device memory; now 4 at once (set runtime.chunk_size "
+                     "to choose)"]
     assert sorted(key[1] for key in cache.buffers) == [4]  # the 8 clients' buffers dropped; the two 4s share one
     assert all(key[0][1] == 4 for key in cache.programs)
+
+
+def test_a_single_client_that_does_not_fit_raises_after_halving_down_to_one(monkeypatch):
+    """Chunks are halved down to one client; one client that still runs out of device memory raises the error
+    (nothing smaller to try) rather than trying again."""
+    sizes: list[int] = []
+
+    def never_fits(self):  # type: ignore[no-untyped-def]
+        sizes.append(len(self.plans))
+        if len(sizes) > 10:
+            raise AssertionError(f"still trying: {sizes}")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(VectorizedGroup, "run", never_fits)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=fedavg"]))
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="simulated"):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+    assert sizes == [8, 4, 2, 1]
