@@ -302,3 +302,20 @@ def test_a_single_client_that_does_not_fit_raises_after_halving_down_to_one(monk
         train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
                                  seed=exp.cfg.seed, train_cfg=exp.cfg.train)
     assert sizes == [8, 4, 2, 1]
+
+
+def test_the_global_model_every_client_receives_is_kept_once_and_the_clients_own_states_as_rows():
+    """``client_axes``: a payload tensor that is one object for every client (FedProx's global model) is kept
+    once, unbatched; tensors the clients hold each their own (SCAFFOLD's control variates, one per client)
+    get a row per client, plus the scratch row."""
+    exp = Experiment(config.load(None, [*FEW, "algorithm.name=scaffold"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    ctxs = round_contexts(exp, server, {}, 1)
+    plans = [ClientPlan.of(exp.algorithm, ctx) for ctx in ctxs]
+    buffers = GroupBuffers(plans, exp.data.device)
+    assert buffers.payload_dims and set(buffers.payload_dims.values()) == {None}
+    for name, t in buffers.payload.items():
+        assert t.shape == ctxs[0].payload[name].shape, name
+    assert buffers.cstate_dims and set(buffers.cstate_dims.values()) == {0}
+    for name, t in buffers.cstate.items():
+        assert t.shape == (len(ctxs) + 1, *ctxs[0].state[name].shape), name
