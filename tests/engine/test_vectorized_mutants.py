@@ -319,3 +319,18 @@ def test_the_global_model_every_client_receives_is_kept_once_and_the_clients_own
     assert buffers.cstate_dims and set(buffers.cstate_dims.values()) == {0}
     for name, t in buffers.cstate.items():
         assert t.shape == (len(ctxs) + 1, *ctxs[0].state[name].shape), name
+
+
+def test_a_compile_error_without_a_message_is_reported_by_its_type(monkeypatch):
+    """A step that ``torch.compile`` refuses with an exception whose message is empty runs uncompiled, and the
+    note names the error's type (the first line of an empty message is not asked for)."""
+    def refuses(*args):  # type: ignore[no-untyped-def]
+        raise NotImplementedError()
+
+    monkeypatch.setattr(vectorized, "run_compiled", refuses)
+    exp = Experiment(config.load(None, [*FEW, "train.local_steps=2", "runtime.compile=true",
+                                        "algorithm.name=fedavg"]))
+    notes: list[str] = []
+    compare_one_round(exp, notes=notes)
+    assert [n for n in notes if "could not compile" in n] == [
+        "vectorized: torch.compile could not compile stage 'local'; running it uncompiled: NotImplementedError: "]
