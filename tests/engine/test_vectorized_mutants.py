@@ -46,6 +46,9 @@ def assert_same_clients(seq, vec, what: str) -> None:
     assert [a.steps for a in seq] == [b.steps for b in vec], what
     for a, b in zip(seq, vec, strict=True):
         assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-4, abs=1e-5), what
+        assert a.metric_sums.keys() == b.metric_sums.keys(), what  # no metric lost, none made up
+        for key, value in a.metric_sums.items():
+            assert value == pytest.approx(b.metric_sums[key], rel=1e-4, abs=1e-5), f"{what}: {key}"
         for name in a.state:
             diff = (a.state[name].double() - b.state[name].double()).abs().max().item()
             assert diff <= ATOL, f"{what}: {name} differs by {diff}"
