@@ -54,7 +54,7 @@ def assert_same_clients(seq, vec, what: str) -> None:
             assert diff <= ATOL, f"{what}: {name} differs by {diff}"
 
 
-def rounds_with_kept_buffers(overrides: list[str], rounds: int, chunk_size: int = 0) -> list[int]:
+def rounds_with_kept_buffers(monkeypatch, overrides: list[str], rounds: int, chunk_size: int = 0) -> list[int]:
     """``rounds`` rounds of a run (each advanced by the engine's own round, so that later rounds start from their
     clients' own states), whose clients are also trained vectorised in static mode with one cache kept across
     the rounds, and compared with the sequential clients; returns how many group buffers each round made."""
@@ -62,47 +62,42 @@ def rounds_with_kept_buffers(overrides: list[str], rounds: int, chunk_size: int 
     server, _, _ = exp.setup_round(exp.initial_server())
     clients: dict = {}
     cache, made = VectorizedCache(), []
-    created = {"n": 0}
     init = GroupBuffers.__init__
 
     def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        created["n"] += 1
+        made[-1] += 1
         init(self, *args, **kwargs)
 
-    GroupBuffers.__init__ = counting  # type: ignore[method-assign]
-    try:
-        for round_ in range(1, rounds + 1):
-            seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
-                   for ctx in round_contexts(exp, server, clients, round_)]
-            notes: list[str] = []
-            created["n"] = 0
-            vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, round_), exp.data,
-                                           seed=exp.cfg.seed, train_cfg=exp.cfg.train, chunk_size=chunk_size,
-                                           step_mode="static", cache=cache, log=notes.append)
-            made.append(created["n"])
-            assert not [n for n in notes if "falling back" in n], notes
-            assert_same_clients(seq, vec, f"round {round_}")
-            server = exp.round(server, clients, round_, Reporter())["_server"]
-    finally:
-        GroupBuffers.__init__ = init  # type: ignore[method-assign]
+    monkeypatch.setattr(GroupBuffers, "__init__", counting)
+    for round_ in range(1, rounds + 1):
+        seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+               for ctx in round_contexts(exp, server, clients, round_)]
+        notes: list[str] = []
+        made.append(0)
+        vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, clients, round_), exp.data,
+                                       seed=exp.cfg.seed, train_cfg=exp.cfg.train, chunk_size=chunk_size,
+                                       step_mode="static", cache=cache, log=notes.append)
+        assert not [n for n in notes if "falling back" in n], notes
+        assert_same_clients(seq, vec, f"round {round_}")
+        server = exp.round(server, clients, round_, Reporter())["_server"]
     return made
 
 
 @pytest.mark.parametrize("method", ["fedrep", "scaffold"])
-def test_kept_buffers_are_loaded_with_each_clients_own_start_and_state(method):
+def test_kept_buffers_are_loaded_with_each_clients_own_start_and_state(monkeypatch, method):
     """FedRep: from round 2 each client starts from its own head (the clients' start states differ); SCAFFOLD:
     each client's own control variate in its state. Round 1 makes the group's buffers, rounds 2 and 3 load
     theirs into them (none made), and every round gives the sequential clients."""
-    made = rounds_with_kept_buffers([*FEW, f"algorithm.name={method}"], rounds=3)
+    made = rounds_with_kept_buffers(monkeypatch, [*FEW, f"algorithm.name={method}"], rounds=3)
     assert made[0] > 0 and made[1:] == [0, 0], made
 
 
 @pytest.mark.parametrize("method", ["fedrep", "fedmix"])
-def test_kept_buffers_of_groups_of_one_client_are_loaded_too(method):
+def test_kept_buffers_of_groups_of_one_client_are_loaded_too(monkeypatch, method):
     """``runtime.chunk_size = 1``: groups of one client (no second row to read), kept and loaded in round 2;
     FedMix's steps also read the data every client received once (``ctx.shared``: the clients' mean batches)."""
     three = [*FEW, "data.num_clients=3", "data.options={max_samples = 300, num_devices = 3}"]
-    made = rounds_with_kept_buffers([*three, f"algorithm.name={method}"], rounds=2, chunk_size=1)
+    made = rounds_with_kept_buffers(monkeypatch, [*three, f"algorithm.name={method}"], rounds=2, chunk_size=1)
     assert made[0] > 0 and made[1] == 0, made
 
 
