@@ -289,6 +289,31 @@ TARGETS = (
                       "VectorizedGroup.single_client_gradients", "VectorizedGroup.step", "VectorizedGroup.train",
                       "VectorizedGroup.write", "VectorizedGroup.body", "VectorizedGroup.run",
                       "VectorizedGroup.results", "restore", "train_clients_vectorized")),
+    # the rest of the vectorised executor (session 40): what a group's steps are keyed on (a step's callables, its
+    # plain values, the tensors' structure), the refusal of a read the algorithm left out of step_reads, the
+    # compiled calls (their static inputs, reuse, the CUDA-graph build with its reference, check and fallbacks),
+    # the run's caches (kept buffers and graphs, least recently used dropped), the plan drawn ahead, the memory
+    # probe. The capture itself is CUDA's: its tests replace torch.cuda.CUDAGraph by a recorder on the CPU
+    Target("engine_vectorized_calls", "src/hetfl/engine/vectorized.py",
+           ("tests/engine/test_vectorized_static.py", "tests/engine/test_vectorized_mutants.py",
+            "tests/engine/test_vectorized.py", "tests/engine/test_vectorized_host.py",
+            "tests/engine/test_graph_build.py", "tests/engine/test_compiled_step.py"),
+           ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
+            "--deselect", "tests/engine/test_vectorized_static.py::"
+                          "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),
+           functions=("where_in_method", "_in_method", "callable_key", "stage_key", "tensors_key",
+                      "ClientPlan.__post_init__", "ClientPlan.of", "ClientPlan.key", "TemplateContext.__getattribute__",
+                      "TemplateContext.of", "TemplateContext.scalars", "TemplateContext.with_tensors",
+                      "NotReadBySteps.__init__", "NotReadBySteps._refuse", "NotReadBySteps.__getitem__",
+                      "NotReadBySteps.__iter__", "NotReadBySteps.__len__", "VectorizedGroup.__init__",
+                      "VectorizedGroup._buffers", "VectorizedGroup.plan_inputs", "VectorizedGroup.planned_ahead",
+                      "VectorizedGroup.plan_ahead", "VectorizedGroup.replayed", "VectorizedGroup.compiles",
+                      "VectorizedGroup.uncompiled", "VectorizedGroup.compiled", "VectorizedCache.__post_init__",
+                      "VectorizedCache.used", "VectorizedCache.drop", "VectorizedCache.forget",
+                      "CompiledCall.__init__", "CompiledCall.reusable", "CompiledCall.load", "CompiledCall.run",
+                      "CompiledCall.build", "CompiledCall._built", "CompiledCall.capture", "CompiledCall.note",
+                      "build_phase", "graphs_capturable", "free_memory_bytes", "probe_client_bytes",
+                      "clients_that_fit")),
 )
 
 
