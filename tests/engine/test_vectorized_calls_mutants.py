@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -382,3 +383,58 @@ def test_what_fits_is_probed_with_the_groups_plan_data_seed_and_settings(monkeyp
     settings = {"batch_size": 16, "drop_last": True, "max_grad_norm": 0.5, "buffers": ("bn.running_mean",)}
     assert vectorized.clients_that_fit(plan, data, seed=7, **settings) == fit  # type: ignore[arg-type]
     assert probed == [data.device, (plan, data, {"seed": 7, **settings})]
+
+
+def test_the_first_compiled_call_dropped_is_said_once_with_what_it_costs(monkeypatch):
+    CudaGraphsOnTheCpu(monkeypatch)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
+    notes: list[str] = []
+    graph_rounds(exp, range(1, 3), VectorizedCache(max_calls=2), notes)
+    assert notes == ["vectorized: more than 2 call shapes met; the least recently used CUDA graphs are dropped (and "
+                     "captured again if their shape returns)"]
+
+
+class Weighted:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def loss(self, state, batch, ctx):  # type: ignore[no-untyped-def]
+        return self.weight * state["w"].sum(), {}
+
+    def __call__(self, state, batch, ctx):  # type: ignore[no-untyped-def]
+        return self.loss(state, batch, ctx)
+
+
+def scaled(factor):  # type: ignore[no-untyped-def]
+    return lambda state, batch, ctx: (factor * state["w"].sum(), {})
+
+
+def test_what_a_stages_compiled_steps_depend_on():
+    """Two stages share compiled steps (and clients share a group) only where their steps compute the same: a
+    loss that is a method of another object, or a closure over other values, is another step; the same method
+    looked up again (a new bound-method object each time), the same closure values and another learning rate
+    (read from a tensor) are the same step."""
+    from hetfl.algorithms.base import Stage
+    from hetfl.optim import SGDConfig
+
+    first, second = Weighted(1.0), Weighted(2.0)
+    stage = Stage("local", first.loss, ("w",), SGDConfig(lr=0.1, momentum=0.9))
+    key = vectorized.stage_key
+    assert key(stage) == key(replace(stage, loss=first.loss))
+    assert key(stage) != key(replace(stage, loss=second.loss))
+    assert key(replace(stage, loss=scaled(2))) == key(replace(stage, loss=scaled(2)))
+    assert key(replace(stage, loss=scaled(2))) != key(replace(stage, loss=scaled(3)))
+    anchor = torch.zeros(2)
+    assert key(replace(stage, loss=scaled(anchor))) != key(replace(stage, loss=scaled(torch.zeros(2))))
+    assert key(replace(stage, loss=first)) != key(replace(stage, loss=second))  # objects without code: by identity
+    assert key(replace(stage, draws=torch.randn)) == key(replace(stage, draws=torch.randn))  # and builtins
+    assert key(replace(stage, draws=torch.randn)) != key(replace(stage, draws=torch.rand))
+    assert key(stage) == key(replace(stage, sgd=SGDConfig(lr=0.5, momentum=0.9)))
+    for changed in (replace(stage, name="classifier"), replace(stage, trainable=("w", "b")),
+                    replace(stage, sgd=SGDConfig(lr=0.1, momentum=0.5)), replace(stage, epochs=2),
+                    replace(stage, steps=3), replace(stage, grad_transform=second.loss),
+                    replace(stage, draws=second.loss), replace(stage, adversary=replace(stage, name="max"))):
+        assert key(changed) != key(stage), changed
+    assert key(replace(stage, adversary=replace(stage, loss=first.loss))) == \
+        key(replace(stage, adversary=replace(stage, loss=first.loss)))
+    assert key(None) is None and vectorized.callable_key(None) is None
