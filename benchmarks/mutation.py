@@ -297,7 +297,8 @@ TARGETS = (
     Target("engine_vectorized_calls", "src/hetfl/engine/vectorized.py",
            ("tests/engine/test_vectorized_static.py", "tests/engine/test_vectorized_mutants.py",
             "tests/engine/test_vectorized.py", "tests/engine/test_vectorized_host.py",
-            "tests/engine/test_graph_build.py", "tests/engine/test_compiled_step.py"),
+            "tests/engine/test_graph_build.py", "tests/engine/test_compiled_step.py",
+            "tests/engine/test_vectorized_calls_mutants.py"),
            ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
             "--deselect", "tests/engine/test_vectorized_static.py::"
                           "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),

@@ -424,6 +424,9 @@ def test_what_a_stages_compiled_steps_depend_on():
     assert key(stage) != key(replace(stage, loss=second.loss))
     assert key(replace(stage, loss=scaled(2))) == key(replace(stage, loss=scaled(2)))
     assert key(replace(stage, loss=scaled(2))) != key(replace(stage, loss=scaled(3)))
+    weights = [float(x) for x in ("0.25", "0.25")]  # equal values in two objects (a weight computed each round)
+    assert weights[0] is not weights[1] and key(replace(stage, loss=scaled(weights[0]))) == \
+        key(replace(stage, loss=scaled(weights[1])))
     anchor = torch.zeros(2)
     assert key(replace(stage, loss=scaled(anchor))) != key(replace(stage, loss=scaled(torch.zeros(2))))
     assert key(replace(stage, loss=first)) != key(replace(stage, loss=second))  # objects without code: by identity
@@ -438,3 +441,38 @@ def test_what_a_stages_compiled_steps_depend_on():
     assert key(replace(stage, adversary=replace(stage, loss=first.loss))) == \
         key(replace(stage, adversary=replace(stage, loss=first.loss)))
     assert key(None) is None and vectorized.callable_key(None) is None
+
+
+def test_a_built_call_is_reused_only_where_the_plain_values_its_step_read_are_the_same():
+    """A CUDA graph bakes in the round's plain values that its step read (here ``round``): in a later round it is
+    reused only where they are equal; a call not built yet has read nothing."""
+    call = vectorized.CompiledCall.__new__(vectorized.CompiledCall)
+    call.built, call.reads, call.scalars = False, set(), ()
+
+    def template(**values):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(scalars=lambda names: tuple((n, values[n]) for n in sorted(names)))
+
+    assert call.reusable(template(round=2, lr=0.1))
+    call.built, call.reads, call.scalars = True, {"round"}, (("round", 1),)
+    assert call.reusable(template(round=1, lr=0.5)) and not call.reusable(template(round=2, lr=0.1))
+
+
+def test_clients_whose_stages_differ_train_in_groups_of_their_own(monkeypatch):
+    """Clients whose tensors agree but whose stages do not (here: half of them take more local steps, as a
+    method with a per-client budget would give them) are not one vmapped group: each group runs its own stages,
+    and every client equals its sequential run."""
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg", "train.local_steps=3"]))
+    base = type(exp.algorithm).stages
+    monkeypatch.setattr(type(exp.algorithm), "stages", lambda self, ctx: [
+        replace(s, steps=s.steps + 2 * (ctx.client_id % 2)) for s in base(self, ctx)])
+    server = exp.initial_server()
+    seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+           for ctx in round_contexts(exp, server, {}, 1)]
+    notes: list[str] = []
+    vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, 1), exp.data, seed=exp.cfg.seed,
+                                   train_cfg=exp.cfg.train, log=notes.append)
+    assert notes == ["vectorized: 2 client groups with different stage structures or tensor shapes"]
+    assert sorted({r.steps for r in seq}) == [3, 5] and [r.steps for r in vec] == [r.steps for r in seq]
+    for a, b in zip(seq, vec, strict=True):
+        for name in a.state:
+            assert (a.state[name] - b.state[name]).abs().max().item() <= ATOL, name
