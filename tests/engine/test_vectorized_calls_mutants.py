@@ -476,3 +476,29 @@ def test_clients_whose_stages_differ_train_in_groups_of_their_own(monkeypatch):
     for a, b in zip(seq, vec, strict=True):
         for name in a.state:
             assert (a.state[name] - b.state[name]).abs().max().item() <= ATOL, name
+
+
+def test_a_step_reading_a_dict_its_algorithm_declared_unread_is_refused_naming_it(monkeypatch):
+    """MOON's step reads the payload (the global model's features): declared away, reading it is refused, naming
+    the dict, the entry and the fix (the line is moon.py's; under a mutation tool, its trampoline's)."""
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=moon", "train.local_steps=2"]))
+    monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
+    with pytest.raises(StepReadError, match=r"^a step used ctx\.payload\['[\w.]+'\] \(at [^()]+:\d+, in [\w<>]+\), "
+                                            r"but its algorithm's step_reads leaves 'payload' out: add it to the "
+                                            r"algorithm's step_reads$"):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
+                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+
+
+@pytest.mark.parametrize(("setting", "said"), [
+    ({"step_mode": "fast"}, "step_mode = 'fast': must be one of ('eager', 'static', 'graph')"),
+    ({"step_mode": "graph"}, "step_mode = 'graph' needs a CUDA device, not cpu"),
+    ({"conv_batching": "fused"}, "conv_batching = 'fused': must be one of ('grouped', 'per_client')"),
+])
+def test_a_groups_bad_setting_is_refused_naming_it_and_what_is_allowed(setting, said):
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg"]))
+    plans = [vectorized.ClientPlan.of(exp.algorithm, ctx) for ctx in round_contexts(exp, exp.initial_server(), {}, 1)]
+    with pytest.raises(ValueError) as caught:
+        VectorizedGroup(plans, exp.data, seed=0, batch_size=16, drop_last=False, max_grad_norm=0.0, buffers=(),
+                        **setting)
+    assert str(caught.value) == said
