@@ -502,3 +502,18 @@ def test_a_groups_bad_setting_is_refused_naming_it_and_what_is_allowed(setting, 
         VectorizedGroup(plans, exp.data, seed=0, batch_size=16, drop_last=False, max_grad_norm=0.0, buffers=(),
                         **setting)
     assert str(caught.value) == said
+
+
+def test_the_memory_probe_runs_in_the_layout_of_the_groups_steps(monkeypatch):
+    """What fits is probed with the run's settings and the layout its steps will run in (channels-last batches,
+    per-client convolutions): their activations and workspaces are what the group will hold."""
+    probed: list[dict] = []
+    monkeypatch.setattr(vectorized, "free_memory_bytes", lambda device: 10_000)
+    monkeypatch.setattr(vectorized, "probe_client_bytes", lambda plan, data, **kw: (probed.append(kw), 1_000)[1])
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg", "train.local_steps=2"]))
+    train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1), exp.data,
+                             seed=exp.cfg.seed, train_cfg=exp.cfg.train, channels_last=True, conv_batching="per_client")
+    assert len(probed) == 1
+    assert {k: probed[0][k] for k in ("seed", "channels_last", "conv_batching", "batch_size", "precision")} == {
+        "seed": exp.cfg.seed, "channels_last": True, "conv_batching": "per_client", "batch_size": 16,
+        "precision": "fp32"}

@@ -1001,7 +1001,9 @@ def train_clients_vectorized(
             size = chunk_size
         else:  # what fits is kept by group structure: a later round may bring more of its clients
             if key not in memo:
-                memo[key] = clients_that_fit(plans[members[0]], data, seed=seed, **settings)
+                # probed in the layout the group's steps will run in (activations, cuDNN's workspaces)
+                memo[key] = clients_that_fit(plans[members[0]], data, seed=seed, channels_last=channels_last,
+                                             conv_batching=conv_batching, **settings)
                 if memo[key] is not None and memo[key] < len(members) and log is not None:
                     log(f"vectorized: {memo[key]} of {len(members)} clients at once fit in the free device memory")
             size = len(members) if memo[key] is None else min(len(members), memo[key])
