@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from hetfl import config
+from hetfl.algorithms.base import SHARED
 from hetfl.engine import vectorized
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
@@ -517,3 +518,47 @@ def test_the_memory_probe_runs_in_the_layout_of_the_groups_steps(monkeypatch):
     assert {k: probed[0][k] for k in ("seed", "channels_last", "conv_batching", "batch_size", "precision")} == {
         "seed": exp.cfg.seed, "channels_last": True, "conv_batching": "per_client", "batch_size": 16,
         "precision": "fp32"}
+
+
+def test_a_stage_whose_capture_failed_is_not_captured_again_for_a_later_rounds_new_shapes(monkeypatch):
+    """Sampled clients bring new call shapes in round 2: the run's cache remembers that the stage cannot be
+    captured, so they are built eagerly, not captured (and failed) again."""
+    CudaGraphsOnTheCpu(monkeypatch)
+    captures: list = []
+
+    def failing(self):
+        captures.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(vectorized.CompiledCall, "capture", failing)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox", "train.clients_per_round=4"]))
+    assert set(exp.sample_clients(1)) != set(exp.sample_clients(2))
+    cache, notes = VectorizedCache(), []
+    graph_rounds(exp, range(1, 2), cache, notes)
+    built = len(cache.programs)
+    graph_rounds(exp, range(2, 3), cache, notes)
+    assert len(cache.programs) > built  # round 2 met new shapes
+    assert len(captures) == 1 and len(notes) == 1, notes
+
+
+def test_a_graph_reads_the_shared_data_the_cache_keeps_so_a_later_rounds_values_reach_it(monkeypatch):
+    """FedMix's clients read the means every client received (``ctx.shared``); a captured step reads them from
+    the buffers the run's cache keeps, which each round loads with its own values: round 2, whose means differ,
+    equals the sequential clients (a graph reading round 1's tensors would replay round 1's means)."""
+    CudaGraphsOnTheCpu(monkeypatch)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedmix", "train.local_steps=3"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    assert any(name.startswith(SHARED) for name in server.extra)
+    cache = VectorizedCache()
+    for round_, scale in ((1, 1.0), (2, 3.0)):
+        sent = replace(server, extra={n: t * scale if n.startswith(SHARED) else t for n, t in server.extra.items()})
+        seq = [train_client(exp.algorithm, ctx, exp.data, seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+               for ctx in round_contexts(exp, sent, {}, round_)]
+        notes: list[str] = []
+        vec = train_clients_vectorized(exp.algorithm, round_contexts(exp, sent, {}, round_), exp.data,
+                                       seed=exp.cfg.seed, train_cfg=exp.cfg.train, step_mode="graph", cache=cache,
+                                       log=notes.append)
+        assert not notes, notes
+        for a, b in zip(seq, vec, strict=True):
+            for name in a.state:
+                assert (a.state[name] - b.state[name]).abs().max().item() <= ATOL, (round_, name)
