@@ -562,3 +562,27 @@ def test_a_graph_reads_the_shared_data_the_cache_keeps_so_a_later_rounds_values_
         for a, b in zip(seq, vec, strict=True):
             for name in a.state:
                 assert (a.state[name] - b.state[name]).abs().max().item() <= ATOL, (round_, name)
+
+
+def test_a_cache_that_keeps_no_call_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r"^max_calls = 0: must be at least 1 \(the call being run is kept\)$"):
+        VectorizedCache(max_calls=0)
+
+
+def test_a_stage_torch_compile_failed_on_runs_uncompiled_in_later_rounds_without_trying_again(monkeypatch):
+    tries: list[int] = []
+
+    def failing(*args):  # type: ignore[no-untyped-def]
+        tries.append(1)
+        raise NotImplementedError("an op Dynamo cannot trace")
+
+    monkeypatch.setattr(vectorized, "run_compiled", failing)
+    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg", "train.local_steps=3"]))
+    cache, notes = VectorizedCache(), []
+    server = exp.initial_server()
+    for round_ in (1, 2):
+        train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_), exp.data, seed=exp.cfg.seed,
+                                 train_cfg=exp.cfg.train, step_mode="static", cache=cache, compile_steps=True,
+                                 log=notes.append)
+    assert len(tries) == 1 and notes == ["vectorized: torch.compile could not compile stage 'local'; running it "
+                                         "uncompiled: NotImplementedError: an op Dynamo cannot trace"], notes
