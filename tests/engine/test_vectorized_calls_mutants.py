@@ -199,6 +199,21 @@ class CudaGraphsOnTheCpu:
         monkeypatch.setattr(VectorizedGroup, "__init__", init)
 
 
+@pytest.fixture
+def failing_captures(monkeypatch) -> list:
+    """Graph mode on the CPU whose every capture fails (as a stage with a host sync would); the calls whose capture
+    was tried, in order."""
+    CudaGraphsOnTheCpu(monkeypatch)
+    captures: list = []
+
+    def failing(self):  # type: ignore[no-untyped-def]
+        captures.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(vectorized.CompiledCall, "capture", failing)
+    return captures
+
+
 def graph_rounds(exp: Experiment, rounds: range, cache: VectorizedCache | None, notes: list[str]) -> None:
     """Rounds of ``exp``'s clients in graph mode, each compared with the sequential clients."""
     server = exp.initial_server()
@@ -266,17 +281,10 @@ def test_a_profiled_rounds_build_phases_are_named_for_the_profile_script(monkeyp
     assert compiled
 
 
-def test_a_stage_whose_capture_failed_runs_eagerly_in_later_rounds_too(monkeypatch):
+def test_a_stage_whose_capture_failed_runs_eagerly_in_later_rounds_too(failing_captures):
     """The call whose capture failed stays in the run's cache, run eagerly: round 2 equals the sequential
     clients, nothing is captured again, and the reason was said once."""
-    CudaGraphsOnTheCpu(monkeypatch)
-    captures: list = []
-
-    def failing(self):
-        captures.append(self)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(vectorized.CompiledCall, "capture", failing)
+    captures = failing_captures
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox"]))
     notes: list[str] = []
     graph_rounds(exp, range(1, 3), VectorizedCache(), notes)
@@ -520,17 +528,10 @@ def test_the_memory_probe_runs_in_the_layout_of_the_groups_steps(monkeypatch):
         "precision": "fp32"}
 
 
-def test_a_stage_whose_capture_failed_is_not_captured_again_for_a_later_rounds_new_shapes(monkeypatch):
+def test_a_stage_whose_capture_failed_is_not_captured_again_for_a_later_rounds_new_shapes(failing_captures):
     """Sampled clients bring new call shapes in round 2: the run's cache remembers that the stage cannot be
     captured, so they are built eagerly, not captured (and failed) again."""
-    CudaGraphsOnTheCpu(monkeypatch)
-    captures: list = []
-
-    def failing(self):
-        captures.append(self)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(vectorized.CompiledCall, "capture", failing)
+    captures = failing_captures
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedprox", "train.clients_per_round=4"]))
     assert set(exp.sample_clients(1)) != set(exp.sample_clients(2))
     cache, notes = VectorizedCache(), []
