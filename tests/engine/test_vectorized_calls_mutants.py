@@ -40,7 +40,7 @@ from hetfl.engine.vectorized import (
     train_clients_vectorized,
     where_in_method,
 )
-from tests.helpers.executors import ATOL, SYNTHETIC, round_contexts
+from tests.helpers.executors import ATOL, SYNTHETIC, graph_groups_on_the_cpu, round_contexts
 
 # eight Synthetic(1, 1) devices capped at 300 samples: clients that finish early, short batches, blocks of steps
 SMALL = [*SYNTHETIC, "data.num_clients=8", "data.options={max_samples = 300, num_devices = 8}",
@@ -190,13 +190,7 @@ class CudaGraphsOnTheCpu:
         monkeypatch.setattr(torch.cuda, "graph", Capture)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", pool_handle)
         monkeypatch.setattr(VectorizedGroup, "body", body)
-        real_init = VectorizedGroup.__init__
-
-        def init(self, *args, **kwargs):
-            real_init(self, *args, **{**kwargs, "step_mode": "static"})
-            self.step_mode = "graph"
-
-        monkeypatch.setattr(VectorizedGroup, "__init__", init)
+        graph_groups_on_the_cpu(monkeypatch)
 
 
 @pytest.fixture

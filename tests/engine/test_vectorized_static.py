@@ -34,6 +34,7 @@ from tests.helpers.executors import (
     CAPPED,
     SYNTHETIC,
     compare_one_round,
+    graph_groups_on_the_cpu,
     local_training,
     local_training_on_cuda,
     round_contexts,
@@ -79,13 +80,7 @@ class StandInGraph:
 def graph_mode_on_cpu(monkeypatch, capture) -> None:
     """The vectorised executor in graph mode with ``capture`` standing in for the CUDA capture."""
     monkeypatch.setattr(CompiledCall, "capture", capture)
-    real_init = VectorizedGroup.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **{**kwargs, "step_mode": "static"})
-        self.step_mode = "graph"
-
-    monkeypatch.setattr(VectorizedGroup, "__init__", init)
+    graph_groups_on_the_cpu(monkeypatch)
 
 
 def graph_round(monkeypatch, capture, method="fedprox", round_=1, cache=None, exp=None):

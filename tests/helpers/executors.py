@@ -9,7 +9,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.schedule import lr_at
 from hetfl.engine.summary import Reporter
-from hetfl.engine.vectorized import train_clients_vectorized
+from hetfl.engine.vectorized import VectorizedGroup, train_clients_vectorized
 
 ATOL = 1e-4
 
@@ -117,3 +117,17 @@ def methods_by_family(quick: tuple[str, ...] = FAMILIES) -> list:
     from hetfl.algorithms import available
 
     return [m if m in quick else pytest.param(m, marks=pytest.mark.slow) for m in available()]
+
+
+def graph_groups_on_the_cpu(monkeypatch) -> None:
+    """Vectorised groups asked for graph mode run it on the CPU: built in ``static`` mode (graph mode refuses a CPU
+    device), then switched to ``graph``, so that their calls take the capture path (the capture itself stood in
+    for by the test)."""
+    real_init = VectorizedGroup.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real_init(self, *args, **{**kwargs, "step_mode": "static"})
+        self.step_mode = "graph"
+
+    monkeypatch.setattr(VectorizedGroup, "__init__", init)
+
