@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on other releases of hetfl's dependencies than the development venv's: a fresh venv in
 # VENV (default /tmp/hetfl-compat), hetfl with its test extras, then the given requirements installed over them,
-# then `pytest -q -n auto` (extra pytest arguments after --). Records pip's view of the venv beside the result.
+# then the whole suite, `pytest -q -n auto --run-slow` (extra pytest arguments after --). Records pip's view
+# of the venv beside the result.
 # PYTHON (default python3) is the interpreter the venv is made from: another Python release.
 #
 #   bash benchmarks/compat_check.sh "torch==2.4.1"                           # the oldest torch pyproject allows
@@ -30,4 +31,4 @@ rm -rf "$VENV" && "${PYTHON:-python3}" -m venv "$VENV"
 "$VENV/bin/pip" install -q --no-deps "${reqs[@]}"
 "$VENV/bin/pip" check || true  # a test extra that wants a newer release than a floor says so here
 "$VENV/bin/python" -c "import torch, numpy, flwr; import sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'flwr', flwr.__version__)"
-"$VENV/bin/python" -m pytest -q -n auto -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest -q -n auto --run-slow -p no:cacheprovider "$@"

@@ -37,7 +37,7 @@ if [[ $WHAT == quick || $WHAT == reference || $WHAT == all ]]; then
 fi
 if [[ $WHAT == suite || $WHAT == all ]]; then  # the CUDA-only tests run in it
   # SUITE_ALL=1: the whole suite (issue 29's Done-means: pytest -q with CUDA present), slow tests too
-  marks=(-m "not slow"); [[ ${SUITE_ALL:-0} == 1 ]] && marks=()
+  marks=(-m "not slow"); [[ ${SUITE_ALL:-0} == 1 ]] && marks=(--run-slow)
   HETFL_TEST_INDUCTOR=1 timeout ${SUITE_S:-150} python3 -m pytest -n 14 "${marks[@]}" -p no:cacheprovider -q -rf \
     2>&1 | tee "$OUT/suite.log" | tail -40
 fi

@@ -19,11 +19,16 @@
   its device (``runtime.device=cuda``, or tensors moved with ``.cuda()``) and is skipped where CUDA is
   absent; the suite has no test that relies on ``auto`` meaning CUDA.
 
-And one order (:func:`pytest_collection_modifyitems`) for ``pytest -n N``, whose workers take the tests
-two at a time in this order (:func:`pytest_configure`): **long tests first, the waiting ones spread among the
-others**, so that no worker waits at the end for a long test that started last, and a worker waiting for
-Flower's or the README's processes (marked ``processes``) overlaps with one that computes, rather than
-with another that waits.
+Which tests run (:func:`pytest_collection_modifyitems`): **the tests marked ``slow`` only with ``--run-slow``**
+(the whole suite, as CI runs it: ``.ci/run``), with a ``-m`` expression of one's own, or when tests are named by id
+(``FILE::NAME``). ``pytest -q`` is the quick loop of development (about 2.5 minutes on 2 cores with ``-n auto``);
+the 100 or so slow tests are end-to-end runs, Flower's deployments and the README's commands, which take about as
+long again.
+
+And one order for ``pytest -n N``, whose workers take the tests two at a time in this order
+(:func:`pytest_configure`): **long tests first, the waiting ones spread among the others**, so that no worker waits
+at the end for a long test that started last, and a worker waiting for Flower's or the README's processes (marked
+``processes``) overlaps with one that computes, rather than with another that waits.
 """
 
 from __future__ import annotations
@@ -68,6 +73,23 @@ if "PYTEST_DEBUG_TEMPROOT" not in os.environ and (_root := ram_temproot()) is no
     os.environ["PYTEST_DEBUG_TEMPROOT"] = str(_root)  # read by pytest's tmp_path_factory, lazily
 
 
+#: the option that runs the tests marked slow too
+RUN_SLOW = "--run-slow"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(RUN_SLOW, action="store_true", default=False,
+                     help="also run the tests marked slow (end-to-end runs, Flower's deployments, the README's "
+                          "commands): the whole suite, as CI runs it")
+
+
+def slow_tests_left_out(config: pytest.Config) -> bool:
+    """Whether this session leaves out the tests marked slow: unless ``--run-slow`` is given, a ``-m``
+    expression (which then says what runs) or a test named by id (``FILE::NAME``: run what was asked for)."""
+    named = any("::" in str(arg) for arg in config.args)
+    return not (config.getoption("run_slow") or config.option.markexpr or named)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, hand the tests out two at a time (``--maxschedchunk 2``; unless given), in the order
     below: a worker never queues many tests behind a long one. Nothing without pytest-xdist."""
@@ -75,9 +97,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.maxschedchunk = 2
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that wait for processes, each followed by an equal share of the other slow tests, then the
-    rest; each group in collection order, so every pytest-xdist worker collects the same list."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked slow left out, unless :func:`slow_tests_left_out` says otherwise; then the tests that wait
+    for processes, each followed by an equal share of the other slow tests, then the rest; each group in
+    collection order, so every pytest-xdist worker collects the same list."""
+    if slow_tests_left_out(config):
+        left_out = [item for item in items if item.get_closest_marker("slow")]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     waiting = [item for item in items if item.get_closest_marker("processes")]
     slow = [item for item in items if item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
     rest = [item for item in items if not item.get_closest_marker("slow") and not item.get_closest_marker("processes")]
@@ -86,6 +114,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for n, item in enumerate(waiting):
         ordered += [item, *slow[n * share : (n + 1) * share]]
     items[:] = [*ordered, *slow[len(waiting) * share :], *rest]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Say that the slow tests were left out, and how to run them (under pytest-xdist, the controller says it)."""
+    if slow_tests_left_out(config) and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"the tests marked slow were not run: {RUN_SLOW} runs them too (the whole "
+                                    "suite, as CI does)")
 
 
 @pytest.fixture(autouse=True)
