@@ -358,12 +358,15 @@ def prepare(target: Target, workdir: Path) -> None:
     if shared.exists():  # tests find ../shared relative to their own folder, which mutmut moves into mutants/
         (workdir / "shared").symlink_to(shared)
     tests = [*target.tests, *extra_tests(target)]
+    # --run-slow: a target's tests as listed (plain pytest leaves out those marked slow; a target that does not
+    # want them says -m "not slow")
+    args = ["-q", "-p", "no:cacheprovider", "-x", "--run-slow", *target.pytest_args]
     section = (
         "\n[tool.mutmut]\n"
         'source_paths = ["src/hetfl"]\n'
         f'only_mutate = ["{target.source}"]\n'
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-        f"pytest_add_cli_args = {json.dumps(['-q', '-p', 'no:cacheprovider', '-x', *target.pytest_args])}\n"
+        f"pytest_add_cli_args = {json.dumps(args)}\n"
         'process_isolation = "forkserver"\n'
     )
     (workdir / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + section)
