@@ -315,6 +315,14 @@ TARGETS = (
                       "CompiledCall.build", "CompiledCall._built", "CompiledCall.capture", "CompiledCall.note",
                       "build_phase", "graphs_capturable", "free_memory_bytes", "probe_client_bytes",
                       "clients_that_fit")),
+    # the run directory (session 41): the lock that keeps two processes out of one run (taken over from a killed
+    # holder, SIGTERM as an interrupt), the refusal to start a new run over files, the temporary files a killed
+    # write leaves, and the metrics lines a resume keeps (each line's round and digest checked against the
+    # checkpoint's record, the lines after it cut). The lock's tests that start processes are in the selection;
+    # the whole killed-and-resumed runs (slow) are not
+    Target("engine_rundir", "src/hetfl/engine/rundir.py",
+           ("tests/engine/test_run_dir_safety.py", "tests/engine/test_ledger.py", "tests/engine/test_scale.py",
+            "tests/test_api.py", "tests/engine/test_rundir_mutants.py"), ("-m", "not slow")),
 )
 
 
