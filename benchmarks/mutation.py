@@ -323,6 +323,17 @@ TARGETS = (
     Target("engine_rundir", "src/hetfl/engine/rundir.py",
            ("tests/engine/test_run_dir_safety.py", "tests/engine/test_ledger.py", "tests/engine/test_scale.py",
             "tests/test_api.py", "tests/engine/test_rundir_mutants.py"), ("-m", "not slow")),
+    # (session 41) what a file written by hetfl is when a write is cut: the atomic write (a temporary file in the
+    # same folder, synced, renamed; removed when the write fails) and the modes that follow the umask
+    Target("files", "src/hetfl/files.py",
+           ("tests/test_atomic_outputs.py", "tests/engine/test_rundir_mutants.py", "tests/test_files.py"),
+           ("-m", "not slow")),
+    # (session 41) a run's identity: which resolved configuration is the same run (reused, resumed) or the same
+    # row of a table (all but the seed), the keys left out of it, old run folders read as they were written
+    Target("engine_identity", "src/hetfl/engine/identity.py",
+           ("tests/engine/test_run_identity.py", "tests/engine/test_former_settings.py", "tests/test_api.py",
+            "tests/engine/test_identity_mutants.py"),
+           ("-m", "not slow")),
 )
 
 
