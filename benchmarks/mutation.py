@@ -334,6 +334,12 @@ TARGETS = (
            ("tests/engine/test_run_identity.py", "tests/engine/test_former_settings.py", "tests/test_api.py",
             "tests/engine/test_identity_mutants.py"),
            ("-m", "not slow")),
+    # (session 41) a post-hoc step's round under Flower's SecAgg+ (the server learns only the sum): the strategy
+    # that hands the workflow hetfl's queries and keeps what it unmasked, the node's mod, the dropouts and stops.
+    # In-process Flower (the README's command on Ray, a process test, left out)
+    Target("flower_secagg", "src/hetfl/flower/secagg.py",
+           ("tests/flower/test_flower_secagg.py", "tests/flower/test_secagg_mutants.py"),
+           ("-m", "not slow and not processes")),
 )
 
 
