@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
 
@@ -109,3 +110,51 @@ def test_the_strategy_asks_each_node_on_the_federations_grid_and_keeps_the_first
     strategy.aggregate_fit(1, [], [])
     assert strategy.result == ([], [])
 
+
+
+# ------------------------------------------------------------------ whole secure rounds (in-process Flower)
+@pytest.fixture
+def secure_round(tmp_path, monkeypatch):
+    """test_flower_secagg.py's in-process secure post-hoc round (its nodes' state roots trusted): (the federation,
+    the SecAgg+ sum, the in-process sum over the clients it names)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
+    from hetfl.flower.protocol import TRUSTED_ROOTS_ENV
+    from tests.flower.test_flower_secagg import BASE, WireGrid, _survivors_sum
+
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
+
+    def run(sets: list[str], nodes: int, fail_at: tuple[int, ...] = ()):
+        grid = WireGrid(nodes)
+        for i in fail_at:
+            grid.fail_at[grid.ids[i]] = Stage.COLLECT_MASKED_VECTORS
+        return _survivors_sum([*BASE, *sets], grid, tmp_path)
+
+    return run
+
+
+def test_two_clients_are_enough_for_a_secure_sum(secure_round):
+    fed, got, want = secure_round(["data.num_clients=2", "runtime.secagg_reconstruction_threshold=2"], 2)
+    assert got.clients == (0, 1) and fed.failed == {}
+    assert all(torch.equal(got.total[k], want.total[k]) for k in want.total)
+
+
+def test_a_client_without_a_node_is_recorded_and_left_out_of_the_sum(secure_round):
+    # the federation waits runtime.flower_timeout_s for the fourth node to connect
+    fed, got, want = secure_round(["data.num_clients=4", "runtime.flower_min_replies=3",
+                                   "runtime.flower_timeout_s=0.5"], 3)
+    assert got.clients == (0, 1, 2) and fed.failed == {3: "no node holds this client's partition"}
+    assert all(torch.equal(got.total[k], want.total[k]) for k in want.total)
+
+
+def test_a_stop_names_each_stages_answers_and_the_failed_clients(secure_round):
+    from hetfl.flower.server import FlowerRoundError
+
+    with pytest.raises(FlowerRoundError) as err:
+        secure_round(["data.num_clients=4"], 4, fail_at=(0, 1))
+    crashed = "secure aggregation, stage collect_masked_vectors: node crashed"
+    assert str(err.value).startswith(
+        "round 1, post-hoc ccvr (secure aggregation): SecAgg+ stopped (stage setup: 4 of 4 answered; stage "
+        "share_keys: 4 of 4 answered; stage collect_masked_vectors: 2 of 4 answered); every client must keep "
+        "runtime.secagg_reconstruction_threshold = 3 of its min(runtime.secagg_num_shares = "), str(err.value)
+    assert f"(client 0: {crashed}; client 1: {crashed})" in str(err.value)
