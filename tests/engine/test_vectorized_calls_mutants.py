@@ -40,7 +40,13 @@ from hetfl.engine.vectorized import (
     train_clients_vectorized,
     where_in_method,
 )
-from tests.helpers.executors import ATOL, SYNTHETIC, graph_groups_on_the_cpu, round_contexts
+from tests.helpers.executors import (
+    ATOL,
+    SYNTHETIC,
+    graph_groups_on_the_cpu,
+    round_contexts,
+    train_moon_with_nothing_declared_read,
+)
 
 # eight Synthetic(1, 1) devices capped at 300 samples: clients that finish early, short batches, blocks of steps
 SMALL = [*SYNTHETIC, "data.num_clients=8", "data.options={max_samples = 300, num_devices = 8}",
@@ -484,13 +490,10 @@ def test_clients_whose_stages_differ_train_in_groups_of_their_own(monkeypatch):
 def test_a_step_reading_a_dict_its_algorithm_declared_unread_is_refused_naming_it(monkeypatch):
     """MOON's step reads the payload (the global model's features): declared away, reading it is refused, naming
     the dict, the entry and the fix (the line is moon.py's; under a mutation tool, its trampoline's)."""
-    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=moon", "train.local_steps=2"]))
-    monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
     with pytest.raises(StepReadError, match=r"^a step used ctx\.payload\['[\w.]+'\] \(at [^()]+:\d+, in [\w<>]+\), "
                                             r"but its algorithm's step_reads leaves 'payload' out: add it to the "
                                             r"algorithm's step_reads$"):
-        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
-                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+        train_moon_with_nothing_declared_read(monkeypatch, SMALL)
 
 
 @pytest.mark.parametrize(("setting", "said"), [

@@ -38,6 +38,7 @@ from tests.helpers.executors import (
     local_training,
     local_training_on_cuda,
     round_contexts,
+    train_moon_with_nothing_declared_read,
 )
 
 # one epoch: still clients of very different sizes (short last batches, clients that finish
@@ -520,13 +521,10 @@ def test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refuse
     """MOON's step reads the payload (the global model's features): declared away, the step's
     ``ctx.payload`` is not stacked, and reading it is an error that names the declaration, not a step on
     an empty dict; so is asking it whether it is empty."""
-    exp = Experiment(config.load(None, [*SMALL, "algorithm.name=moon", "train.local_steps=2"]))
-    monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
     with pytest.raises(StepReadError, match=r"a step used ctx\.payload\['.*'\] \(at .*moon\.py:\d+, in loss\), but its "
                                             r"algorithm's step_reads leaves 'payload' out: add it to the algorithm's "
                                             r"step_reads"):
-        train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
-                                 seed=exp.cfg.seed, train_cfg=exp.cfg.train)
+        train_moon_with_nothing_declared_read(monkeypatch, SMALL)
     guard = NotReadBySteps("state")
     for use in (bool, len, list, lambda d: "x" in d, lambda d: d.get("x")):
         with pytest.raises(StepReadError, match="ctx.state"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hetfl import config
 from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import train_client
 from hetfl.engine.schedule import lr_at
@@ -32,6 +33,15 @@ def round_contexts(exp: Experiment, server, clients, round_: int):
         state = clients.get(c) or algo.init_client_state(c, server)
         ctxs.append(exp.client_context(c, round_, lr_at(exp.cfg, round_), algo.payload(server, c), state, server))
     return ctxs
+
+
+def train_moon_with_nothing_declared_read(monkeypatch, settings: list[str]):
+    """One vectorised round of MOON, whose step reads the payload (the global model's features), with its
+    ``step_reads`` declared empty: the set-up of the tests that the read is refused by name."""
+    exp = Experiment(config.load(None, [*settings, "algorithm.name=moon", "train.local_steps=2"]))
+    monkeypatch.setattr(type(exp.algorithm), "step_reads", frozenset())
+    return train_clients_vectorized(exp.algorithm, round_contexts(exp, exp.initial_server(), {}, 1)[:3], exp.data,
+                                    seed=exp.cfg.seed, train_cfg=exp.cfg.train)
 
 
 def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int = 0,
