@@ -83,8 +83,8 @@ KILLED_RUNS = ("--deselect", "tests/test_privacy_edges.py::"
                              "test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made",
                "--deselect", "tests/test_privacy_edges.py::"
                              "test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uninterrupted_one")
-# the tests that start processes (the README's SecAgg+ command on Flower's Ray simulation: slow, and it reads the
-# README, which the scratch copy does not hold); the in-process protocol tests of the same file cover the codec
+# the tests that start processes (the README's SecAgg+ command on Flower's Ray simulation: slow; until session 42
+# the scratch copy did not hold the README either); the in-process protocol tests of the same file cover the codec
 NO_PROCESSES = ("-m", "not processes")
 # the end-to-end runs marked slow (whole runs; the unit tests of the same files cover their code)
 NOT_SLOW = ("-m", "not slow")
@@ -340,6 +340,26 @@ TARGETS = (
     Target("flower_secagg", "src/hetfl/flower/secagg.py",
            ("tests/flower/test_flower_secagg.py", "tests/flower/test_secagg_mutants.py"),
            ("-m", "not slow and not processes")),
+    # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
+    # announced size was received), never under its final name before; the messages that name the files to put
+    # where when no download worked
+    Target("datasets_download", "src/hetfl/data/datasets/download.py",
+           ("tests/data/test_datasets.py", "tests/data/test_damaged_files.py", "tests/data/test_data_links.py",
+            "tests/data/test_download_mutants.py"),
+           ("-m", "not slow")),
+    # (session 42) the decoded-array cache: an entry is complete exactly when its manifest exists, its key (the
+    # source files' fingerprint among it) must match, never pickle; the cache folder's rules (XDG, a file refused)
+    Target("datasets_cache", "src/hetfl/data/datasets/cache.py",
+           ("tests/data/test_cache_dir.py", "tests/data/test_datasets.py", "tests/data/test_damaged_files.py",
+            "tests/data/test_data_links.py", "tests/data/test_cache_mutants.py"),
+           ("-m", "not slow")),
+    # (session 42) what a run reports: summary.json (an outside contract: the keys users' scripts read, the privacy
+    # budget the run spent), the metrics line's spread of the clients' accuracies and its loss parts, the lines of
+    # client_metrics.jsonl, the first diverged round
+    Target("engine_summary", "src/hetfl/engine/summary.py",
+           ("tests/engine/test_engine.py", "tests/engine/test_scale.py", "tests/test_first_day.py",
+            "tests/engine/test_ledger.py", "tests/engine/test_privacy_participation.py"),
+           ("-m", "not slow")),
 )
 
 
@@ -379,6 +399,8 @@ def prepare(target: Target, workdir: Path) -> None:
     workdir.mkdir(parents=True)
     for name in ("src", "tests", "configs"):
         shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    # read by tests of its examples; mutmut copies it and configs/ (the presets) beside the tests (also_copy)
+    shutil.copy2(REPO / "README.md", workdir / "README.md")
     shared = REPO.parent / "shared"
     if shared.exists():  # tests find ../shared relative to their own folder, which mutmut moves into mutants/
         (workdir / "shared").symlink_to(shared)
@@ -390,6 +412,7 @@ def prepare(target: Target, workdir: Path) -> None:
         "\n[tool.mutmut]\n"
         'source_paths = ["src/hetfl"]\n'
         f'only_mutate = ["{target.source}"]\n'
+        'also_copy = ["README.md", "configs"]\n'
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         f"pytest_add_cli_args = {json.dumps(args)}\n"
         'process_isolation = "forkserver"\n'

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def current_umask() -> int:
@@ -52,20 +54,28 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``; the file's
-    mode follows the umask (:func:`hetfl.files.follow_umask`), as a plain write's would."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` by ``write(file)`` (a binary file) into a temporary file in the same folder, synced to the
+    disk, then ``os.replace``-d into place: a reader sees the old file or the whole new one, never a part, and a
+    write that fails (an error, an interrupt) leaves nothing behind. The temporary file is ``.NAME.XXXXXXXX.tmp``,
+    hidden, the name :mod:`hetfl.engine.rundir`'s clean-up looks for; the file's mode follows the umask
+    (:func:`follow_umask`), as a plain write's would."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         follow_umask(fd)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """:func:`atomic_write` of ``data``."""
+    atomic_write(path, lambda fh: fh.write(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from hetfl import files
 from hetfl.data.base import DatasetError
 from hetfl.data.datasets import (
     DATASETS,
@@ -528,11 +529,11 @@ def test_atomic_write_keeps_old_file_on_error(tmp_path):
     target.write_text("old")
 
     def broken(fh):
-        fh.write("new but incomplete")
+        fh.write(b"new but incomplete")
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError):
-        cache_mod.atomic_write(target, broken, mode="w")
+        files.atomic_write(target, broken)
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
 
 

@@ -568,6 +568,9 @@ def test_a_cache_that_keeps_no_call_is_refused_naming_the_setting():
 
 
 def test_a_stage_torch_compile_failed_on_runs_uncompiled_in_later_rounds_without_trying_again(monkeypatch):
+    """Three rounds: the first runs the steps uncompiled while their call is built (``CompiledCall.build``), the
+    second tries torch.compile, which fails; the third, a new group, must know it from the cache (a set of its
+    own, mutant ``VectorizedGroup.__init__`` 87 of session 41, tried again)."""
     tries: list[int] = []
 
     def failing(*args):  # type: ignore[no-untyped-def]
@@ -578,7 +581,7 @@ def test_a_stage_torch_compile_failed_on_runs_uncompiled_in_later_rounds_without
     exp = Experiment(config.load(None, [*SMALL, "algorithm.name=fedavg", "train.local_steps=3"]))
     cache, notes = VectorizedCache(), []
     server = exp.initial_server()
-    for round_ in (1, 2):
+    for round_ in (1, 2, 3):
         train_clients_vectorized(exp.algorithm, round_contexts(exp, server, {}, round_), exp.data, seed=exp.cfg.seed,
                                  train_cfg=exp.cfg.train, step_mode="static", cache=cache, compile_steps=True,
                                  log=notes.append)

@@ -158,3 +158,73 @@ def test_a_stop_names_each_stages_answers_and_the_failed_clients(secure_round):
         "share_keys: 4 of 4 answered; stage collect_masked_vectors: 2 of 4 answered); every client must keep "
         "runtime.secagg_reconstruction_threshold = 3 of its min(runtime.secagg_num_shares = "), str(err.value)
     assert f"(client 0: {crashed}; client 1: {crashed})" in str(err.value)
+
+
+def test_a_node_found_holding_other_data_is_not_asked_and_its_reason_is_recorded(secure_round, monkeypatch):
+    from hetfl.flower.server import FlowerFederation
+
+    why = "its node's data-root holds other samples (digest 1234 of 5678)"
+    monkeypatch.setattr(FlowerFederation, "holds_other_data", lambda self, c: why if c == 3 else "")
+    fed, got, want = secure_round(["data.num_clients=4", "runtime.flower_min_replies=3"], 4)
+    assert got.clients == (0, 1, 2) and fed.failed == {3: f"secure aggregation: {why}"}
+    assert all(torch.equal(got.total[k], want.total[k]) for k in want.total)
+
+
+def test_a_node_the_workflow_leaves_out_of_the_sum_without_a_failure_is_recorded(secure_round, monkeypatch):
+    """SecAgg+ leaves out a node whose neighbours hold too few of its shares, although the node answered every
+    stage: no failure of the grid names it, so the round records why it is not among the summed clients."""
+    workflow = secagg.SecAggPlusWorkflow
+
+    class DropsTheLastNode(workflow):
+        def __call__(self, grid, context):
+            super().__call__(grid, context)
+            nodes, average = context.strategy.result
+            context.strategy.result = (nodes[:-1], average)
+
+    monkeypatch.setattr(secagg, "SecAggPlusWorkflow", DropsTheLastNode)
+    fed, got, _ = secure_round(["data.num_clients=4", "runtime.flower_min_replies=3"], 4)
+    assert len(got.clients) == 3
+    (left_out,) = set(range(4)) - set(got.clients)
+    assert fed.failed == {left_out: "post-hoc ccvr (secure aggregation): its masked vector was not summed"}
+
+
+def test_the_clipped_entries_of_a_secure_round_are_counted_as_in_process(secure_round, monkeypatch):
+    from hetfl.algorithms.ccvr_statistics import CCVRStatistics
+
+    bounds = CCVRStatistics.reply_bounds
+    monkeypatch.setattr(CCVRStatistics, "reply_bounds",
+                        lambda self: {k: v / 1000 for k, v in bounds(self).items()})  # most entries clip
+    _, got, want = secure_round(["data.num_clients=4"], 4)
+    assert got.clipped == want.clipped > 0
+
+
+def test_a_stop_names_at_most_five_failed_clients(secure_round):
+    from hetfl.flower.server import FlowerRoundError
+
+    with pytest.raises(FlowerRoundError) as err:
+        secure_round(["data.num_clients=8"], 8, fail_at=(0, 1, 2, 3, 4, 5))
+    crashed = "secure aggregation, stage collect_masked_vectors: node crashed"
+    assert str(err.value).endswith("; ".join(f"client {c}: {crashed}" for c in range(5)) + ")")
+
+
+def test_a_stop_with_no_failed_client_ends_with_the_neighbours_rule(secure_round, monkeypatch):
+    """A workflow that ends without a sum and without a failure on the grid (none of Flower's does today): the
+    stop names no client."""
+    from hetfl.flower.server import FlowerRoundError
+
+    monkeypatch.setattr(secagg, "SecAggPlusWorkflow", lambda *args, **kwargs: lambda grid, context: None)
+    with pytest.raises(FlowerRoundError) as err:
+        secure_round(["data.num_clients=2", "runtime.secagg_reconstruction_threshold=2"], 2)
+    assert str(err.value) == (
+        "round 1, post-hoc ccvr (secure aggregation): SecAgg+ stopped (2 client(s) reachable, SecAgg+ needs at "
+        "least 2); every client must keep runtime.secagg_reconstruction_threshold = 2 of its "
+        "min(runtime.secagg_num_shares = 5, 2) neighbours")
+
+
+def test_a_secure_round_short_of_its_quorum_names_its_round(secure_round):
+    from hetfl.flower.server import FlowerRoundError
+
+    with pytest.raises(FlowerRoundError) as err:
+        secure_round(["data.num_clients=4", "runtime.flower_min_replies=4"], 4, fail_at=(2,))
+    assert str(err.value).startswith("round 1, post-hoc ccvr (secure aggregation): 3 of 4 clients answered"), \
+        str(err.value)

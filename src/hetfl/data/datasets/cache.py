@@ -3,7 +3,8 @@
 An entry is a folder ``<cache_dir>/<dataset>-<digest>/`` holding one
 ``<name>.npy`` per array and a ``manifest.json`` written last, so an entry is
 complete exactly when its manifest exists; a crash mid-write leaves at most
-stray temporary files, never a half-written array under its final name. The
+stray hidden temporary files, never a half-written array under its final name
+(each file is written by :func:`hetfl.files.atomic_write`). The
 digest is over a JSON key: dataset name, the options that change the decoded
 arrays, a format version and a cheap fingerprint of the source files (paths,
 sizes, modification times), so editing or replacing the source invalidates it,
@@ -21,14 +22,13 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hetfl.files import follow_umask
+from hetfl.files import atomic_write, atomic_write_text
 from hetfl.params import ConfigError
 
 #: sub-folder of the user's cache directory holding decoded datasets
@@ -99,20 +99,6 @@ def fingerprint(paths: Iterable[Path]) -> str:
     return hashlib.sha256("\0".join(lines).encode()).hexdigest()[:20]
 
 
-def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Write ``path`` via ``write(file)`` into a temporary file in the same folder, then ``os.replace``
-    (the file's mode follows the umask, so a shared cache is readable by those it is shared with)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        follow_umask(fd)
-        with os.fdopen(fd, mode) as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def entry_dir(cache_dir: Path, key: Mapping[str, Any]) -> Path:
     """The cache folder of ``key``."""
     text = json.dumps(key, sort_keys=True, default=str)
@@ -145,8 +131,8 @@ def save_entry(cache_dir: Path, key: Mapping[str, Any], arrays: Mapping[str, np.
             raise TypeError(f"cache array {name!r} has dtype object; only plain arrays are cached")
         atomic_write(folder / f"{name}.npy", lambda fh, a=array: np.save(fh, np.ascontiguousarray(a),
                                                                            allow_pickle=False))
-    manifest = json.dumps({"key": _normalised(key), "arrays": list(arrays)}, indent=1)
-    atomic_write(folder / "manifest.json", lambda fh: fh.write(manifest), mode="w")
+    manifest = {"key": _normalised(key), "arrays": list(arrays)}
+    atomic_write_text(folder / "manifest.json", json.dumps(manifest, indent=1))
     return folder
 
 

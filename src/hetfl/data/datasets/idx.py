@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from hetfl.data.base import Dataset, DatasetError
-from hetfl.data.datasets.cache import atomic_write, cached, fingerprint
+from hetfl.data.datasets.cache import cached, fingerprint
 from hetfl.data.datasets.common import EMNIST_NORM, FMNIST_NORM, MNIST_NORM, Context, Norm, image_dataset
 from hetfl.data.datasets.download import Remote, ensure, incomplete_folder
 from hetfl.data.datasets.paths import guard, present, read_file
+from hetfl.files import atomic_write_bytes
 
 FORMAT = 1  # bump when the decoded arrays change
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
@@ -156,7 +157,7 @@ def _write_extracted(folder: Path, name: str, data: bytes, archive_path: Path, w
     DatasetError saying so, not taken for a damaged archive."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(folder / name, lambda fh: fh.write(data))
+        atomic_write_bytes(folder / name, data)
     except OSError as err:
         raise DatasetError(f"{folder}: cannot write the files extracted from {archive_path} "
                            f"({err.strerror or err}); extract gzip/{', gzip/'.join(wanted)} from it into a folder "
