@@ -358,8 +358,14 @@ TARGETS = (
     # client_metrics.jsonl, the first diverged round
     Target("engine_summary", "src/hetfl/engine/summary.py",
            ("tests/engine/test_engine.py", "tests/engine/test_scale.py", "tests/test_first_day.py",
-            "tests/engine/test_ledger.py", "tests/engine/test_privacy_participation.py"),
+            "tests/engine/test_ledger.py", "tests/engine/test_privacy_participation.py",
+            "tests/engine/test_summary_mutants.py"),
            ("-m", "not slow")),
+    # (session 42) the configuration's refusals: each section's checks and those across sections, a --set that is
+    # not KEY=VALUE, a section given a value, a file that is not UTF-8 TOML or is a preset; each names the key, the
+    # value and what is allowed
+    Target("config", "src/hetfl/config.py",
+           ("tests/test_config.py", "tests/test_bad_input.py", "tests/test_cli_errors.py"), ("-m", "not slow")),
 )
 
 
