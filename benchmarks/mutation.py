@@ -365,7 +365,8 @@ TARGETS = (
     # not KEY=VALUE, a section given a value, a file that is not UTF-8 TOML or is a preset; each names the key, the
     # value and what is allowed
     Target("config", "src/hetfl/config.py",
-           ("tests/test_config.py", "tests/test_bad_input.py", "tests/test_cli_errors.py"), ("-m", "not slow")),
+           ("tests/test_config.py", "tests/test_bad_input.py", "tests/test_cli_errors.py",
+            "tests/test_config_mutants.py"), ("-m", "not slow")),
 )
 
 
