@@ -367,6 +367,15 @@ TARGETS = (
     Target("config", "src/hetfl/config.py",
            ("tests/test_config.py", "tests/test_bad_input.py", "tests/test_cli_errors.py",
             "tests/test_config_mutants.py"), ("-m", "not slow")),
+    # (session 42) a run's set-up before anything runs: the device (an index past the machine's GPUs, CUDA absent,
+    # HETFL_DEVICE), what ``auto`` stands for, the method's filled-in defaults, a resume's configuration changes
+    # (a checkpoint's configuration read through today's defaults), a model that cannot take the data.
+    # build_partition (config keys handed to make_partition) is left to the partitions' tests
+    Target("engine_setup", "src/hetfl/engine/setup.py",
+           ("tests/engine/test_engine.py", "tests/engine/test_former_settings.py", "tests/test_bad_input.py",
+            "tests/engine/test_run_identity.py", "tests/engine/test_setup_mutants.py"), ("-m", "not slow"),
+           functions=("pick_device", "vmap_clients", "auto_model", "resolve", "config_changes",
+                      "check_method_fits_model", "model_fits_data")),
 )
 
 
