@@ -376,6 +376,15 @@ TARGETS = (
             "tests/engine/test_run_identity.py", "tests/engine/test_setup_mutants.py"), ("-m", "not slow"),
            functions=("pick_device", "vmap_clients", "auto_model", "resolve", "config_changes",
                       "check_method_fits_model", "model_fits_data")),
+    # (session 42) what overwrite=True deletes: only a folder holding a hetfl run (or nothing), only hetfl's own
+    # files, nothing while a file of the user's is there, and the privacy releases a deleted ledger recorded said
+    # first; the refusals that name resume=True and overwrite=True
+    Target("runs", "src/hetfl/runs.py",
+           ("tests/test_api.py", "tests/engine/test_run_dir_safety.py", "tests/test_privacy_edges.py",
+            "tests/test_runs_mutants.py"),
+           ("-m", "not slow"),
+           functions=("holds_run", "clear_run_dir", "warn_spent_releases", "_shown", "unfinished_error",
+                      "state_or_overwrite_hint")),
 )
 
 
