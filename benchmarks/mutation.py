@@ -370,12 +370,17 @@ TARGETS = (
     # (session 42) a run's set-up before anything runs: the device (an index past the machine's GPUs, CUDA absent,
     # HETFL_DEVICE), what ``auto`` stands for, the method's filled-in defaults, a resume's configuration changes
     # (a checkpoint's configuration read through today's defaults), a model that cannot take the data.
-    # build_partition (config keys handed to make_partition) is left to the partitions' tests
+    # build_partition (config keys handed to make_partition) is target engine_setup_partition
     Target("engine_setup", "src/hetfl/engine/setup.py",
            ("tests/engine/test_engine.py", "tests/engine/test_former_settings.py", "tests/test_bad_input.py",
             "tests/engine/test_run_identity.py", "tests/engine/test_setup_mutants.py"), ("-m", "not slow"),
            functions=("pick_device", "vmap_clients", "auto_model", "resolve", "config_changes",
                       "check_method_fits_model", "model_fits_data")),
+    # (session 42) the partition's settings: every data. key handed to make_partition, with the labels, the groups
+    # and the run's partition seed
+    Target("engine_setup_partition", "src/hetfl/engine/setup.py",
+           ("tests/data/test_partition_groups.py", "tests/engine/test_setup_mutants.py"), ("-m", "not slow"),
+           functions=("build_partition",)),
     # (session 42) what overwrite=True deletes: only a folder holding a hetfl run (or nothing), only hetfl's own
     # files, nothing while a file of the user's is there, and the privacy releases a deleted ledger recorded said
     # first; the refusals that name resume=True and overwrite=True

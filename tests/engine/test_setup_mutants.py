@@ -164,3 +164,44 @@ def test_a_gpu_index_past_the_machines_is_refused_naming_those_present(gpus, cou
     assert str(err.value) == (f"runtime.device = 'cuda:{count}': this machine has {present}; use one of them, cuda "
                               "or auto")
     assert chosen == []
+
+
+# ------------------------------------------------------------------ the partition's settings
+def test_every_data_setting_of_a_partition_reaches_it(monkeypatch):
+    """``build_partition`` hands each ``data.`` key to :func:`hetfl.data.partition.make_partition` (a key dropped
+    would silently give its default: a Dirichlet run at another alpha), with the labels, the groups and the run's
+    partition seed; every value here differs from its default."""
+    import numpy as np
+
+    from hetfl.rng import derive_seed
+
+    calls: list = []
+    monkeypatch.setattr(setup, "make_partition", lambda *args, **kwargs: calls.append((args, kwargs)))
+    cfg = config.load(None, [
+        "seed=7", "data.partition=dirichlet", "data.num_clients=6", "data.alpha=0.3", "data.min_size=4",
+        "data.classes_per_client=3", "data.uniform_share=0.4", "data.samples_per_client=50",
+        "data.test_per_client=9", "data.dominant_groups=2", "data.classes_per_group=2",
+        "data.reuse_samples=true", "data.quantity_sigma=0.5", "data.clients_per_domain=2",
+        "data.angles=[0.0, 90.0]", "data.base=dirichlet", "data.concept_groups=3"])
+    split = SimpleNamespace(y=torch.tensor([0, 1, 2, 1]), group=torch.tensor([0, 0, 1, 1]))
+    test = SimpleNamespace(y=torch.tensor([2, 0]), group=torch.tensor([1, 0]))
+    data = SimpleNamespace(train=split, test=test, info=SimpleNamespace(num_classes=3))
+    setup.build_partition(cfg, data)
+    ((args, kwargs),) = calls
+    assert args[0] == "dirichlet" and args[3] == 6
+    assert np.array_equal(args[1], [0, 1, 2, 1]) and np.array_equal(args[2], [2, 0])
+    assert np.array_equal(kwargs.pop("train_groups"), [0, 0, 1, 1])
+    assert np.array_equal(kwargs.pop("test_groups"), [1, 0])
+    assert kwargs == {
+        "seed": derive_seed(7, "partition"), "num_classes": 3, "alpha": 0.3, "min_size": 4, "classes_per_client": 3,
+        "uniform_share": 0.4, "samples_per_client": 50, "test_per_client": 9, "dominant_groups": 2,
+        "classes_per_group": 2, "group_classes": None, "reuse_samples": True, "quantity_sigma": 0.5,
+        "clients_per_domain": 2, "angles": [0.0, 90.0], "base": "dirichlet", "concept_groups": 3}
+    calls.clear()
+    plain = config.load(None, ["data.group_classes=[[0, 1], [2]]"])
+    setup.build_partition(plain, SimpleNamespace(train=SimpleNamespace(y=split.y, group=None),
+                                                 test=SimpleNamespace(y=test.y, group=None),
+                                                 info=SimpleNamespace(num_classes=3)))
+    ((_, kwargs),) = calls
+    assert kwargs["group_classes"] == [[0, 1], [2]] and kwargs["train_groups"] is None is kwargs["test_groups"]
+    assert kwargs["test_per_client"] is None and kwargs["angles"] is None  # 0 and [] mean "the scheme's own"
