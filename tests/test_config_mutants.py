@@ -109,6 +109,12 @@ def test_a_value_just_inside_each_boundary_is_accepted(overrides):
 
 
 # ------------------------------------------------------------------ files
+def refusal_of_file(path: Path) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        config.read_tree(path)
+    return err.value
+
+
 def test_a_configuration_file_that_cannot_be_used_is_named_with_why(tmp_path, monkeypatch):
     missing = tmp_path / "missing.toml"
     assert str(refusal_of_file(missing)) == f"CONFIG = '{missing}': no such file"
@@ -130,12 +136,6 @@ def test_a_configuration_file_that_cannot_be_used_is_named_with_why(tmp_path, mo
     err = refusal_of_file(locked)
     assert (err.key, err.value, str(err)) == ("CONFIG", str(locked),
                                               f"CONFIG = '{locked}': cannot be read (Permission denied)")
-
-
-def refusal_of_file(path: Path) -> ConfigError:
-    with pytest.raises(ConfigError) as err:
-        config.read_tree(path)
-    return err.value
 
 
 def test_a_preset_given_as_a_configuration_names_the_command_that_runs_it(tmp_path):

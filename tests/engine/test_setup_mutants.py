@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from hetfl import config
 from hetfl.engine import setup
 from hetfl.models.base import ModelError
 from hetfl.params import ConfigError
+from hetfl.rng import derive_seed
 
 
 def dataset(shape: tuple[int, ...], name: str = "images", image: bool = True) -> SimpleNamespace:
@@ -171,10 +173,6 @@ def test_every_data_setting_of_a_partition_reaches_it(monkeypatch):
     """``build_partition`` hands each ``data.`` key to :func:`hetfl.data.partition.make_partition` (a key dropped
     would silently give its default: a Dirichlet run at another alpha), with the labels, the groups and the run's
     partition seed; every value here differs from its default."""
-    import numpy as np
-
-    from hetfl.rng import derive_seed
-
     calls: list = []
     monkeypatch.setattr(setup, "make_partition", lambda *args, **kwargs: calls.append((args, kwargs)))
     cfg = config.load(None, [

@@ -22,7 +22,9 @@ from flwr.common import FitIns, FitRes, Status, ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
+from hetfl.algorithms.ccvr_statistics import CCVRStatistics
 from hetfl.flower import secagg
+from hetfl.flower.server import FlowerFederation, FlowerRoundError
 
 
 def content(arrays: tuple[int, ...] = (), blobs: dict | None = None, stage: str | None = None) -> SimpleNamespace:
@@ -148,8 +150,6 @@ def test_a_client_without_a_node_is_recorded_and_left_out_of_the_sum(secure_roun
 
 
 def test_a_stop_names_each_stages_answers_and_the_failed_clients(secure_round):
-    from hetfl.flower.server import FlowerRoundError
-
     with pytest.raises(FlowerRoundError) as err:
         secure_round(["data.num_clients=4"], 4, fail_at=(0, 1))
     crashed = "secure aggregation, stage collect_masked_vectors: node crashed"
@@ -161,8 +161,6 @@ def test_a_stop_names_each_stages_answers_and_the_failed_clients(secure_round):
 
 
 def test_a_node_found_holding_other_data_is_not_asked_and_its_reason_is_recorded(secure_round, monkeypatch):
-    from hetfl.flower.server import FlowerFederation
-
     why = "its node's data-root holds other samples (digest 1234 of 5678)"
     monkeypatch.setattr(FlowerFederation, "holds_other_data", lambda self, c: why if c == 3 else "")
     fed, got, want = secure_round(["data.num_clients=4", "runtime.flower_min_replies=3"], 4)
@@ -189,8 +187,6 @@ def test_a_node_the_workflow_leaves_out_of_the_sum_without_a_failure_is_recorded
 
 
 def test_the_clipped_entries_of_a_secure_round_are_counted_as_in_process(secure_round, monkeypatch):
-    from hetfl.algorithms.ccvr_statistics import CCVRStatistics
-
     bounds = CCVRStatistics.reply_bounds
     monkeypatch.setattr(CCVRStatistics, "reply_bounds",
                         lambda self: {k: v / 1000 for k, v in bounds(self).items()})  # most entries clip
@@ -199,8 +195,6 @@ def test_the_clipped_entries_of_a_secure_round_are_counted_as_in_process(secure_
 
 
 def test_a_stop_names_at_most_five_failed_clients(secure_round):
-    from hetfl.flower.server import FlowerRoundError
-
     with pytest.raises(FlowerRoundError) as err:
         secure_round(["data.num_clients=8"], 8, fail_at=(0, 1, 2, 3, 4, 5))
     crashed = "secure aggregation, stage collect_masked_vectors: node crashed"
@@ -210,8 +204,6 @@ def test_a_stop_names_at_most_five_failed_clients(secure_round):
 def test_a_stop_with_no_failed_client_ends_with_the_neighbours_rule(secure_round, monkeypatch):
     """A workflow that ends without a sum and without a failure on the grid (none of Flower's does today): the
     stop names no client."""
-    from hetfl.flower.server import FlowerRoundError
-
     monkeypatch.setattr(secagg, "SecAggPlusWorkflow", lambda *args, **kwargs: lambda grid, context: None)
     with pytest.raises(FlowerRoundError) as err:
         secure_round(["data.num_clients=2", "runtime.secagg_reconstruction_threshold=2"], 2)
@@ -222,8 +214,6 @@ def test_a_stop_with_no_failed_client_ends_with_the_neighbours_rule(secure_round
 
 
 def test_a_secure_round_short_of_its_quorum_names_its_round(secure_round):
-    from hetfl.flower.server import FlowerRoundError
-
     with pytest.raises(FlowerRoundError) as err:
         secure_round(["data.num_clients=4", "runtime.flower_min_replies=4"], 4, fail_at=(2,))
     assert str(err.value).startswith("round 1, post-hoc ccvr (secure aggregation): 3 of 4 clients answered"), \
