@@ -90,8 +90,29 @@ def test_augmenting_feature_vectors_is_refused_by_name():
     x = torch.zeros(10, 4)
     info = DatasetInfo("feat", ("a", "b"), (4,), None, None)
     y = torch.zeros(10, dtype=torch.long)
-    with pytest.raises(ConfigError, match="data.augment.*needs image data; feat has feature vectors"):
+    with pytest.raises(ConfigError) as refused:
         FederatedData(Dataset(info, Split(x, y), Split(x, y)), part, CPU, "flip")
+    assert str(refused.value) == "data.augment = 'flip': needs image data; feat has feature vectors"
+
+
+@pytest.mark.parametrize(("shape", "want"), [((3, 20, 40), "crop_flip"), ((3, 40, 20), "none")])
+def test_auto_decides_by_the_images_width(shape, want):
+    """``auto`` reads the width (the last axis), not the height: a wide RGB image of 40 columns and 20 rows is
+    augmented (padded by 40 // 8), a tall one of 20 columns is not."""
+    fd, _ = _images("auto", shape)
+    assert fd.augment == want and fd.padding == shape[-1] // 8
+
+
+@pytest.mark.parametrize(("width", "padding"), [(4, 1), (8, 1), (15, 1), (16, 2), (28, 3)])
+def test_small_images_are_padded_by_one_pixel_at_least(width, padding):
+    """The crop's padding is an eighth of the width (4 pixels at 32), never below 1 pixel: an image narrower
+    than 16 pixels is padded by exactly 1, its crops shifted by at most one pixel either way."""
+    fd, _ = _images("crop_flip", (1, width, width))
+    assert fd.padding == padding
+    starts = fd.augment_draws(400, torch.Generator().manual_seed(0))
+    dx, dy, flips = augment_params(400, padding, True, torch.Generator().manual_seed(0))
+    assert torch.equal(starts, crop_starts(dx, dy, flips, width))
+    assert int(dx.max()) == 2 * padding and int(dy.max()) == 2 * padding
 
 
 @pytest.mark.parametrize("augment", ["crop_flip", "flip"])
@@ -136,3 +157,33 @@ def test_the_crops_of_wide_images_run_along_their_width():
     got = fd.augment_draws(4, torch.Generator().manual_seed(2))
     dx, dy, flips = augment_params(4, 3, True, torch.Generator().manual_seed(2))
     assert torch.equal(got, crop_starts(dx, dy, flips, 24))
+
+
+META = torch.device("meta")  # tensors without storage: a CPU stands in for a GPU in where each tensor is held
+
+
+@pytest.mark.parametrize("rotation", [None, [0.0, 90.0]])
+@pytest.mark.parametrize(("augment", "prepared"), [("crop_flip", True), ("crop_flip", False), ("none", False)])
+def test_everything_a_step_reads_is_held_on_the_device(rotation, augment, prepared):
+    """DESIGN.md property 4 (and issue 29's host-free step): the training and test tensors, the normalisation,
+    the crop grid and the clients' indices live on the run's device, moved there once; only the index lists the
+    host assembles a step's batches from stay on the CPU. On the ``meta`` device, so that a tensor left on the
+    CPU (a ``.to(device)`` dropped) shows without a GPU; a client's test split that is a gather (client 1: test
+    samples 0 and 3) included."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    info = DatasetInfo("img", tuple(str(i) for i in range(10)), (3, 32, 32), (0.5,) * 3, (0.25,) * 3)
+    ds = Dataset(info, Split(x, y), Split(x[:4].clone(), y[:4]))
+    part = Partition([np.arange(0, 4), np.arange(4, 8)], [np.arange(0, 2), np.array([0, 3])], rotation=rotation)
+    fd = FederatedData(ds, part, META, augment, prepared=prepared)
+    held = {name: value for name, value in vars(fd).items() if isinstance(value, torch.Tensor)}
+    assert set(held) == {"train_x", "train_y", "test_x", "test_y", "_mean", "_std", "_source", "_interior"}
+    assert {name: value.device for name, value in held.items()} == dict.fromkeys(held, META)
+    assert all(t.x.device == META and t.y.device == META for t in fd.client_tests)
+    assert [idx.device for idx in fd.client_train] == [META, META]
+    assert [idx.device.type for idx in fd.client_train_cpu] == ["cpu", "cpu"]
+    assert fd._grid is None if augment == "none" else all(g.device == META for g in fd._grid)
+    schedule = [torch.tensor([3, 0]), torch.tensor([1])]
+    for batch in fd.train_batches(1, schedule, torch.Generator().manual_seed(0)):
+        assert batch.x.device == META and batch.y.device == META and batch.x.dtype == torch.float32

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from hetfl.algorithms.base import Stage
+from hetfl.algorithms.base import MethodError, Stage
 from hetfl.engine.schedule import batch_schedule
 from hetfl.engine.step_plan import BLOCK_STEPS, bucket_width, plan_round, split_steps
 from hetfl.optim import SGDConfig
@@ -56,7 +56,7 @@ def _reference(stages, clients, sizes, batch_size, drop_last, augment, draws):
     return out
 
 
-def _replay(plan, k: int, client_major: bool):
+def _replay(plan, k: int, client_major: bool, ordered: bool = True):
     out = []
     for sp in plan:
         per_row: list[list] = [[] for _ in range(k)]
@@ -66,12 +66,19 @@ def _replay(plan, k: int, client_major: bool):
             # what a step indexes with is int64 (a float index cannot gather), the draws keep their own dtype
             assert call.idx.dtype == torch.long and (call.rows is None or call.rows.dtype == torch.long)
             assert call.augment is None or call.augment.dtype == torch.long
+            assert call.augment is None or call.augment.shape == (
+                (call.steps, 3, call.width, call.size) if client_major else (call.steps, 3, call.size, call.width))
+            assert all(t.shape[:2] == (call.steps, call.width) for t in call.draws.values())
             assert {n: t.dtype for n, t in call.draws.items()} == ({"u": torch.float32, "v": torch.long}
                                                                    if call.draws else {})
             if call.rows is None:
                 assert call.start + call.width <= k
             else:
-                assert call.steps == 1 and call.rows.shape == (1, call.width)
+                assert call.rows.shape == (call.steps, call.width)
+                assert call.steps == 1 or not ordered  # clients largest first: only single steps are gathered
+                # rows that are one run and take several steps are read as views, never gathered
+                members = [int(r) for r in call.rows[0] if r < k]
+                assert call.steps == 1 or members != list(range(members[0], members[0] + len(members)))
             for s, col in itertools.product(range(call.steps), range(call.width)):
                 row = call.start + col if call.rows is None else int(call.rows[s, col])
                 idx = call.idx[s, col] if client_major else call.idx[s, :, col]
@@ -104,7 +111,15 @@ CASES = [  # sizes (largest first, as the executor orders them), batch size, dro
     ([12, 9], 3, False, [(0, 7), (1, 0)]),
     ([30, 29, 28, 27, 26, 25, 24, 6, 5], 4, False, [(2, 0)]),
     ([5, 5, 5], 8, True, [(1, 0)]),
+    # not largest first (the executor sorts; the layout does not rely on it): blocks of rows that start past row 0
+    ([4, 17, 9, 23], 4, False, [(2, 0)]),
+    ([9, 3, 2], 4, False, [(1, 0)]),  # one row alone has full batches
+    # five rows of twelve take short batches of 2 (the others of 1): a gathered call of width 6, one padding column
+    ([41] * 7 + [14] * 5, 4, False, [(1, 0)]),
+    # row 0's first batch short (not largest first): rows 1-4 and 8's first, full, batches gathered, padded to 6
+    ([3, 17, 17, 17, 17, 2, 2, 2, 9], 4, False, [(1, 0)]),
 ]
+PADDED = {len(CASES) - 2, len(CASES) - 1}  # the cases with a gathered call wider than its rows
 
 
 @pytest.mark.parametrize("client_major", [False, True], ids=["sample_major", "client_major"])
@@ -121,13 +136,18 @@ def test_the_plan_replays_the_sequential_draws_row_by_row(case, block_steps, aug
                       batch_gens=_gens(1, k), augment_gens=_gens(2, k), draw_gens=_gens(3, k),
                       stage_augment=_augment if augment else (lambda s, g: None), global_indices=_global,
                       device=CPU, block_steps=block_steps, client_major=client_major)
-    _same(_replay(plan, k, client_major), _reference(stages, clients, sizes, batch_size, drop_last, augment, draws))
+    ordered = sizes == sorted(sizes, reverse=True)
+    _same(_replay(plan, k, client_major, ordered),
+          _reference(stages, clients, sizes, batch_size, drop_last, augment, draws))
+    padded = False
     for sp in plan:
         assert all(c.steps <= block_steps for c in sp.calls)
         for c in sp.calls:
             if c.rows is not None:  # gathered: the members, then the scratch row up to the rounded width
                 members = int((c.rows[0] < k).sum())
                 assert c.width == bucket_width(members, k) and (c.rows[0, members:] == k).all()
+                padded |= c.width > members
+    assert padded == (case in PADDED)
 
 
 def test_a_one_epoch_layout_by_hand():
@@ -149,9 +169,93 @@ def test_a_one_epoch_layout_by_hand():
                    (False, 1, 1, 1, 0, None)]  # row 0's short batch: a single step at row 0, viewed
 
 
+def test_a_block_runs_on_past_a_short_batch_that_is_a_rows_last():
+    """Sizes 9 and 5 with batch 2: row 0 takes 4 full batches and a short one, row 1 2 full and a short one.
+    After the first step, row 1's short batch is its last, so it does not end the block: the block runs until
+    row 0's short batch (3 steps: both rows 1, row 0 alone 2 more), and both short batches are one call, a
+    view at row 0. Ending the block at row 1's short batch would take row 1's short batch alone, gathered."""
+    stage = Stage("s", loss=None, trainable=(), sgd=SGDConfig(lr=0.1))
+    (sp,) = plan_round([stage], [0, 1], [9, 5], batch_size=2, drop_last=False, batch_gens=_gens(1, 2),
+                       augment_gens=_gens(2, 2), draw_gens=_gens(3, 2), stage_augment=lambda s, g: None,
+                       global_indices=_global, device=CPU)
+    assert sp.steps == [5, 3]
+    got = [(c.first, c.steps, c.width, c.size, c.start, c.rows) for c in sp.calls]
+    assert got == [(True, 1, 2, 2, 0, None), (False, 1, 2, 2, 0, None), (False, 2, 1, 2, 0, None),
+                   (False, 1, 2, 1, 0, None)]
+
+
+def test_a_short_batch_before_a_rows_last_ends_the_block():
+    """A stage of 4 steps, sizes 16 and 9 with batch 4: row 0 takes 4 full batches, row 1 full, full, short
+    (its epoch's end), full. Row 1's short batch is not its last, so the block ends there: one step of both,
+    row 1's short batch alone (gathered: it is not at row 0), then both again for one step, row 0 its last."""
+    stage = Stage("s", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), epochs=0, steps=4)
+    (sp,) = plan_round([stage], [0, 1], [16, 9], batch_size=4, drop_last=False, batch_gens=_gens(1, 2),
+                       augment_gens=_gens(2, 2), draw_gens=_gens(3, 2), stage_augment=lambda s, g: None,
+                       global_indices=_global, device=CPU)
+    assert sp.steps == [4, 4]
+    got = [(c.first, c.steps, c.width, c.size, c.start, None if c.rows is None else c.rows.tolist())
+           for c in sp.calls]
+    assert got == [(True, 1, 2, 4, 0, None), (False, 1, 2, 4, 0, None), (False, 1, 1, 1, 0, [[1]]),
+                   (False, 1, 2, 4, 0, None), (False, 1, 1, 4, 0, None)]
+
+
+def test_blocks_are_as_long_as_the_graph_steps_allow():
+    """One client, 20 full batches of 2: its first step, then blocks of at most ``block_steps`` steps, each cut
+    into powers of two no longer than ``block_steps`` (16 + 2 + 1 with 16; 4 + 4 + 4 + 4 + 2 + 1 by default).
+    The plan is sample-major unless asked: ``idx`` ``[steps, size, width]``."""
+    stage = Stage("s", loss=None, trainable=(), sgd=SGDConfig(lr=0.1))
+
+    def steps(**kwargs) -> list[int]:
+        (sp,) = plan_round([stage], [0], [40], batch_size=2, drop_last=False, batch_gens=_gens(1, 1),
+                           augment_gens=_gens(2, 1), draw_gens=_gens(3, 1), stage_augment=lambda s, g: None,
+                           global_indices=_global, device=CPU, **kwargs)
+        assert all(c.idx.shape == (c.steps, 2, 1) for c in sp.calls)
+        return [c.steps for c in sp.calls]
+
+    assert steps(block_steps=16) == [1, 16, 2, 1]
+    assert steps() == [1, 4, 4, 4, 4, 2, 1]
+
+
+def test_a_stages_draws_that_are_no_tensors_are_refused_naming_the_stage():
+    stage = Stage("warmup", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), draws=lambda g, n: [1, 2])
+    with pytest.raises(MethodError) as refused:
+        plan_round([stage], [0], [5], batch_size=2, drop_last=False, batch_gens=_gens(1, 1),
+                   augment_gens=_gens(2, 1), draw_gens=_gens(3, 1), stage_augment=lambda s, g: None,
+                   global_indices=_global, device=CPU)
+    assert str(refused.value) == ("stage 'warmup' of ?: its draws must return a dict of name -> tensor; "
+                                  "it returned a list")
+
+
 def test_split_steps_and_bucket_width_by_hand():
     assert split_steps(13, 16) == [8, 4, 1] and split_steps(13) == [4, 4, 4, 1] and split_steps(0) == []
     assert split_steps(6, 3) == [3, 2, 1] and split_steps(1, 1) == [1]
     assert [bucket_width(w, 100) for w in (1, 4, 5, 13, 14, 100)] == [1, 4, 13, 13, 26, 100]
     assert [bucket_width(w, 9) for w in (5, 6, 9)] == [6, 6, 9] and bucket_width(7, 7) == 7
-    assert bucket_width(5, 5) == 5 and bucket_width(6, 8) == 6
+    assert bucket_width(5, 5) == 5 and bucket_width(6, 8) == 6 and bucket_width(5, 8) == 5 and bucket_width(7, 8) == 7
+
+
+def test_the_whole_plan_is_moved_to_the_device_in_its_layout():
+    """A step reads device tensors only (issue 29, item 1): every tensor of every call is on the run's device,
+    in the shapes and dtypes of the plan made on the CPU. On the ``meta`` device, so that a tensor left on the
+    host (a copy's device dropped) shows without a GPU."""
+    sizes, batch_size, drop_last, stage_spec = CASES[1]
+    clients = [7 * r + 2 for r in range(len(sizes))]
+    stages = [Stage(f"s{i}", loss=None, trainable=(), sgd=SGDConfig(lr=0.1), epochs=e, steps=s, draws=_draws)
+              for i, (e, s) in enumerate(stage_spec)]
+    k = len(sizes)
+
+    def plan(device: torch.device):
+        return plan_round(stages, clients, sizes, batch_size=batch_size, drop_last=drop_last,
+                          batch_gens=_gens(1, k), augment_gens=_gens(2, k), draw_gens=_gens(3, k),
+                          stage_augment=_augment, global_indices=_global, device=device)
+
+    def layout(stage_plans):
+        return [[(c.first, c.steps, c.width, c.size, c.start,
+                  {n: (t.device.type, t.dtype, tuple(t.shape))
+                   for n, t in (("rows", c.rows), ("idx", c.idx), ("augment", c.augment), *c.draws.items())
+                   if t is not None}) for c in sp.calls] for sp in stage_plans]
+
+    on_cpu, on_meta = layout(plan(CPU)), layout(plan(torch.device("meta")))
+    assert any(c[5].keys() >= {"rows", "idx", "augment", "u", "v"} for calls in on_cpu for c in calls)
+    assert on_meta == [[(*c[:5], {n: ("meta", *what[1:]) for n, what in c[5].items()}) for c in calls]
+                       for calls in on_cpu]
