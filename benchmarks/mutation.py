@@ -390,6 +390,22 @@ TARGETS = (
            ("-m", "not slow"),
            functions=("holds_run", "clear_run_dir", "warn_spent_releases", "_shown", "unfinished_error",
                       "state_or_overwrite_hint")),
+    # (session 43) CCVR's calibration step (its Algorithm 1's last line, shared by the post-hoc steps): SGD with
+    # momentum and weight decay of the classifier on fixed (virtual) features, the step's own random stream
+    Target("posthoc", "src/hetfl/algorithms/posthoc.py",
+           ("tests/algorithms/test_ccvr_math.py", "tests/algorithms/test_ccvr.py",
+            "tests/algorithms/test_ccvr_side_studies.py"),
+           ("-m", "not slow and not processes", *E2E_CCVR), functions=("retrain_classifier", "stream")),
+    # (session 43) FedBR's pseudo-data (sec. 4.3, random sample means): the authors' draws in their order, each
+    # client's means of the slots the plan gives it, the server's assembly and its refusals, the proxy means
+    Target("pseudo_data", "src/hetfl/algorithms/pseudo_data.py",
+           ("tests/algorithms/test_fedbr.py", "tests/algorithms/test_fedbr_mutants.py"),
+           ("-m", "not slow and not processes")),
+    # (session 43) the run's random streams: each stream's seed from (seed, purpose, coordinates), pinned (a resumed
+    # run re-derives them); a round's clients and the most rounds any client is asked in (privacy budgets)
+    Target("rng", "src/hetfl/rng.py",
+           ("tests/test_rng_mutants.py", "tests/algorithms/test_schedule_mutants.py",
+            "tests/engine/test_privacy_participation.py"), ("-m", "not slow and not processes")),
 )
 
 

@@ -19,7 +19,12 @@ _PURPOSES = ("init", "sample", "batches", "augment", "draws", "algorithm", "part
 
 
 def derive_seed(seed: int, purpose: str, *coords: int) -> int:
-    """A 63-bit seed for one stream, stable across processes and platforms."""
+    """A 63-bit seed for one stream, stable across processes and platforms.
+
+    Coordinates that differ only by trailing zeros give the same seed (NumPy's ``SeedSequence`` pads its
+    entropy with zeros: ``(r, c)`` is ``(r, c, 0)``), so the streams of one purpose give their coordinates
+    one fixed arity in a run (``batches``: round, client, stream; a method's own: :func:`method_generator`'s name
+    first, then its own fixed coordinates)."""
     if purpose not in _PURPOSES:
         raise ValueError(f"unknown random stream {purpose!r}; known: {', '.join(_PURPOSES)}")
     entropy = [seed, zlib.crc32(purpose.encode()), *coords]

@@ -187,3 +187,12 @@ def test_everything_a_step_reads_is_held_on_the_device(rotation, augment, prepar
     schedule = [torch.tensor([3, 0]), torch.tensor([1])]
     for batch in fd.train_batches(1, schedule, torch.Generator().manual_seed(0)):
         assert batch.x.device == META and batch.y.device == META and batch.x.dtype == torch.float32
+
+
+@pytest.mark.parametrize("augment", ["none", "flip", "crop_flip"])
+def test_the_training_images_are_held_once(augment):
+    """Without crops the batches are gathered from the training images themselves, with crops from their padded
+    copy, whose interior ``train_x`` then is: one copy of the training set on the device, never two."""
+    fd, _ = _images(augment)
+    assert fd._source.untyped_storage().data_ptr() == fd.train_x.untyped_storage().data_ptr()
+    assert fd._source.shape[-1] == 32 + (8 if augment == "crop_flip" else 0)
