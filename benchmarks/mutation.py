@@ -512,14 +512,15 @@ def collect_target(target: Target, workdir: Path, seconds: float | None = None) 
 #: kinds of explained survivors, by the ``## `` heading they are listed under in ``<target>.equivalent.md``:
 #: a heading ending in "(rounding)" holds mutants equal in exact arithmetic that change only floating-point
 #: rounding (a test telling them apart would pin the last bits, which differ between CPUs); "(CUDA)" holds
-#: mutants observable only on a CUDA device, killed by tests skipped without one. Bullets above any such
-#: heading are equivalent: no input tells them apart.
-KINDS = {"(rounding)": "rounding_only", "(CUDA)": "cuda_only"}
+#: mutants observable only on a CUDA device, killed by tests skipped without one; "(killed by hand)" holds survivors
+#: of the target's last run that a test written since kills (checked by applying the mutation by hand), until the
+#: target is run again. Bullets above any such heading are equivalent: no input tells them apart.
+KINDS = {"(rounding)": "rounding_only", "(CUDA)": "cuda_only", "(killed by hand)": "killed_by_hand"}
 
 
 def listed_survivors(name: str) -> dict[str, set[str]]:
     """Mutant names explained in ``<name>.equivalent.md`` (each a backticked name opening a ``-`` or ``*``
-    list line), by kind: ``equivalent``, ``rounding_only``, ``cuda_only`` (see :data:`KINDS`)."""
+    list line), by kind: ``equivalent``, ``rounding_only``, ``cuda_only``, ``killed_by_hand`` (see :data:`KINDS`)."""
     listed: dict[str, set[str]] = {"equivalent": set(), **{kind: set() for kind in KINDS.values()}}
     path = RESULTS / f"{name}.equivalent.md"
     if not path.exists():
@@ -556,11 +557,13 @@ def write_results(results: dict[str, dict]) -> None:
              "`<target>.survivors.txt` and explained in `<target>.equivalent.md`: 'equivalent' (no input tells them "
              "apart), 'rounding only' (equal in exact arithmetic; they change only floating-point rounding, which a "
              "test could pin only bit for bit, and the last bits differ between CPUs), 'CUDA only' (observable "
-             "only on a CUDA device, killed by tests that are skipped without one); 'unexplained' survivors are "
-             "neither killed nor explained.", "",
-             "| file | tests | mutants | killed | survived | equivalent | rounding only | CUDA only | unexplained "
-             "| other | kill rate | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "only on a CUDA device, killed by tests that are skipped without one), 'killed by hand' (survivors of "
+             "the target's last run that a test written since kills, checked by applying the mutation by hand; "
+             "counted as survivors until the target is run again); 'unexplained' survivors are neither killed nor "
+             "explained.", "",
+             "| file | tests | mutants | killed | survived | equivalent | rounding only | CUDA only | killed by hand "
+             "| unexplained | other | kill rate | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary.values():
         c = r["counts"]
         other = r["mutants"] - c.get("killed", 0) - c.get("survived", 0)
@@ -569,7 +572,7 @@ def write_results(results: dict[str, dict]) -> None:
         lines.append(f"| `{r['source']}` | {', '.join(f'`{t}`' for t in r['tests'])} | {r['mutants']} | "
                      f"{c.get('killed', 0)} | {c.get('survived', 0)} | {len(r['equivalent'])} | "
                      f"{len(r.get('rounding_only', []))} | {len(r.get('cuda_only', []))} | "
-                     f"{len(r['unexplained'])} | {other} | {rate} | {secs} |")
+                     f"{len(r.get('killed_by_hand', []))} | {len(r['unexplained'])} | {other} | {rate} | {secs} |")
     stale = {n: r["listed_not_surviving"] for n, r in summary.items() if r["listed_not_surviving"]}
     if stale:
         lines += ["", "Listed as equivalent but no longer surviving (killed since, or renamed): "

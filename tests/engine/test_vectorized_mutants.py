@@ -332,3 +332,27 @@ def test_a_compile_error_without_a_message_is_reported_by_its_type(monkeypatch):
     compare_one_round(exp, notes=notes)
     assert [n for n in notes if "could not compile" in n] == [
         "vectorized: torch.compile could not compile stage 'local'; running it uncompiled: NotImplementedError: "]
+
+
+@pytest.mark.parametrize(("method", "kinds"), [
+    ("scaffold", {"payload", "cstate"}), ("fedmix", {"payload", "shared"}), ("fedbr", {"payload", "extras", "shared"}),
+    ("moon", {"payload", "extras"})])
+def test_a_groups_buffers_are_all_on_the_training_device(method, kinds):
+    """Everything a group's steps read and write (issue 29: a step copies nothing from the host) is on the
+    training device: the stacked states and their bf16 copies, the payload, client states and extras (those every
+    client shares, kept once, too: the global model, MOON's previous model), the data sent once (FedMix's means,
+    FedBR's pseudo-data), the optimiser's momentum (FedBR's max step's too), the rates and the sums. On the
+    ``meta`` device, from contexts made on the CPU: a tensor left where it was made shows without a GPU."""
+    exp = Experiment(config.load(None, [*FEW, f"algorithm.name={method}", "train.momentum=0.9"]))
+    server, _, _ = exp.setup_round(exp.initial_server())
+    plans = [ClientPlan.of(exp.algorithm, ctx) for ctx in round_contexts(exp, server, {}, 1)]
+    meta = torch.device("meta")
+    buffers = GroupBuffers(plans, meta, low_names=tuple(exp.algorithm.model.low_precision_names))
+    held = {kind: getattr(buffers, kind) for kind in ("state", "low", "payload", "cstate", "extras", "shared", "sums")}
+    held |= {f"opt{i}": d for i, d in enumerate(buffers.opt + buffers.adv_opt)}
+    held["rates"] = dict(enumerate(buffers.lr + buffers.adv_lr))
+    assert {kind for kind in ("payload", "cstate", "extras", "shared") if held[kind]} == kinds
+    assert held["state"] and held["low"] and held["opt0"] and held["sums"]
+    assert method != "fedbr" or held[f"opt{len(buffers.opt)}"]  # the max step's momentum
+    assert {f"{kind}.{name}": t.device for kind, d in held.items() for name, t in d.items()} == {
+        f"{kind}.{name}": meta for kind, d in held.items() for name in d}

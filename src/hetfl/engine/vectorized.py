@@ -263,10 +263,11 @@ class GroupBuffers:
 
     def _shared_or_rows(self, dicts: Sequence[Tensors]) -> tuple[Tensors, dict[str, int | None]]:
         """Per-client tensors stacked with the scratch row (:meth:`_rows`); a tensor every client shares
-        (:func:`client_axes`) is kept once."""
+        (:func:`client_axes`) is kept once, a copy of its own on the training device too."""
         dims = client_axes(dicts)
         rows = self._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts])
-        return {n: dicts[0][n].detach().clone() if dims[n] is None else rows[n] for n in dims}, dims
+        return {n: dicts[0][n].detach().to(self.device, copy=True) if dims[n] is None else rows[n]
+                for n in dims}, dims
 
     def fits(self, plans: list[ClientPlan]) -> bool:
         """Whether ``plans`` share these buffers' layout (the same structure is checked by the caller)."""
