@@ -112,10 +112,12 @@ TARGETS = (
     # test_privacy_edges.py (session 31): the accepted budgets, epsilon rounded up (test_privacy_mutants.py: the texts,
     # digests and edges the others left untested); less test_privacy_edges.py's two killed-and-resumed
     # whole runs (6 and 4 s; the ledger's tests cover what they check of the releases)
+    # (session 43) + test_privacy_participation.py: who took part in each release, the most exposed client (the
+    # budget a run reports is that client's); about 5 s with its small whole runs
     Target("privacy", "src/hetfl/privacy.py",
            ("tests/test_privacy.py", "tests/algorithms/test_ccvr_dp.py", "tests/test_privacy_edges.py",
-            "tests/test_privacy_mutants.py"),
-           (*E2E_CCVR_DP, *KILLED_RUNS)),
+            "tests/test_privacy_mutants.py", "tests/engine/test_privacy_participation.py"),
+           (*E2E_CCVR_DP, *KILLED_RUNS, *NOT_SLOW)),
     # (session 33) the set-up checks of budgets and clip norms (check_settings, FedPAC's counts-and-sums-only
     # bounds: test_privacy_edges.py, test_fedpac_dp.py) and the refused uploads' release (test_privacy_mutants.py);
     # their whole runs (marked slow) left out

@@ -23,7 +23,14 @@ from hetfl.algorithms.dp_moments import MomentsMechanism
 from hetfl.engine.federation import InProcessFederation
 from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.schedule import sampled_clients
-from hetfl.privacy import Release, epsilon_spent, noise_multiplier, participation, worst_client_multipliers
+from hetfl.privacy import (
+    Release,
+    composed_multiplier,
+    epsilon_spent,
+    noise_multiplier,
+    participation,
+    worst_client_multipliers,
+)
 from hetfl.rng import most_rounds_asked
 from hetfl.runtimes import set_up
 
@@ -114,6 +121,40 @@ def test_the_worst_client_composes_the_sums_it_is_in():
     assert worst_client_multipliers([3.0, 0.0], participation([(0,), (1,)])) == [0.0]  # no noise: infinite loss
     with pytest.raises(ValueError, match="participation has 2 rows for 3 releases"):
         worst_client_multipliers([1.0, 2.0, 3.0], participation([(0,), (1,)]))
+
+
+# (releases' multipliers, the one client each release holds, the worst client): the exposure is sum z^-2
+WORST_CASES = [
+    ([0.9] + [2.0] * 10, [0] + [1] * 10, 1),  # ten releases of z = 2 (2.5) outweigh one of z = 0.9 (1.23)
+    ([0.5] + [1.0] * 3, [0, 1, 1, 1], 0),  # one of z = 0.5 (4) outweighs three of z = 1 (3): z^-2, not clamped
+    ([0.5] + [1.0] * 5, [0] + [1] * 5, 1),  # five of z = 1 (5) outweigh one of z = 0.5 (4): z^-2, not z^-3
+    # float64: client 0's 2.000000075 > client 1's 2.000000015; in float32 they come out the other way round
+    ([1.0000001925737232, 0.999999769802292, 0.7071067785830816], [0, 0, 1], 0),
+    # within the 1e-12 of the first pass: the exact composition decides (client 1, by 1e-13), not list order
+    ([1.0, math.sqrt(2 / (1 + 1e-13)), math.sqrt(2 / (1 + 1e-13))], [0, 1, 1], 1),
+]
+
+
+@pytest.mark.parametrize(("multipliers", "owners", "worst"), WORST_CASES)
+def test_the_most_exposed_client_is_found_however_its_exposure_is_made(multipliers, owners, worst):
+    """A reported budget must be the most exposed client's: under-reporting it is the one error a privacy
+    accountant must not make. Each case has a client that a wrong weighing of releases (a clamp, another power,
+    float32, list order) would pass over for one that spent less."""
+    got = worst_client_multipliers(multipliers, participation([(c,) for c in owners]))
+    assert got == [m for m, c in zip(multipliers, owners, strict=True) if c == worst]
+    others = [[m for m, c in zip(multipliers, owners, strict=True) if c == other] for other in set(owners)]
+    assert composed_multiplier(got) == min(composed_multiplier(col) for col in others)
+    assert all(composed_multiplier(col) > composed_multiplier(got) for col in others if col != got)
+
+
+def test_participation_of_releases_that_name_no_client_and_the_mismatch_refused():
+    """A release that names its clients and holds none (a round whose replies were all lost) is a row of
+    False; the matrix is as wide as the largest client named, one column at least."""
+    assert participation([(), None]).tolist() == [[False], [True]]
+    assert participation([(), ()]).tolist() == [[False], [False]]
+    with pytest.raises(ValueError) as refused:
+        worst_client_multipliers([1.0, 2.0, 3.0], participation([(0,), (5,)]))
+    assert str(refused.value) == "participation has 2 rows for 3 releases"
 
 
 def test_the_mechanisms_guarantee_counts_per_client():
