@@ -688,3 +688,25 @@ def test_outside_client_batching_a_bf16_batchnorm_is_pytorchs_own(monkeypatch):
     with client_batching():
         norm(x)
     assert seen == [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("settings", [{}, {"affine": False}, {"track_running_stats": False}],
+                         ids=["affine_with_statistics", "statistics_only", "affine_only"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_bf16_batchnorm_vmaps_whatever_it_holds(settings, mode):
+    """``_VmappableNorm`` casts a bfloat16 input to the dtype of the float32 tensors the layer holds: its running
+    statistics, or its weight where it keeps none (``track_running_stats=False``). Without the cast, vmap's kernel
+    refuses the mix where there are statistics, and gives float32 where there are none; with it, each client's
+    output is the layer's own on that client, in bfloat16, with or without affine weights."""
+    norm = layers.BatchNorm2d(4, **settings)
+    getattr(norm, mode)()
+    tensors = {**dict(norm.named_parameters()), **dict(norm.named_buffers())}
+    per_client = {n: torch.stack([t + 0.1 * c if t.is_floating_point() else t for c in range(3)])
+                  for n, t in tensors.items()}
+    x = torch.randn(3, 5, 4, 6, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = vmap(lambda p, xi: torch.func.functional_call(norm, p, (xi,)), randomness="different")(per_client, x)
+    assert out.dtype == torch.bfloat16
+    for c in range(3):
+        own = torch.func.functional_call(norm, {n: t[c] for n, t in per_client.items()}, (x[c],))
+        assert own.dtype == torch.bfloat16
+        torch.testing.assert_close(out[c], own)  # bfloat16 tolerances: the kernels may sum in another order
