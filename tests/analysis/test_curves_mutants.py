@@ -141,3 +141,12 @@ def test_seed_band_refuses_what_it_cannot_average():
         seed_band({0: [{"round": 1, "acc": 1.0}], 3: [{"round": 1}]}, "acc", label="mine")
     with pytest.raises(ValueError, match=r"share no round .*seed 0: rounds \[1\]; seed 1: rounds \[2\]"):
         seed_band({0: [{"round": 1, "acc": 1.0}], 1: [{"round": 2, "acc": 1.0}]}, "acc")
+
+
+def test_seeds_without_a_shared_round_are_refused_listing_their_first_five_rounds():
+    """The message names each seed's first five logged rounds (sorted), then what to give, word for word."""
+    runs = {0: [{"round": r, "acc": 0.5} for r in (12, 2, 4, 6, 8, 10)], 1: [{"round": 3, "acc": 0.5}]}
+    with pytest.raises(ValueError) as refused:
+        seed_band(runs, "acc", label="mine")
+    assert str(refused.value) == ("mine: the seeds share no round that logged 'acc' (seed 0: rounds [2, 4, 6, 8, 10]; "
+                                  "seed 1: rounds [3]): give runs of one setting (the same train.eval_every)")

@@ -196,3 +196,15 @@ def test_the_defaults_are_256_directions_from_seed_0_on_the_401_point_grid_to_8(
 def test_the_smallest_accepted_shapes():
     assert random_directions(1, 3).shape == (1, 3)
     assert quantile_grid(3, 0.5)[0].tolist() == [-0.5, 0.0, 0.5]
+
+
+def test_orthogonal_directions_are_drawn_from_the_generator_given():
+    """``orthogonal=True`` draws its rotations from the generator (or the seed) too: the same seed, the same
+    directions, whatever the global random state; each block is a rotation (orthonormal rows)."""
+    torch.manual_seed(1)
+    a = random_directions(5, 3, seed=4, orthogonal=True)
+    torch.manual_seed(2)
+    b = random_directions(5, 3, generator=torch.Generator().manual_seed(4), orthogonal=True)
+    assert torch.equal(a, b) and a.shape == (5, 3)
+    torch.testing.assert_close(a[:3] @ a[:3].T, torch.eye(3, dtype=torch.float64))
+    assert not torch.equal(a, random_directions(5, 3, seed=5, orthogonal=True))
