@@ -11,7 +11,7 @@ import torch
 
 from hetfl.algorithms.base import MethodError, Stage
 from hetfl.engine.schedule import batch_schedule
-from hetfl.engine.step_plan import BLOCK_STEPS, bucket_width, plan_round, split_steps
+from hetfl.engine.step_plan import BLOCK_STEPS, Call, bucket_width, plan_round, split_steps
 from hetfl.optim import SGDConfig
 
 CPU = torch.device("cpu")
@@ -214,6 +214,16 @@ def test_blocks_are_as_long_as_the_graph_steps_allow():
 
     assert steps(block_steps=16) == [1, 16, 2, 1]
     assert steps() == [1, 4, 4, 4, 4, 2, 1]
+
+
+def test_a_calls_shape_holds_where_its_view_starts_and_not_a_gathered_calls_start():
+    """``Call.shape``, what a compiled call is keyed on: a view of rows reads fixed addresses, so where it starts
+    is part of it; a gathered call reads its rows by index, so its ``start`` (unused, 0) is not."""
+    idx = torch.zeros(1, 2, 3, dtype=torch.long)
+    view = Call(False, 1, 3, 2, None, idx, None, start=2)
+    gathered = Call(False, 1, 3, 2, torch.tensor([[0, 4, 5]]), idx, None)
+    assert view.shape() == (False, 1, 3, 2, 2)
+    assert gathered.shape() == (False, 1, 3, 2, None)
 
 
 def test_a_stages_draws_that_are_no_tensors_are_refused_naming_the_stage():
