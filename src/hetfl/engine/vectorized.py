@@ -266,7 +266,7 @@ class GroupBuffers:
         (:func:`client_axes`) is kept once, a copy of its own on the training device too."""
         dims = client_axes(dicts)
         rows = self._rows([{n: d[n] for n in dicts[0] if dims[n] == 0} for d in dicts])
-        return {n: dicts[0][n].detach().to(self.device, copy=True) if dims[n] is None else rows[n]
+        return {n: dicts[0][n].detach().clone().to(self.device) if dims[n] is None else rows[n]
                 for n in dims}, dims
 
     def fits(self, plans: list[ClientPlan]) -> bool:
