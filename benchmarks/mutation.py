@@ -89,6 +89,11 @@ NO_PROCESSES = ("-m", "not processes")
 # the end-to-end runs marked slow (whole runs; the unit tests of the same files cover their code)
 NOT_SLOW = ("-m", "not slow")
 
+# the models' tests: the forwards against the authors' modules, parameter counts, shapes and refusals
+MODEL_TESTS = ("tests/models/test_paper_models.py", "tests/models/test_reference_forwards.py",
+               "tests/models/test_models.py", "tests/models/test_paper_models_mutants.py",
+               "tests/models/test_resnet_mutants.py")
+
 TARGETS = (
     # the four seed methods
     Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/algorithms/test_feduv.py",)),
@@ -403,6 +408,11 @@ TARGETS = (
     Target("pseudo_data", "src/hetfl/algorithms/pseudo_data.py",
            ("tests/algorithms/test_fedbr.py", "tests/algorithms/test_fedbr_mutants.py"),
            ("-m", "not slow and not processes")),
+    # (session 43) the seed papers' networks as in the authors' code (FedPAC's CNN, FedUV's 10-layer CNN, FedBR's
+    # RotatedMNIST CNN, the ResNets): the forwards against the authors' modules, parameter counts, the options'
+    # refusals
+    Target("paper_cnns", "src/hetfl/models/paper_cnns.py", MODEL_TESTS, ("-m", "not slow and not processes")),
+    Target("resnet", "src/hetfl/models/resnet.py", MODEL_TESTS, ("-m", "not slow and not processes")),
     # (session 43) the run's random streams: each stream's seed from (seed, purpose, coordinates), pinned (a resumed
     # run re-derives them); a round's clients and the most rounds any client is asked in (privacy budgets)
     Target("rng", "src/hetfl/rng.py",
