@@ -92,7 +92,7 @@ NOT_SLOW = ("-m", "not slow")
 # the models' tests: the forwards against the authors' modules, parameter counts, shapes and refusals
 MODEL_TESTS = ("tests/models/test_paper_models.py", "tests/models/test_reference_forwards.py",
                "tests/models/test_models.py", "tests/models/test_paper_models_mutants.py",
-               "tests/models/test_resnet_mutants.py")
+               "tests/models/test_resnet_mutants.py", "tests/models/test_small_models_mutants.py")
 
 TARGETS = (
     # the four seed methods
@@ -413,6 +413,10 @@ TARGETS = (
     # refusals
     Target("paper_cnns", "src/hetfl/models/paper_cnns.py", MODEL_TESTS, ("-m", "not slow and not processes")),
     Target("resnet", "src/hetfl/models/resnet.py", MODEL_TESTS, ("-m", "not slow and not processes")),
+    # (session 43) the other networks of the papers' tables: the small CNNs (cnn2, MOON's, ...), VGG, MobileNetV2
+    Target("cnn", "src/hetfl/models/cnn.py", MODEL_TESTS, ("-m", "not slow and not processes")),
+    Target("vgg", "src/hetfl/models/vgg.py", MODEL_TESTS, ("-m", "not slow and not processes")),
+    Target("mobilenet", "src/hetfl/models/mobilenet.py", MODEL_TESTS, ("-m", "not slow and not processes")),
     # (session 43) the run's random streams: each stream's seed from (seed, purpose, coordinates), pinned (a resumed
     # run re-derives them); a round's clients and the most rounds any client is asked in (privacy budgets)
     Target("rng", "src/hetfl/rng.py",

@@ -8,13 +8,21 @@ from hetfl.models.base import FLModel, ModelError, check_bool, check_choice, con
 from hetfl.models.layers import Conv2d, Linear, MaxPool2d
 
 
-def _conv_pool_size(name: str, input_shape: tuple[int, int, int], padding: int) -> int:
-    """Spatial side after two (conv k5 with ``padding`` -> maxpool 2) stages; ModelError if it vanishes."""
-    _, h, w = input_shape
+def _conv_pool_side(size: int, padding: int) -> int:
+    """One spatial side after two (conv k5 with ``padding`` -> maxpool 2) stages."""
     for _ in range(2):
-        h, w = conv_out(h, 5, 1, padding) // 2, conv_out(w, 5, 1, padding) // 2
+        size = conv_out(size, 5, 1, padding) // 2
+    return size
+
+
+def _conv_pool_size(name: str, input_shape: tuple[int, int, int], padding: int) -> int:
+    """Spatial size (pixels) after two (conv k5 with ``padding`` -> maxpool 2) stages; ModelError naming the
+    smallest side that leaves a pixel (16 unpadded, 4 with ``padding=2``) if it vanishes."""
+    _, h, w = input_shape
+    h, w = _conv_pool_side(h, padding), _conv_pool_side(w, padding)
     if h < 1 or w < 1:
-        raise ModelError("input_shape", input_shape, f"{name} needs images of at least {16 - 4 * padding} px a side")
+        smallest = next(s for s in range(1, 64) if _conv_pool_side(s, padding) >= 1)
+        raise ModelError("input_shape", input_shape, f"{name} needs images of at least {smallest} px a side")
     return h * w
 
 
