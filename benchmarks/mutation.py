@@ -417,6 +417,10 @@ TARGETS = (
     Target("cnn", "src/hetfl/models/cnn.py", MODEL_TESTS, ("-m", "not slow and not processes")),
     Target("vgg", "src/hetfl/models/vgg.py", MODEL_TESTS, ("-m", "not slow and not processes")),
     Target("mobilenet", "src/hetfl/models/mobilenet.py", MODEL_TESTS, ("-m", "not slow and not processes")),
+    # (session 43) the bf16 weight copies a low-precision step reads (which weights, the casts' gradients, the
+    # copies refreshed after each update): against autocast's round, bit for bit
+    Target("low_precision", "src/hetfl/models/low_precision.py", ("tests/engine/test_low_precision.py",),
+           ("-m", "not slow and not processes")),
     # (session 43) the run's random streams: each stream's seed from (seed, purpose, coordinates), pinned (a resumed
     # run re-derives them); a round's clients and the most rounds any client is asked in (privacy budgets)
     Target("rng", "src/hetfl/rng.py",

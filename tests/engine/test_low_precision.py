@@ -22,7 +22,7 @@ from hetfl.engine.experiment import Experiment
 from hetfl.engine.local import autograd_grad, functional_grad, low_copies, step_gradients, train_client
 from hetfl.engine.vectorized import VectorizedCache, train_clients_vectorized
 from hetfl.models import build_model
-from hetfl.models.low_precision import low_precision_names
+from hetfl.models.low_precision import _CastUp, low_precision_names
 from hetfl.optim import SGDConfig
 from tests.engine.test_engine import crash_in_round_3_and_resume, metrics, quick
 from tests.helpers.executors import SYNTHETIC, round_contexts
@@ -267,3 +267,19 @@ def test_the_memory_probe_counts_a_clients_copies(monkeypatch):
     copy_bytes = sum(plan.start[n].nbytes for n in names) // 2
     assert copy_bytes > 0
     assert vectorized.probe_client_bytes(plan, exp.data, seed=0, **settings) == 4_000 + state_bytes + copy_bytes
+
+
+def test_the_cast_up_of_gradients_is_differentiable_back_to_bfloat16():
+    """``_CastUp`` (the bf16 weight gradients cast up in one multi-tensor copy) is itself differentiable as a
+    cast is: float32 values of the bfloat16 inputs forward, the gradient cast back down to bfloat16 backward
+    (a second-order method differentiating through a bf16 step would read it)."""
+    gen = torch.Generator().manual_seed(0)
+    g1 = torch.randn(3, generator=gen).to(torch.bfloat16).requires_grad_()
+    g2 = torch.randn(2, 2, generator=gen).to(torch.bfloat16).requires_grad_()
+    up1, up2 = _CastUp.apply(g1, g2)
+    assert (up1.dtype, up2.dtype) == (torch.float32, torch.float32)
+    assert torch.equal(up1, g1.detach().float()) and torch.equal(up2, g2.detach().float())
+    w1, w2 = torch.randn(3, generator=gen), torch.randn(2, 2, generator=gen)
+    ((up1 * w1).sum() + (up2 * w2).sum()).backward()
+    assert g1.grad.dtype == g2.grad.dtype == torch.bfloat16
+    assert torch.equal(g1.grad, w1.to(torch.bfloat16)) and torch.equal(g2.grad, w2.to(torch.bfloat16))
