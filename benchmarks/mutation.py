@@ -201,6 +201,24 @@ TARGETS = (
             "tests/data/test_partition.py::test_a_run_says_a_partition_setting_it_ignores_has_no_effect")),
     Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
     Target("ledger", "src/hetfl/engine/ledger.py", ("tests/engine/test_ledger.py",)),
+    # (session 44) how a run feeds its private releases to the ledger and the reported budget: each release
+    # recorded before the server uses it, for the clients asked (not only those who replied), the uploads a
+    # stopped phase had received, a resume's ledger checked against its checkpoint, a round released twice
+    # under the same seeded noise reported as inf. The rest of experiment.py (the round loop) is no part of it.
+    # The killed-and-resumed whole runs are in it, and Flower's stopped rounds (the only callers of account_stop):
+    # they are the cases these functions exist for (seconds each)
+    Target("experiment_privacy", "src/hetfl/engine/experiment.py",
+           ("tests/test_privacy_edges.py", "tests/engine/test_privacy_participation.py",
+            "tests/algorithms/test_ccvr_dp.py", "tests/algorithms/test_fedpac_dp.py", "tests/test_privacy_mutants.py",
+            "tests/engine/test_ledger.py", "tests/engine/test_experiment_privacy.py",
+            "tests/flower/test_flower_refused_privacy.py",
+            "tests/flower/test_flower_logic.py::"
+            "test_uploads_received_in_a_round_stopped_by_the_quorum_count_after_the_resume",
+            "tests/flower/test_flower_logic.py::"
+            "test_a_round_with_a_straggler_lost_after_the_checkpoint_counts_both_of_its_releases"),
+           functions=("Experiment.releasing_methods", "Experiment.open_ledger", "Experiment.account_release",
+                      "Experiment.account_stop", "Experiment.record_release", "Experiment.mark_reused_noise",
+                      "asked_release")),
     # the settings added with a default that changed the computation (session 31): how a setting declares the
     # value runs before it computed with (``setting(former=...)``) and how it is read back (``former_values``);
     # the rest of params.py (the configuration's checks) is tested by tests/test_config.py and is no part of it.
