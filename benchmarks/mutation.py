@@ -201,6 +201,25 @@ TARGETS = (
             "tests/data/test_partition.py::test_a_run_says_a_partition_setting_it_ignores_has_no_effect")),
     Target("layers", "src/hetfl/models/layers.py", ("tests/models/test_layers.py",)),
     Target("ledger", "src/hetfl/engine/ledger.py", ("tests/engine/test_ledger.py",)),
+    # (session 44) the memory a configuration needs, estimated before anything is allocated: what cannot fit is
+    # refused naming the key that drives it, the estimate and what is available (the reproductions run
+    # in a capped child process, all in one test)
+    Target("resources", "src/hetfl/engine/resources.py", ("tests/test_bad_input.py",)),
+    # (session 44) a run directory's life in experiment.py: a resume checked against its checkpoint (or, before
+    # the first, its config.toml; a plug-in's edited code named), a finished run's summary returned as it is,
+    # the model kept before the post-hoc steps (trained.safetensors) and a run started from another's
+    # training (trained=): the history lines it shares, the configuration and ledger it must match
+    Target("experiment_resume", "src/hetfl/engine/experiment.py",
+           ("tests/engine/test_trained_reuse.py", "tests/engine/test_run_dir_safety.py", "tests/engine/test_engine.py",
+            "tests/engine/test_rundir_mutants.py", "tests/test_api.py", "tests/engine/test_former_settings.py",
+            "tests/algorithms/test_plugins.py::test_a_run_of_an_edited_plugin_is_not_taken_for_the_run_of_its_old_code",
+            "tests/algorithms/test_plugins.py::test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new",
+            "tests/test_first_day.py::test_resuming_a_finished_run_says_nothing_to_do_once",
+            "tests/test_first_day.py::test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it",
+            "tests/test_cli.py::test_resume_takes_the_settings_that_change_no_number"),
+           functions=("Experiment.run", "Experiment.trained_checkpoint", "Experiment.keeps_trained",
+                      "Experiment.run_locked", "Experiment.finished", "plugin_edits", "saved_config",
+                      "keeps_trained_model", "lines_before", "copy_history")),
     # (session 44) how a run feeds its private releases to the ledger and the reported budget: each release
     # recorded before the server uses it, for the clients asked (not only those who replied), the uploads a
     # stopped phase had received, a resume's ledger checked against its checkpoint, a round released twice

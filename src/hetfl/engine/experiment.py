@@ -508,9 +508,10 @@ class Experiment:
         self.note(f"{run_dir}: the run already finished ({rounds} rounds, {SUMMARY_NAME}); nothing to do", reporter)
         try:
             summary = json.loads((run_dir / SUMMARY_NAME).read_text())
-        except (OSError, ValueError):
-            wall = float(ckpt.info.get("wall_time_s", 0.0)) if ckpt else 0.0
-            summary = make_summary(self.cfg, history, wall, self)
+        except (OSError, ValueError):  # rebuilt from the checked history: what the run wrote at its end
+            wall = sum(float(line.get("round_time_s", 0.0)) for line in history)
+            environments = ckpt.info.get(provenance.ENVIRONMENTS_KEY, []) if ckpt else []
+            summary = self.run_summary(history, wall, environments)
             atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         reporter.finish(summary)
         return summary
@@ -578,13 +579,21 @@ class Experiment:
                 save_checkpoint(run_dir, Checkpoint(round_, server, clients, info))
                 self.federation.committed(round_)
             reporter.round_end(line)
-        summary = make_summary(cfg, history, wall, self)
-        summary["environment"] = environments
-        if self.trained_in is not None:
-            summary[TRAINED_IN_KEY] = self.trained_in
+        summary = self.run_summary(history, wall, environments)
         atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         self.tracker.finish(summary, run_dir)
         reporter.finish(summary)
+        return summary
+
+    def run_summary(self, history: list[dict[str, Any]], wall: float,
+                    environments: list[dict[str, Any]]) -> dict[str, Any]:
+        """``summary.json`` of the run whose metrics lines are ``history``: the numbers (:func:`make_summary`),
+        the environments that computed its rounds (``provenance``; none known for a run that kept no checkpoint
+        and lost its summary) and the run it took its training from (``trained_in``, if any)."""
+        summary = make_summary(self.cfg, history, wall, self)
+        summary["environment"] = environments
+        if self.trained_in is not None:
+            summary[TRAINED_IN_KEY] = self.trained_in
         return summary
 
     def write_client_metrics(self, metrics_log: MetricsLog, round_: int, by_client: dict[int, float] | None) -> None:
