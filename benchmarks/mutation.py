@@ -210,7 +210,8 @@ TARGETS = (
     # the model kept before the post-hoc steps (trained.safetensors) and a run started from another's
     # training (trained=): the history lines it shares, the configuration and ledger it must match
     Target("experiment_resume", "src/hetfl/engine/experiment.py",
-           ("tests/engine/test_trained_reuse.py", "tests/engine/test_run_dir_safety.py", "tests/engine/test_engine.py",
+           ("tests/engine/test_experiment_resume.py", "tests/engine/test_trained_reuse.py",
+            "tests/engine/test_run_dir_safety.py", "tests/engine/test_engine.py",
             "tests/engine/test_rundir_mutants.py", "tests/test_api.py", "tests/engine/test_former_settings.py",
             "tests/algorithms/test_plugins.py::test_a_run_of_an_edited_plugin_is_not_taken_for_the_run_of_its_old_code",
             "tests/algorithms/test_plugins.py::test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new",

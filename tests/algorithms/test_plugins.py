@@ -4,6 +4,7 @@ plug-in's method the numbers they give a built-in one (session 27's audit, bench
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -533,9 +534,11 @@ def test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new(tmp_p
     plugin.write_text(SCALED_PLUGIN.format(scale=0.5))
     capsys.readouterr()
     assert main(["run", "--resume", str(out), "--plugin", str(plugin), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "computed by another version of the plug-in file (algorithm.plugin_source: 'scaled.py sha256:" in err
-    assert "run it afresh" in err
+    err = " ".join(capsys.readouterr().err.split())  # the terminal's line breaks undone
+    assert re.fullmatch(rf"hetfl: error: {re.escape(str(out))}: its checkpoint's rounds were computed by another "
+                        r"version of the plug-in file \(algorithm\.plugin_source: 'scaled\.py sha256:[0-9a-f]{16}' -> "
+                        r"'scaled\.py sha256:[0-9a-f]{16}'; there -> now\); continuing them with this code would mix "
+                        r"the two in one run: run it afresh \(another --out, or delete the folder\)", err), err
 
     fresh = tmp_path / "fresh"
     argv0 = [*argv, "--set", "runtime.checkpoint_every=0"]

@@ -168,3 +168,61 @@ def test_a_run_whose_clients_are_elsewhere_cannot_start_from_another_ones_traini
     assert str(err.value) == ("runtime.executor = 'sequential': a run that starts from another's training "
                               "(trained=) runs in this process")
     assert not (tmp_path / "forked").exists()
+
+
+def test_a_resume_keeps_the_config_toml_the_run_was_started_with(tmp_path, monkeypatch):
+    """config.toml is the configuration the run was started with: a resume that changes a key that changes no
+    number (``identity.PRESENTATION_KEYS``) runs with it but does not rewrite the file."""
+    run = tmp_path / "run"
+    killed_after(monkeypatch, config.load(None, [*TINY, "runtime.keep_freed_memory=false"]), run, 2)
+    started = (run / "config.toml").read_bytes()
+    assert b"keep_freed_memory = false" in started
+    set_up(config.load(None, [*TINY, "runtime.keep_freed_memory=true"])).run(run, resume=True)
+    assert (run / "summary.json").is_file() and (run / "config.toml").read_bytes() == started
+
+
+@pytest.mark.parametrize(("overrides", "kwargs", "error", "message"), [
+    (["runtime.executor=flower"], {}, ConfigError,
+     "runtime.executor = 'flower': Experiment.run runs the clients in this process only; run a Flower experiment "
+     "with hetfl.runtimes.run_experiment (or `hetfl run`), which starts Flower"),
+    (["tracking.tensorboard=true"], {}, ConfigError,
+     "tracking.tensorboard = True: this Experiment was handed no trackers; run it with "
+     "hetfl.runtimes.run_experiment (or `hetfl run`, hetfl.run), or set it up with hetfl.runtimes.set_up(cfg), "
+     "which hands hetfl.tracking's"),
+    (["algorithm.name=fedavg+ccvr"], {"resume": True, "trained": "elsewhere"}, ValueError,
+     "resume=True continues the run in run_dir from its own checkpoint; trained= starts a new run from another's "
+     "training: give one of them"),
+], ids=["flower", "untracked", "resume and trained"])
+def test_what_experiment_run_cannot_do_is_refused_before_anything_is_written(tmp_path, overrides, kwargs, error,
+                                                                             message):
+    exp = Experiment(config.load(None, [*TINY, *overrides]))  # no trackers handed, no Flower federation
+    with pytest.raises(error) as err:
+        exp.run(tmp_path / "run", **kwargs)
+    assert str(err.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_resume_under_another_configuration_is_refused_naming_five_of_its_changes(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    killed_after(monkeypatch, config.load(None, TINY), run, 2)  # the checkpoint of round 2
+    other = config.load(None, [*TINY, "train.lr=0.5", "seed=3", "train.weight_decay=0.1", "train.batch_size=8",
+                               "train.momentum=0.5", "data.alpha=0.3"])
+    with pytest.raises(RunDirError) as err:
+        set_up(other).run(run, resume=True)
+    assert str(err.value) == (f"{run}: the checkpoint belongs to a different configuration (data.alpha: 0.5 -> 0.3; "
+                              "seed: 0 -> 3; train.batch_size: 32 -> 8; train.lr: 0.05 -> 0.5; train.momentum: 0.0 "
+                              "-> 0.5)")  # the sixth, train.weight_decay, left out
+
+
+def test_a_run_stopped_before_its_first_checkpoint_with_an_unreadable_config_toml_is_not_resumed(tmp_path,
+                                                                                               monkeypatch):
+    """Its config.toml is the only record of what the run started with (its releases, its rounds): unreadable,
+    the resume cannot tell whether this configuration is that one."""
+    cfg = config.load(None, [*TINY, "runtime.checkpoint_every=2"])
+    run = tmp_path / "run"
+    killed_after(monkeypatch, cfg, run, 1)
+    (run / "config.toml").write_text("seed = [unclosed\n")
+    with pytest.raises(RunDirError) as err:
+        set_up(cfg).run(run, resume=True)
+    assert str(err.value) == (f"{run / 'config.toml'}: the interrupted run there (no checkpoint yet) has a different "
+                              "configuration (config.toml cannot be read; there -> now)")
