@@ -226,3 +226,50 @@ def test_a_run_stopped_before_its_first_checkpoint_with_an_unreadable_config_tom
         set_up(cfg).run(run, resume=True)
     assert str(err.value) == (f"{run / 'config.toml'}: the interrupted run there (no checkpoint yet) has a different "
                               "configuration (config.toml cannot be read; there -> now)")
+
+
+def test_a_run_says_at_its_start_what_its_settings_hide_and_which_of_them_have_no_effect(tmp_path):
+    """Said once, before the first round, through the reporter: the method's cost its settings hide, a data
+    setting the partition ignores, and settings their mode does not read (the runtime's, the method's, a
+    post-hoc step's), each named with its prefix."""
+    cfg = config.load(None, [*TINY, "train.rounds=1", "algorithm.name=fedbr+ccvr", "algorithm.components=classifier",
+                             "algorithm.mu=0.7", "algorithm.ccvr.epochs=1", "algorithm.ccvr.oracle_per_class=50",
+                             "runtime.flower_timeout_s=5", "data.alpha=0.3"])
+    exp, reporter = set_up(cfg), Notes()
+    exp.algorithm.run_notes = lambda: ["fedbr: a cost the settings hide"]
+    exp.run(tmp_path / "run", reporter=reporter)
+    assert reporter.notes == [
+        "fedbr: a cost the settings hide",
+        "data.alpha = 0.3 has no effect: the iid partition does not use it (it is read by dirichlet, rotation with "
+        "data.base = 'dirichlet', concept with data.base = 'dirichlet'); set data.partition to one of those to use it",
+        "runtime.flower_timeout_s = 5.0 has no effect: it is read only when runtime.executor = 'flower' (here "
+        "runtime.executor = 'sequential')",
+        "algorithm.mu = 0.7 has no effect: it is read only when algorithm.components is 'both' or 'features' (here "
+        "algorithm.components = 'classifier')",
+        "algorithm.ccvr.oracle_per_class = 50 has no effect: it is read only when algorithm.ccvr.oracle = 'per_class' "
+        "(here algorithm.ccvr.oracle = 'none')"]
+
+
+def test_a_run_started_from_another_ones_training_copies_exactly_the_lines_it_shares(trained_run, tmp_path, caplog):
+    """The lines of the rounds before the kept model, of both metrics files, and nothing after: no line of the
+    other run's last round is copied to be dropped again (which the check on opening would say)."""
+    import logging
+
+    forked = tmp_path / "forked"
+    exp = Experiment(config.load(None, [*TINY, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.epochs=2"]))
+    with caplog.at_level(logging.WARNING):
+        exp.run(forked, trained=trained_run)
+    assert [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()] == []
+    for name in ("metrics.jsonl", "client_metrics.jsonl"):
+        mine, theirs = ((run / name).read_text().splitlines() for run in (forked, trained_run))
+        assert len(mine) == len(theirs) == 3 and mine[:2] == theirs[:2], name
+
+
+def test_the_run_a_training_came_from_is_named_by_its_absolute_path(trained_run, tmp_path, monkeypatch):
+    """``trained`` given relative to the working folder: summary.json's ``trained_in`` names the folder wherever
+    the summary is read from (and the resume of the new run finds the same)."""
+    monkeypatch.chdir(trained_run.parent)
+    exp = Experiment(config.load(None, [*TINY, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.epochs=2"]))
+    summary = exp.run(tmp_path / "forked", trained=trained_run.name)
+    assert summary["trained_in"] == str(trained_run.resolve())
+    assert json.loads((tmp_path / "forked" / "summary.json").read_text())["trained_in"] == str(trained_run.resolve())

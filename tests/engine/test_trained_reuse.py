@@ -94,9 +94,21 @@ def test_another_training_is_refused_naming_what_differs(runs, tmp_path, overrid
     assert not (tmp_path / "forked").exists() or not any((tmp_path / "forked").iterdir())
 
 
+def test_another_training_is_refused_naming_five_of_its_changes(runs, tmp_path):
+    with pytest.raises(RunDirError) as err:
+        Experiment(config.load(None, [*ORACLE, "train.lr=0.02", "seed=1", "train.rounds=4", "train.local_steps=6",
+                                      "data.alpha=0.2", "train.momentum=0.5"])).run(tmp_path / "forked",
+                                                                                   trained=runs / "ccvr")
+    assert str(err.value) == (f"{runs / 'ccvr'}: its training is another configuration's (data.alpha: 0.1 -> 0.2; "
+                              "seed: 0 -> 1; train.local_steps: 5 -> 6; train.lr: 0.05 -> 0.02; train.momentum: 0.0 "
+                              "-> 0.5; there -> now); only the post-hoc steps' settings may differ")
+
+
 def test_a_folder_without_a_trained_model_is_refused(runs, tmp_path):
-    with pytest.raises(RunDirError, match=TRAINED_NAME):
+    with pytest.raises(RunDirError) as err:
         Experiment(config.load(None, ORACLE)).run(tmp_path / "forked", trained=tmp_path)
+    assert str(err.value) == (f"{tmp_path}: no {TRAINED_NAME} (the model before the post-hoc steps) to start from; it "
+                              "is written by a finished run with post-hoc steps and checkpoints on")
     with pytest.raises(ValueError, match="one of them"):
         Experiment(config.load(None, ORACLE)).run(tmp_path / "forked", trained=runs / "ccvr", resume=True)
 
@@ -108,8 +120,10 @@ def test_a_training_that_released_private_data_is_not_reused(runs, tmp_path):
     base = tmp_path / "base"
     shutil.copytree(runs / "ccvr", base)
     PrivacyLedger(base).record("fedavg", 1, Release(1.0, "0" * 64, "seed"))
-    with pytest.raises(RunDirError, match="differentially private"):
+    with pytest.raises(RunDirError) as err:
         Experiment(config.load(None, ORACLE)).run(tmp_path / "forked", trained=base)
+    assert str(err.value) == (f"{base}: its training made differentially private releases; a run started from it "
+                              "would not account for them: train this run itself")
 
 
 def test_the_header_says_whose_training_the_run_calibrates(runs, tmp_path):
