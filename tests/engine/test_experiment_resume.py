@@ -273,3 +273,33 @@ def test_the_run_a_training_came_from_is_named_by_its_absolute_path(trained_run,
     summary = exp.run(tmp_path / "forked", trained=trained_run.name)
     assert summary["trained_in"] == str(trained_run.resolve())
     assert json.loads((tmp_path / "forked" / "summary.json").read_text())["trained_in"] == str(trained_run.resolve())
+
+
+def test_a_resume_before_the_first_checkpoint_under_another_configuration_names_five_changes(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    killed_after(monkeypatch, config.load(None, [*TINY, "runtime.checkpoint_every=2"]), run, 1)  # no checkpoint
+    other = config.load(None, [*TINY, "runtime.checkpoint_every=2", "train.lr=0.5", "seed=3", "train.weight_decay=0.1",
+                               "train.batch_size=8", "train.momentum=0.5", "data.alpha=0.3"])
+    with pytest.raises(RunDirError) as err:
+        set_up(other).run(run, resume=True)
+    assert str(err.value) == (f"{run / 'config.toml'}: the interrupted run there (no checkpoint yet) has a different "
+                              "configuration (data.alpha: 0.5 -> 0.3; seed: 0 -> 3; train.batch_size: 32 -> 8; "
+                              "train.lr: 0.05 -> 0.5; train.momentum: 0.0 -> 0.5; there -> now)")
+
+
+def test_a_resumed_private_run_keeps_its_ledger_and_names_the_release_its_checkpoint_missed(tmp_path, monkeypatch):
+    """FedPAC with noise from the operating system, stopped after round 2's release and before its checkpoint:
+    the resume opens the run's ledger (every release appended to it), checks it against the checkpoint of
+    round 1 and says, through the reporter, that round 2's release counts again."""
+    cfg = config.load(None, [*TINY, "algorithm.name=fedpac", "algorithm.dp_epsilon=4",
+                             "algorithm.dp_noise_source=os"])
+    run = tmp_path / "run"
+    killed_after(monkeypatch, cfg, run, 2)
+    reporter = Notes()
+    summary = set_up(cfg).run(run, resume=True, reporter=reporter)
+    ledger = json.loads((run / "privacy_ledger.json").read_text())["releases"]
+    assert [e["round"] for e in ledger] == [1, 2, 2, 3] and summary["privacy"]["releases"] == 4
+    assert [n for n in reporter.notes if n.startswith("privacy: 1 release")] == [
+        "privacy: 1 release(s) of fedpac (round(s) 2) reached the server after the last checkpoint; their noise "
+        "came from the operating system, so the rounds run again release fresh noise and every release counts: "
+        "the epsilon reported (summary.json privacy.epsilon) will exceed the target"]
