@@ -217,7 +217,7 @@ TARGETS = (
             "tests/algorithms/test_plugins.py::test_a_checkpoint_of_the_old_plugin_code_is_not_continued_with_the_new",
             "tests/test_first_day.py::test_resuming_a_finished_run_says_nothing_to_do_once",
             "tests/test_first_day.py::test_resuming_a_plugin_run_without_the_plugin_says_to_pass_it",
-            "tests/test_cli.py::test_resume_takes_the_settings_that_change_no_number"),
+            "tests/test_cli.py::test_resume_takes_the_settings_that_change_no_number", "tests/test_tracking.py"),
            functions=("Experiment.run", "Experiment.trained_checkpoint", "Experiment.keeps_trained",
                       "Experiment.run_locked", "Experiment.finished", "plugin_edits", "saved_config",
                       "keeps_trained_model", "lines_before", "copy_history")),

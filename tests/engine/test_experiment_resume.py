@@ -303,3 +303,35 @@ def test_a_resumed_private_run_keeps_its_ledger_and_names_the_release_its_checkp
         "privacy: 1 release(s) of fedpac (round(s) 2) reached the server after the last checkpoint; their noise "
         "came from the operating system, so the rounds run again release fresh noise and every release counts: "
         "the epsilon reported (summary.json privacy.epsilon) will exceed the target"]
+
+
+def test_a_resume_checks_the_metrics_lines_against_its_checkpoints_record(tmp_path, monkeypatch):
+    """A number edited in an earlier round's line of metrics.jsonl (the file still well formed, its rounds in
+    order) is caught by the checkpoint's digests of the lines, not continued."""
+    run = tmp_path / "run"
+    killed_after(monkeypatch, config.load(None, TINY), run, 3)  # the checkpoint of round 2
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    lines[0] = json.dumps({**first, "train_loss": first["train_loss"] + 1.0}) + "\n"
+    (run / "metrics.jsonl").write_text("".join(lines))
+    with pytest.raises(RunDirError, match=r"metrics\.jsonl.*round 1.*the line differs from the one the checkpoint "
+                                          r"recorded \(edited\)"):
+        set_up(config.load(None, TINY)).run(run, resume=True)
+
+
+def test_a_resume_of_a_run_stopped_before_it_wrote_anything_writes_its_config_toml(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    set_up(config.load(None, TINY)).run(run, resume=True)
+    assert config.load(run / "config.toml") == config.load(None, TINY)
+
+
+@pytest.mark.parametrize("base", ["dirichlet", "iid"])
+def test_a_setting_the_partitions_base_reads_is_not_called_ignored(tmp_path, base):
+    """The concept-shift split over a Dirichlet base reads ``data.alpha``; over an IID base it does not."""
+    cfg = config.load(None, [*TINY, "train.rounds=1", "data.partition=concept", f"data.base={base}",
+                             "data.alpha=0.3"])
+    reporter = Notes()
+    set_up(cfg).run(tmp_path / "run", reporter=reporter)
+    ignored = [n for n in reporter.notes if n.startswith("data.alpha = 0.3 has no effect: the concept partition")]
+    assert len(ignored) == (base == "iid")
