@@ -11,7 +11,7 @@
 # round (its builds by phase); "memory" (~3 min, not in "all"): device memory and CUDA graphs kept over 300
 # rounds of 100 sampled clients of 1,000 (vectorised, graph mode).
 # Results under $OUT (or gpu-out/). Data: DATA (default .gpu-data) holding cifar10-jpeg.tar.gz.
-#   bash benchmarks/gpu_check.sh [quick|suite|reference|kernels|compile|profile|memory|all]
+#   bash benchmarks/gpu_check.sh [lease|quick|suite|reference|kernels|compile|profile|memory|all]
 set -uo pipefail
 OUT=${OUT:-gpu-out}; DATA=${DATA:-.gpu-data}; WHAT=${1:-all}
 mkdir -p "$OUT/results"
@@ -66,6 +66,15 @@ if [[ $WHAT == profile ]]; then  # PROFILE_VARIANTS: of profile_round.py's (the 
   # CCVR's shape, round 1 (20 s of its 165 s on an H100 in session 17): where its CUDA graphs' builds go
   timeout 150 python3 benchmarks/profile_round.py --data "$DATA" --model simple_cnn --clients 10 --local-epochs 10 \
     --augment crop_flip --variant graph_bf16 --round 1 --out "$OUT/results" 2>&1 | tail -40
+fi
+if [[ $WHAT == lease ]]; then  # issue 29's Done-means in one call of a 15-minute lease (~9 min), by priority:
+  # the throughput table, CCVR's Table 2 time, the quick suite with CUDA present, a profile of one bf16 round
+  timeout ${THROUGHPUT_S:-200} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
+    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph_bf16 graph_bf16_b16} --out "$OUT/results" 2>&1 | tail -8
+  timeout 120 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 graph_bf16_b16 \
+    --budget-each-s ${CCVR_BUDGET_S:-42} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+  timeout ${SUITE_S:-150} python3 -m pytest -n 14 -p no:cacheprovider -q -rf 2>&1 | tee "$OUT/suite.log" | tail -40
+  timeout 80 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
   timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \

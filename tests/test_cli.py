@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 from hetfl.cli import main
+from tests.helpers import pythonpath_before
 
 
 def test_python_dash_m_hetfl_is_the_hetfl_command(tmp_path):
     """`python -m hetfl` (a cluster job, an environment whose scripts are not on PATH) runs the command line,
     exit codes included."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": pythonpath_before(Path(__file__).resolve().parents[1] / "src")}
     done = subprocess.run([sys.executable, "-m", "hetfl", "run", "--set", "train.local_epoch=2"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr

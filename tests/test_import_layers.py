@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import pythonpath_before
 from tests.helpers.imports import import_statements
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def test_a_package_importing_its_submodules_is_no_circle(tmp_path):
 # ------------------------------------------------------------------ the contracts (lint-imports)
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     """``lint-imports`` with the contracts of ``root``/pyproject.toml on the package under ``root``/src."""
-    env = {**os.environ, "PYTHONPATH": str(root / "src")}  # this copy, before the installed (editable) one
+    env = {**os.environ, "PYTHONPATH": pythonpath_before(root / "src")}  # this copy before the installed one
     return subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                            "sys.exit(lint_imports_command())", "--no-cache"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)

@@ -27,7 +27,7 @@ from hetfl.algorithms import build_posthoc
 from hetfl.algorithms.base import ServerState
 from hetfl.cli import main
 from hetfl.privacy import epsilon_spent, epsilon_text, noise_multiplier, require_accountant
-from tests.helpers import initial_state, tiny_setup
+from tests.helpers import initial_state, needs_accountant, tiny_setup
 from tests.helpers.runs import interrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,6 +115,7 @@ def sum_multiplier(run_dir: Path) -> float:
 
 
 # ------------------------------------------------------------------ item 1: a resume never under-reports
+@needs_accountant
 @pytest.mark.slow
 def test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release_it_made(tmp_path, monkeypatch,
                                                                                          caplog):
@@ -137,6 +138,7 @@ def test_a_run_killed_between_a_release_and_its_checkpoint_reports_every_release
     assert [e["round"] for e in ledger] == received and {e["noise_source"] for e in ledger} == {"os"}
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uninterrupted_one(tmp_path):
     """Seeded noise: the rounds run again release exactly what the server already received (same digest): a
@@ -151,6 +153,7 @@ def test_with_seeded_noise_the_lost_releases_are_replayed_and_the_run_is_the_uni
     assert (run / LEDGER_NAME).read_text() == (full / LEDGER_NAME).read_text()
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_fedpac_with_os_noise_counts_the_rounds_run_again_after_a_crash(tmp_path, monkeypatch):
     """FedPAC releases its centroid statistics every round: a crash in round 6 after a checkpoint at round 3
@@ -168,6 +171,7 @@ def test_fedpac_with_os_noise_counts_the_rounds_run_again_after_a_crash(tmp_path
     assert privacy["epsilon"] > 4.0
 
 
+@needs_accountant
 def test_a_resume_whose_ledger_lost_releases_is_refused(tmp_path, monkeypatch, capsys):
     """A checkpoint that accounts for releases the ledger does not hold (deleted or cut): the budget spent
     cannot be known, so the resume exits 2 naming the ledger, and writes nothing."""
@@ -184,6 +188,7 @@ def test_a_resume_whose_ledger_lost_releases_is_refused(tmp_path, monkeypatch, c
     assert sorted(p.name for p in run.iterdir()) == before
 
 
+@needs_accountant
 def test_a_resume_before_the_first_checkpoint_with_other_privacy_settings_is_refused(tmp_path, monkeypatch):
     """Audit of session 27 (failed before its fix): a FedPAC run at dp_epsilon 50 (OS noise, no checkpoint yet)
     stopped after 2 of its 3 rounds, then resumed through the Python API with dp_epsilon 1. The resume had no
@@ -222,6 +227,7 @@ def test_fedpac_with_distributed_noise_is_refused_naming_the_key(tmp_path, capsy
     assert not out.exists()
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_ccvr_without_secure_aggregation_says_first_what_the_server_sees_per_upload(tmp_path, capsys):
     """Distributed noise without secure aggregation: the headline epsilon holds for the sum only; the run's
@@ -266,6 +272,7 @@ def test_a_budget_outside_the_accountants_range_exits_2_before_any_work(key, val
     assert not out.exists()
 
 
+@needs_accountant
 def test_ten_thousand_releases_calibrate_in_one_exact_conversion():
     """noise_multiplier(4, 1e-5, 10000) took 6.6 GB and growing (the PLD accountant composed 10,000 copies):
     now ``sqrt(releases)`` times one release's multiplier, exactly, with a few kB of Python allocations."""
@@ -282,6 +289,7 @@ def test_ten_thousand_releases_calibrate_in_one_exact_conversion():
     assert epsilon_spent([z] * 10_000, 1e-5) == pytest.approx(4.0, rel=1e-6)
 
 
+@needs_accountant
 def test_the_budget_of_many_releases_costs_one_conversion(monkeypatch):
     """The guarantee was recomposed over all past releases every round (quadratic in the rounds): now the
     releases' multipliers fold into one, and one exact conversion gives epsilon, however many there are."""
@@ -294,6 +302,7 @@ def test_the_budget_of_many_releases_costs_one_conversion(monkeypatch):
     assert len(calls) == 3
 
 
+@needs_accountant
 def test_exact_composition_agrees_with_the_pld_accountant_where_both_are_exact():
     """Mixed multipliers (a round with fewer clients among full ones): the exact Gaussian composition and
     dp-accounting's PLD accountant (pessimistic by its discretisation) agree to 0.5%."""
@@ -331,6 +340,7 @@ def test_a_clip_norm_whose_square_overflows_exits_2(secure, tmp_path, capsys):
     assert not out.exists()
 
 
+@needs_accountant
 def test_derived_bounds_that_overflow_are_refused_at_set_up():
     """A clip norm whose square is finite but whose noise or reply bounds are not (C^2 times the largest
     client's size or the noise multiplier): refused when the step is built."""
@@ -355,6 +365,7 @@ POOLED = "the pooled per-class counts, means and covariances"
     ("the re-trained classifier", "weight"),
     ("the re-trained classifier", "bias"),
 ])
+@needs_accountant
 def test_a_calibration_on_non_finite_statistics_fails_loudly_naming_the_stage(stage, broken, monkeypatch):
     """Overflowed features (inf, NaN) gave NaN covariances and a ruined classifier reported with exit 0: the
     calibration now raises, naming the first stage whose numbers are not finite (each stage broken here in
@@ -442,6 +453,7 @@ def test_a_run_whose_calibration_is_not_finite_exits_1_without_a_summary(tmp_pat
     assert not (out / "summary.json").exists()
 
 
+@needs_accountant
 def test_overwriting_a_run_that_made_private_releases_says_they_stay_spent(tmp_path, caplog):
     """overwrite=True deletes the run's privacy ledger with the run; the releases it recorded were made
     from the clients' data all the same, and the new run's report counts only its own: said, with the count."""

@@ -27,7 +27,7 @@ from hetfl.privacy import (
     refused_digest,
     release_digest,
 )
-from tests.helpers import release_digest_reference
+from tests.helpers import needs_accountant, release_digest_reference
 
 
 def phi(x: float) -> float:
@@ -39,6 +39,7 @@ def profile_delta(epsilon: float, z: float) -> float:
     return phi(0.5 / z - epsilon * z) - math.exp(epsilon) * phi(-0.5 / z - epsilon * z)
 
 
+@needs_accountant
 def test_the_accountant_is_named_whole():
     """The name a run's summary records: the package, its version, the conversion and the composition."""
     assert accountant_name() == (f"dp-accounting {metadata.version('dp-accounting')} analytic Gaussian "
@@ -66,6 +67,7 @@ def test_an_epsilon_that_is_no_positive_number_is_shown_as_it_is(epsilon, text):
     assert epsilon_text(epsilon) == text
 
 
+@needs_accountant
 def test_one_release_of_multiplier_exactly_one_spends_a_finite_epsilon_on_the_gaussian_profile():
     """z = 1 is an ordinary multiplier (only z = 0, no noise, spends inf): the epsilon returned is where the
     exact profile of N(0, 1) at sensitivity 1 reaches delta."""

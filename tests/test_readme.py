@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SHARED_DATASETS
+from tests.helpers import SHARED_DATASETS, needs_accountant
 from tests.helpers.readme import README, REPO, TESTED_LANGUAGES, readme_blocks
 
 BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
@@ -90,6 +90,7 @@ def readme_home(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_DATASETS.exists(), reason=f"{SHARED_DATASETS} absent: the README's examples read MNIST "
                     "and CIFAR-10 from it")
+@needs_accountant
 def test_the_readmes_examples_run_as_written(readme_home):
     """Every ``run`` block, in the README's order, in one test: later blocks use what earlier ones wrote
     (my.toml, runs/a...), so they cannot be spread over pytest-xdist's workers. A failure names the block."""

@@ -20,7 +20,7 @@ from hetfl.algorithms.posthoc import SummedReplies
 from hetfl.cli import main
 from hetfl.params import ConfigError
 from hetfl.privacy import clip_rows, epsilon_spent, noise_multiplier
-from tests.helpers import initial_state, release_digest_reference, tiny_setup
+from tests.helpers import initial_state, needs_accountant, release_digest_reference, tiny_setup
 from tests.helpers.runs import interrupted
 
 F64 = torch.float64
@@ -61,6 +61,7 @@ def test_one_sample_moves_the_scaled_moments_by_at_most_sqrt3():
             assert torch.equal(_scaled(after, c, clip), _scaled(before, c, clip))
 
 
+@needs_accountant
 @pytest.mark.parametrize("noise", ["distributed", "local"])
 def test_noise_has_the_calibrated_spread_per_tensor(noise):
     """Each upload's noise: std z sqrt(3) sqrt(share) times 1, C, C^2 on counts, sums and the outer products'
@@ -83,6 +84,7 @@ def test_noise_has_the_calibrated_spread_per_tensor(noise):
         assert abs(noise_values.mean().item()) < 0.1 * base * scale
 
 
+@needs_accountant
 def test_private_reply_is_dense_and_names_no_class():
     step, server = _step(dp_epsilon=4.0)
     labels = torch.zeros(10, dtype=torch.long)  # the client holds class 0 only
@@ -92,6 +94,7 @@ def test_private_reply_is_dense_and_names_no_class():
     assert torch.count_nonzero(reply["counts"][1:]) == 2  # noise on the classes it does not hold too
 
 
+@needs_accountant
 def test_noise_streams_are_per_client_and_round_and_repeat_under_the_seed():
     step, server = _step(dp_epsilon=4.0)
     x, y = torch.randn(10, 8), torch.arange(10) % 3
@@ -131,6 +134,7 @@ def test_nearest_psd_repairs_only_what_is_indefinite():
     assert nearest_psd(1e-3 * batch)[1] == pytest.approx(removed, rel=1e-9)
 
 
+@needs_accountant
 def test_each_class_gets_its_own_noise():
     """Independent noise per class: with one draw shared by the classes, the noisy moments of a class the client
     does not hold (pure noise) would give away the noise on the classes it holds, whose difference is noise-free."""
@@ -146,6 +150,7 @@ def test_each_class_gets_its_own_noise():
         assert leak.std().item() == pytest.approx(math.sqrt(2) * std[name], rel=0.3), name
 
 
+@needs_accountant
 def test_counts_and_sums_only_have_sensitivity_sqrt2_and_the_outer_products_stay_clean():
     """FedPAC's uploads (with_outer=False): sensitivity sqrt(2), noise on counts and sums only; the default noise is
     distributed (share 1/m)."""
@@ -161,6 +166,7 @@ def test_counts_and_sums_only_have_sensitivity_sqrt2_and_the_outer_products_stay
     assert all(torch.equal(d.outer, clean.outer) for d in draws)
 
 
+@needs_accountant
 def test_features_far_beyond_the_clip_norm_in_half_precision_are_clipped_not_zeroed():
     """A half-precision encoder's features whose norm overflows float16 (6e4 * sqrt(2) > 65504) are still scaled
     to norm C in their direction: the clipping is done in float64."""
@@ -171,6 +177,7 @@ def test_features_far_beyond_the_clip_norm_in_half_precision_are_clipped_not_zer
     torch.testing.assert_close(got.sums[0], torch.full((2,), 100 / math.sqrt(2), dtype=F64), atol=5 * std, rtol=0)
 
 
+@needs_accountant
 def test_apply_records_the_budget_and_its_accountant():
     step, server = _step(dp_epsilon=2.0, dp_delta=1e-6)
     gen = torch.Generator().manual_seed(3)
@@ -194,6 +201,7 @@ def test_apply_records_the_budget_and_its_accountant():
     assert fewer["dp_epsilon"] > 1.4 * info["dp_epsilon"]
 
 
+@needs_accountant
 def test_local_noise_gives_each_upload_the_budget():
     step, server = _step(dp_epsilon=2.0, dp_noise="local")
     replies = {k: step.client_query(server.model, torch.randn(30, 8), torch.arange(30) % 3, client=k, round_=1)
@@ -202,6 +210,7 @@ def test_local_noise_gives_each_upload_the_budget():
     assert info["dp_epsilon"] == pytest.approx(2.0, rel=1e-3) == info["dp_epsilon_per_upload"]
 
 
+@needs_accountant
 def test_every_round_calibration_splits_the_budget_over_the_rounds():
     step, server = _step(rounds=3, dp_epsilon=2.0, every_round=True)
     assert step.mechanism.releases == step.setup.train.rounds
@@ -229,6 +238,7 @@ def test_invalid_privacy_settings_exit_2_naming_the_key_and_write_nothing(key, v
     assert not out.exists()
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_run_reports_its_privacy_and_resumes_to_the_same_budget(tmp_path, monkeypatch, capsys):
     """The issue's command (on the default Synthetic federation, shortened): the summary reports epsilon, delta
@@ -253,6 +263,7 @@ def test_run_reports_its_privacy_and_resumes_to_the_same_budget(tmp_path, monkey
     assert resumed["final_global_acc"] == summary["final_global_acc"]
 
 
+@needs_accountant
 def test_noisy_pooled_statistics_are_psd_and_centred_on_the_clipped_statistics():
     """Strong noise (epsilon 0.5): every pooled covariance is PSD after the repair; weak noise (epsilon 20): the
     pooled Gaussians are those of the clipped features (noise unbiased, clipping at clip_norm applied)."""
@@ -273,6 +284,7 @@ def test_noisy_pooled_statistics_are_psd_and_centred_on_the_clipped_statistics()
         assert (noisy.means[c] - x[y == c].mean(0)).norm() > 0.2  # unclipped means are elsewhere
 
 
+@needs_accountant
 def test_under_secure_aggregation_features_are_clipped_and_the_reply_bounds_are_reached_but_never_exceeded():
     """The bounds of the fixed-point code: the largest client (25 samples) holding one class only, every feature far
     beyond clip_norm along one axis, reaches them exactly (count 25, sum 25 C, outer 25 C^2); under differential
@@ -299,6 +311,7 @@ def test_under_secure_aggregation_features_are_clipped_and_the_reply_bounds_are_
     assert noisy["sums"][1, 3].item() == pytest.approx(50.0, abs=5 * std["sums"])  # clipped before the noise
 
 
+@needs_accountant
 def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_for_the_clients_in_it():
     step, server = _secure_step(dp_epsilon=0.5)
     gen = torch.Generator().manual_seed(7)
@@ -319,6 +332,7 @@ def test_a_securely_summed_private_round_is_pooled_from_the_sum_and_accounted_fo
                                  "set-up round uploads (FedMix's and FedBR's rsm_clients averaged inputs)")
 
 
+@needs_accountant
 @pytest.mark.parametrize("private", [False, True])
 def test_a_release_without_virtual_features_keeps_the_model_and_still_records_its_budget(private):
     """One sample per class in all: no class has the two samples a covariance needs, so no virtual feature is drawn
@@ -354,6 +368,7 @@ def test_the_oracle_cannot_be_private():
         _step(dp_epsilon=4.0, oracle="all")
 
 
+@needs_accountant
 def test_a_release_is_its_sums_multiplier_and_a_digest_of_exactly_what_the_server_received():
     """dp_release, what the run's ledger records before the server uses a release: the noise multiplier of
     the sum of the uploads received, and a digest of those uploads by client, or (secure aggregation) of
@@ -394,6 +409,7 @@ def test_a_release_is_its_sums_multiplier_and_a_digest_of_exactly_what_the_serve
     (True, "distributed", "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces", None),
     (True, "local", "the sum of the uploads only (secure aggregation): epsilon is the guarantee it faces", None),
 ])
+@needs_accountant
 def test_what_the_server_sees_and_the_runs_first_line_state_the_guarantee_it_faces(secure, noise, sees, notice):
     """The words a private run prints first and records (``dp_server_sees``), whole: 4 clients, 3 releases
     (every round), epsilon 4 for the sum. Without secure aggregation and with distributed noise each upload
@@ -425,6 +441,7 @@ def test_a_clip_norm_whose_power_overflows_is_refused_naming_that_power_and_its_
     check_settings("algorithm.ccvr.", 4.0, 1e-5, 1e150, with_outer=True)
 
 
+@needs_accountant
 @pytest.mark.parametrize("noise", ["local", "distributed"])
 def test_refused_uploads_are_released_as_their_sum_with_the_refused_digest(noise):
     """MomentsMechanism.refused_release (no test reached it in the mutation run): the uploads the server refused

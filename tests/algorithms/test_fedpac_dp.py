@@ -16,7 +16,7 @@ from hetfl.algorithms.fedpac import CENTROID_SUMS, CENTROIDS, COUNTS, DP_RELEASE
 from hetfl.algorithms.gaussian_stats import NonFiniteStatistics
 from hetfl.cli import main
 from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_spent, refused_digest
-from tests.helpers import context, initial_state, release_digest_reference, tiny_setup
+from tests.helpers import context, initial_state, needs_accountant, release_digest_reference, tiny_setup
 
 
 def _uploads(algo, server, data):
@@ -42,6 +42,7 @@ def _data(seed: int = 0, absent: int | None = 2):
     return out
 
 
+@needs_accountant
 def test_private_uploads_are_clipped_noisy_and_dense():
     setup = tiny_setup(num_clients=4)
     plain = build_algorithm("fedpac", {}, setup)
@@ -58,6 +59,7 @@ def test_private_uploads_are_clipped_noisy_and_dense():
         assert (noisy[c].tensors[CENTROID_SUMS][0] - clean[c].tensors[CENTROID_SUMS][0]).abs().max() > 5 * std
 
 
+@needs_accountant
 def test_a_class_whose_noisy_total_is_noise_gets_no_centroid():
     """Class 2 is held by nobody: its noisy total count is a few noise standard deviations at most, below the
     threshold; classes 0 and 1 (1200 and 800 samples) get centroids near the clipped features' means."""
@@ -78,6 +80,7 @@ def test_a_class_whose_noisy_total_is_noise_gets_no_centroid():
         torch.testing.assert_close(new.extra[CENTROIDS][c].double(), want, atol=5 * noise, rtol=0)
 
 
+@needs_accountant
 def test_the_budget_composes_over_the_rounds_and_is_reported():
     setup = tiny_setup(num_clients=4, rounds=3)
     algo = build_algorithm("fedpac", {"dp_epsilon": 2.0}, setup)
@@ -109,6 +112,7 @@ def test_without_privacy_nothing_changes():
     assert algo.mechanism is None and DP_RELEASES not in new.extra and algo.round_info(new, uploads, 1) == {}
 
 
+@needs_accountant
 def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
     """FedPAC uploads counts and feature sums, no outer products: its set-up refusal named "the derived noise
     std of outer" (a tensor it never sends) and refused clip_norm = 1e160, whose sums' noise is finite. Now the
@@ -132,6 +136,7 @@ def test_a_huge_clip_norm_is_refused_naming_only_what_fedpac_uploads():
 
 
 
+@needs_accountant
 @pytest.mark.parametrize("source", ["seed", "os"])
 def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_and_sums(source):
     """dp_release, what the run's ledger records before the server uses a round's uploads: the multiplier of
@@ -153,6 +158,7 @@ def test_a_release_is_the_sums_multiplier_and_a_digest_of_each_uploads_counts_an
     assert build_algorithm("fedpac", {}, setup).dp_release(received) is None  # no privacy, no release
 
 
+@needs_accountant
 @pytest.mark.parametrize("source", ["seed", "os"])
 def test_refused_uploads_are_released_as_their_sum_with_the_refused_digest(source):
     """dp_refused: noisy uploads the server received and refused in a round with nothing usable count as the
@@ -167,6 +173,7 @@ def test_refused_uploads_are_released_as_their_sum_with_the_refused_digest(sourc
     assert build_algorithm("fedpac", {}, setup).dp_refused(refused) is None
 
 
+@needs_accountant
 def test_round_info_states_the_whole_guarantee_once_a_release_is_recorded():
     """The metrics line's privacy entries, whole: the mechanism's guarantee over the recorded releases, the
     accountant, how many uploads the round's sum held, never securely aggregated, what the guarantee covers.
@@ -187,6 +194,7 @@ def test_round_info_states_the_whole_guarantee_once_a_release_is_recorded():
     assert build_algorithm("fedpac", {}, setup).round_info(server, uploads, 1) == {}
 
 
+@needs_accountant
 def test_seeded_noise_comes_from_the_runs_seed_alone_and_os_noise_is_never_repeated():
     """dp_noise_source = "seed": a client's noisy counts and sums are the same whatever the state of torch's
     global generator, which they leave untouched (the run's own stream, per seed, round and client: another
@@ -225,6 +233,7 @@ def test_noisy_uploads_are_on_the_features_device():
     assert up.tensors[COUNTS].device.type == up.tensors[CENTROID_SUMS].device.type == "cuda"
 
 
+@needs_accountant
 def test_a_class_gets_a_centroid_only_when_its_noisy_total_exceeds_three_noise_stds():
     """The threshold is strict and at three standard deviations of the summed count noise (std per upload
     times sqrt(uploads)): one upload whose count of class 0 is exactly 3 std gets no centroid for it; 3.5 std
@@ -243,6 +252,7 @@ def test_a_class_gets_a_centroid_only_when_its_noisy_total_exceeds_three_noise_s
     assert algo.aggregate(server, ups[:2], 1).extra[HAS_CENTROID].tolist() == [1.0, 1.0, 1.0]
 
 
+@needs_accountant
 def test_private_centroids_that_are_not_finite_stop_the_round_naming_the_cause():
     setup = tiny_setup(num_clients=4)
     algo = build_algorithm("fedpac", {"dp_epsilon": 4.0}, setup)
@@ -302,6 +312,7 @@ def test_invalid_budget_exits_2_naming_the_key(key, value, tmp_path, capsys):
     assert not out.exists()
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_fedpac_run_under_privacy_reports_its_budget(tmp_path):
     out = tmp_path / "run"

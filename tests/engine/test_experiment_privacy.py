@@ -22,6 +22,7 @@ from hetfl.engine.federation import PhaseStopped
 from hetfl.engine.ledger import PrivacyLedger
 from hetfl.privacy import Release
 from hetfl.runtimes import set_up
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,6 +73,7 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "hetfl" and r.levelno == logging.WARNING]
 
 
+@needs_accountant
 def test_a_release_recorded_without_a_run_goes_to_a_ledger_in_memory(experiment_factory):
     """The pieces driven without ``run()`` (no run directory): the first release opens a ledger kept in
     memory; each release then accounts for the method's earlier ones and names the clients of all."""
@@ -94,6 +96,7 @@ def test_a_release_recorded_without_a_run_goes_to_a_ledger_in_memory(experiment_
      "every client's upload in both is the same (seeded noise on the same content), so nothing new reached the "
      "server; both count in the epsilon reported"),
 ], ids=["os noise", "seeded noise, other content", "seeded noise, the same uploads and one more"])
+@needs_accountant
 def test_a_round_released_again_with_other_content_is_named_with_what_it_does_to_the_epsilon(
         experiment_factory, caplog, first, again, consequence):
     exp, method = experiment_factory(), Method()
@@ -111,6 +114,7 @@ def test_a_round_released_again_with_other_content_is_named_with_what_it_does_to
     assert [e.digest for e in exp.ledger.entries] == ["r1", "a", "b"]
 
 
+@needs_accountant
 def test_a_stopped_phase_records_what_it_received_for_the_clients_it_asked(experiment_factory):
     """Replies it could use: their release, for every client asked (replied or not); nothing usable but
     refused uploads: those, as a release of their own; neither: nothing."""
@@ -128,6 +132,7 @@ def test_a_stopped_phase_records_what_it_received_for_the_clients_it_asked(exper
     ]
 
 
+@needs_accountant
 def test_a_resume_names_the_releases_after_its_checkpoint_whose_noise_cannot_be_replayed(
         experiment_factory, tmp_path):
     """The ledger holds fedpac releases the checkpoint (none here) does not account for: those with noise
@@ -150,6 +155,7 @@ def test_a_resume_names_the_releases_after_its_checkpoint_whose_noise_cannot_be_
     assert quiet.notes == []
 
 
+@needs_accountant
 def test_a_round_released_twice_under_one_seeded_noise_makes_every_reported_epsilon_inf_said_once(
         experiment_factory):
     exp, reporter = experiment_factory(), Reporter()

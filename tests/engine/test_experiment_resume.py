@@ -24,6 +24,7 @@ from hetfl.engine.rundir import RunDirError
 from hetfl.engine.summary import Reporter
 from hetfl.params import ConfigError
 from hetfl.runtimes import set_up
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -287,6 +288,7 @@ def test_a_resume_before_the_first_checkpoint_under_another_configuration_names_
                               "train.lr: 0.05 -> 0.5; train.momentum: 0.0 -> 0.5; there -> now)")
 
 
+@needs_accountant
 def test_a_resumed_private_run_keeps_its_ledger_and_names_the_release_its_checkpoint_missed(tmp_path, monkeypatch):
     """FedPAC with noise from the operating system, stopped after round 2's release and before its checkpoint:
     the resume opens the run's ledger (every release appended to it), checks it against the checkpoint of

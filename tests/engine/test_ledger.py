@@ -21,6 +21,7 @@ from hetfl.engine.ledger import PrivacyLedger
 from hetfl.engine.rundir import RunDirError
 from hetfl.privacy import Release, epsilon_spent
 from hetfl.runtimes import set_up
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,6 +136,7 @@ def session(monkeypatch, cfg, run, *, resume: bool, kill_after: int | None = Non
             set_up(cfg).run(run, resume=resume)
 
 
+@needs_accountant
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["seed", "os"])
 def test_three_sessions_report_every_release_the_server_received(tmp_path, monkeypatch, source):

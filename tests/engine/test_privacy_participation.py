@@ -33,6 +33,7 @@ from hetfl.privacy import (
 )
 from hetfl.rng import most_rounds_asked
 from hetfl.runtimes import set_up
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,6 +68,7 @@ def run(tmp_path, seed: int, monkeypatch=None, drop_round: int | None = None) ->
     return json.loads((tmp_path / "run" / "summary.json").read_text())["privacy"], lines
 
 
+@needs_accountant
 def test_a_sampled_run_reports_what_its_most_exposed_client_spent(tmp_path):
     """Seed 1: client 3 is asked in rounds 1, 3 and 4, the others in two rounds or fewer. The noise is calibrated
     for three releases (the most one client takes part in, known from the seed before any data is read), and
@@ -96,6 +98,7 @@ def test_the_calibration_counts_the_most_rounds_one_client_is_asked_in():
         assert most_rounds_asked(seed, 30, 10, 3) == max(rounds_taken_by(seed, 30, 10, 3).values())
 
 
+@needs_accountant
 def test_a_client_asked_counts_though_its_reply_was_lost(tmp_path, monkeypatch):
     """Seed 1 with client 3's reply lost in round 1: the server may still hold it (a late reply, a refused one);
     the release of round 1 counts for client 3, as for every client asked."""
@@ -157,6 +160,7 @@ def test_participation_of_releases_that_name_no_client_and_the_mismatch_refused(
     assert str(refused.value) == "participation has 2 rows for 3 releases"
 
 
+@needs_accountant
 def test_the_mechanisms_guarantee_counts_per_client():
     mech = MomentsMechanism(4.0, 1e-5, 1.0, clients=4, releases=4, noise="distributed")
     sums = [mech.sum_multiplier(2)] * 4
@@ -185,6 +189,7 @@ def test_a_ledger_keeps_who_was_asked_and_reads_one_that_did_not(tmp_path):
     assert len(old.entries) == 1 and math.isfinite(old.entries[0].multiplier)
 
 
+@needs_accountant
 @pytest.mark.parametrize("source", ["seed", "os"])
 def test_a_killed_and_resumed_sampled_run_reports_what_it_spent(tmp_path, monkeypatch, source):
     """Killed after round 3's line (checkpoint at round 2), resumed: with seeded noise round 3 is replayed and

@@ -25,6 +25,7 @@ from hetfl.flower.client_app import app as client_app
 from hetfl.flower.codec import encode_tensor
 from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
+from tests.helpers import needs_accountant
 
 SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=2", "train.batch_size=16",
          "train.local_steps=10", "model.options={hidden = [16]}", "runtime.progress=false", "runtime.threads=1"]
@@ -301,6 +302,7 @@ def answers_per_round(context: Context, method: str) -> dict[str, int]:
     return {r: len(d) for r, d in json.loads(str(kept["json"]))[method].items()}
 
 
+@needs_accountant
 def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkeypatch):
     """CCVR calibrates every round with fresh noise (4 releases planned), a checkpoint every 2 rounds; the
     server is killed at the start of round 4 (round 3 answered, not checkpointed) and resumed, so it asks
@@ -322,6 +324,7 @@ def test_a_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkey
     assert not any(k.endswith("private-answers") for k in grid.contexts[grid.ids[1]].state)
 
 
+@needs_accountant
 def test_a_fedpac_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path, monkeypatch):
     """FedPAC's uploads carry their noise (counts and feature sums, one release a round: 2 planned); the
     server is killed at the start of round 2 before any checkpoint and resumed from the start, so it asks
@@ -338,6 +341,7 @@ def test_a_fedpac_node_keeps_its_privacy_floor_when_the_server_resumes(tmp_path,
     assert answers_per_round(floored, "fedpac") == {"1": 2}
 
 
+@needs_accountant
 @pytest.mark.parametrize("method", ["fedpac", "ccvr"])
 def test_uploads_received_in_a_round_stopped_by_the_quorum_count_after_the_resume(method, tmp_path, monkeypatch):
     """Audit of session 27 (failed before its fix): with OS noise, round 2 stopped by the quorum (a node answered
@@ -650,6 +654,7 @@ class PhaseGrid(LoopbackGrid):
         return ids
 
 
+@needs_accountant
 @pytest.mark.parametrize("case", ["ccvr distributed", "ccvr local", "fedpac local"])
 def test_a_straggler_closed_out_by_the_grace_is_accounted_from_the_uploads_summed(tmp_path, polls, case):
     """3 clients, 2 must answer, a grace of 2 s: client 2 computes its noisy upload of the private phase but its
@@ -685,6 +690,7 @@ def test_a_straggler_closed_out_by_the_grace_is_accounted_from_the_uploads_summe
         assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-9)
 
 
+@needs_accountant
 def test_a_round_with_a_straggler_lost_after_the_checkpoint_counts_both_of_its_releases(tmp_path, polls, monkeypatch):
     """CCVR every round (4 releases planned), distributed OS noise, a checkpoint every 2 rounds; in round 3 client
     2's reply comes after the grace (the server sums 2 uploads: multiplier z sqrt(2/3)); the server is killed at

@@ -17,6 +17,7 @@ from flwr.app import Context, RecordDict
 from hetfl import config
 from hetfl.flower import node
 from hetfl.flower.node import TRUSTED_ROOTS_ENV, NodeError, StateStore
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,6 +80,7 @@ def server_config(*overrides: str) -> str:
     return config.dumps(config.load(None, [*TINY, *overrides]))
 
 
+@needs_accountant
 def test_a_nodes_privacy_floor_wins_over_the_servers_settings():
     ctx = context(**{"dp-epsilon": 2.0, "dp-delta": 1e-6, "dp-noise-source": "os"})
     weak = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8", "algorithm.ccvr.dp_delta=1e-5")
@@ -93,6 +95,7 @@ def test_a_nodes_privacy_floor_wins_over_the_servers_settings():
     assert node.runtime(strict, ctx).algorithm.hp.dp_epsilon == 0.5  # a stricter server setting is kept
 
 
+@needs_accountant
 def test_a_nodes_seeded_noise_never_weakens_the_servers_operating_system_noise():
     """A floor only strengthens: noise the server's run config could recompute ("seed") in place of the fresh
     noise the server asked for ("os") would let the server strip this node's noise while its ledger records
@@ -107,6 +110,7 @@ def test_a_nodes_seeded_noise_never_weakens_the_servers_operating_system_noise()
     assert node.runtime(seeded, context(**{"dp-noise-source": "seed"})).posthoc[0].hp.dp_noise_source == "seed"
 
 
+@needs_accountant
 def test_a_nodes_floor_holds_for_its_own_upload_where_the_server_sees_each_upload():
     """Distributed noise without secure aggregation gives each upload 1/sqrt(clients) of the noise: the server,
     which sees each upload, faces epsilon 7.6 per upload where the node asked for at most 4. A node with a

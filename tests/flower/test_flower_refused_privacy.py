@@ -26,6 +26,7 @@ from hetfl.flower.codec import encode_tensor
 from hetfl.flower.server import FlowerRoundError
 from hetfl.privacy import epsilon_spent, noise_multiplier
 from tests.flower.test_flower_logic import SMALL, LoopbackGrid, run_on
+from tests.helpers import needs_accountant
 
 FEDPAC = ["algorithm.name=fedpac", "algorithm.dp_epsilon=4", "algorithm.dp_noise=local",
           "algorithm.dp_noise_source=os"]
@@ -105,6 +106,7 @@ TRAINING_REFUSALS = {"other data": _other_data, "num-samples": _inflated_samples
                      "undecodable": _undecodable, "no numbers": _no_numbers}
 
 
+@needs_accountant
 @pytest.mark.parametrize("case", list(TRAINING_REFUSALS))
 def test_a_refused_fedpac_upload_of_a_round_stopped_with_nothing_usable_counts_after_the_resume(tmp_path, case):
     """FedPAC, local OS noise, 2 rounds (z = noise_multiplier(4, 1e-5, 2) per upload), a checkpoint every round,
@@ -125,6 +127,7 @@ def test_a_refused_fedpac_upload_of_a_round_stopped_with_nothing_usable_counts_a
     assert privacy["epsilon"] == pytest.approx(spent, rel=1e-9)
 
 
+@needs_accountant
 def test_a_reply_without_an_upload_releases_nothing(tmp_path):
     """The same stop, but node 2's reply holds no upload record at all: no noisy statistics reached the server,
     and nothing is counted for it (2 releases, the target 4.0)."""
@@ -136,6 +139,7 @@ def test_a_reply_without_an_upload_releases_nothing(tmp_path):
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 2, 1e-5), rel=1e-9)
 
 
+@needs_accountant
 def test_a_refused_upload_beside_a_usable_one_in_a_stopped_round_is_not_counted_twice(tmp_path):
     """Round 2: node 0 answers, node 1 errs, node 2's reply is refused (num-samples); 3 needed, the run stops with
     one usable upload, whose release (round 2) also counts client 2's refused upload (one upload of every client
@@ -149,6 +153,7 @@ def test_a_refused_upload_beside_a_usable_one_in_a_stopped_round_is_not_counted_
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
 
 
+@needs_accountant
 def test_a_seeded_round_stopped_with_some_replies_and_run_again_is_no_noiseless_difference(tmp_path):
     """The privacy fuzz's configuration 61 (session 36), reduced: FedPAC with seeded noise; in round 2 nodes 0 and 1
     answer, node 2's reply is refused (other data); 3 needed, the run stops with two usable uploads, recorded as
@@ -168,6 +173,7 @@ def test_a_seeded_round_stopped_with_some_replies_and_run_again_is_no_noiseless_
     assert privacy["epsilon"] == pytest.approx(epsilon_spent([noise_multiplier(4.0, 1e-5, 2)] * 3, 1e-5), rel=1e-9)
 
 
+@needs_accountant
 @pytest.mark.parametrize("case", ["other data", "undecodable"])
 def test_a_refused_ccvr_reply_of_a_round_stopped_with_nothing_usable_counts_after_the_resume(tmp_path, case):
     """CCVR's statistics every round (2 planned releases), local OS noise; in round 2's statistics phase nodes 0
@@ -209,6 +215,7 @@ class StoppingGrid(LoopbackGrid):
             self.dead.discard(self.node)
 
 
+@needs_accountant
 @pytest.mark.parametrize("method", ["fedpac", "ccvr"])
 def test_uploads_in_when_the_flower_run_is_stopped_mid_phase_count_after_the_resume(tmp_path, method):
     """Local OS noise, 2 planned releases, a checkpoint every round. In round 2's private phase clients 0 and 1
@@ -240,6 +247,7 @@ def _no_counts(content) -> None:
     del content["upload"]["fedpac.counts"]  # the model's tensors and the feature sums are there
 
 
+@needs_accountant
 def test_a_fedpac_reply_without_its_noisy_counts_is_refused_not_a_crash_before_the_ledger(tmp_path):
     """FedPAC, local OS noise, 2 of 3 must answer. Node 2's round-2 training reply lacks the noisy class counts.
     The server accepted it (only the model's tensors were checked) and the ledger's digest of the round's release

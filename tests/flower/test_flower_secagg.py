@@ -28,6 +28,7 @@ from hetfl.flower.client_app import app as client_app
 from hetfl.flower.protocol import NODES_DIR, TRUSTED_ROOTS_ENV
 from hetfl.flower.server import FlowerFederation, FlowerRoundError
 from tests.flower.test_flower_logic import LoopbackGrid
+from tests.helpers import needs_accountant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,6 +144,7 @@ def test_fewer_survivors_than_flower_min_replies_stop_the_run(tmp_path):
         _survivors_sum([*BASE, "data.num_clients=4", "runtime.flower_min_replies=0"], grid, tmp_path)
 
 
+@needs_accountant
 @pytest.mark.processes
 @pytest.mark.slow
 def test_the_readmes_secure_private_flower_command_gives_the_in_process_numbers(tmp_path):
@@ -167,6 +169,7 @@ def test_the_readmes_secure_private_flower_command_gives_the_in_process_numbers(
     assert privacy["epsilon"] == pytest.approx(4.0, rel=1e-3) and privacy["summed_clients"] == 3
 
 
+@needs_accountant
 def test_differential_privacy_under_secagg_on_flower_matches_in_process_and_reports_the_budget(tmp_path):
     """The issue's command through Flower with SecAgg+ on: noisy moments summed by SecAgg+ give the in-process
     secure run's numbers, and the summary reports the epsilon spent (all clients summed: the target)."""
@@ -181,6 +184,7 @@ def test_differential_privacy_under_secagg_on_flower_matches_in_process_and_repo
     assert lines(tmp_path / "flower")[-1]["secagg_clipped_entries"] == 0  # the noise stays within the bounds
 
 
+@needs_accountant
 def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_path):
     """Nine of ten noise shares summed: less noise than planned; the epsilon reported is the one spent."""
     grid = WireGrid(10)
@@ -196,6 +200,7 @@ def test_a_dropout_under_differential_privacy_spends_more_than_the_target(tmp_pa
     assert privacy["epsilon"] > 4.0
 
 
+@needs_accountant
 @pytest.mark.slow
 def test_a_nodes_privacy_floor_encodes_its_reply_on_the_servers_grid(tmp_path, monkeypatch):
     """Issue 26, item 12: a node whose dp-epsilon floor is stricter than the server's adds more noise, but
@@ -234,6 +239,7 @@ def test_a_node_found_with_other_data_is_left_out_of_the_secure_sum(tmp_path, ca
     assert said and all("other data than the server's" in x for x in said), said
 
 
+@needs_accountant
 def test_a_secure_sum_received_in_a_round_stopped_by_the_quorum_counts_after_the_resume(tmp_path):
     """Audit privacy2 (failed before its fix): 4 clients, OS noise, every client must answer; client 1 drops out of
     SecAgg+ after sharing its keys, the protocol still gives the server the noisy sum of the 3 others, and only

@@ -5,6 +5,8 @@ are in the modules of this package (executors, fedbr, datasets, figures, runs)."
 from __future__ import annotations
 
 import hashlib
+import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,20 @@ class TinyNet(nn.Module):
         z = self.features(x)
         logits = self.classifier(z)
         return (z, logits) if return_features else logits
+
+
+def pythonpath_before(sources: Path) -> str:
+    """``PYTHONPATH`` for a started process: ``sources`` first (this copy's hetfl, not an installed one), then
+    the path the tests run with (where the dependencies may come from: a machine without a registry installs
+    wheels into a folder and puts it on ``PYTHONPATH``)."""
+    return os.pathsep.join([str(sources), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+#: the privacy accountant is an optional extra (``hetfl[privacy]``, in ``[test]``): tests that need it are
+#: skipped without it, as Flower's are without Flower; CI, which installs ``[test]``, fails instead
+#: (tests/test_environment.py)
+needs_accountant = pytest.mark.skipif(find_spec("dp_accounting") is None,
+                                      reason='the privacy accountant is not installed: pip install "hetfl[privacy]"')
 
 
 def tiny_setup(num_clients: int = 4, momentum: float = 0.0, **train) -> Setup:
