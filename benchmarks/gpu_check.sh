@@ -75,6 +75,9 @@ if [[ $WHAT == lease ]]; then  # issue 29's Done-means in one call of a 15-minut
     --budget-each-s ${CCVR_BUDGET_S:-42} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
   timeout ${SUITE_S:-150} python3 -m pytest -n 14 -p no:cacheprovider -q -rf 2>&1 | tee "$OUT/suite.log" | tail -40
   timeout 80 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
+  # DANN's CUDA difference by steps (a ReLU kink after step 1 on the CPU: results/kink_sensitivity_cpu.md)
+  timeout 45 python3 benchmarks/cuda_equality.py --methods dann --steps 1 2 10 2>&1 \
+    | tee "$OUT/results/cuda_equality.md" | tail -6
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
   timeout ${MEMORY_S:-200} python3 benchmarks/memory_long.py --rounds 300 --every 10 --set runtime.device=cuda \
