@@ -92,10 +92,11 @@ def compare_one_round(exp: Experiment, rounds_before: int = 1, chunk_size: int =
 CHAOTIC_LOCAL_TRAINING = {"fedbr", "feddecorr"}
 # pFedMe takes 5 inner steps per step (20 s for the two-epoch round on 2 cores): compared over 10 steps
 # too, of 2 inner steps (the same loop, its second pass starting from the first's solution: 3 s less), at
-# a personal lr of 0.01: at its default 0.1 (with lam 15) the inner problem diverges on these synthetic
-# devices (weights at 4e6 after two rounds, where a last-bit change of the start moves them by 2.5), so
-# the two executors agreed on the CPU only because their kernels were the same; on an H200 they ended
-# 0.5 apart (session 45). At 0.01 the weights stay below 0.5 and a last-bit change moves them by 9e-8.
+# a personal lr of 0.01: with 2 inner steps at the default 0.1 (lam 15) the personal models diverge on
+# these synthetic devices (4e6 after two rounds, where a last-bit change of the start moves them by 2.5;
+# with the default 5 inner steps they do not), so the two executors agreed on the CPU only because their
+# kernels were the same; on an H200 they ended 0.5 apart (session 45). At 0.01 the weights stay below 0.5
+# and a last-bit change moves them by 9e-8.
 SHORT_LOCAL_TRAINING = CHAOTIC_LOCAL_TRAINING | {"pfedme"}
 METHOD_TRAINING = {"pfedme": ["algorithm.inner_steps=2", "algorithm.personal_lr=0.01"]}
 # compared over one step on CUDA, where rounding moves a hidden unit across its ReLU's kink (below)
