@@ -78,6 +78,7 @@ def test_a_simulated_flower_node_loads_the_plugins_the_server_loaded(registry, t
     """A simulated node is a Ray worker process: it knew only the built-in methods, so every client of a
     plug-in's run failed ('unknown method') and the run stopped. The simulation lists the server's plug-in files
     in the nodes' environment, and a node loads them before building its experiment."""
+    pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
     from hetfl.flower import node
     from hetfl.flower.protocol import PLUGINS_ENV
 
