@@ -249,3 +249,205 @@ def test_the_checks_refuse_on_the_memory_this_process_has(monkeypatch):
         resources.check_model(wide, (60,), 10, torch.device("cpu"))
     resources.check_model(narrow, (60,), 10, torch.device("cpu"))
     assert resources.device_memory(torch.device("cpu")) is None
+
+
+# ------------------------------------------------------------------ reading the system's files
+class FakeFiles:
+    """``resources.Path`` over a dict of path -> text (a path not in it: FileNotFoundError)."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+
+    def __call__(self, path):
+        files = self.files
+
+        class _Path:
+            def read_text(self) -> str:
+                if path not in files:
+                    raise FileNotFoundError(path)
+                return files[path]
+
+        return _Path()
+
+
+def test_meminfo_is_read_in_bytes_with_kb_lines_scaled_and_unreadable_lines_skipped(monkeypatch):
+    text = ("MemTotal:       16000 kB\nMemAvailable:    8000 kB\nHugePages_Free:      7\nWeird:    abc kB\n"
+            "Odd:Name: 5 kB\nEmpty:\n")
+    monkeypatch.setattr(resources, "Path", FakeFiles({"/proc/meminfo": text}))
+    assert resources._meminfo() == {"MemTotal": 16000 * 1024, "MemAvailable": 8000 * 1024, "HugePages_Free": 7}
+    monkeypatch.setattr(resources, "Path", FakeFiles({}))
+    assert resources._meminfo() == {}
+
+
+def test_cgroup_limits_are_integers_and_max_means_none(monkeypatch):
+    monkeypatch.setattr(resources, "Path", FakeFiles({"/a": "12345\n", "/b": "max\n"}))
+    assert resources._read_int("/a") == 12345
+    assert resources._read_int("/b") is None
+    assert resources._read_int("/absent") is None
+
+
+def test_the_process_sizes_come_from_its_status_in_bytes(monkeypatch):
+    status = "Name:\tpython\nVmSize:\t  1000 kB\nVmData:\t   300 kB\n"
+    monkeypatch.setattr(resources, "Path", FakeFiles({"/proc/self/status": status}))
+    assert resources._process_vm("VmSize") == 1000 * 1024
+    assert resources._process_vm("VmData") == 300 * 1024
+    assert resources._process_vm("VmPeak") == 0
+    monkeypatch.setattr(resources, "Path", FakeFiles({}))
+    assert resources._process_vm("VmSize") == 0
+
+
+def test_without_swap_figures_the_available_ram_counts_alone(monkeypatch):
+    monkeypatch.setattr(resources, "_meminfo", lambda: {"MemAvailable": 5000})
+    monkeypatch.setattr(resources, "_read_int", lambda path: None)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert resources.available_memory() == 5000
+
+
+def test_a_cgroup_v1_limit_counts_unless_it_is_its_no_limit_number(monkeypatch):
+    monkeypatch.setattr(resources, "_meminfo", lambda: {"MemAvailable": 5000, "SwapFree": 0})
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    for v1, expected in ((3000, 3000), (2**60 - 1, 5000), (2**60, 5000), (2**60 + 1, 5000)):
+        files = {"/sys/fs/cgroup/memory/memory.limit_in_bytes": v1}
+        monkeypatch.setattr(resources, "_read_int", files.get)
+        assert resources.available_memory() == expected, v1
+    # 2**60 - 1 bytes is an exabyte: "no limit" below that is a limit no machine reaches, the same answer
+    monkeypatch.setattr(resources, "_meminfo", lambda: {"MemAvailable": 2**62})
+    for v1, expected in ((2**60 - 1, 2**60 - 1), (2**60, 2**62), (2**60 + 1, 2**62)):
+        monkeypatch.setattr(resources, "_read_int", {"/sys/fs/cgroup/memory/memory.limit_in_bytes": v1}.get)
+        assert resources.available_memory() == expected, v1
+
+
+def test_without_available_pages_the_physical_pages_count(monkeypatch):
+    monkeypatch.setattr(resources, "_meminfo", dict)
+    monkeypatch.setattr(resources, "_read_int", lambda path: None)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resources.os, "sysconf_names", {"SC_PHYS_PAGES": 1, "SC_PAGE_SIZE": 2})
+    monkeypatch.setattr(resources.os, "sysconf", {"SC_AVPHYS_PAGES": 10, "SC_PHYS_PAGES": 20,
+                                                  "SC_PAGE_SIZE": 4096}.__getitem__)
+    assert resources.available_memory() == 20 * 4096
+
+
+# ------------------------------------------------------------------ the estimates, exactly
+def lognormal_capped_mean(cap: float) -> float:
+    """``E[min(L, cap)]``, ``L = e^Z``, ``Z ~ N(4, 2)``, by the trapezoid rule in ``z`` (error below 1e-6)."""
+    z = np.linspace(4 - 2 * 12, 4 + 2 * 12, 2_000_001)
+    density = np.exp(-0.5 * ((z - 4) / 2) ** 2) / (2 * math.sqrt(2 * math.pi))
+    return float(np.trapezoid(np.minimum(np.exp(z), cap) * density, z))
+
+
+def test_a_synthetic_devices_mean_is_the_capped_lognormals_mean_plus_50():
+    assert resources.expected_device_samples(0) == pytest.approx(math.exp(4 + 2**2 / 2) + 50, rel=1e-12)
+    for max_samples in (51, 60, 300, 1250):
+        assert resources.expected_device_samples(max_samples) == pytest.approx(
+            lognormal_capped_mean(max_samples - 50) + 50, abs=1e-4), max_samples
+
+
+def test_synthetic_bytes_hold_at_most_50000_samples_of_float64_temporaries():
+    options = {"num_devices": 1000, "dim": 60, "num_classes": 10, "max_samples": 0}
+    samples = 1000 * resources.expected_device_samples(0)
+    assert samples > 50_000
+    temporaries = 8 * (2 * 10 * 60 + 3 * 60 + 2 * 50_000 * 60)
+    assert resources.synthetic_bytes(options) == int(samples * 280 + temporaries + 1000 * resources.DEVICE_BYTES)
+
+
+def test_the_synthetic_data_is_sized_as_generated_and_an_option_at_its_default_is_not_blamed():
+    options = {"num_devices": 10**6}
+    need = resources.dataset_needs("synthetic", options)
+    from hetfl.data.datasets import checked_options
+
+    assert need[0][2] == resources.synthetic_bytes(checked_options("synthetic", options))
+    default_dim = synthetic_option("dim")
+    assert resources.dataset_needs("synthetic", {"dim": default_dim})[0][:2] == ("data.dataset", "synthetic")
+
+
+def synthetic_option(key: str):
+    from hetfl.data.datasets import dataset_options
+
+    return dataset_options("synthetic")[key]
+
+
+def test_grayscale_images_are_sized_with_one_channel():
+    assert resources.known_dataset("pacs", {"channels": 1}).input_shape == (1, 96, 96)
+
+
+def test_a_step_plan_before_any_client_has_samples_is_its_views():
+    assert resources.plan_bytes(50, 1, 32, [], clients=1) == 50 * resources.STEP_BYTES
+
+
+def test_model_sizes_count_buffers_and_a_model_of_one_number_still_counts(monkeypatch):
+    from hetfl.models import build_model
+
+    model = build_model("resnet18", (3, 32, 32), 10)
+    buffers = sum(b.numel() for b in model.buffers())
+    assert buffers > 0
+    assert resources.count_parameters("resnet18", (3, 32, 32), 10, {}) == (
+        sum(p.numel() for p in model.parameters()) + buffers)
+    monkeypatch.setattr(resources, "count_parameters", lambda *args: 1)
+    assert resources.model_needs("mlp", {}, (60,), 10, torch.device("cpu"))[0][0][2] == 4 * resources.MODEL_COPIES
+    monkeypatch.setattr(resources, "count_parameters", lambda *args: 0)
+    assert resources.model_needs("mlp", {}, (60,), 10, torch.device("cpu")) == ([], [])
+
+
+def test_an_accelerators_memory_is_its_total_and_the_cpu_has_none(monkeypatch):
+    asked = []
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    def properties(device):
+        asked.append(device)
+        return Properties()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert resources.device_memory(torch.device("cuda", 1)) == 80 * 2**30
+    assert asked == [torch.device("cuda", 1)]
+    assert resources.device_memory(torch.device("cpu")) is None
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_the_checks_count_vmapped_clients_only_when_asked(monkeypatch):
+    cfg = config.load(None, ["data.num_clients=40", "train.local_steps=100000", "train.batch_size=1"])
+    one = resources.plan_bytes(100000, 1, 1, None, clients=1)
+    assert resources.config_estimates(cfg)[-1][2] == one
+    total = sum(need[2] for need in resources.config_estimates(cfg))  # the synthetic data and one plan
+    monkeypatch.setattr(resources, "available_memory", lambda: total + one)
+    resources.check_config(cfg)
+    with pytest.raises(ConfigError, match=r"^train\.local_steps = 100000"):
+        resources.check_config(cfg, vmap=True)
+    with_samples = resources.plan_bytes(100000, 1, 1, [500], clients=1)
+    monkeypatch.setattr(resources, "available_memory", lambda: 2 * with_samples)
+    resources.check_plan(cfg, [500], vmap=False)
+    with pytest.raises(ConfigError, match=r"^train\.local_steps = 100000"):
+        resources.check_plan(cfg, [500], vmap=True)
+
+
+def test_an_epoch_plan_is_checked_on_the_clients_sizes(monkeypatch):
+    cfg = config.load(None, ["train.local_epochs=100000", "train.batch_size=1"])
+    monkeypatch.setattr(resources, "available_memory", lambda: 10**6)
+    resources.check_plan(cfg, [], vmap=False)
+    with pytest.raises(ConfigError, match=r"^train\.local_epochs = 100000: the local step plan"):
+        resources.check_plan(cfg, [500], vmap=False)
+
+
+def test_a_model_that_fits_the_host_but_not_the_accelerator_is_refused_on_the_accelerators_memory(monkeypatch):
+    cfg = config.load(None, ["model.name=mlp", "model.options={hidden = [1000]}"])
+    count = resources.count_parameters("mlp", (60,), 10, {"hidden": [1000]})
+    asked = []
+
+    def device_memory(device):
+        asked.append(device)
+        return 2 * 4 * count  # two copies of the four
+    monkeypatch.setattr(resources, "available_memory", lambda: 10**12)
+    monkeypatch.setattr(resources, "device_memory", device_memory)
+    with pytest.raises(ConfigError, match=r"^model\.options = \{'hidden': \[1000\]\}: the model mlp .* more than "
+                                          r"the 0\.6 MB available"):
+        resources.check_model(cfg, (60,), 10, torch.device("cuda", 0))
+    assert asked == [torch.device("cuda", 0)]
+
+
+def test_one_byte_is_a_need_and_sizes_switch_to_gb_at_exactly_100_mb():
+    with pytest.raises(ConfigError, match="needs about 0.0 MB"):
+        resources.require([("a", 1, 1, "x")], available=0)
+    assert resources._size(100_000_000) == "0.1 GB"
+    assert resources._size(99_999_999) == "100.0 MB"
+    assert resources._size(12_350_001) == "12.4 MB"

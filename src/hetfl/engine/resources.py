@@ -231,7 +231,7 @@ def known_dataset(name: str, options: Mapping[str, Any]) -> KnownDataset | None:
         return KnownDataset((opts["dim"],), opts["num_classes"], samples)
     if name == "emnist":
         split = opts["split"]
-        return KnownDataset((1, 28, 28), len(EMNIST_CLASSES[split]), _EMNIST_SAMPLES.get(split, 1))
+        return KnownDataset((1, 28, 28), len(EMNIST_CLASSES[split]), _EMNIST_SAMPLES[split])
     if name not in _IMAGES:
         return None
     channels, side, classes, samples = _IMAGES[name]
