@@ -390,6 +390,14 @@ TARGETS = (
     Target("flower_secagg", "src/hetfl/flower/secagg.py",
            ("tests/flower/test_flower_secagg.py", "tests/flower/test_secagg_mutants.py"),
            ("-m", "not slow and not processes")),
+    # (session 45) tensors through Flower's records, bit for bit (every dtype, numpy's and torch's own), what a
+    # round's records weigh (metrics.jsonl's flower_bytes_*), the digest of a client's samples a node sends
+    Target("flower_codec", "src/hetfl/flower/codec.py",
+           ("tests/flower/test_codec.py",
+            "tests/flower/test_flower.py::test_tensors_round_trip_bit_exact_in_every_dtype",
+            "tests/algorithms/test_ccvr_math.py::test_replies_pass_through_flower_records_unchanged",
+            "tests/flower/test_flower_logic.py", "tests/flower/test_flower_refused_privacy.py"),
+           ("-m", "not processes")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
