@@ -398,6 +398,12 @@ TARGETS = (
             "tests/algorithms/test_ccvr_math.py::test_replies_pass_through_flower_records_unchanged",
             "tests/flower/test_flower_logic.py", "tests/flower/test_flower_refused_privacy.py"),
            ("-m", "not processes")),
+    # (session 45) FedProx's Synthetic(alpha, beta), the data every quick test trains on: the generative model's
+    # draws in the reference code's order, device sizes, the split by device, the loader's arrays equal to them
+    Target("datasets_synthetic", "src/hetfl/data/datasets/synthetic.py",
+           ("tests/data/test_synthetic.py", "tests/data/test_datasets.py::test_synthetic_shapes_and_determinism",
+            "tests/data/test_datasets.py::test_synthetic_heterogeneity_and_statistics",
+            "tests/test_bad_input.py::test_synthetic_estimate_bounds_what_generate_allocates")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked

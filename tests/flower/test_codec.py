@@ -95,3 +95,17 @@ def test_a_clients_data_digest_covers_its_train_and_test_samples_and_labels():
         assert codec.client_data_digest(fake_data(*changed), 1) != digest, i
     swapped = [parts[2], parts[3], parts[0], parts[1]]  # train and test exchanged: another digest
     assert codec.client_data_digest(fake_data(*swapped), 1) != digest
+
+
+def test_an_array_holding_pickled_objects_is_refused_not_unpickled():
+    """A node's reply is read by the server: a ``.npy`` of Python objects would run the sender's pickle there."""
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("unpickled on the server",))
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([Payload()], dtype=object), allow_pickle=True)
+    a = Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=buffer.getvalue())
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        codec.decode_tensor(a)

@@ -8,6 +8,13 @@ mean ``v_k`` has entries ``~ N(B_k, 1)``; inputs ``x ~ N(v_k, Sigma)`` with
 alpha controls how much local models differ, beta how much local inputs
 differ. The IID variant shares ``W, b ~ N(0, 1)`` and draws ``x ~ N(0, Sigma)``.
 
+alpha does not change the data, here as in the reference code: ``W_k, b_k``
+having entries ``~ N(u_k, 1)`` adds ``u_k (sum_j x_j + 1)`` to every class's
+logit alike, which leaves the argmax, the label, unchanged, and ``u_k`` takes
+one draw of the device's generator whatever its variance. Synthetic(0, 0),
+(0.5, 0.5) and (1, 1) differ through beta alone (the inputs' means); the
+local models still differ through their ``N(0, 1)`` parts.
+
 alpha and beta are variances, as in the paper (the reference code passes them
 to ``np.random.normal`` as standard deviations; identical at the usual
 alpha = beta = 1 and at 0). Device sizes follow the reference code's power
