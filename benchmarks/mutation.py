@@ -404,6 +404,12 @@ TARGETS = (
            ("tests/data/test_synthetic.py", "tests/data/test_datasets.py::test_synthetic_shapes_and_determinism",
             "tests/data/test_datasets.py::test_synthetic_heterogeneity_and_statistics",
             "tests/test_bad_input.py::test_synthetic_estimate_bounds_what_generate_allocates")),
+    # (session 45) MNIST, Fashion-MNIST and EMNIST from their IDX files: a damaged or foreign file refused naming
+    # itself and what to do, labels checked, EMNIST's images turned upright and its archive extracted inside
+    # data.root only
+    Target("datasets_idx", "src/hetfl/data/datasets/idx.py",
+           ("tests/data/test_datasets.py", "tests/data/test_damaged_files.py", "tests/data/test_data_links.py"),
+           ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
