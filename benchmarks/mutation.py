@@ -408,7 +408,8 @@ TARGETS = (
     # itself and what to do, labels checked, EMNIST's images turned upright and its archive extracted inside
     # data.root only
     Target("datasets_idx", "src/hetfl/data/datasets/idx.py",
-           ("tests/data/test_datasets.py", "tests/data/test_damaged_files.py", "tests/data/test_data_links.py"),
+           ("tests/data/test_datasets.py", "tests/data/test_damaged_files.py", "tests/data/test_data_links.py",
+            "tests/data/test_idx.py"),
            ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
