@@ -411,6 +411,10 @@ TARGETS = (
            ("tests/data/test_datasets.py", "tests/data/test_damaged_files.py", "tests/data/test_data_links.py",
             "tests/data/test_idx.py"),
            ("-m", "not slow")),
+    # (session 45) data stays inside data.root: the one guarded way every loader lists and opens files (links that
+    # leave it, loops, broken links refused naming the path; follow_links where a loader offers it)
+    Target("datasets_paths", "src/hetfl/data/datasets/paths.py", ("tests/data", "tests/test_bad_input.py"),
+           ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
