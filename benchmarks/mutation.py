@@ -415,6 +415,10 @@ TARGETS = (
     # leave it, loops, broken links refused naming the path; follow_links where a loader offers it)
     Target("datasets_paths", "src/hetfl/data/datasets/paths.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
+    # (session 45) a folder tree, a tar or a zip read alike: a damaged archive is an error, never a smaller dataset
+    # (strict tar headers, compressed streams read to their checksum, zip CRCs), hidden entries and links skipped
+    Target("datasets_tree", "src/hetfl/data/datasets/tree.py", ("tests/data", "tests/test_bad_input.py"),
+           ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
