@@ -419,6 +419,10 @@ TARGETS = (
     # (strict tar headers, compressed streams read to their checksum, zip CRCs), hidden entries and links skipped
     Target("datasets_tree", "src/hetfl/data/datasets/tree.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
+    # (session 45) CIFAR-10/100 from the official pickled batches or the JPEG/PNG tree: records checked, labels in
+    # range, the classes in CIFAR's order
+    Target("datasets_cifar", "src/hetfl/data/datasets/cifar.py", ("tests/data", "tests/test_bad_input.py"),
+           ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
