@@ -423,6 +423,10 @@ TARGETS = (
     # range, the classes in CIFAR's order
     Target("datasets_cifar", "src/hetfl/data/datasets/cifar.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
+    # (session 45) image folders (a split layout train/<class>/, test/<class>/, or class folders split by the seed;
+    # extracted or an archive): classes, sizes, the split, and refusals that name the folder
+    Target("datasets_imagefolder", "src/hetfl/data/datasets/imagefolder.py", ("tests/data", "tests/test_bad_input.py"),
+           ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
     # announced size was received), never under its final name before; the messages that name the files to put
     # where when no download worked
