@@ -1,0 +1,109 @@
+"""Image folders (hetfl.data.datasets.imagefolder): the per-(domain, class) split of the domain layout, class folders
+checked against the classes asked for, and the refusals word for word. (tests/data/test_datasets.py has both layouts
+end to end.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetfl.data.base import DatasetError
+from hetfl.data.datasets import imagefolder, load_dataset
+from hetfl.data.datasets.common import Context
+from tests.helpers.datasets import make_split_folder, solid, write_png
+
+
+def domain_arrays(sizes: dict[tuple[int, int], int]) -> dict[str, np.ndarray]:
+    """``{(domain, class): n}`` -> the arrays of :func:`imagefolder.domain_arrays` with ``x`` = sample index."""
+    y = np.concatenate([np.full(n, c) for (_, c), n in sizes.items()]).astype(np.int64)
+    g = np.concatenate([np.full(n, d) for (d, _), n in sizes.items()]).astype(np.int64)
+    return {"x": np.arange(len(y)), "y": y, "g": g, "domains": np.asarray(["a", "b", "c"])}
+
+
+SIZES = {(0, 0): 5, (0, 1): 10, (0, 2): 15, (1, 0): 7, (1, 2): 4, (2, 1): 6}
+
+
+def test_each_domain_and_class_puts_its_rounded_share_into_test():
+    arrays = domain_arrays(SIZES)
+    out = imagefolder.split_domains(arrays, ["c", "a"], 0.2, seed=3)
+    test, train = out["test_x"], out["train_x"]
+    assert len(np.intersect1d(test, train)) == 0
+    chosen = np.flatnonzero(np.isin(arrays["g"], [2, 0]))
+    assert np.array_equal(np.sort(np.concatenate([train, test])), chosen)
+    for (d, c), n in SIZES.items():
+        if d == 1:
+            continue
+        in_test = np.sum((arrays["g"][test] == d) & (arrays["y"][test] == c))
+        assert in_test == round(0.2 * n), (d, c)
+    assert set(out["test_g"][arrays["g"][test] == 2]) == {0} and set(out["train_g"][arrays["g"][train] == 0]) == {1}
+    assert np.array_equal(out["test_y"], arrays["y"][test]) and np.all(np.diff(test) > 0)
+
+
+def test_a_domains_split_does_not_depend_on_the_other_domains_chosen():
+    arrays = domain_arrays(SIZES)
+    alone = imagefolder.split_domains(arrays, ["a"], 0.3, seed=1)["test_x"]
+    with_others = imagefolder.split_domains(arrays, ["b", "a", "c"], 0.3, seed=1)["test_x"]
+    assert np.array_equal(alone, with_others[arrays["g"][with_others] == 0])
+    assert not np.array_equal(alone, imagefolder.split_domains(arrays, ["a"], 0.3, seed=2)["test_x"])
+
+
+def test_class_folders_outside_the_classes_asked_for_are_refused(tmp_path):
+    entries = [(("train", "cat", "1.png"), np.zeros((3, 2, 2), np.uint8)),
+               (("test", "cat", "2.png"), np.zeros((3, 2, 2), np.uint8)),
+               (("test", "horse2", "3.png"), np.zeros((3, 2, 2), np.uint8))]
+    with pytest.raises(DatasetError) as err:
+        imagefolder.split_arrays(entries, tmp_path, (2, 2), classes=("cat", "dog"))
+    assert str(err.value) == f"{tmp_path}: unexpected class folders ['horse2']; expected cat, dog"
+
+
+def test_a_split_layout_without_a_test_split_names_what_it_found(tmp_path):
+    entries = [(("train", "cat", "1.png"), np.zeros((3, 2, 2), np.uint8))]
+    with pytest.raises(DatasetError) as err:
+        imagefolder.split_arrays(entries, tmp_path, (2, 2))
+    assert str(err.value) == (f"{tmp_path}: expected images under train/<class>/ and {{test,val}}/<class>/ (found top "
+                              "folders: ['train'])")
+
+
+def test_an_empty_domain_tree_is_refused_naming_the_layout(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        imagefolder.domain_arrays([], tmp_path, None)
+    assert str(err.value) == f"{tmp_path}: no images found; expected {tmp_path}/<domain>/<class>/<image>"
+
+
+def test_the_loaders_refusals_name_the_root_and_what_belongs_there(tmp_path):
+    missing = tmp_path / "missing"  # load_dataset says so first; the loader itself too, called on its own
+    with pytest.raises(DatasetError) as err:
+        imagefolder.load_imagefolder(Context("imagefolder", missing, False, tmp_path / "c", 0), "auto", (), 0, 3, 0.2)
+    assert str(err.value) == (f"imagefolder: data.root = {str(missing)!r} does not exist; set it to the folder with "
+                              "<train|test>/<class>/<image> or <domain>/<class>/<image> files")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError) as err:
+        load_dataset("imagefolder", tmp_path / "empty", download=False, cache_dir=tmp_path / "c", layout="split")
+    empty = tmp_path / "empty"
+    assert str(err.value) == (f"imagefolder: no image tree in {empty}; expected {empty}/<train|test>/<class>/<image> "
+                              f"or {empty}/<domain>/<class>/<image> (or a .tar/.tar.gz/.zip of it); put the images "
+                              "there or set data.root to their folder")
+    make_split_folder(tmp_path / "split", {"cat": 10})
+    with pytest.raises(DatasetError) as err:
+        load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c", domains=["a"])
+    assert str(err.value) == (f"data.options.domains = ['a']: {tmp_path / 'split'} has the split layout (train/test), "
+                              "not domains; remove the option")
+
+
+def test_a_split_folder_is_named_and_noted_with_its_source(tmp_path):
+    make_split_folder(tmp_path / "split", {"cat": 10})
+    ds = load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c")
+    assert ds.info.name == "imagefolder" and ds.notes == [f"imagefolder from {tmp_path / 'split'}"]
+
+
+def test_a_domain_dataset_that_differs_from_its_paper_says_how(tmp_path):
+    for domain in ("photo", "sketch"):
+        write_png(tmp_path / "pacs" / domain / "dog" / "0.png", solid(3, (8, 8)))
+    ds = load_dataset("pacs", tmp_path / "pacs", download=False, cache_dir=tmp_path / "c", image_size=8)
+    assert ds.notes[-1] == ("pacs: expected domains ['art_painting', 'cartoon', 'photo', 'sketch'] and 7 classes, "
+                            "found ['photo', 'sketch'] and 1")
+    with pytest.raises(DatasetError) as err:
+        load_dataset("pacs", tmp_path / "pacs", download=False, cache_dir=tmp_path / "c", image_size=8,
+                     domains=["cartoon"])
+    assert str(err.value) == (f"data.options.domains = ['cartoon']: ['cartoon'] not in {tmp_path / 'pacs'}; "
+                              "available: ['photo', 'sketch']")
