@@ -107,3 +107,65 @@ def test_a_domain_dataset_that_differs_from_its_paper_says_how(tmp_path):
                      domains=["cartoon"])
     assert str(err.value) == (f"data.options.domains = ['cartoon']: ['cartoon'] not in {tmp_path / 'pacs'}; "
                               "available: ['photo', 'sketch']")
+
+
+def test_two_image_trees_in_data_root_are_refused_naming_both(tmp_path):
+    for name in ("a", "b"):
+        make_split_folder(tmp_path / "root" / name, {"cat": 10})
+    with pytest.raises(DatasetError) as err:  # (with layout auto, a and b would be two domains)
+        load_dataset("imagefolder", tmp_path / "root", download=False, cache_dir=tmp_path / "c", layout="split")
+    assert str(err.value) == f"{tmp_path / 'root'} holds several image trees (a, b); set data.root to the one to use"
+
+
+def test_files_that_are_not_images_and_stray_top_level_images_are_left_out(tmp_path):
+    make_split_folder(tmp_path / "split", {"cat": 10})
+    (tmp_path / "split" / "train" / "cat" / "README.txt").write_text("not an image")
+    write_png(tmp_path / "split" / "stray.png", solid(1, (8, 8)))
+    ds = load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c")
+    assert len(ds.train) == 3 and len(ds.test) == 2
+    for domain in ("photo", "sketch"):
+        write_png(tmp_path / "dom" / domain / "dog" / "0.png", solid(3, (8, 8)))
+    write_png(tmp_path / "dom" / "stray.png", solid(1, (8, 8)))
+    assert load_dataset("imagefolder", tmp_path / "dom", download=False, cache_dir=tmp_path / "c").info.groups == (
+        "photo", "sketch")
+
+
+def test_without_an_image_size_the_first_training_image_sets_it(tmp_path):
+    write_png(tmp_path / "split" / "train" / "cat" / "0.png", solid(1, (6, 8)))
+    write_png(tmp_path / "split" / "train" / "cat" / "1.png", solid(2, (8, 8)))
+    write_png(tmp_path / "split" / "test" / "cat" / "0.png", solid(3, (4, 4)))
+    ds = load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c")
+    assert ds.train.x.shape == (2, 3, 6, 8) and ds.test.x.shape == (1, 3, 6, 8)
+
+
+def test_a_domain_named_train_is_a_domain_and_an_explicit_layout_is_kept(tmp_path):
+    for domain in ("photo", "train"):
+        write_png(tmp_path / "dom" / domain / "dog" / "0.png", solid(3, (8, 8)))
+    ds = load_dataset("imagefolder", tmp_path / "dom", download=False, cache_dir=tmp_path / "c")
+    assert ds.info.groups == ("photo", "train")
+    make_split_folder(tmp_path / "split", {"cat": 10})
+    ds = load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c2", layout="domain")
+    assert ds.info.groups == ("test", "train")
+
+
+def test_the_loader_on_its_own_refuses_links_leaving_data_root(tmp_path):
+    make_split_folder(tmp_path / "elsewhere", {"cat": 10})
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "tree").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(DatasetError, match="outside data.root"):
+        imagefolder.load_imagefolder(Context("imagefolder", tmp_path / "root", False, tmp_path / "c", 0), "auto", (),
+                                     0, 3, 0.2)
+
+
+def test_a_domain_dataset_as_its_paper_describes_it_gets_no_note_and_one_class_short_gets_one(tmp_path):
+    domains = ("art_painting", "cartoon", "photo", "sketch")
+    for domain in domains:
+        for c in range(7):
+            write_png(tmp_path / "pacs" / domain / f"class{c}" / "0.png", solid(c, (4, 4)))
+    ds = load_dataset("pacs", tmp_path / "pacs", download=False, cache_dir=tmp_path / "c", image_size=4)
+    assert ds.notes == [f"pacs from {tmp_path / 'pacs'}"]
+    for domain in domains:
+        (tmp_path / "pacs" / domain / "class6" / "0.png").unlink()
+        (tmp_path / "pacs" / domain / "class6").rmdir()
+    ds = load_dataset("pacs", tmp_path / "pacs", download=False, cache_dir=tmp_path / "c2", image_size=4)
+    assert ds.notes[-1].endswith("found ['art_painting', 'cartoon', 'photo', 'sketch'] and 6")
