@@ -70,7 +70,7 @@ fi
 if [[ $WHAT == lease ]]; then  # issue 29's Done-means in one call of a 15-minute lease (~8 min), by priority:
   # the throughput table, CCVR's Table 2 time, the quick suite with CUDA present, profiles of a bf16 round
   # (batch 64, batch 10), DANN's CUDA difference by steps (5 min 9 s without the last three on an H200)
-  # float32 graphs beside bf16: at batch 10 a step is latency-bound, and bf16 adds 20 casts to its 58 kernels
+  # float32 graphs beside bf16: at batch 10 a step is latency-bound, and bf16 adds casts to its ~60 kernels
   timeout ${THROUGHPUT_S:-200} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
     --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph graph_bf16} --out "$OUT/results" 2>&1 | tail -8
   # all 100 rounds of one variant (session 45's 30 rounds of two, projected: 105 s and 108 s)
