@@ -132,7 +132,7 @@ def test_files_that_are_not_images_and_stray_top_level_images_are_left_out(tmp_p
 
 def test_without_an_image_size_the_first_training_image_sets_it(tmp_path):
     write_png(tmp_path / "split" / "train" / "cat" / "0.png", solid(1, (6, 8)))
-    write_png(tmp_path / "split" / "train" / "cat" / "1.png", solid(2, (8, 8)))
+    write_png(tmp_path / "split" / "train" / "cat" / "1.png", solid(2, (8, 10)))
     write_png(tmp_path / "split" / "test" / "cat" / "0.png", solid(3, (4, 4)))
     ds = load_dataset("imagefolder", tmp_path / "split", download=False, cache_dir=tmp_path / "c")
     assert ds.train.x.shape == (2, 3, 6, 8) and ds.test.x.shape == (1, 3, 6, 8)
@@ -169,3 +169,26 @@ def test_a_domain_dataset_as_its_paper_describes_it_gets_no_note_and_one_class_s
         (tmp_path / "pacs" / domain / "class6").rmdir()
     ds = load_dataset("pacs", tmp_path / "pacs", download=False, cache_dir=tmp_path / "c2", image_size=4)
     assert ds.notes[-1].endswith("found ['art_painting', 'cartoon', 'photo', 'sketch'] and 6")
+
+
+def test_long_lists_in_refusals_are_cut_to_their_first_entries(tmp_path):
+    image = np.zeros((3, 2, 2), np.uint8)
+    tops = [((f"top{i}", "cat", "1.png"), image) for i in range(10)] + [(("train", "cat", "1.png"), image)]
+    with pytest.raises(DatasetError) as err:
+        imagefolder.split_arrays(tops, tmp_path, (2, 2))
+    assert str(err.value).endswith(f"(found top folders: {sorted(['train', *(f'top{i}' for i in range(10))])[:8]})")
+    classes = [(("train", f"c{i}", "1.png"), image) for i in range(8)] + [(("test", "c0", "1.png"), image)]
+    with pytest.raises(DatasetError) as err:
+        imagefolder.split_arrays(classes, tmp_path, (2, 2), classes=("c0",))
+    assert str(err.value) == f"{tmp_path}: unexpected class folders ['c1', 'c2', 'c3', 'c4', 'c5']; expected c0"
+
+
+def test_hidden_folders_and_plain_files_at_the_root_are_no_image_trees(tmp_path):
+    make_split_folder(tmp_path / "root" / "data", {"cat": 10})
+    make_split_folder(tmp_path / "root" / ".cache", {"dog": 20})
+    ds = load_dataset("imagefolder", tmp_path / "root", download=False, cache_dir=tmp_path / "c", layout="split")
+    assert ds.info.classes == ("cat",)
+    (tmp_path / "bare" / ".hidden").mkdir(parents=True)
+    (tmp_path / "bare" / "README").write_text("no images here")
+    with pytest.raises(DatasetError, match=r"^imagefolder: no image tree in "):
+        load_dataset("imagefolder", tmp_path / "bare", download=False, cache_dir=tmp_path / "c")
