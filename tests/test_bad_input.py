@@ -28,7 +28,6 @@ from hetfl.data.datasets import load_dataset
 from hetfl.data.datasets.synthetic import generate
 from hetfl.engine.experiment import Experiment
 from hetfl.params import ConfigError
-from tests.helpers import pythonpath_before
 
 QUICK = ["--set", "train.rounds=1", "--quiet"]
 HEAP_CAP = 3 * 2**30  # bytes a child hetfl may allocate (torch itself needs well under 1 GB)
@@ -71,8 +70,7 @@ def _capped_cli(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (HEAP_CAP, HEAP_CAP))
 
-    sources = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_before(sources)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # PYTHONPATH: this copy's sources first (conftest.py)
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(argvs)], cwd=cwd, capture_output=True,
                           text=True, timeout=120, preexec_fn=cap, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

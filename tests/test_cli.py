@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from hetfl.cli import main
-from tests.helpers import pythonpath_before
 
 
 def test_python_dash_m_hetfl_is_the_hetfl_command(tmp_path):
     """`python -m hetfl` (a cluster job, an environment whose scripts are not on PATH) runs the command line,
     exit codes included."""
-    env = {**os.environ, "PYTHONPATH": pythonpath_before(Path(__file__).resolve().parents[1] / "src")}
+    # conftest.py put this copy's sources first on PYTHONPATH, before what was there (carried wheels, say)
     done = subprocess.run([sys.executable, "-m", "hetfl", "run", "--set", "train.local_epoch=2"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("hetfl: error: train.local_epoch = 2: unknown key; "
                                   "did you mean 'train.local_epochs'?")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hetfl import config
+from hetfl.data.datasets import checked_options, dataset_options
 from hetfl.engine import resources
 from hetfl.params import ConfigError
 
@@ -161,14 +162,8 @@ def test_image_datasets_are_sized_from_their_options():
     assert (letters.input_shape, letters.samples) == ((1, 28, 28), 145_600)
     synthetic = resources.known_dataset("synthetic", {"num_devices": 10, "dim": 20, "num_classes": 4})
     assert synthetic.input_shape == (20,) and synthetic.num_classes == 4
-    assert synthetic.samples == int(10 * resources.expected_device_samples(synthetic_cap()))
+    assert synthetic.samples == int(10 * resources.expected_device_samples(dataset_options("synthetic")["max_samples"]))
     assert resources.known_dataset("imagefolder", {}) is None  # the first image decides its side
-
-
-def synthetic_cap() -> int:
-    from hetfl.data.datasets import dataset_options
-
-    return dataset_options("synthetic")["max_samples"]
 
 
 def test_the_dataset_is_blamed_on_the_option_whose_default_shrinks_it_most():
@@ -353,17 +348,9 @@ def test_synthetic_bytes_hold_at_most_50000_samples_of_float64_temporaries():
 def test_the_synthetic_data_is_sized_as_generated_and_an_option_at_its_default_is_not_blamed():
     options = {"num_devices": 10**6}
     need = resources.dataset_needs("synthetic", options)
-    from hetfl.data.datasets import checked_options
-
     assert need[0][2] == resources.synthetic_bytes(checked_options("synthetic", options))
-    default_dim = synthetic_option("dim")
+    default_dim = dataset_options("synthetic")["dim"]
     assert resources.dataset_needs("synthetic", {"dim": default_dim})[0][:2] == ("data.dataset", "synthetic")
-
-
-def synthetic_option(key: str):
-    from hetfl.data.datasets import dataset_options
-
-    return dataset_options("synthetic")[key]
 
 
 def test_grayscale_images_are_sized_with_one_channel():
