@@ -4,6 +4,8 @@ end to end.)"""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,48 @@ def test_hidden_folders_and_plain_files_at_the_root_are_no_image_trees(tmp_path)
     (tmp_path / "bare" / "README").write_text("no images here")
     with pytest.raises(DatasetError, match=r"^imagefolder: no image tree in "):
         load_dataset("imagefolder", tmp_path / "bare", download=False, cache_dir=tmp_path / "c")
+
+
+def test_an_archive_given_as_data_root_is_the_tree_unless_excluded(tmp_path):
+    archive = tmp_path / "tree.tar"
+    archive.write_bytes(b"")  # is_archive goes by the name; nothing is read here
+    assert imagefolder.find_source(archive, needs_train=True) == archive
+    assert imagefolder.find_source(archive, needs_train=True, exclude=lambda p: p == archive) is None
+
+
+def test_read_images_decodes_at_the_size_asked_for_inside_its_own_folder_by_default(tmp_path):
+    write_png(tmp_path / "tree" / "train" / "cat" / "0.png", solid(7, (6, 10)))
+    entries = imagefolder.read_images(tmp_path / "tree", 3, (4, 5))  # no root: the folder itself is the boundary
+    assert [(parts, image.shape) for parts, image in entries] == [(("train", "cat", "0.png"), (3, 4, 5))]
+    assert imagefolder.read_images(tmp_path / "tree", 1, None)[0][1].shape == (1, 6, 10)
+
+
+def test_links_that_leave_the_tree_but_stay_inside_data_root_are_followed(tmp_path):
+    make_split_folder(tmp_path / "root" / "tree", {"cat": 10})
+    write_png(tmp_path / "root" / "extra" / "dog.png", solid(200, (8, 8)))
+    (tmp_path / "root" / "tree" / "train" / "cat" / "linked.png").symlink_to(tmp_path / "root" / "extra" / "dog.png")
+    ds = imagefolder.load_imagefolder(Context("imagefolder", tmp_path / "root", False, tmp_path / "c", 0), "split",
+                                      (), 0, 3, 0.2)
+    assert len(ds.train) == 4 and ds.notes == [f"imagefolder from {tmp_path / 'root' / 'tree'}"]
+
+
+def test_the_loaders_own_refusals_of_a_tree_name_the_tree(tmp_path):
+    make_split_folder(tmp_path / "root" / "tree", {"cat": 10})
+    for image in (tmp_path / "root" / "tree" / "test").rglob("*.png"):
+        image.unlink()
+    tree = tmp_path / "root" / "tree"
+    with pytest.raises(DatasetError, match=rf"^{re.escape(str(tree))}: expected images under train/<class>/"):
+        imagefolder.load_imagefolder(Context("imagefolder", tmp_path / "root", False, tmp_path / "c", 0), "split",
+                                     (), 0, 3, 0.2)
+    (tmp_path / "bare" / "domain" / "cat").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="^" + re.escape(f"{tmp_path / 'bare'}: no images found")):
+        imagefolder.load_imagefolder(Context("imagefolder", tmp_path / "bare", False, tmp_path / "c", 0), "domain",
+                                     (), 0, 3, 0.2)
+
+
+def test_published_normalisation_constants_are_kept(tmp_path):
+    make_split_folder(tmp_path / "split", {"cat": 10})
+    norm = ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    ds = imagefolder.load_imagefolder(Context("imagefolder", tmp_path / "split", False, tmp_path / "c", 0), "auto",
+                                      (), 0, 3, 0.2, norm=norm)
+    assert (ds.info.mean, ds.info.std) == norm
