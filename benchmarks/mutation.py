@@ -425,6 +425,28 @@ TARGETS = (
            ("-m", "not slow")),
     # (session 45) image folders (a split layout train/<class>/, test/<class>/, or class folders split by the seed;
     # extracted or an archive): classes, sizes, the split, and refusals that name the folder
+    # (session 46) what Flower's server accepts from a node: replies by client (errors, another node's data, a
+    # late reply left out), an upload's size, shapes, noisy statistics and sample count checked, whole numbers and
+    # accuracies in range, the refused uploads' digests kept for the privacy ledger, the quorum. In-process Flower
+    # on a fake grid (the process tests left out)
+    Target("flower_server_replies", "src/hetfl/flower/server.py",
+           ("tests/flower",), ("-m", "not slow and not processes"),
+           functions=("FlowerFederation.exchange", "FlowerFederation.by_client", "FlowerFederation.refuse",
+                      "FlowerFederation.holds_other_data", "FlowerFederation.other_data", "FlowerFederation.quorum",
+                      "FlowerFederation.check_quorum", "FlowerFederation.read_updates",
+                      "FlowerFederation.read_update", "FlowerFederation.tensor_replies", "upload_digest", "_why",
+                      "_whole", "_accuracy")),
+    # (session 46) what a Flower node keeps from the server: its privacy floor (the smaller epsilon and delta, fresh
+    # noise, the whole noise in its own upload without secure aggregation; a method or run without differential
+    # privacy refused) over the whole run (no answer beyond the planned releases), its own client only, plain run
+    # and session names, state written only inside its own or a trusted folder, the state versions a resume needs
+    Target("flower_node_guards", "src/hetfl/flower/node.py",
+           ("tests/flower",), ("-m", "not slow and not processes"),
+           functions=("privacy_floor", "with_privacy_floor", "_floor_text", "own_client", "StateStore.__init__",
+                      "StateStore._valid", "StateStore._kept", "StateStore._files", "StateStore.load",
+                      "StateStore.save", "StateStore._index", "StateStore._keep_from", "StateStore.prune",
+                      "PrivateAnswers.__init__", "PrivateAnswers._read", "PrivateAnswers.admit",
+                      "admit_private_answer", "plain_name", "state_root", "client_state")),
     Target("datasets_imagefolder", "src/hetfl/data/datasets/imagefolder.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its
@@ -543,9 +565,10 @@ def prepare(target: Target, workdir: Path) -> None:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    for name in ("src", "tests", "configs"):
+    for name in ("src", "tests", "configs", "examples"):  # examples: tests load the deployment scripts
         shutil.copytree(REPO / name, workdir / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    # read by tests of its examples; mutmut copies it and configs/ (the presets) beside the tests (also_copy)
+    # read by tests of its examples; mutmut copies it, configs/ (the presets) and examples/ beside the tests
+    # (also_copy)
     shutil.copy2(REPO / "README.md", workdir / "README.md")
     shared = REPO.parent / "shared"
     if shared.exists():  # tests find ../shared relative to their own folder, which mutmut moves into mutants/
@@ -558,7 +581,7 @@ def prepare(target: Target, workdir: Path) -> None:
         "\n[tool.mutmut]\n"
         'source_paths = ["src/hetfl"]\n'
         f'only_mutate = ["{target.source}"]\n'
-        'also_copy = ["README.md", "configs"]\n'
+        'also_copy = ["README.md", "configs", "examples"]\n'
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         f"pytest_add_cli_args = {json.dumps(args)}\n"
         'process_isolation = "forkserver"\n'

@@ -592,6 +592,11 @@ class Algorithm(PrivateReleases):
     # in structure (a sampled round's first-timers, with no persistent state yet, and returning clients)
     # still train as one batched group; a step that reads an undeclared one fails naming this attribute.
     step_reads: ClassVar[frozenset[str]] = frozenset({"payload", "state"})
+    # every client's upload (``finish``) holds the same tensor names, shapes and dtypes in a round, as every
+    # built-in method's does: a Flower server then refuses an upload whose form differs from the round's other
+    # uploads (a node of another hetfl version, a faulty plug-in) before ``aggregate`` reads it. A method whose
+    # uploads differ by client sets False (the server then checks the model's tensors only)
+    uniform_upload: ClassVar[bool] = True
 
     def __init__(self, hyper: Any, setup: Setup) -> None:
         self.hp = hyper

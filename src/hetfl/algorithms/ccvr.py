@@ -48,7 +48,14 @@ from hetfl.algorithms.ccvr_statistics import DP_RELEASES, CCVRStatistics, check_
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
 from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
-from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
+from hetfl.algorithms.posthoc import (
+    ClassifierTraining,
+    Replies,
+    check_class_indices,
+    check_reply_form,
+    retrain_classifier,
+    stream,
+)
 from hetfl.params import FINITE, FLOAT32_MAX, ConfigError, setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta
@@ -164,6 +171,18 @@ class CCVR(CCVRStatistics):
         if self.hp.oracle != "none":
             return {"features": features, "labels": labels}
         return self.moments_reply(features, labels, client=client, round_=round_)
+
+    def check_reply(self, reply: Tensors, model_state: Tensors) -> None:
+        """The moments (:meth:`CCVRStatistics.check_reply`), or the oracle's features (float32 rows of the
+        classifier's input size, finite) and their labels (class indices)."""
+        if self.hp.oracle == "none":
+            super().check_reply(reply, model_state)
+            return
+        rows = len(reply["labels"]) if "labels" in reply else 0
+        dim = int(model_state["classifier.weight"].shape[1])
+        check_reply_form(reply, {"features": (rows, dim), "labels": (rows,)},
+                         {"features": (torch.float32,), "labels": (torch.int64,)})
+        check_class_indices("labels", reply["labels"], self.setup.num_classes, distinct=False)
 
     def memory_needs(self, feature_dim: int) -> list[tuple[str, Any, int, str]]:
         """The virtual features: num_virtual x C draws (proportional counts sum to about as many) of

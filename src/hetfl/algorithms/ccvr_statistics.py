@@ -35,7 +35,7 @@ from hetfl.algorithms.gaussian_stats import (
     stats_from_moments,
     sum_moments,
 )
-from hetfl.algorithms.posthoc import PostHoc, Replies, SummedReplies
+from hetfl.algorithms.posthoc import PostHoc, Replies, SummedReplies, check_class_indices, check_reply_form
 from hetfl.params import ConfigError
 from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_text, release_digest, require_accountant
 
@@ -131,6 +131,25 @@ class CCVRStatistics(PostHoc):
         return bounds
 
     # ------------------------------------------------------------------ server
+    def check_reply(self, reply: Tensors, model_state: Tensors) -> None:
+        """A client's moments as :meth:`moments_reply` makes them for features of the classifier's input size
+        (float64, finite): under differential privacy every class; in the clear the classes held (distinct
+        indices, each with a whole count of at least 1). A ValueError naming what differs."""
+        classes, dim = self.setup.num_classes, int(model_state["classifier.weight"].shape[1])
+        floats = (torch.float64,)
+        if self.mechanism is not None:
+            check_reply_form(reply, {"counts": (classes,), "sums": (classes, dim), "outer": (classes, dim, dim)},
+                             dict.fromkeys(("counts", "sums", "outer"), floats))
+            return
+        if "classes" in reply:
+            check_class_indices("classes", reply["classes"], classes, distinct=True)
+        held = len(reply["classes"]) if "classes" in reply else 0
+        check_reply_form(reply, {"classes": (held,), "counts": (held,), "sums": (held, dim), "outer": (held, dim, dim)},
+                         {"classes": (torch.int64,), **dict.fromkeys(("counts", "sums", "outer"), floats)})
+        counts = reply["counts"]
+        if bool((counts < 1).any()) or not bool((counts == counts.round()).all()):
+            raise ValueError("'counts' must be whole numbers of at least 1 (the classes the client holds)")
+
     def summed_moments(self, replies: Replies) -> ClassMoments:
         """The sum of the clients' moments: added here, or (secure aggregation) already summed."""
         if isinstance(replies, SummedReplies):

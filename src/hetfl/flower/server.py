@@ -24,9 +24,11 @@ answer (or answer with an error) are left out of that phase and listed in the ro
 ``failed_clients``; fewer answers than ``runtime.flower_min_replies`` stop the run with a
 :class:`FlowerRoundError` (the last checkpoint resumes it). A reply the server cannot use counts as
 no answer, its reason logged: malformed (a record or number missing, tensors that do not decode, an
-upload tensor of another shape than the model's, a sample count other than the client's, an accuracy
-outside [0, 1]) or oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes
-sent to the client plus :data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
+upload tensor of another shape or dtype than the model's, an upload whose tensors' names, shapes or dtypes
+differ from most of the round's other uploads, a post-hoc reply its step's ``check_reply`` refuses, a sample
+count other than the client's, a count that is no whole number, an accuracy outside [0, 1]) or
+oversized (a training upload of more than :data:`UPLOAD_FACTOR` times the bytes sent to the client plus
+:data:`UPLOAD_SLACK` bytes), or computed on other data: a digest of the
 client's samples on its node other than the server's (:meth:`FlowerFederation.other_data`). Such a reply
 reached the server all the same: the upload it carries is kept (a digest of its bytes, ``refused``) and, under
 differential privacy, recorded in the privacy ledger when its phase stops with nothing usable
@@ -37,9 +39,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -536,7 +541,30 @@ class FlowerFederation:
             except MALFORMED as err:
                 self.fail(c, f"{P.TRAIN}: {_why(err)}")
                 self.refuse(c, replies[c], P.TRAIN)
-        return out
+        return self.of_the_rounds_form(out, replies) if self.exp.algorithm.uniform_upload else out
+
+    def of_the_rounds_form(self, read: list[tuple[ClientUpdate, bool]], replies: dict[int, RecordDict]
+                           ) -> list[tuple[ClientUpdate, bool]]:
+        """The ``read`` updates whose uploads have the tensor names, shapes and dtypes of more than half of them
+        (every client's upload has one form: ``Algorithm.uniform_upload``); the client of each other one is
+        recorded as failed (naming the difference) and its upload kept in ``refused``. Where no form is that of
+        more than half, none is used: which one is right cannot be told."""
+        forms = [upload_form(update.upload) for update, _ in read]
+        common, count = Counter(forms).most_common(1)[0] if forms else ((), 0)
+        majority = 2 * count > len(read)
+        kept = []
+        for (update, has_state), form in zip(read, forms, strict=True):
+            if majority and form == common:
+                kept.append((update, has_state))
+                continue
+            if majority:
+                why = f"its upload differs from the round's {count} other uploads: {form_difference(form, common)}"
+            else:
+                why = (f"the round's {len(read)} uploads differ in their tensors' names, shapes or dtypes "
+                       f"({len(set(forms))} forms) and no form is that of most of them; none is used")
+            self.fail(update.client_id, f"{P.TRAIN}: malformed reply: {why}")
+            self.refuse(update.client_id, replies[update.client_id], P.TRAIN)
+        return kept
 
     def read_update(self, c: int, content: RecordDict, sent: int, server: ServerState) -> tuple[ClientUpdate, bool]:
         """Client ``c``'s training reply as an update (and whether its node now keeps state for it), checked: an
@@ -558,6 +586,8 @@ class FlowerFederation:
             if expected is not None and t.shape != expected.shape:
                 raise MalformedReply(f"malformed reply: upload {name!r} has shape {list(t.shape)}, the model's is "
                                      f"{list(expected.shape)}")
+            if expected is not None and t.dtype != expected.dtype:
+                raise MalformedReply(f"malformed reply: upload {name!r} is {t.dtype}, the model's {expected.dtype}")
         samples, size_c = _whole(result, "num-samples"), self.exp.data.client_sizes[c]
         if samples != size_c:
             raise MalformedReply(f"malformed reply: num-samples = {samples}, but client {c} holds {size_c} training "
@@ -566,13 +596,18 @@ class FlowerFederation:
         update = ClientUpdate(c, upload, samples, _whole(result, "steps"), float(result["loss-sum"]), parts)
         return update, bool(_whole(result, "has-state"))
 
-    def tensor_replies(self, kind: str, replies: dict[int, RecordDict]) -> dict[int, Tensors]:
-        """The ``reply`` tensors of each client's reply; a client whose reply lacks them or does not decode is
-        recorded as failed (malformed) and left out."""
+    def tensor_replies(self, kind: str, replies: dict[int, RecordDict],
+                       check: Callable[[Tensors], None] | None = None) -> dict[int, Tensors]:
+        """The ``reply`` tensors of each client's reply; a client whose reply lacks them, does not decode or fails
+        ``check`` (a ValueError saying what is wrong: a post-hoc step's ``check_reply``) is recorded as failed
+        (malformed) and left out."""
         out = {}
         for c in sorted(replies):
             try:
-                out[c] = from_record(replies[c][P.REPLY], self.exp.device)
+                tensors = from_record(replies[c][P.REPLY], self.exp.device)
+                if check is not None:
+                    check(tensors)
+                out[c] = tensors
             except MALFORMED as err:
                 self.fail(c, f"{kind}: {_why(err)}")
                 self.refuse(c, replies[c], kind)
@@ -590,10 +625,14 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
+        def check(reply: Tensors) -> None:
+            step.check_reply(reply, raw)
+
         try:
-            replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_))
+            replies = self.tensor_replies(P.POSTHOC, self.exchange(P.POSTHOC, contents, round_), check)
         except FlowerStopped as err:  # the replies already in reached the server: recorded before the run ends
-            raise FlowerStopped(str(err), self.tensor_replies(P.POSTHOC, err.contents or {}), self.refused) from None
+            raise FlowerStopped(str(err), self.tensor_replies(P.POSTHOC, err.contents or {}, check),
+                                self.refused) from None
         self.check_quorum(len(replies), self.num_clients, round_, f"post-hoc {step.name}", replies, self.refused)
         return replies
 
@@ -668,6 +707,27 @@ def upload_digest(content: Any, name: str) -> str | None:
     return h.hexdigest()
 
 
+Form = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def upload_form(upload: Tensors) -> Form:
+    """The names, shapes and dtypes of an upload's tensors, in name order (what a round's uploads share)."""
+    return tuple((name, tuple(t.shape), str(t.dtype)) for name, t in sorted(upload.items()))
+
+
+def form_difference(mine: Form, theirs: Form) -> str:
+    """How an upload's form differs from the round's others (the first three differences), for the log."""
+    a, b = {n: (s, d) for n, s, d in mine}, {n: (s, d) for n, s, d in theirs}
+    found = [f"lacks {n!r}" for n in b if n not in a] + [f"has {n!r}, which they lack" for n in a if n not in b]
+    for name in sorted(a.keys() & b.keys()):
+        (shape, dtype), (their_shape, their_dtype) = a[name], b[name]
+        if shape != their_shape:
+            found.append(f"{name!r} has shape {list(shape)}, theirs {list(their_shape)}")
+        elif dtype != their_dtype:
+            found.append(f"{name!r} is {dtype}, theirs {their_dtype}")
+    return "; ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+
 def _why(err: BaseException) -> str:
     """A malformed reply's reason for the log: a MalformedReply says it; anything else is named as such."""
     if isinstance(err, MalformedReply):
@@ -676,9 +736,11 @@ def _why(err: BaseException) -> str:
 
 
 def _whole(result: Any, key: str) -> int:
-    """A reply's whole number ``key`` (>= 0); a ValueError for anything else."""
+    """A reply's whole number ``key`` (>= 0); a ValueError for anything else (an infinite one too: ``int(inf)``
+    would raise OverflowError, which is no malformed reply to the server and would stop the run)."""
     value = result[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and not math.isfinite(value)) or value < 0 or value != int(value)):
         raise MalformedReply(f"malformed reply: {key} = {value!r} is no whole number >= 0")
     return int(value)
 

@@ -1,0 +1,332 @@
+"""What hetfl's Flower server accepts from a node, case by case (hetfl.flower.server): the numbers of a reply
+(whole counts, accuracies in [0, 1]), an upload's size, shapes and sample count, the digest of a refused upload
+kept for the privacy ledger, a node found holding other data, and the reasons the log gives. The whole runs of
+test_flower_logic.py and test_flower_refused_privacy.py exercise the same paths on loopback nodes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install "hetfl[flower]"')
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from hetfl import config
+from hetfl.engine.experiment import Experiment
+from hetfl.flower import protocol as P
+from hetfl.flower import server as S
+from hetfl.flower.codec import client_data_digest, encode_tensor, record_nbytes
+from tests.flower.test_flower_logic import SMALL as LOOPBACK
+from tests.flower.test_flower_logic import LoopbackGrid, run_on
+
+SMALL = ["data.num_clients=3", "data.partition=dirichlet", "train.rounds=1", "train.batch_size=16",
+         "model.options={hidden = [8]}", "runtime.progress=false", "runtime.threads=1", "runtime.executor=flower"]
+
+
+@pytest.fixture(scope="module")
+def fed() -> S.FlowerFederation:
+    """A server side of three clients (FedAvg on Synthetic), never connected: its reply checks run on their own."""
+    return S.FlowerFederation(Experiment(config.load(None, SMALL)), grid=None)
+
+
+@pytest.fixture(autouse=True)
+def fresh(fed):
+    fed.failed, fed.refused, fed.nodes, fed.other_data_nodes = {}, {}, {}, {}
+
+
+def test_a_reply_accuracy_is_a_number_in_the_closed_unit_interval_or_empty():
+    assert S._accuracy({"acc": 1.0}) == 1.0 and S._accuracy({"acc": 0.0}) == 0.0 and S._accuracy({"acc": 0.25}) == 0.25
+    assert S._accuracy({"empty": 1}) is None  # a client without a test split
+    for acc in (1.0000001, 1.5, 2.0, -1e-9):
+        with pytest.raises(S.MalformedReply) as err:
+            S._accuracy({"acc": acc})
+        assert str(err.value) == f"malformed reply: acc = {acc!r} is outside [0, 1]"
+    with pytest.raises(S.MalformedReply) as err:
+        S._accuracy({"loss": 0.5})
+    assert str(err.value) == "malformed reply: neither acc nor empty"
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "3", None, float("nan"), float("inf"), -float("inf")])
+def test_a_count_in_a_reply_is_a_whole_number_at_least_zero(value):
+    with pytest.raises(S.MalformedReply) as err:
+        S._whole({"steps": value}, "steps")
+    assert str(err.value) == f"malformed reply: steps = {value!r} is no whole number >= 0"
+
+
+def test_whole_counts_are_read_as_ints():
+    assert [S._whole({"n": v}, "n") for v in (0, 7, 7.0, 2**40)] == [0, 7, 7, 2**40]
+    assert type(S._whole({"n": 7.0}, "n")) is int
+
+
+def test_the_reason_of_a_malformed_reply_names_what_was_raised():
+    assert S._why(S.MalformedReply("malformed reply: no upload")) == "malformed reply: no upload"
+    assert S._why(KeyError("upload")) == "malformed reply (KeyError: 'upload')"
+    assert S._why(ValueError("bad")) == "malformed reply (ValueError: bad)"
+
+
+def upload_record(**tensors: torch.Tensor) -> ArrayRecord:
+    return ArrayRecord({name: encode_tensor(t) for name, t in tensors.items()})
+
+
+def test_the_digest_of_an_upload_covers_every_array_and_nothing_else():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)
+    content = RecordDict({P.UPLOAD: upload_record(w=a, n=b), P.RESULT: MetricRecord({"loss-sum": 1.0})})
+    digest = S.upload_digest(content, P.UPLOAD)
+    h = hashlib.sha256()
+    for key in ("n", "w"):
+        arr = content[P.UPLOAD][key]
+        h.update(f"{key}|{arr.dtype}|{arr.stype}|{tuple(arr.shape)}|{len(arr.data)}|".encode())
+        h.update(arr.data)
+    assert digest == h.hexdigest()
+    assert S.upload_digest(RecordDict({P.UPLOAD: upload_record(n=b, w=a)}), P.UPLOAD) == digest  # name order
+    assert S.upload_digest(RecordDict({P.UPLOAD: upload_record(w=a, n=b + 1)}), P.UPLOAD) != digest
+    assert S.upload_digest(RecordDict({P.UPLOAD: upload_record(w=a.reshape(3, 2), n=b)}), P.UPLOAD) != digest
+    assert S.upload_digest(content, "") is None and S.upload_digest(content, P.REPLY) is None
+    assert S.upload_digest(RecordDict({P.UPLOAD: ConfigRecord({"x": 1})}), P.UPLOAD) is None  # no arrays
+    assert S.upload_digest(None, P.UPLOAD) is None  # no content at all
+
+
+def test_a_refused_training_or_posthoc_upload_is_kept_as_its_digest(fed):
+    upload = RecordDict({P.UPLOAD: upload_record(w=torch.ones(3))})
+    reply = RecordDict({P.REPLY: upload_record(mean=torch.zeros(2))})
+    fed.refuse(0, upload, P.TRAIN)
+    fed.refuse(1, reply, P.POSTHOC)
+    fed.refuse(2, upload, P.EVALUATE)  # an evaluation reply carries no release
+    assert fed.refused == {0: S.upload_digest(upload, P.UPLOAD), 1: S.upload_digest(reply, P.REPLY)}
+    assert all(isinstance(d, str) and len(d) == 64 for d in fed.refused.values())
+
+
+def test_a_node_found_holding_other_data_is_left_out_until_it_restarts(fed):
+    fed.nodes = {0: 11, 1: 12}
+    fed.other_data_nodes = {0: (11, "the node holds other data"), 1: (99, "the node holds other data")}
+    assert fed.holds_other_data(0) == "the node holds other data"
+    assert fed.holds_other_data(1) == ""  # client 1's node restarted (another id): asked again, its reply checked
+    assert fed.holds_other_data(2) == ""
+
+
+def test_a_reply_without_a_digest_of_the_clients_data_is_refused_naming_why(fed):
+    ours = client_data_digest(fed.exp.data, 1)
+    assert fed.other_data(1, RecordDict({P.DATA: ConfigRecord({"digest": ours})})) == ""
+    assert fed.other_data(1, RecordDict({})) == ("malformed reply: no digest of the client's data (a node running "
+                                                 "another hetfl version?)")
+    other = fed.other_data(1, RecordDict({P.DATA: ConfigRecord({"digest": "0" * 32})}))
+    assert other == (f"the node holds other data than the server's for client 1 (digest of its training and test "
+                     f"samples {'0' * 32}, the server's {ours}): give the node a copy of the dataset files of the "
+                     "server's data.root (synthetic) in its node config data-root; refused")
+
+
+def test_an_upload_at_its_size_limit_is_read_and_one_byte_more_is_refused(fed):
+    server = SimpleNamespace(model={"w": torch.zeros(4)})
+    record = upload_record(w=torch.ones(4))
+    size = record_nbytes([record])
+    content = RecordDict({P.UPLOAD: record, P.RESULT: MetricRecord(
+        {"num-samples": fed.exp.data.client_sizes[0], "steps": 3, "loss-sum": 1.5, "has-state": 1,
+         P.LOSS_PART + "ce": 1.25})})
+    sent = 0
+    slack, S.UPLOAD_SLACK = S.UPLOAD_SLACK, size  # the limit: UPLOAD_FACTOR x 0 bytes sent + this slack
+    try:
+        update, has_state = fed.read_update(0, content, sent, server)
+        assert (update.client_id, update.num_samples, update.steps, update.loss_sum) == (
+            0, fed.exp.data.client_sizes[0], 3, 1.5)
+        assert update.part_sums == {"ce": 1.25} and has_state is True
+        assert torch.equal(update.upload["w"], torch.ones(4)) and update.upload["w"].device == fed.exp.device
+        S.UPLOAD_SLACK = size - 1
+        with pytest.raises(S.MalformedReply) as err:
+            fed.read_update(0, content, sent, server)
+        assert str(err.value) == (f"oversized reply: an upload of {size} bytes, more than {size - 1} "
+                                  f"({S.UPLOAD_FACTOR} x the 0 bytes sent + {size - 1})")
+    finally:
+        S.UPLOAD_SLACK = slack
+
+
+def test_a_reply_with_an_infinite_count_is_refused_not_the_end_of_the_run(fed):
+    """``steps = inf`` in a node's reply raised OverflowError (``int(inf)``), which is no malformed reply to the
+    server: the whole run stopped on one node's reply. Now that reply is refused, its upload kept as refused, and
+    the other clients' replies are read."""
+    server = SimpleNamespace(model={"w": torch.zeros(2)})
+
+    def reply(steps: float) -> RecordDict:
+        return RecordDict({P.UPLOAD: upload_record(w=torch.ones(2)), P.RESULT: MetricRecord(
+            {"num-samples": fed.exp.data.client_sizes[0], "steps": steps, "loss-sum": 1.0, "has-state": 0})})
+
+    sent = RecordDict({P.PAYLOAD: upload_record(w=torch.zeros(2))})
+    replies = {0: reply(float("inf")), 1: reply(2)}
+    replies[1][P.RESULT]["num-samples"] = fed.exp.data.client_sizes[1]
+    read = fed.read_updates([0, 1], {0: sent, 1: sent}, replies, server)
+    assert [update.client_id for update, _ in read] == [1]
+    assert fed.failed == {0: "train: malformed reply: steps = inf is no whole number >= 0"}
+    assert fed.refused == {0: S.upload_digest(replies[0], P.UPLOAD)}
+
+
+# ------------------------------------------------------------- whole runs: one node's reply the others' form
+class TamperedGrid(LoopbackGrid):
+    """Loopback nodes; node 1's replies to ``kind`` messages changed in place by ``tamper`` (``train``: its
+    upload record; ``query.posthoc``: its reply record)."""
+
+    def __init__(self, kind: str, tamper: Callable[[ArrayRecord], None]) -> None:
+        super().__init__(3)
+        self.kind, self.change = kind, tamper
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for message, i in zip(messages, ids, strict=True):
+            answer = self.replies.get(i)
+            if (message.metadata.message_type == self.kind and message.metadata.dst_node_id == self.ids[1]
+                    and answer is not None and not answer.has_error()):
+                self.change(answer.content[P.UPLOAD if self.kind == P.TRAIN else P.REPLY])
+        return ids
+
+
+def failures(run: Path) -> list[list[int]]:
+    return [json.loads(x)["failed_clients"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "client 1 failed" in r.getMessage()]
+
+
+def drop_first(record: ArrayRecord) -> None:
+    del record[sorted(record.keys())[0]]
+
+
+def as_int64(record: ArrayRecord) -> None:
+    name = sorted(record.keys())[0]
+    record[name] = encode_tensor(torch.ones(tuple(record[name].shape), dtype=torch.int64))
+
+
+def control_of_another_shape(record: ArrayRecord) -> None:
+    record["scaffold.c/classifier.bias"] = encode_tensor(torch.ones(2, 2))
+
+
+@pytest.mark.parametrize(("method", "tamper", "reason"), [
+    ("fedavg", drop_first, "lacks 'classifier.bias'"),
+    ("fedavg", as_int64, "'classifier.bias' is torch.int64, the model's torch.float32"),
+    ("scaffold", control_of_another_shape, "'scaffold.c/classifier.bias' has shape [2, 2], theirs [10]"),
+], ids=["missing-tensor", "int64-weights", "control-variate-shape"])
+def test_an_upload_unlike_the_rounds_other_uploads_is_refused_not_the_end_of_the_run(method, tamper, reason,
+                                                                                     tmp_path, caplog):
+    """A node whose upload lacks one of the method's tensors, or holds one of another shape or dtype (another
+    hetfl version, a plug-in's bug), stopped the whole run inside ``aggregate`` (a KeyError or a shape error), or
+    was averaged in as integers. Every method's uploads have the same tensors at every client: the one that
+    differs from the round's others is refused, the run goes on without it."""
+    run_on(TamperedGrid(P.TRAIN, tamper), [*LOOPBACK, f"algorithm.name={method}"], tmp_path / "r")
+    assert failures(tmp_path / "r") == [[1], [1]]
+    assert said(caplog) and all(reason in x for x in said(caplog)), said(caplog)
+
+
+def test_a_malformed_ccvr_reply_is_refused_and_the_others_calibrate(tmp_path, caplog):
+    """A node's CCVR statistics with a float tensor for the class indices stopped the run (an IndexError in the
+    pooling); now that reply is refused and the server pools the other clients' statistics."""
+    def float_classes(record: ArrayRecord) -> None:
+        record["classes"] = encode_tensor(torch.ones(3, 7, dtype=torch.float64))
+
+    run_on(TamperedGrid(P.POSTHOC, float_classes), [*LOOPBACK, "algorithm.name=fedavg+ccvr"], tmp_path / "r")
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["failed_clients"] == [1] and lines[-1]["ccvr_virtual_features"] > 0
+    assert any("classes" in x for x in said(caplog)), said(caplog)
+
+
+# ------------------------------------------------------------- the phases' messages, counts and stops
+class CountingGrid(LoopbackGrid):
+    """Loopback nodes that keep each pushed message's type, round, TTL and array bytes, and each reply's bytes."""
+
+    def __init__(self, num_nodes: int = 3) -> None:
+        super().__init__(num_nodes)
+        self.pushed: list[tuple[str, str, float, int]] = []
+        self.pulled: list[tuple[str, int]] = []
+        self.kinds: dict[str, tuple[str, str]] = {}
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for message, i in zip(messages, ids, strict=True):
+            meta = message.metadata
+            self.kinds[i] = (meta.message_type, meta.group_id)
+            self.pushed.append((meta.message_type, meta.group_id, meta.ttl,
+                                record_nbytes(r for r in message.content.values() if isinstance(r, ArrayRecord))))
+        return ids
+
+    def pull_messages(self, message_ids):
+        got = super().pull_messages(message_ids)
+        for m in got:
+            if not m.has_error():
+                self.pulled.append((self.kinds[m.metadata.reply_to_message_id][1],
+                                    record_nbytes(r for r in m.content.values() if isinstance(r, ArrayRecord))))
+        return got
+
+
+def test_the_phases_messages_carry_their_ttl_and_a_rounds_traffic_is_their_bytes(tmp_path):
+    grid = CountingGrid()
+    exp = Experiment(config.load(None, [*LOOPBACK, "algorithm.name=fedavg", "runtime.executor=flower"]))
+    fed = exp.federation = S.FlowerFederation(exp, grid, poll_s=0.01, state_root=str(tmp_path / "nodes"))
+    exp.run(tmp_path / "r")
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        group = str(line["round"])
+        sent = [n for kind, g, _, n in grid.pushed if kind == P.TRAIN and g == group]
+        assert len(sent) == 3 and line["flower_bytes_down"] == sum(sent) > 0
+        assert line["flower_bytes_up"] == sum(n for g, n in grid.pulled if g == group) > 0
+    assert {ttl for kind, _, ttl, _ in grid.pushed if kind != P.HELLO} == {fed.ttl} and fed.ttl == fed.timeout + 60
+
+
+def test_a_client_that_no_node_holds_is_left_out_and_the_others_train(tmp_path, caplog):
+    grid = LoopbackGrid(3)
+    grid.ids = [grid.ids[0], grid.ids[2]]  # nobody holds client 1
+    run_on(grid, [*LOOPBACK, "algorithm.name=fedavg", "runtime.flower_min_replies=1",
+                  "runtime.flower_timeout_s=0.2"], tmp_path / "r")
+    assert failures(tmp_path / "r") == [[1], [1]]
+    assert said(caplog) == ["flower: client 1 failed: no node holds this client's partition"] * 2
+
+
+def test_a_round_whose_one_client_does_not_answer_stops_the_run(tmp_path):
+    grid = LoopbackGrid(3)
+    grid.dead.update(grid.ids)
+    with pytest.raises(S.FlowerRoundError, match=r"^round 1, training: 0 of 1 clients answered"):
+        run_on(grid, [*LOOPBACK, "algorithm.name=fedavg", "train.clients_per_round=1",
+                      "runtime.flower_timeout_s=0.2"], tmp_path / "r")
+
+
+def test_too_few_answers_name_the_first_five_failures_and_what_to_do(fed):
+    fed.min_replies = 0
+    fed.failed = {c: f"reason {c}" for c in range(6)}
+    with pytest.raises(S.FlowerRoundError) as err:
+        fed.check_quorum(0, 6, 3, "training")
+    assert str(err.value) == (
+        "round 3, training: 0 of 6 clients answered; runtime.flower_min_replies = 0 needs 6 (client 0: reason 0; "
+        "client 1: reason 1; client 2: reason 2; client 3: reason 3; client 4: reason 4). The run stops with its "
+        "last checkpoint kept: once enough clients' nodes can answer (see the reasons), resume it")
+    fed.check_quorum(6, 6, 3, "training")
+    fed.check_quorum(0, 0, 3, "evaluation")  # nothing asked: nothing to answer
+
+
+def test_a_reply_is_read_onto_the_servers_device_and_its_refusals_say_why(fed, monkeypatch):
+    """Uploads and post-hoc replies are decoded onto the experiment's device (``meta`` here: where no tensor
+    comes by default); a reply without the method's noisy statistics, or with another client's sample count, is
+    refused naming them."""
+    monkeypatch.setattr(fed.exp, "device", torch.device("meta"))
+    server = SimpleNamespace(model={"w": torch.zeros(2)})
+    result = {"num-samples": fed.exp.data.client_sizes[0], "steps": 1, "loss-sum": 1.0, "has-state": 0}
+    content = RecordDict({P.UPLOAD: upload_record(w=torch.ones(2)), P.RESULT: MetricRecord(result)})
+    update, _ = fed.read_update(0, content, 10**6, server)
+    assert update.upload["w"].device.type == "meta"
+    replies = fed.tensor_replies(P.POSTHOC, {2: RecordDict({P.REPLY: upload_record(m=torch.ones(3))}),
+                                             1: RecordDict({})})
+    assert list(replies) == [2] and replies[2]["m"].device.type == "meta"
+    assert fed.failed == {1: "query.posthoc: malformed reply (KeyError: 'reply')"}
+    monkeypatch.setattr(fed.exp.algorithm, "dp_upload_keys", ("noisy/counts", "noisy/sums"))
+    with pytest.raises(S.MalformedReply) as err:
+        fed.read_update(0, content, 10**6, server)
+    assert str(err.value) == "malformed reply: the upload lacks noisy/counts, noisy/sums"
+    monkeypatch.setattr(fed.exp.algorithm, "dp_upload_keys", ())
+    result["num-samples"] += 1
+    with pytest.raises(S.MalformedReply) as err:
+        fed.read_update(0, RecordDict({P.UPLOAD: upload_record(w=torch.ones(2)), P.RESULT: MetricRecord(result)}),
+                        10**6, server)
+    assert str(err.value) == (f"malformed reply: num-samples = {result['num-samples']}, but client 0 holds "
+                              f"{result['num-samples'] - 1} training samples")
