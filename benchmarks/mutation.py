@@ -434,7 +434,8 @@ TARGETS = (
            functions=("FlowerFederation.exchange", "FlowerFederation.by_client", "FlowerFederation.refuse",
                       "FlowerFederation.holds_other_data", "FlowerFederation.other_data", "FlowerFederation.quorum",
                       "FlowerFederation.check_quorum", "FlowerFederation.read_updates",
-                      "FlowerFederation.read_update", "FlowerFederation.tensor_replies", "upload_digest", "_why",
+                      "FlowerFederation.read_update", "FlowerFederation.of_the_rounds_form",
+                      "FlowerFederation.tensor_replies", "upload_digest", "upload_form", "form_difference", "_why",
                       "_whole", "_accuracy")),
     # (session 46) what a Flower node keeps from the server: its privacy floor (the smaller epsilon and delta, fresh
     # noise, the whole noise in its own upload without secure aggregation; a method or run without differential

@@ -330,3 +330,34 @@ def test_a_reply_is_read_onto_the_servers_device_and_its_refusals_say_why(fed, m
                         10**6, server)
     assert str(err.value) == (f"malformed reply: num-samples = {result['num-samples']}, but client 0 holds "
                               f"{result['num-samples'] - 1} training samples")
+
+
+# ------------------------------------------------------------- the set-up round's replies
+class TamperedSetupGrid(LoopbackGrid):
+    """Loopback nodes; node 1's set-up reply changed in place by ``tamper``."""
+
+    def __init__(self, tamper: Callable[[ArrayRecord], None]) -> None:
+        super().__init__(3)
+        self.change = tamper
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        for message, i in zip(messages, ids, strict=True):
+            answer = self.replies.get(i)
+            if message.metadata.message_type == P.SETUP and message.metadata.dst_node_id == self.ids[1] \
+                    and answer is not None and not answer.has_error():
+                self.change(answer.content[P.REPLY])
+        return ids
+
+
+def test_a_malformed_fedmix_setup_reply_is_refused_and_the_others_means_are_shared(tmp_path, caplog):
+    """FedMix's averaged data with labels of another class count: ``torch.cat`` in ``setup_aggregate`` stopped the
+    run; now the reply is refused (FedMix's ``check_setup_reply``) and, with a quorum of 2, the other clients'
+    means are shared."""
+    def other_labels(record: ArrayRecord) -> None:
+        record["fedmix.y"] = encode_tensor(torch.full((2, 7), 1 / 7))
+
+    grid = TamperedSetupGrid(other_labels)
+    run_on(grid, [*LOOPBACK, "algorithm.name=fedmix", "runtime.flower_min_replies=2"], tmp_path / "r")
+    assert failures(tmp_path / "r") == [[1], []]  # the set-up round's failure is counted in round 1
+    assert any("query.setup: malformed reply (ValueError: 'fedmix.y' has shape [2, 7]" in x for x in said(caplog))

@@ -317,6 +317,7 @@ class Setup:
     # runtime.secure_aggregation: the server learns only the sum of an additive post-hoc step's replies, which
     # must then be dense and bounded (CCVR clips its features to clip_norm)
     secure_aggregation: bool = False
+    input_shape: tuple[int, ...] = ()  # one sample's model input (``[C, H, W]``, ``[features]``); () where unknown
 
     def sgd(self, lr: float, *, momentum: float | None = None, weight_decay: float | None = None) -> SGDConfig:
         """The run's client SGD settings at learning rate ``lr`` (overridable per stage)."""
@@ -466,6 +467,37 @@ def cross_entropy_loss(model: ModelCaller) -> LossFn:
         return ce, {"ce": ce.detach()}
 
     return loss
+
+
+def check_reply_form(reply: Tensors, shapes: Mapping[str, tuple[int, ...]],
+                     dtypes: Mapping[str, tuple[torch.dtype, ...]]) -> None:
+    """A ValueError unless ``reply`` holds exactly the tensors ``shapes`` names, each of its shape, of one of
+    its ``dtypes`` and (floating point) finite: the form a step's ``check_reply`` asks of a client's reply."""
+    if set(reply) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(reply)), sorted(set(reply) - set(shapes))
+        raise ValueError("the reply " + "; ".join([*(f"lacks {k!r}" for k in missing),
+                                                    *(f"has {k!r}, which is no part of it" for k in extra)]))
+    for name, shape in shapes.items():
+        t = reply[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype not in dtypes[name]:
+            raise ValueError(f"{name!r} is {t.dtype}, expected {' or '.join(map(str, dtypes[name]))}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name!r} holds values that are not finite")
+
+
+def check_class_indices(name: str, indices: torch.Tensor, num_classes: int, *, distinct: bool) -> None:
+    """A ValueError unless ``indices`` (int64, 1-D) are class indices in ``[0, num_classes)`` (each once when
+    ``distinct``)."""
+    if indices.dtype != torch.int64 or indices.ndim != 1:
+        raise ValueError(f"{name!r} must be a 1-D tensor of torch.int64 class indices, not {indices.dtype} of shape "
+                         f"{list(indices.shape)}")
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= num_classes):
+        raise ValueError(f"{name!r} holds {int(indices.min())}..{int(indices.max())}, outside the classes "
+                         f"0..{num_classes - 1}")
+    if distinct and len(torch.unique(indices)) != len(indices):
+        raise ValueError(f"{name!r} names a class more than once")
 
 
 def weighted_mean(states: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
@@ -650,6 +682,12 @@ class Algorithm(PrivateReleases):
         state; entries of ``extra`` named ``shared/<name>`` reach every client as
         ``ctx.shared`` (sent once, counted once)."""
         return server
+
+    def check_setup_reply(self, client: int, reply: Tensors) -> None:
+        """What the server checks of client ``client``'s set-up reply before ``setup_aggregate`` reads it, where
+        the reply crossed a network (a Flower node may run another hetfl version or a faulty plug-in): a
+        ValueError saying what in ``reply`` is not what ``setup_query`` returns, so that the server leaves that
+        client out instead of stopping in ``setup_aggregate``. Accepts any reply by default."""
 
     def has_setup_round(self) -> bool:
         return type(self).setup_query is not Algorithm.setup_query

@@ -43,19 +43,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hetfl.algorithms.base import HeadTransform, ServerState, Setup, Tensors, register_head_transform
+from hetfl.algorithms.base import (
+    HeadTransform,
+    ServerState,
+    Setup,
+    Tensors,
+    check_class_indices,
+    check_reply_form,
+    register_head_transform,
+)
 from hetfl.algorithms.ccvr_statistics import DP_RELEASES, CCVRStatistics, check_finite, floats_per_client
 from hetfl.algorithms.classifier_reg import CLASSIFIER_NORM
 from hetfl.algorithms.dp_moments import NOISE_MODES, NOISE_SOURCES, check_settings
 from hetfl.algorithms.gaussian_stats import ClassStats, sample_gaussian
-from hetfl.algorithms.posthoc import (
-    ClassifierTraining,
-    Replies,
-    check_class_indices,
-    check_reply_form,
-    retrain_classifier,
-    stream,
-)
+from hetfl.algorithms.posthoc import ClassifierTraining, Replies, retrain_classifier, stream
 from hetfl.params import FINITE, FLOAT32_MAX, ConfigError, setting
 
 FEATURE_BETA = "feature_transform/tukey_beta"  # in a calibrated model's state: Tukey's beta

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hetfl.algorithms.base import ServerState, Setup, Tensors
+from hetfl.algorithms.base import ServerState, Setup, Tensors, check_class_indices, check_reply_form
 from hetfl.algorithms.dp_moments import MomentsMechanism, nearest_psd, noise_generator, nonfinite_bounds
 from hetfl.algorithms.gaussian_stats import (
     ClassMoments,
@@ -35,7 +35,7 @@ from hetfl.algorithms.gaussian_stats import (
     stats_from_moments,
     sum_moments,
 )
-from hetfl.algorithms.posthoc import PostHoc, Replies, SummedReplies, check_class_indices, check_reply_form
+from hetfl.algorithms.posthoc import PostHoc, Replies, SummedReplies
 from hetfl.params import ConfigError
 from hetfl.privacy import Release, accountant_name, clip_rows, epsilon_text, release_digest, require_accountant
 

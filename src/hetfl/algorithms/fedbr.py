@@ -146,6 +146,7 @@ from hetfl.algorithms.base import (
     Stage,
     Tensors,
     Upload,
+    check_reply_form,
     cross_entropy,
     weighted_mean,
 )
@@ -348,6 +349,15 @@ class FedBR(Algorithm):
         if self.hp.pseudo_source != "rsm_clients":
             return {}
         return {PSEUDO: plan_means(self.plan(), ctx.client_id, ctx.inputs().x)}
+
+    def check_setup_reply(self, client: int, reply: Tensors) -> None:
+        """A client's set-up reply as :meth:`setup_query` makes it: under ``"rsm_clients"`` the means of its slots
+        of the plan (inputs of the data's shape, finite), otherwise nothing."""
+        if self.hp.pseudo_source != "rsm_clients":
+            check_reply_form(reply, {}, {})
+            return
+        slots = sum(slot.client == client for slot in self.plan())
+        check_reply_form(reply, {PSEUDO: (slots, *self.setup.input_shape)}, {PSEUDO: (torch.float32,)})
 
     def setup_aggregate(self, server: ServerState, replies: dict[int, Tensors]) -> ServerState:
         """Set-up round, server side: ``D_p`` assembled (``"rsm_clients"``) or drawn from the proxy,

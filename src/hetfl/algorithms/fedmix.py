@@ -33,13 +33,24 @@ samples drawn with replacement from one random client.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.func import grad
 
-from hetfl.algorithms.base import SHARED, Algorithm, Batch, ClientContext, ServerState, Stage, Tensors, cross_entropy
+from hetfl.algorithms.base import (
+    SHARED,
+    Algorithm,
+    Batch,
+    ClientContext,
+    ServerState,
+    Stage,
+    Tensors,
+    check_reply_form,
+    cross_entropy,
+)
 from hetfl.params import setting
 from hetfl.rng import method_generator
 
@@ -89,6 +100,17 @@ class FedMix(Algorithm):
         gen = method_generator(self.setup.seed, "fedmix.mash", ctx.client_id)
         x, y = averaged_data(data.x, data.y, self.setup.num_classes, self.hp.mash_size, gen)
         return {MEAN_X: x, MEAN_Y: y}
+
+    def check_setup_reply(self, client: int, reply: Tensors) -> None:
+        """A client's averaged data as :func:`averaged_data` makes it: ``ceil(n / mash_size)`` means of inputs of
+        the data's shape and as many soft labels (rows of non-negative shares summing to 1), finite."""
+        groups = math.ceil(self.setup.client_sizes[client] / self.hp.mash_size)
+        floats = (torch.float32,)
+        check_reply_form(reply, {MEAN_X: (groups, *self.setup.input_shape), MEAN_Y: (groups, self.setup.num_classes)},
+                         {MEAN_X: floats, MEAN_Y: floats})
+        shares = reply[MEAN_Y]
+        if bool((shares < 0).any()) or not torch.allclose(shares.sum(1), torch.ones(groups), atol=1e-5):
+            raise ValueError(f"{MEAN_Y!r} must hold soft labels: rows of non-negative shares that sum to 1")
 
     def setup_aggregate(self, server: ServerState, replies: dict[int, Tensors]) -> ServerState:
         ordered = [replies[c] for c in sorted(replies)]

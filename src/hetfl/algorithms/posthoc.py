@@ -114,37 +114,6 @@ class ClassifierTraining:
     batch_size: int
 
 
-def check_reply_form(reply: Tensors, shapes: Mapping[str, tuple[int, ...]],
-                     dtypes: Mapping[str, tuple[torch.dtype, ...]]) -> None:
-    """A ValueError unless ``reply`` holds exactly the tensors ``shapes`` names, each of its shape, of one of
-    its ``dtypes`` and (floating point) finite: the form a step's ``check_reply`` asks of a client's reply."""
-    if set(reply) != set(shapes):
-        missing, extra = sorted(set(shapes) - set(reply)), sorted(set(reply) - set(shapes))
-        raise ValueError("the reply " + "; ".join([*(f"lacks {k!r}" for k in missing),
-                                                    *(f"has {k!r}, which the step does not send" for k in extra)]))
-    for name, shape in shapes.items():
-        t = reply[name]
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name!r} has shape {list(t.shape)}, expected {list(shape)}")
-        if t.dtype not in dtypes[name]:
-            raise ValueError(f"{name!r} is {t.dtype}, expected {' or '.join(map(str, dtypes[name]))}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name!r} holds values that are not finite")
-
-
-def check_class_indices(name: str, indices: torch.Tensor, num_classes: int, *, distinct: bool) -> None:
-    """A ValueError unless ``indices`` (int64, 1-D) are class indices in ``[0, num_classes)`` (each once when
-    ``distinct``)."""
-    if indices.dtype != torch.int64 or indices.ndim != 1:
-        raise ValueError(f"{name!r} must be a 1-D tensor of torch.int64 class indices, not {indices.dtype} of shape "
-                         f"{list(indices.shape)}")
-    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= num_classes):
-        raise ValueError(f"{name!r} holds {int(indices.min())}..{int(indices.max())}, outside the classes "
-                         f"0..{num_classes - 1}")
-    if distinct and len(torch.unique(indices)) != len(indices):
-        raise ValueError(f"{name!r} names a class more than once")
-
-
 def retrain_classifier(
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -198,6 +198,7 @@ class Experiment:
             seed=cfg.seed,
             cache_dir=cfg.data.cache_dir,
             secure_aggregation=cfg.runtime.secure_aggregation,
+            input_shape=tuple(info.input_shape),
         )
         self.algorithm = build_algorithm(cfg.algorithm.name, cfg.algorithm.params, self.setup)
         self.posthoc = build_posthoc(cfg.algorithm.name, cfg.algorithm.params, self.setup)

@@ -492,7 +492,8 @@ class FlowerFederation:
             h = self.header(c, 0, lr=lr)
             self.add_client_records(records, h, c, server, encoder, with_init=False)
             contents[c] = RecordDict({**records, P.HEADER: ConfigRecord(h)})
-        replies = self.tensor_replies(P.SETUP, self.exchange(P.SETUP, contents, 0))
+        replies = self.tensor_replies(P.SETUP, self.exchange(P.SETUP, contents, 0),
+                                      self.exp.algorithm.check_setup_reply)
         for c in replies:
             self.acknowledge(c, server)
         self.check_quorum(len(replies), self.num_clients, 1, "set-up round")
@@ -597,16 +598,16 @@ class FlowerFederation:
         return update, bool(_whole(result, "has-state"))
 
     def tensor_replies(self, kind: str, replies: dict[int, RecordDict],
-                       check: Callable[[Tensors], None] | None = None) -> dict[int, Tensors]:
+                       check: Callable[[int, Tensors], None] | None = None) -> dict[int, Tensors]:
         """The ``reply`` tensors of each client's reply; a client whose reply lacks them, does not decode or fails
-        ``check`` (a ValueError saying what is wrong: a post-hoc step's ``check_reply``) is recorded as failed
-        (malformed) and left out."""
+        ``check(client, tensors)`` (a ValueError saying what is wrong: the method's ``check_setup_reply``, a
+        post-hoc step's ``check_reply``) is recorded as failed (malformed) and left out."""
         out = {}
         for c in sorted(replies):
             try:
                 tensors = from_record(replies[c][P.REPLY], self.exp.device)
                 if check is not None:
-                    check(tensors)
+                    check(c, tensors)
                 out[c] = tensors
             except MALFORMED as err:
                 self.fail(c, f"{kind}: {_why(err)}")
@@ -625,7 +626,7 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
-        def check(reply: Tensors) -> None:
+        def check(client: int, reply: Tensors) -> None:
             step.check_reply(reply, raw)
 
         try:

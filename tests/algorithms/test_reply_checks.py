@@ -1,7 +1,8 @@
-"""CCVR's ``check_reply``: what a server that received a client's statistics over a network (Flower) accepts
-before pooling them. The replies ``client_query`` makes pass, in the clear, under differential privacy and for
-the oracle; each way a reply can be malformed is refused naming what is wrong (the server then leaves that
-client out: tests/flower/test_server_replies.py)."""
+"""What a server that received a client's reply over a network (Flower) accepts before a method reads it:
+CCVR's ``check_reply`` (its statistics in the clear, under differential privacy, the oracle's features) and the
+set-up rounds' ``check_setup_reply`` (FedMix's averaged data, FedBR's pseudo-data). The replies the clients make
+pass; each way a reply can be malformed is refused naming what is wrong (the server then leaves that client
+out: tests/flower/test_server_replies.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_a_reply_in_the_clear_with_another_form_is_refused_naming_it(clear):
     reply = got[0]
     held = len(reply["classes"])
     refused(step, raw, {k: v for k, v in reply.items() if k != "outer"}, "the reply lacks 'outer'")
-    refused(step, raw, {**reply, "extra": torch.zeros(1)}, "the reply has 'extra', which the step does not send")
+    refused(step, raw, {**reply, "extra": torch.zeros(1)}, "the reply has 'extra', which is no part of it")
     refused(step, raw, {**reply, "classes": reply["classes"].double()},
             f"'classes' must be a 1-D tensor of torch.int64 class indices, not torch.float64 of shape [{held}]")
     refused(step, raw, {**reply, "classes": reply["classes"][None]},
@@ -89,7 +90,7 @@ def test_private_replies_hold_every_class_and_are_checked_so():
         step.check_reply(reply, raw)
     reply = got[0]
     refused(step, raw, {**reply, "classes": torch.arange(CLASSES)},
-            "the reply has 'classes', which the step does not send")
+            "the reply has 'classes', which is no part of it")
     refused(step, raw, {**reply, "counts": reply["counts"][:-1]},
             f"'counts' has shape [{CLASSES - 1}], expected [{CLASSES}]")
     refused(step, raw, {**reply, "outer": reply["outer"][..., :-1]},
@@ -113,3 +114,51 @@ def test_the_oracles_features_and_labels_are_checked():
             f"'labels' holds {int(reply['labels'].min()) + CLASSES}..{int(reply['labels'].max()) + CLASSES}, "
             f"outside the classes 0..{CLASSES - 1}")
     refused(step, raw, {"features": reply["features"]}, "the reply lacks 'labels'")
+
+
+# ------------------------------------------------------------- the set-up rounds' replies (FedMix, FedBR)
+def setup_replies(method: str, *overrides: str):
+    exp = Experiment(config.load(None, [*SMALL, f"algorithm.name={method}", *overrides]))
+    server = exp.initial_server()
+    algo = exp.algorithm
+    return algo, {c: algo.setup_query(exp.client_context(c, 0, 0.1, {}, {}, server)) for c in range(3)}
+
+
+def setup_refused(algo, client, reply, why: str) -> None:
+    with pytest.raises(ValueError) as err:
+        algo.check_setup_reply(client, reply)
+    assert str(err.value) == why
+
+
+def test_fedmix_setup_replies_are_its_clients_averaged_data():
+    algo, got = setup_replies("fedmix", "algorithm.mash_size=4")
+    for c, reply in got.items():
+        algo.check_setup_reply(c, reply)
+    x, y = got[0]["fedmix.x"], got[0]["fedmix.y"]
+    groups = -(-algo.setup.client_sizes[0] // 4)
+    assert x.shape == (groups, *algo.setup.input_shape) and y.shape == (groups, CLASSES)
+    setup_refused(algo, 1, got[0], f"'fedmix.x' has shape {list(x.shape)}, expected "
+                                   f"[{-(-algo.setup.client_sizes[1] // 4)}, {algo.setup.input_shape[0]}]")
+    setup_refused(algo, 0, {**got[0], "fedmix.y": y * 2},
+                  "'fedmix.y' must hold soft labels: rows of non-negative shares that sum to 1")
+    negative = y.clone()
+    negative[0, :2] = torch.tensor([-0.5, 0.5]) + negative[0, :2]
+    setup_refused(algo, 0, {**got[0], "fedmix.y": negative},
+                  "'fedmix.y' must hold soft labels: rows of non-negative shares that sum to 1")
+    setup_refused(algo, 0, {"fedmix.x": x}, "the reply lacks 'fedmix.y'")
+
+
+def test_fedbr_setup_replies_are_the_means_of_the_clients_slots_of_the_plan():
+    algo, got = setup_replies("fedbr")
+    slots = [sum(s.client == c for s in algo.plan()) for c in range(3)]
+    for c, reply in got.items():
+        assert len(reply["fedbr.pseudo"]) == slots[c]
+        algo.check_setup_reply(c, reply)
+    wrong = next(c for c in range(3) if slots[c] != slots[0])
+    setup_refused(algo, wrong, got[0], f"'fedbr.pseudo' has shape [{slots[0]}, {algo.setup.input_shape[0]}], "
+                                       f"expected [{slots[wrong]}, {algo.setup.input_shape[0]}]")
+    setup_refused(algo, 0, {"fedbr.pseudo": got[0]["fedbr.pseudo"].double()},
+                  "'fedbr.pseudo' is torch.float64, expected torch.float32")
+    other, _ = setup_replies("fedbr", "algorithm.pseudo_source=per_client")
+    other.check_setup_reply(0, {})
+    setup_refused(other, 0, got[0], "the reply has 'fedbr.pseudo', which is no part of it")
