@@ -448,6 +448,19 @@ TARGETS = (
                       "StateStore.save", "StateStore._index", "StateStore._keep_from", "StateStore.prune",
                       "PrivateAnswers.__init__", "PrivateAnswers._read", "PrivateAnswers.admit",
                       "admit_private_answer", "plain_name", "state_root", "client_state")),
+    # (session 46) what a server accepts of a reply that crossed a network before a method reads it: the tensors'
+    # form (names, shapes, dtypes, finite), class indices, CCVR's statistics (clear, private, the oracle's features),
+    # FedMix's averaged data and FedBR's pseudo-data of the set-up round
+    Target("reply_checks_base", "src/hetfl/algorithms/base.py", ("tests/algorithms/test_reply_checks.py",),
+           functions=("check_reply_form", "check_class_indices")),
+    Target("reply_checks_ccvr", "src/hetfl/algorithms/ccvr_statistics.py", ("tests/algorithms/test_reply_checks.py",),
+           functions=("CCVRStatistics.check_reply",)),
+    Target("reply_checks_ccvr_oracle", "src/hetfl/algorithms/ccvr.py", ("tests/algorithms/test_reply_checks.py",),
+           functions=("CCVR.check_reply",)),
+    Target("reply_checks_fedmix", "src/hetfl/algorithms/fedmix.py", ("tests/algorithms/test_reply_checks.py",),
+           functions=("FedMix.check_setup_reply",)),
+    Target("reply_checks_fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/algorithms/test_reply_checks.py",),
+           functions=("FedBR.check_setup_reply",)),
     Target("datasets_imagefolder", "src/hetfl/data/datasets/imagefolder.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its

@@ -361,3 +361,42 @@ def test_a_malformed_fedmix_setup_reply_is_refused_and_the_others_means_are_shar
     run_on(grid, [*LOOPBACK, "algorithm.name=fedmix", "runtime.flower_min_replies=2"], tmp_path / "r")
     assert failures(tmp_path / "r") == [[1], []]  # the set-up round's failure is counted in round 1
     assert any("query.setup: malformed reply (ValueError: 'fedmix.y' has shape [2, 7]" in x for x in said(caplog))
+
+
+def test_an_error_reply_in_before_the_run_was_stopped_is_logged_with_its_phase(tmp_path, caplog, monkeypatch):
+    """Stopped while it waited for a phase's replies (Ctrl-C), the server reads those already in, an error reply
+    among them recorded for its client under the phase's name."""
+    class SlowTraining(LoopbackGrid):
+        def push_messages(self, messages):  # node 2's training reply never comes: the server waits, is stopped
+            self.slow = {self.ids[2]} if messages[0].metadata.message_type == P.TRAIN else set()
+            return super().push_messages(messages)
+
+    grid = SlowTraining(3)
+    grid.broken.add(grid.ids[1])
+
+    def stopped(self) -> None:
+        raise S.FlowerStopped("the Flower run was stopped")
+
+    monkeypatch.setattr(S.FlowerFederation, "_sleep", stopped)
+    with pytest.raises(S.FlowerStopped):
+        run_on(grid, [*LOOPBACK, "algorithm.name=fedavg"], tmp_path / "r")
+    assert said(caplog) == ["flower: client 1 failed: train: disk full"]
+
+
+def test_a_reply_to_no_message_of_the_phase_is_passed_over(fed):
+    """``by_client`` reads the replies to the phase's messages only; one that answers another message (a grid's
+    stray reply) is passed over, and the replies after it are read."""
+    from flwr.app import Message
+
+    def message(client: int) -> Message:
+        m = Message(RecordDict({}), dst_node_id=100 + client, message_type=P.TRAIN)
+        m.metadata.__dict__["_message_id"] = f"m{client}"
+        return m
+
+    def reply_to(m: Message, digest: str) -> Message:
+        return Message(RecordDict({P.DATA: ConfigRecord({"digest": digest})}), reply_to=m)
+
+    asked = [message(0), message(2)]
+    stray = reply_to(message(1), client_data_digest(fed.exp.data, 1))
+    answers = [stray, *(reply_to(m, client_data_digest(fed.exp.data, c)) for m, c in zip(asked, (0, 2), strict=True))]
+    assert sorted(fed.by_client(P.TRAIN, answers, asked, [0, 2])) == [0, 2]

@@ -626,6 +626,7 @@ class FlowerFederation:
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
                     for c in range(self.num_clients)}
+
         def check(client: int, reply: Tensors) -> None:
             step.check_reply(reply, raw)
 
