@@ -400,3 +400,31 @@ def test_a_reply_to_no_message_of_the_phase_is_passed_over(fed):
     stray = reply_to(message(1), client_data_digest(fed.exp.data, 1))
     answers = [stray, *(reply_to(m, client_data_digest(fed.exp.data, c)) for m, c in zip(asked, (0, 2), strict=True))]
     assert sorted(fed.by_client(P.TRAIN, answers, asked, [0, 2])) == [0, 2]
+
+
+# ------------------------------------------------------------- the nodes' greetings
+@pytest.mark.parametrize("greeting", [None, ConfigRecord({"partition-id": "abc", "num-partitions": 3}),
+                                      MetricRecord({"partition-id": float("inf"), "num-partitions": 3}),
+                                      MetricRecord({"partition-id": 1})],
+                         ids=["no-result", "text", "infinite", "no-num-partitions"])
+def test_a_malformed_greeting_leaves_its_node_out_not_the_end_of_the_run(greeting, tmp_path, caplog):
+    """A node whose answer to ``query.hello`` lacks its partition or names it with something else than a whole
+    number (another app on the SuperLink, another hetfl version) stopped the server at its first phase (KeyError,
+    ValueError, OverflowError). Now the node is left out, its client counted as failed, the run goes on."""
+    class Greeting(LoopbackGrid):
+        def push_messages(self, messages):
+            ids = super().push_messages(messages)
+            for message, i in zip(messages, ids, strict=True):
+                if message.metadata.message_type == P.HELLO and message.metadata.dst_node_id == self.ids[1]:
+                    content = self.replies[i].content
+                    del content[P.RESULT]
+                    if greeting is not None:
+                        content[P.RESULT] = greeting
+            return ids
+
+    grid = Greeting(3)
+    run_on(grid, [*LOOPBACK, "algorithm.name=fedavg", "runtime.flower_min_replies=1",
+                  "runtime.flower_timeout_s=0.2"], tmp_path / "r")
+    assert failures(tmp_path / "r") == [[1], [1]]
+    warned = [r.getMessage() for r in caplog.records if f"node {grid.ids[1]}" in r.getMessage()]
+    assert warned and all("malformed" in x and "left out" in x for x in warned), warned

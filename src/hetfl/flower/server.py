@@ -304,8 +304,12 @@ class FlowerFederation:
             if message.has_error():
                 continue
             node = message.metadata.src_node_id
-            result = message.content[P.RESULT]
-            client, parts = int(result["partition-id"]), int(result["num-partitions"])
+            try:
+                result = message.content[P.RESULT]
+                client, parts = _whole(result, "partition-id"), _whole(result, "num-partitions")
+            except MALFORMED as err:  # another app on the SuperLink, another hetfl version: not the run's end
+                log.warning("flower: node %d's greeting is malformed (%s); it is left out", node, _why(err))
+                continue
             if not 0 <= client < self.num_clients:
                 if not self.simulation:
                     log.warning("flower: node %d holds partition-id %d, not one of this run's %d clients",
