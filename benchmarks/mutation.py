@@ -425,13 +425,15 @@ TARGETS = (
            ("-m", "not slow")),
     # (session 45) image folders (a split layout train/<class>/, test/<class>/, or class folders split by the seed;
     # extracted or an archive): classes, sizes, the split, and refusals that name the folder
-    # (session 46) what Flower's server accepts from a node: replies by client (errors, another node's data, a
-    # late reply left out), an upload's size, shapes, noisy statistics and sample count checked, whole numbers and
-    # accuracies in range, the refused uploads' digests kept for the privacy ledger, the quorum. In-process Flower
-    # on a fake grid (the process tests left out)
+    # (session 46) what Flower's server accepts from a node: its greeting, replies by client (errors, another
+    # node's data, a late reply left out), an upload's size, shapes, dtypes, noisy statistics and sample count
+    # checked and its form the round's, set-up and post-hoc replies checked by the method, whole numbers and
+    # accuracies in range, the refused uploads' digests kept for the privacy ledger, the quorum. In-process
+    # Flower on a fake grid (the process tests left out)
     Target("flower_server_replies", "src/hetfl/flower/server.py",
            ("tests/flower",), ("-m", "not slow and not processes"),
-           functions=("FlowerFederation.exchange", "FlowerFederation.by_client", "FlowerFederation.refuse",
+           functions=("FlowerFederation._greeted", "FlowerFederation.exchange", "FlowerFederation.by_client",
+                      "FlowerFederation.refuse", "FlowerFederation.setup_replies",
                       "FlowerFederation.holds_other_data", "FlowerFederation.other_data", "FlowerFederation.quorum",
                       "FlowerFederation.check_quorum", "FlowerFederation.read_updates",
                       "FlowerFederation.read_update", "FlowerFederation.of_the_rounds_form",
@@ -460,7 +462,7 @@ TARGETS = (
     Target("reply_checks_fedmix", "src/hetfl/algorithms/fedmix.py", ("tests/algorithms/test_reply_checks.py",),
            functions=("FedMix.check_setup_reply",)),
     Target("reply_checks_fedbr", "src/hetfl/algorithms/fedbr.py", ("tests/algorithms/test_reply_checks.py",),
-           functions=("FedBR.check_setup_reply",)),
+           functions=("FedBR.check_setup_reply", "FedBR.setup_reply_needed")),
     Target("datasets_imagefolder", "src/hetfl/data/datasets/imagefolder.py", ("tests/data", "tests/test_bad_input.py"),
            ("-m", "not slow")),
     # (session 42) the downloads' guarantees: a mirror's file is kept only when its checksum matches (and its

@@ -134,6 +134,7 @@ def test_fedmix_setup_replies_are_its_clients_averaged_data():
     algo, got = setup_replies("fedmix", "algorithm.mash_size=4")
     for c, reply in got.items():
         algo.check_setup_reply(c, reply)
+        assert not algo.setup_reply_needed(c)  # the means of the clients that answered are shared
     x, y = got[0]["fedmix.x"], got[0]["fedmix.y"]
     groups = -(-algo.setup.client_sizes[0] // 4)
     assert x.shape == (groups, *algo.setup.input_shape) and y.shape == (groups, CLASSES)
@@ -159,6 +160,8 @@ def test_fedbr_setup_replies_are_the_means_of_the_clients_slots_of_the_plan():
                                        f"expected [{slots[wrong]}, {algo.setup.input_shape[0]}]")
     setup_refused(algo, 0, {"fedbr.pseudo": got[0]["fedbr.pseudo"].double()},
                   "'fedbr.pseudo' is torch.float64, expected torch.float32")
+    assert [algo.setup_reply_needed(c) for c in range(3)] == [n > 0 for n in slots]
     other, _ = setup_replies("fedbr", "algorithm.pseudo_source=per_client")
+    assert not any(other.setup_reply_needed(c) for c in range(3))
     other.check_setup_reply(0, {})
     setup_refused(other, 0, got[0], "the reply has 'fedbr.pseudo', which is no part of it")

@@ -428,3 +428,18 @@ def test_a_malformed_greeting_leaves_its_node_out_not_the_end_of_the_run(greetin
     assert failures(tmp_path / "r") == [[1], [1]]
     warned = [r.getMessage() for r in caplog.records if f"node {grid.ids[1]}" in r.getMessage()]
     assert warned and all("malformed" in x and "left out" in x for x in warned), warned
+
+
+def test_a_setup_reply_fedbr_cannot_do_without_stops_the_run_naming_the_client(tmp_path):
+    """FedBR's pseudo-data plan assigns samples to clients: without one's set-up reply (its node failed, with a
+    quorum that allows it) ``setup_aggregate`` stopped in a ValueError; now the run stops as a phase without
+    enough answers does (resumable), naming the client and why."""
+    class FailingSetup(LoopbackGrid):
+        def push_messages(self, messages):
+            self.broken = {self.ids[1]} if messages[0].metadata.message_type == P.SETUP else set()
+            return super().push_messages(messages)
+
+    with pytest.raises(S.FlowerRoundError) as err:
+        run_on(FailingSetup(3), [*LOOPBACK, "algorithm.name=fedbr", "runtime.flower_min_replies=2"], tmp_path / "r")
+    assert str(err.value) == ("set-up round: fedbr cannot build its set-up without client(s) [1] (client 1: "
+                              "query.setup: disk full). The run stops: once their nodes can answer, resume it")

@@ -689,6 +689,12 @@ class Algorithm(PrivateReleases):
         ValueError saying what in ``reply`` is not what ``setup_query`` returns, so that the server leaves that
         client out instead of stopping in ``setup_aggregate``. Accepts any reply by default."""
 
+    def setup_reply_needed(self, client: int) -> bool:
+        """Whether ``setup_aggregate`` cannot go on without client ``client``'s set-up reply (FedBR's pseudo-data
+        plan assigns it samples): a federation whose client did not answer then stops the run, resumable, instead
+        of aggregating without it. False by default (FedMix shares the means of the clients that answered)."""
+        return False
+
     def has_setup_round(self) -> bool:
         return type(self).setup_query is not Algorithm.setup_query
 

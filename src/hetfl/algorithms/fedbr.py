@@ -359,6 +359,10 @@ class FedBR(Algorithm):
         slots = sum(slot.client == client for slot in self.plan())
         check_reply_form(reply, {PSEUDO: (slots, *self.setup.input_shape)}, {PSEUDO: (torch.float32,)})
 
+    def setup_reply_needed(self, client: int) -> bool:
+        """Under ``"rsm_clients"``, a client the plan assigns pseudo samples to: ``D_p`` is not whole without it."""
+        return self.hp.pseudo_source == "rsm_clients" and any(slot.client == client for slot in self.plan())
+
     def setup_aggregate(self, server: ServerState, replies: dict[int, Tensors]) -> ServerState:
         """Set-up round, server side: ``D_p`` assembled (``"rsm_clients"``) or drawn from the proxy,
         stored to be sent once (``shared/``) or in round 1's payload (``"every_round"``)."""

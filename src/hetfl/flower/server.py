@@ -501,6 +501,12 @@ class FlowerFederation:
         for c in replies:
             self.acknowledge(c, server)
         self.check_quorum(len(replies), self.num_clients, 1, "set-up round")
+        needed = [c for c in range(self.num_clients) if c not in replies and self.exp.algorithm.setup_reply_needed(c)]
+        if needed:
+            reasons = "; ".join(f"client {c}: {self.failed.get(c, 'no reply')}" for c in needed[:5])
+            raise FlowerRoundError(
+                f"set-up round: {self.exp.cfg.algorithm.name} cannot build its set-up without client(s) {needed} "
+                f"({reasons}). The run stops: once their nodes can answer, resume it")
         return replies
 
     def train(self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
