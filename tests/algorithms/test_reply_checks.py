@@ -54,6 +54,9 @@ def test_a_reply_in_the_clear_with_another_form_is_refused_naming_it(clear):
     reply = got[0]
     held = len(reply["classes"])
     refused(step, raw, {k: v for k, v in reply.items() if k != "outer"}, "the reply lacks 'outer'")
+    refused(step, raw, {k: v for k, v in reply.items() if k != "classes"}, "the reply lacks 'classes'")
+    refused(step, raw, {**{k: v for k, v in reply.items() if k != "outer"}, "extra": torch.zeros(1)},
+            "the reply lacks 'outer'; has 'extra', which is no part of it")
     refused(step, raw, {**reply, "extra": torch.zeros(1)}, "the reply has 'extra', which is no part of it")
     refused(step, raw, {**reply, "classes": reply["classes"].double()},
             f"'classes' must be a 1-D tensor of torch.int64 class indices, not torch.float64 of shape [{held}]")
@@ -147,6 +150,9 @@ def test_fedmix_setup_replies_are_its_clients_averaged_data():
     setup_refused(algo, 0, {**got[0], "fedmix.y": negative},
                   "'fedmix.y' must hold soft labels: rows of non-negative shares that sum to 1")
     setup_refused(algo, 0, {"fedmix.x": x}, "the reply lacks 'fedmix.y'")
+    algo.check_setup_reply(0, {**got[0], "fedmix.y": y * (1 + 1.5e-5)})  # float32 means: sums within 2e-5 of 1
+    setup_refused(algo, 0, {**got[0], "fedmix.y": y * (1 + 3e-5)},
+                  "'fedmix.y' must hold soft labels: rows of non-negative shares that sum to 1")
 
 
 def test_fedbr_setup_replies_are_the_means_of_the_clients_slots_of_the_plan():
@@ -161,7 +167,21 @@ def test_fedbr_setup_replies_are_the_means_of_the_clients_slots_of_the_plan():
     setup_refused(algo, 0, {"fedbr.pseudo": got[0]["fedbr.pseudo"].double()},
                   "'fedbr.pseudo' is torch.float64, expected torch.float32")
     assert [algo.setup_reply_needed(c) for c in range(3)] == [n > 0 for n in slots]
+    one, got_one = setup_replies("fedbr", "algorithm.num_pseudo=1")  # one slot: one client needed, two not
+    holder = one.plan()[0].client
+    assert [one.setup_reply_needed(c) for c in range(3)] == [c == holder for c in range(3)]
+    assert [len(got_one[c]["fedbr.pseudo"]) for c in range(3)] == [int(c == holder) for c in range(3)]
     other, _ = setup_replies("fedbr", "algorithm.pseudo_source=per_client")
     assert not any(other.setup_reply_needed(c) for c in range(3))
     other.check_setup_reply(0, {})
     setup_refused(other, 0, got[0], "the reply has 'fedbr.pseudo', which is no part of it")
+
+
+def test_a_form_with_several_allowed_dtypes_names_them_all():
+    from hetfl.algorithms.base import check_reply_form
+
+    dtypes = {"x": (torch.float32, torch.float64)}
+    check_reply_form({"x": torch.zeros(2, dtype=torch.float64)}, {"x": (2,)}, dtypes)
+    with pytest.raises(ValueError) as err:
+        check_reply_form({"x": torch.zeros(2, dtype=torch.int64)}, {"x": (2,)}, dtypes)
+    assert str(err.value) == "'x' is torch.int64, expected torch.float32 or torch.float64"
