@@ -443,3 +443,72 @@ def test_a_setup_reply_fedbr_cannot_do_without_stops_the_run_naming_the_client(t
         run_on(FailingSetup(3), [*LOOPBACK, "algorithm.name=fedbr", "runtime.flower_min_replies=2"], tmp_path / "r")
     assert str(err.value) == ("set-up round: fedbr cannot build its set-up without client(s) [1] (client 1: "
                               "query.setup: disk full). The run stops: once their nodes can answer, resume it")
+
+
+def test_the_setup_messages_are_round_0_at_round_1s_rate_without_client_states(tmp_path):
+    """The set-up round's messages, as the in-process executors' set-up: round 0 (its group), the learning rate of
+    round 1 (under a cosine schedule, round 2's is another), no initial client state (the set-up reads none)."""
+    seen: list = []
+
+    class Capturing(LoopbackGrid):
+        def push_messages(self, messages):
+            seen.extend(m for m in messages if m.metadata.message_type == P.SETUP)
+            return super().push_messages(messages)
+
+    overrides = [*LOOPBACK, "algorithm.name=fedmix", "train.lr_schedule=cosine", "train.lr=0.1", "train.lr_min=0.01"]
+    run_on(Capturing(3), overrides, tmp_path / "r")
+    assert len(seen) == 3
+    for message in seen:
+        header = message.content[P.HEADER]
+        assert (header["round"], header["lr"], message.metadata.group_id) == (0, 0.1, "0")
+        assert set(message.content.keys()) == {P.HEADER}
+
+
+def test_a_setup_round_short_of_answers_stops_naming_it_and_the_needed_clients(tmp_path):
+    class FailingSetup(LoopbackGrid):
+        def __init__(self, n: int, failing: set[int]) -> None:
+            super().__init__(n)
+            self.failing = {self.ids[i] for i in failing}
+
+        def push_messages(self, messages):
+            self.broken = self.failing if messages[0].metadata.message_type == P.SETUP else set()
+            return super().push_messages(messages)
+
+    with pytest.raises(S.FlowerRoundError, match=r"^round 1, set-up round: 2 of 3 clients answered; "):
+        run_on(FailingSetup(3, {1}), [*LOOPBACK, "algorithm.name=fedmix", "runtime.flower_min_replies=0"],
+               tmp_path / "a")
+    many = [*LOOPBACK, "data.num_clients=8", "algorithm.name=fedbr", "algorithm.num_pseudo=64",
+            "runtime.flower_min_replies=1"]
+    with pytest.raises(S.FlowerRoundError) as err:
+        run_on(FailingSetup(8, {1, 2, 3, 4, 5, 6}), many, tmp_path / "b")
+    assert str(err.value) == (
+        "set-up round: fedbr cannot build its set-up without client(s) [1, 2, 3, 4, 5, 6] ("
+        + "; ".join(f"client {c}: query.setup: disk full" for c in range(1, 6))
+        + "). The run stops: once their nodes can answer, resume it")
+
+
+def test_an_uploads_form_and_how_it_differs_from_the_rounds(fed):
+    f32, f64 = torch.zeros(2), torch.zeros(2, dtype=torch.float64)
+    assert S.upload_form({"w": torch.zeros(2, 3), "b": torch.zeros(1, dtype=torch.int64)}) == (
+        ("b", (1,), "torch.int64"), ("w", (2, 3), "torch.float32"))
+    theirs = S.upload_form({"a": f32, "b": f32, "c": f32, "d": f32, "e": f32})
+    assert S.form_difference(S.upload_form({"a": f64, "b": f32, "c": f32, "d": f32, "e": f32}), theirs) == (
+        "'a' is torch.float64, theirs torch.float32")
+    three = S.upload_form({"a": f64, "b": torch.zeros(3), "c": f32, "d": f32})
+    assert S.form_difference(three, theirs) == ("lacks 'e'; 'a' is torch.float64, theirs torch.float32; 'b' has shape "
+                                                "[3], theirs [2]")
+    five = S.upload_form({"a": f64, "b": torch.zeros(3), "x": f32, "y": f32})
+    assert S.form_difference(five, theirs) == "lacks 'c'; lacks 'd'; lacks 'e' and 4 more"
+    # a round of three: the one upload whose control variate is float64 is refused, its upload kept as refused
+    updates = [(S.ClientUpdate(c, {"w": f32, "c/w": f64 if c == 2 else f32}, 10, 1, 1.0), False) for c in range(3)]
+    replies = {c: RecordDict({P.UPLOAD: upload_record(w=f32)}) for c in range(3)}
+    kept = fed.of_the_rounds_form(updates, replies)
+    assert [u.client_id for u, _ in kept] == [0, 1]
+    assert fed.failed == {2: "train: malformed reply: its upload differs from the round's 2 other uploads: 'c/w' is "
+                             "torch.float64, theirs torch.float32"}
+    assert fed.refused == {2: S.upload_digest(replies[2], P.UPLOAD)}
+    fed.failed, fed.refused = {}, {}
+    assert fed.of_the_rounds_form(updates[1:], replies) == []  # one against one: neither can be told right
+    assert fed.failed[1] == fed.failed[2] == ("train: malformed reply: the round's 2 uploads differ in their tensors' "
+                                              "names, shapes or dtypes (2 forms) and no form is that of most of them; "
+                                              "none is used")
