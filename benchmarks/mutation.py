@@ -442,14 +442,12 @@ TARGETS = (
     # (session 46) what a Flower node keeps from the server: its privacy floor (the smaller epsilon and delta, fresh
     # noise, the whole noise in its own upload without secure aggregation; a method or run without differential
     # privacy refused) over the whole run (no answer beyond the planned releases), its own client only, plain run
-    # and session names, state written only inside its own or a trusted folder, the state versions a resume needs
+    # and session names, state written only inside its own or a trusted folder (StateStore's versions: not yet)
     Target("flower_node_guards", "src/hetfl/flower/node.py",
            ("tests/flower",), ("-m", "not slow and not processes"),
-           functions=("privacy_floor", "with_privacy_floor", "_floor_text", "own_client", "StateStore.__init__",
-                      "StateStore._valid", "StateStore._kept", "StateStore._files", "StateStore.load",
-                      "StateStore.save", "StateStore._index", "StateStore._keep_from", "StateStore.prune",
-                      "PrivateAnswers.__init__", "PrivateAnswers._read", "PrivateAnswers.admit",
-                      "admit_private_answer", "plain_name", "state_root", "client_state")),
+           functions=("privacy_floor", "with_privacy_floor", "_floor_text", "own_client", "PrivateAnswers.__init__",
+                      "PrivateAnswers._read", "PrivateAnswers.admit", "admit_private_answer", "plain_name",
+                      "state_root")),
     # (session 46) what a server accepts of a reply that crossed a network before a method reads it: the tensors'
     # form (names, shapes, dtypes, finite), class indices, CCVR's statistics (clear, private, the oracle's features),
     # FedMix's averaged data and FedBR's pseudo-data of the set-up round

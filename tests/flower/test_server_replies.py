@@ -276,11 +276,12 @@ def test_the_phases_messages_carry_their_ttl_and_a_rounds_traffic_is_their_bytes
 
 
 def test_a_client_that_no_node_holds_is_left_out_and_the_others_train(tmp_path, caplog):
-    grid = LoopbackGrid(3)
+    grid = CountingGrid(3)
     grid.ids = [grid.ids[0], grid.ids[2]]  # nobody holds client 1
     run_on(grid, [*LOOPBACK, "algorithm.name=fedavg", "runtime.flower_min_replies=1",
                   "runtime.flower_timeout_s=0.2"], tmp_path / "r")
     assert failures(tmp_path / "r") == [[1], [1]]
+    assert [g for kind, g, _, _ in grid.pushed if kind == P.TRAIN] == ["1", "1", "2", "2"]  # clients 0 and 2
     assert said(caplog) == ["flower: client 1 failed: no node holds this client's partition"] * 2
 
 
@@ -426,8 +427,85 @@ def test_a_malformed_greeting_leaves_its_node_out_not_the_end_of_the_run(greetin
     run_on(grid, [*LOOPBACK, "algorithm.name=fedavg", "runtime.flower_min_replies=1",
                   "runtime.flower_timeout_s=0.2"], tmp_path / "r")
     assert failures(tmp_path / "r") == [[1], [1]]
+    why = {None: "malformed reply (KeyError: 'result')",
+           "text": "malformed reply: partition-id = 'abc' is no whole number >= 0",
+           "infinite": "malformed reply: partition-id = inf is no whole number >= 0",
+           "no-num-partitions": "malformed reply (KeyError: 'num-partitions')"}
+    case = None if greeting is None else "text" if isinstance(greeting, ConfigRecord) else \
+        "infinite" if "num-partitions" in greeting else "no-num-partitions"
     warned = [r.getMessage() for r in caplog.records if f"node {grid.ids[1]}" in r.getMessage()]
-    assert warned and all("malformed" in x and "left out" in x for x in warned), warned
+    assert warned == [f"flower: node {grid.ids[1]}'s greeting is malformed ({why[case]}); it is left out"]
+
+
+class InOrderGrid(LoopbackGrid):
+    """Loopback nodes whose replies come in the order their messages were pushed (node 0's greeting first)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.order: list[str] = []
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        self.order += ids
+        return ids
+
+    def pull_messages(self, message_ids):
+        return super().pull_messages(sorted(message_ids, key=self.order.index))
+
+
+def test_a_greeting_that_is_an_error_leaves_that_node_out_and_the_others_in(tmp_path):
+    from flwr.app import Error, Message
+
+    class ErrorGreeting(InOrderGrid):
+        def push_messages(self, messages):
+            ids = super().push_messages(messages)
+            for message, i in zip(messages, ids, strict=True):
+                if message.metadata.message_type == P.HELLO and message.metadata.dst_node_id == self.ids[0]:
+                    self.replies[i] = Message(Error(code=0, reason="starting"), reply_to=message)
+            return ids
+
+    run_on(ErrorGreeting(3), [*LOOPBACK, "algorithm.name=fedavg", "runtime.flower_min_replies=1",
+                              "runtime.flower_timeout_s=0.2"], tmp_path / "r")
+    assert failures(tmp_path / "r") == [[0], [0]]  # nodes 1 and 2, greeted after node 0's error, hold their clients
+
+
+@pytest.mark.parametrize("simulation", [False, True])
+def test_a_node_outside_the_runs_partitions_is_left_out_and_named_outside_a_simulation(simulation, tmp_path, caplog):
+    """Four nodes for three clients: the first greeting names partition 3 (num-partitions 4): that node is left
+    out and the others still greeted; a deployment says so (and that num-partitions differs), a simulation (whose
+    nodes Flower numbers itself) does not."""
+    grid = InOrderGrid(4)
+    for node, partition in zip(grid.ids, (3, 0, 1, 2), strict=True):
+        grid.contexts[node].node_config["partition-id"] = partition
+    exp = Experiment(config.load(None, [*LOOPBACK, "algorithm.name=fedavg", "runtime.executor=flower"]))
+    exp.federation = S.FlowerFederation(exp, grid, poll_s=0.01, state_root=str(tmp_path / "n"), simulation=simulation)
+    exp.run(tmp_path / "r")
+    assert failures(tmp_path / "r") == [[], []]
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flower: node")]
+    expected = [f"flower: node {grid.ids[0]} holds partition-id 3, not one of this run's 3 clients",
+                *(f"flower: node {n} says num-partitions = 4; this run has 3 clients (data.num_clients)"
+                  for n in grid.ids[1:])]
+    assert sorted(warned) == ([] if simulation else sorted(expected))
+
+
+def test_uploads_of_a_method_whose_uploads_differ_by_client_are_all_read(fed, monkeypatch):
+    model = fed.exp.initial_server().model
+    sent = RecordDict({P.PAYLOAD: upload_record(w=torch.zeros(2))})
+
+    def reply(c: int) -> RecordDict:
+        tensors = {**model, "extra": torch.zeros(c + 1)}  # a form of its own at every client
+        return RecordDict({P.UPLOAD: ArrayRecord({k: encode_tensor(v) for k, v in tensors.items()}),
+                           P.RESULT: MetricRecord({"num-samples": fed.exp.data.client_sizes[c], "steps": 1,
+                                                   "loss-sum": 1.0, "has-state": 0})})
+
+    replies = {c: reply(c) for c in range(3)}
+    server = SimpleNamespace(model=model)
+    with pytest.raises(AssertionError):  # the default: no form is that of most: none is used
+        assert fed.read_updates([0, 1, 2], dict.fromkeys(range(3), sent), replies, server)
+    fed.failed, fed.refused = {}, {}
+    monkeypatch.setattr(fed.exp.algorithm, "uniform_upload", False)
+    read = fed.read_updates([0, 1, 2], dict.fromkeys(range(3), sent), replies, server)
+    assert [u.client_id for u, _ in read] == [0, 1, 2] and fed.failed == {}
 
 
 def test_a_setup_reply_fedbr_cannot_do_without_stops_the_run_naming_the_client(tmp_path):
