@@ -590,3 +590,33 @@ def test_an_uploads_form_and_how_it_differs_from_the_rounds(fed):
     assert fed.failed[1] == fed.failed[2] == ("train: malformed reply: the round's 2 uploads differ in their tensors' "
                                               "names, shapes or dtypes (2 forms) and no form is that of most of them; "
                                               "none is used")
+
+
+def test_shared_tensors_a_method_holds_before_its_setup_round_go_with_it_once(tmp_path, monkeypatch):
+    """A method whose server holds ``shared/`` tensors from the start and has a set-up round (no built-in one
+    has both: a plug-in may): the set-up messages carry them, and round 1's training messages do not send them
+    again (the nodes acknowledged them)."""
+    from hetfl import algorithms
+    from hetfl.algorithms.base import SHARED, ServerState
+    from hetfl.algorithms.fedbr import FedBR
+
+    class SharedBeforeSetup(FedBR):
+        name = "shared_before_setup_demo"
+
+        def init_server(self, model_state):
+            server = super().init_server(model_state)
+            return ServerState(model=server.model, extra={**server.extra, SHARED + "marker": torch.arange(3.0)})
+
+    monkeypatch.setattr(algorithms, "_CLASSES", {})
+    algorithms.register(SharedBeforeSetup)
+    seen: list = []
+
+    class Capturing(LoopbackGrid):
+        def push_messages(self, messages):
+            seen.extend((m.metadata.message_type, m.metadata.group_id, set(m.content.keys())) for m in messages)
+            return super().push_messages(messages)
+
+    run_on(Capturing(3), [*LOOPBACK, "algorithm.name=shared_before_setup_demo", "algorithm.pseudo_source=per_client"],
+           tmp_path / "r")
+    assert [keys for kind, _, keys in seen if kind == P.SETUP] == [{P.HEADER, P.SHARED}] * 3
+    assert all(P.SHARED not in keys for kind, _, keys in seen if kind == P.TRAIN)
