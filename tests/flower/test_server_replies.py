@@ -575,6 +575,9 @@ def test_an_uploads_form_and_how_it_differs_from_the_rounds(fed):
     three = S.upload_form({"a": f64, "b": torch.zeros(3), "c": f32, "d": f32})
     assert S.form_difference(three, theirs) == ("lacks 'e'; 'a' is torch.float64, theirs torch.float32; 'b' has shape "
                                                 "[3], theirs [2]")
+    four = S.upload_form({"a": f64, "b": torch.zeros(3), "c": f32, "d": f32, "x": f32})
+    assert S.form_difference(four, theirs) == ("lacks 'e'; has 'x', which they lack; 'a' is torch.float64, theirs "
+                                               "torch.float32 and 1 more")
     five = S.upload_form({"a": f64, "b": torch.zeros(3), "x": f32, "y": f32})
     assert S.form_difference(five, theirs) == "lacks 'c'; lacks 'd'; lacks 'e' and 4 more"
     # a round of three: the one upload whose control variate is float64 is refused, its upload kept as refused
@@ -620,3 +623,44 @@ def test_shared_tensors_a_method_holds_before_its_setup_round_go_with_it_once(tm
            tmp_path / "r")
     assert [keys for kind, _, keys in seen if kind == P.SETUP] == [{P.HEADER, P.SHARED}] * 3
     assert all(P.SHARED not in keys for kind, _, keys in seen if kind == P.TRAIN)
+
+
+def test_two_nodes_holding_one_partition_are_named_and_the_newer_is_used(tmp_path, caplog):
+    grid = InOrderGrid(4)
+    grid.contexts[grid.ids[3]].node_config["partition-id"] = 2  # nodes 1002 and 1003 both hold client 2
+    for node in grid.ids:
+        grid.contexts[node].node_config["num-partitions"] = 3
+    exp = Experiment(config.load(None, [*LOOPBACK, "algorithm.name=fedavg", "runtime.executor=flower"]))
+    fed = exp.federation = S.FlowerFederation(exp, grid, poll_s=0.01, state_root=str(tmp_path / "n"))
+    exp.run(tmp_path / "r")
+    assert fed.nodes == {0: grid.ids[0], 1: grid.ids[1], 2: grid.ids[3]}
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flower: node")]
+    assert warned == [f"flower: nodes {grid.ids[2]} and {grid.ids[3]} both hold partition-id 2; using {grid.ids[3]}, "
+                      "the newer"]
+
+
+def test_a_restarted_node_gets_the_shared_tensors_again(tmp_path, caplog):
+    """Client 1's node restarts (a new node id, nothing kept) after round 1 of FedMix, whose averaged data are
+    shared once per node: its first round fails (the round's messages were built before the restart was seen,
+    without the shared data), and the next round sends them to the new node, which trains."""
+    from flwr.app import Context
+
+    class Restarting(LoopbackGrid):
+        rounds_pushed = 0
+
+        def push_messages(self, messages):
+            if messages[0].metadata.message_type == P.TRAIN:
+                self.rounds_pushed += 1
+            return super().push_messages(messages)
+
+        def get_node_ids(self):
+            if self.rounds_pushed == 1 and self.ids[1] != 2001:
+                self.ids[1] = 2001
+                self.contexts[2001] = Context(run_id=1, node_id=2001, node_config={"partition-id": 1,
+                                              "num-partitions": 3}, state=RecordDict(), run_config={})
+            return super().get_node_ids()
+
+    run_on(Restarting(3), [*LOOPBACK, "algorithm.name=fedmix", "train.rounds=3", "runtime.flower_min_replies=2"],
+           tmp_path / "r")
+    assert failures(tmp_path / "r") == [[], [1], []]
+    assert not [r for r in caplog.records if "both hold" in r.getMessage()]  # a restart: no two nodes at once
