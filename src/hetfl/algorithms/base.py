@@ -770,8 +770,9 @@ class Algorithm(PrivateReleases):
 #: every hook of a method (the functions :class:`Algorithm` and :class:`PrivateReleases` define for a method to
 #: override): each must stay callable in a plug-in's class and instance (:func:`check_hooks_callable`)
 HOOKS = ("init_server", "payload", "aggregate", "client_weights", "memory_needs", "run_notes", "round_info",
-         "setup_query", "setup_aggregate", "has_setup_round", "init_client_state", "begin", "start_state",
-         "trainable_names", "running_buffers", "loss", "stages", "finish", "client_model", "predictor",
+         "setup_query", "check_setup_reply", "setup_reply_needed", "setup_aggregate", "has_setup_round",
+         "init_client_state", "begin", "start_state", "trainable_names", "running_buffers", "loss", "stages",
+         "finish", "client_model", "predictor",
          "personalize_stages", "finetune_stages", "dp_release", "dp_refused", "dp_recorded", "dp_with_past",
          "dp_participation", "privacy_notice")
 
