@@ -489,6 +489,7 @@ class FlowerFederation:
 
     # ------------------------------------------------------------------ phases
     def setup_replies(self, server: ServerState) -> dict[int, Tensors]:
+        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
         encoder, lr = _Encoder(), lr_at(self.exp.cfg, 1)
         contents = {}
         for c in range(self.num_clients):
@@ -512,6 +513,7 @@ class FlowerFederation:
     def train(self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
               reporter: Reporter) -> tuple[list[ClientUpdate], int]:
         """``clients`` (the engine's store of client states) is left as it is: the states stay on the nodes."""
+        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
         algo, encoder = self.exp.algorithm, _Encoder()
         contents, bytes_down = {}, 0
         for c in sampled:
@@ -651,6 +653,7 @@ class FlowerFederation:
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
                           global_correct: torch.Tensor | None) -> dict[int, float]:
         """``clients`` (the engine's store of client states) is not read: each client's state is on its node."""
+        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
         exp, algo = self.exp, self.exp.algorithm
         lr = lr_at(exp.cfg, round_)
         custom_predictor = type(algo).predictor is not Algorithm.predictor
