@@ -374,8 +374,9 @@ class FlowerFederation:
 
     def exchange(self, kind: str, contents: dict[int, RecordDict], round_: int) -> dict[int, RecordDict]:
         """One phase: a message per client, the replies by client (failures recorded; the uploads in replies
-        refused here or later in the phase kept in ``refused``, for the privacy ledger)."""
-        self.refresh()
+        refused here or later in the phase kept in ``refused``, for the privacy ledger). The phase has refreshed
+        the nodes (:meth:`refresh`) before building ``contents``: what a message carries depends on its node (a
+        restarted node has not received the shared tensors)."""
         self.refused = {}
         clients, messages = [], []
         for c, content in contents.items():
@@ -489,7 +490,7 @@ class FlowerFederation:
 
     # ------------------------------------------------------------------ phases
     def setup_replies(self, server: ServerState) -> dict[int, Tensors]:
-        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
+        self.refresh()
         encoder, lr = _Encoder(), lr_at(self.exp.cfg, 1)
         contents = {}
         for c in range(self.num_clients):
@@ -513,7 +514,7 @@ class FlowerFederation:
     def train(self, server: ServerState, clients: dict[int, Tensors], sampled: list[int], round_: int, lr: float,
               reporter: Reporter) -> tuple[list[ClientUpdate], int]:
         """``clients`` (the engine's store of client states) is left as it is: the states stay on the nodes."""
-        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
+        self.refresh()
         algo, encoder = self.exp.algorithm, _Encoder()
         contents, bytes_down = {}, 0
         for c in sampled:
@@ -634,6 +635,7 @@ class FlowerFederation:
                 return secagg.secure_posthoc(self, step, raw, round_)
             except secagg.SecAggStopped as err:
                 raise FlowerRoundError(str(err)) from None
+        self.refresh()
         encoder, index = _Encoder(), self.exp.posthoc.index(step)
         contents = {c: RecordDict({P.MODEL: encoder.record(raw),
                                    P.HEADER: ConfigRecord(self.header(c, round_, step=index))})
@@ -653,7 +655,7 @@ class FlowerFederation:
     def client_accuracies(self, server: ServerState, clients: dict[int, Tensors], round_: int,
                           global_correct: torch.Tensor | None) -> dict[int, float]:
         """``clients`` (the engine's store of client states) is not read: each client's state is on its node."""
-        self.refresh()  # before the messages are built: a restarted node gets what a new one needs (shared tensors)
+        self.refresh()
         exp, algo = self.exp, self.exp.algorithm
         lr = lr_at(exp.cfg, round_)
         custom_predictor = type(algo).predictor is not Algorithm.predictor
