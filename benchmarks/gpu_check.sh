@@ -67,21 +67,27 @@ if [[ $WHAT == profile ]]; then  # PROFILE_VARIANTS: of profile_round.py's (the 
   timeout 150 python3 benchmarks/profile_round.py --data "$DATA" --model simple_cnn --clients 10 --local-epochs 10 \
     --augment crop_flip --variant graph_bf16 --round 1 --out "$OUT/results" 2>&1 | tail -40
 fi
-if [[ $WHAT == lease ]]; then  # issue 29's Done-means in one call of a 15-minute lease (~8 min), by priority:
-  # the throughput table, CCVR's Table 2 time, the quick suite with CUDA present, profiles of a bf16 round
-  # (batch 64, batch 10), DANN's CUDA difference by steps (5 min 9 s without the last three on an H200)
-  # float32 graphs beside bf16: at batch 10 a step is latency-bound, and bf16 adds casts to its ~60 kernels
-  timeout ${THROUGHPUT_S:-200} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
-    --clients 20 --batch-sizes 64 10 --variants ${VARIANTS:-graph graph_bf16} --out "$OUT/results" 2>&1 | tail -8
-  # all 100 rounds of one variant (session 45's 30 rounds of two, projected: 105 s and 108 s)
-  timeout 140 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 \
-    --budget-each-s ${CCVR_BUDGET_S:-120} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
-  timeout ${SUITE_S:-150} python3 -m pytest -n 14 -p no:cacheprovider -q -rf 2>&1 | tee "$OUT/suite.log" | tail -40
-  timeout 80 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --out "$OUT/results" 2>&1 | tail -30
-  timeout 80 python3 benchmarks/profile_round.py --data "$DATA" --variant graph_bf16 --batch-size 10 \
-    --out "$OUT/results" 2>&1 | tail -30
-  # DANN's CUDA difference by steps (a ReLU kink after step 1 on the CPU: results/kink_sensitivity_cpu.md)
-  timeout 45 python3 benchmarks/cuda_equality.py --methods dann --steps 1 2 10 2>&1 \
+if [[ $WHAT == lease ]]; then  # issue 29's Done-means in one call of a 15-minute lease, by priority, within LEASE_S
+  # (default 520 s: a step gets the time left, at most its own cap, and is skipped with under 30 s left):
+  # 1. the quick suite with CUDA present (Done-means: 0 failures; session 45's fixes have not run on a GPU);
+  # 2. the throughput table at batch 64 with runtime.compile (graph + bf16 + torch.compile) beside graph + bf16,
+  #    the one lever toward 25x never measured on a whole round (conv_kernels_cuda.md: the compiled encoder step
+  #    1.55x plain vmap); batch 64 and 10 as two calls, so that one whose compiles run long keeps the other's row;
+  # 3. CCVR's Table 2 setting, 100 rounds of graph + bf16 whole (session 45: projected from 30 rounds at 105 s);
+  # 4. the batch-10 row; 5. DANN's CUDA difference by steps (results/kink_sensitivity_cpu.md)
+  deadline=$((SECONDS + ${LEASE_S:-520}))
+  budget() { local left=$((deadline - SECONDS)); ((left > $1)) && left=$1; echo $((left < 30 ? 0 : left)); }
+  step() { local s; s=$(budget "$1"); shift; if ((s == 0)); then echo "skipped (lease time spent): $*"; return; fi
+           echo "== $* (at most ${s} s)"; timeout "$s" "$@"; }
+  step ${SUITE_S:-150} python3 -m pytest -n 14 -p no:cacheprovider -q -rf 2>&1 | tee "$OUT/suite.log" | tail -40
+  for bs in 64 10; do
+    ((bs == 10)) && step 140 python3 benchmarks/ccvr_time_to_accuracy.py --data "$DATA" --variants graph_bf16 \
+      --budget-each-s ${CCVR_BUDGET_S:-120} --runs /tmp/ccvr_time --out "$OUT/results" 2>&1 | tail -8
+    step ${THROUGHPUT_S:-170} python3 benchmarks/throughput.py --data "$DATA" --dataset cifar10 --models cnn2 \
+      --clients 20 --batch-sizes $bs --variants ${VARIANTS:-graph_bf16 graph_bf16_compiled} --out "$OUT/results" \
+      2>&1 | tail -6
+  done
+  step 45 python3 benchmarks/cuda_equality.py --methods dann --steps 1 2 10 2>&1 \
     | tee "$OUT/results/cuda_equality.md" | tail -6
 fi
 if [[ $WHAT == memory ]]; then  # is the device memory of a long run of sampled clients flat; what a kept graph costs
