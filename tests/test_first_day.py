@@ -237,6 +237,8 @@ def test_a_setting_of_another_method_names_the_methods_that_take_it():
         hyperparameters("fedavg", {"mu": 0.1})
     assert str(info.value).startswith("algorithm.mu = 0.1: unknown key")
     assert "fedavg has no mu, which is a setting of fedprox, moon" in str(info.value)
+    # where the methods come from --methods (hetfl compare), algorithm.name alone pointed at the wrong option
+    assert str(info.value).endswith("name the method meant (algorithm.name; hetfl compare: --methods)")
     with pytest.raises(ConfigError) as info:  # a typo of the method's own setting keeps its did-you-mean
         hyperparameters("fedprox", {"muu": 0.1})
     assert "did you mean 'algorithm.mu'?" in str(info.value) and "setting of" not in str(info.value)
@@ -248,6 +250,33 @@ def test_a_method_only_a_plugin_defines_says_to_pass_the_plugin():
 
     with pytest.raises(ConfigError, match="--plugin FILE"):
         algorithm_class("featnorm_from_no_plugin")
+
+
+def test_resuming_a_plugin_run_without_its_file_names_the_file_it_recorded():
+    """`hetfl run --resume DIR` of a plug-in's run without --plugin said that a plug-in needs --plugin FILE; the
+    run's config.toml records the file (algorithm.plugin_source), so the error names it."""
+    from hetfl.algorithms import hyperparameters
+    from hetfl.params import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        hyperparameters("featnorm_from_no_plugin", {"plugin_source": "my_method.py sha256:" + "0" * 64, "w": 1})
+    assert str(info.value).endswith("this run's method came from the plug-in file my_method.py "
+                                    "(algorithm.plugin_source): pass --plugin my_method.py")
+    from hetfl import config
+    from hetfl.engine.experiment import check_config
+
+    resumed = config.load(None, ["algorithm.name=featnorm_from_no_plugin",
+                                 "algorithm.plugin_source='my_method.py sha256:00'"])
+    with pytest.raises(ConfigError, match=r"pass --plugin my_method\.py$"):  # the run's own check says it too
+        check_config(resumed)
+
+
+def test_a_preset_name_typo_gets_a_did_you_mean():
+    from hetfl.params import ConfigError
+    from hetfl.reproduce import preset_path
+
+    with pytest.raises(ConfigError, match=r"no such preset; did you mean 'ccvr-table2'\? available: "):
+        preset_path("ccvr-tabel2")
 
 
 # ----------------------------------------------------------------- item 6: a post-hoc step's before and after

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from hetfl import reproduce, sweeps
-from hetfl.algorithms import hyperparameters
+from hetfl.algorithms import hyperparameters, parse_name, step_hyper
 from hetfl.cli import main
 from hetfl.models import model_options
-from hetfl.params import ConfigError
+from hetfl.params import ConfigError, inactive_settings
 from tests.helpers.runs import PRESET, fake_run
 
 
@@ -63,6 +63,42 @@ def test_ccvr_settings_vary_with_row_and_column_as_table_8():
     assert oracle.algorithm.params["ccvr"]["lr"] == 0.001 and oracle.algorithm.params["ccvr"]["epochs"] == 50
     cinic = reproduce.build_config(preset, specs[("FedProx", "cinic10", 0)], [])
     assert cinic.train.batch_size == 512 and cinic.algorithm.params["mu"] == 0.01
+
+
+@pytest.mark.parametrize("name", reproduce.available())
+@pytest.mark.parametrize("quick", [False, True])
+def test_no_preset_run_holds_a_setting_its_method_does_not_read(name, quick):
+    """A first day's `hetfl reproduce ccvr-table2 --quick` warned four times that algorithm.ccvr.num_virtual =
+    2000 has no effect: the column sets it for every row, and the oracle rows calibrate on real features. A
+    setting a column (or the preset's base) gives every row is left out of a row whose method does not read
+    it, so no run's config.toml holds it and no run warns of it; a row's own setting stays (an inert one
+    there is the preset's mistake, and warns)."""
+    preset = reproduce.load_preset(name).variant(quick)
+    for spec in set(reproduce.run_specs(preset).values()):
+        cfg = reproduce.build_config(preset, spec, [])
+        _, steps = parse_name(cfg.algorithm.name)
+        notes = inactive_settings(hyperparameters(cfg.algorithm.name, cfg.algorithm.params), "algorithm.")
+        for step in steps:
+            notes += inactive_settings(step_hyper(step, cfg.algorithm.params.get(step, {})), f"algorithm.{step}.")
+        assert notes + inactive_settings(cfg.runtime, "runtime.") == [], spec
+
+
+def test_a_column_setting_an_oracle_row_does_not_read_is_left_out_of_it_only():
+    preset = reproduce.load_preset("ccvr-table2")
+    specs = reproduce.run_specs(preset)
+    ccvr = reproduce.build_config(preset, specs[("FedAvg + CCVR", "a0.1", 0)], [])
+    oracle = reproduce.build_config(preset, specs[("FedAvg + oracle calibration", "a0.1", 0)], [])
+    assert ccvr.algorithm.params["ccvr"]["num_virtual"] == 2000
+    assert "num_virtual" not in oracle.algorithm.params["ccvr"]
+    assert oracle.algorithm.params["ccvr"]["epochs"] == 50 and oracle.algorithm.params["ccvr"]["oracle"] == "all"
+    # what the user sets is the user's: kept, and the run says it has no effect
+    mine = reproduce.build_config(preset, specs[("FedAvg + oracle calibration", "a0.1", 0)],
+                                  ["algorithm.ccvr.num_virtual=50"])
+    assert mine.algorithm.params["ccvr"]["num_virtual"] == 50
+    # a --set that makes the oracle row calibrate on virtual features: the column's number is read again
+    virtual = reproduce.build_config(preset, specs[("FedAvg + oracle calibration", "a0.1", 0)],
+                                     ["algorithm.ccvr.oracle='none'"])
+    assert virtual.algorithm.params["ccvr"]["num_virtual"] == 2000
 
 
 def test_an_unused_step_table_is_an_error_not_silently_ignored():
@@ -767,8 +803,13 @@ def test_a_cell_at_chance_says_so_in_every_output(tmp_path):
 
 
 @pytest.mark.parametrize(("metric", "expected"), [("final_global_acc", 0.25), ("best_global_acc", 0.25),
-                                                  ("best5:global_acc", 0.25), ("final_client_acc_mean", None)])
+                                                  ("best5:global_acc", 0.25), ("final_client_acc_mean", None),
+                                                  ("final_global_acc_before_ccvr", 0.25),
+                                                  ("best5:global_acc_before_ccvr", 0.25),
+                                                  ("best5:client_acc_mean", None), ("final_train_loss", None)])
 def test_chance_is_read_for_global_accuracies_only(tmp_path, metric, expected):
+    """The global test set's accuracy at chance holds for every global accuracy, also the model's before a
+    post-hoc step (CCVR's Table 2 rows without CCVR: a first-day run found them never marked)."""
     (tmp_path / "summary.json").write_text(json.dumps({"chance_global_acc": 0.25}))
     assert reproduce.chance_value(tmp_path, metric) == expected
     (tmp_path / "summary.json").write_text(json.dumps({}))  # a run from before hetfl recorded it

@@ -494,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quick", action="store_true", help="the small CPU variant (minutes): ordering, not numbers")
     rep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a key in every run, e.g. --set data.root=../shared/datasets/cifar10-jpeg.tar.gz")
-    rep.add_argument("--out", help="folder for the runs and reproduction.md (default runs/reproduce/NAME)")
+    rep.add_argument("--out", help="folder for the runs and reproduction.md (default runs/reproduce/NAME, "
+                                    "runs/reproduce/NAME-quick with --quick)")
     rep.add_argument("--jobs", type=int, default=1, metavar="N",
                      help="runs at once, each in its own worker process (default 1: one after another). The same "
                      "numbers (a CPU run's torch threads are shared out: see hetfl.jobs); a line per run "

@@ -38,7 +38,17 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key} = {value!r}: {allowed}")
+        super().__init__(f"{key} = {shown_value(value)}: {allowed}")
+
+
+def shown_value(value: Any) -> str:
+    """``value`` as a message shows it: as written in a config file or ``--set`` for booleans (``true``, which
+    ``--set`` takes; Python's ``True`` it refuses) and tuples (``[]``), else Python's ``repr`` (strings quoted)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return repr(list(value))
+    return repr(value)
 
 
 def did_you_mean(word: Any, options: Sequence[Any], prefix: str = "") -> str:
@@ -303,18 +313,28 @@ def inactive_settings(instance: Any, prefix: str = "") -> list[str]:
     declared with it (:func:`setting`'s ``when``) is not met: such a setting changes nothing in the run
     (``algorithm.proxy_dataset = 'cifar100' has no effect: ...``). ``prefix`` is the settings' place in the
     config (``algorithm.``)."""
-    notes = []
+    return [f"{prefix}{f.name} = {_toml_value(getattr(instance, f.name))} has no effect: it is read only when "
+            f"{when_text(f, prefix)} (here {', '.join(unmet)})" for f, unmet in _inactive(instance, prefix)]
+
+
+def inactive_keys(instance: Any, prefix: str = "") -> list[str]:
+    """The keys (after ``prefix``) of the settings :func:`inactive_settings` names."""
+    return [prefix + f.name for f, _ in _inactive(instance, prefix)]
+
+
+def _inactive(instance: Any, prefix: str) -> list[tuple[dataclasses.Field, list[str]]]:
+    """Each field of ``instance`` moved from its default whose ``when`` is unmet, with the unmet conditions'
+    settings as ``key = value``."""
+    found = []
     for f in dataclasses.fields(instance):
         when = f.metadata.get("when") or {}
-        value = getattr(instance, f.name)
-        if not when or value == _default(f):
+        if not when or getattr(instance, f.name) == _default(f):
             continue
         unmet = [f"{prefix}{key} = {_toml_value(getattr(instance, key))}" for key, cond in when.items()
                  if not _holds(cond, getattr(instance, key))]
         if unmet:
-            notes.append(f"{prefix}{f.name} = {_toml_value(value)} has no effect: it is read only when "
-                         f"{when_text(f, prefix)} (here {', '.join(unmet)})")
-    return notes
+            found.append((f, unmet))
+    return found
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -323,5 +343,5 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     rows = []
     for f in dataclasses.fields(cls):
         doc, when = f.metadata.get("doc", ""), when_text(f, prefix)
-        rows.append((f.name, repr(_default(f)), f"{doc} (read only when {when})" if when else doc))
+        rows.append((f.name, shown_value(_default(f)), f"{doc} (read only when {when})" if when else doc))
     return rows

@@ -53,13 +53,14 @@ from typing import Any
 
 from hetfl import config as config_mod
 from hetfl import runtimes
+from hetfl.algorithms import hyperparameters, parse_name, step_hyper
 from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
 from hetfl.engine.resolve import resolve_configs
 from hetfl.files import atomic_write_text
 from hetfl.jobs import Job, check_jobs, check_shippable, run_jobs, trained_folder
-from hetfl.params import ConfigError
+from hetfl.params import ConfigError, did_you_mean, inactive_keys
 from hetfl.sweeps import RunCounter, planned_run, posthoc_only, training_key, training_sources
 from hetfl.tables import at_chance, chance_line, markdown_text, mean_std, percent, with_spread
 
@@ -124,7 +125,8 @@ def preset_path(name: str, directory: Path = PRESET_DIR) -> Path:
     path = directory / f"{name}.toml"
     if not path.is_file():
         allowed = ", ".join(available(directory)) or "none"
-        raise ConfigError("reproduce NAME", name, f"no such preset; available: {allowed}")
+        raise ConfigError("reproduce NAME", name,
+                          f"no such preset; {did_you_mean(name, available(directory))}available: {allowed}")
     return path
 
 
@@ -216,6 +218,11 @@ def run_specs(preset: Preset) -> dict[tuple[str, str, int], RunSpec]:
 
 
 def build_config(preset: Preset, spec: RunSpec, user_set: list[str]) -> config_mod.RunConfig:
+    """The configuration of run ``spec``: the preset's base, its column's settings, its row's, its seed, then
+    the user's ``--set``. A setting the base or the column gives every row that this row's method does not
+    read (:func:`unread_settings`: CCVR's ``num_virtual`` in an oracle row, which calibrates on real
+    features) is left out, so that the run's config.toml holds only what it reads and the run does not warn
+    of a setting nobody asked it for; a row's own setting and the user's stay (an inert one warns)."""
     tree = copy.deepcopy(preset.base)
     column = next(c for c in preset.columns if c.id == spec.column)
     for key, value in column.set.items():
@@ -226,7 +233,32 @@ def build_config(preset: Preset, spec: RunSpec, user_set: list[str]) -> config_m
     tree["seed"] = spec.seed
     for assignment in user_set:
         config_mod.apply_override(tree, assignment)
-    return config_mod.from_dict(tree)
+    cfg = config_mod.from_dict(tree)  # read with the user's settings: one may make a shared setting read
+    mine = {key for key, _ in spec.overrides} | {a.split("=", 1)[0].strip() for a in user_set}
+    shared = (set(identity.flatten(preset.base)) | set(column.set)) - mine
+    unread = [key for key in unread_settings(cfg) if key in shared]
+    for key in unread:
+        unset_dotted(tree, key)
+    return config_mod.from_dict(tree) if unread else cfg
+
+
+def unread_settings(cfg: config_mod.RunConfig) -> list[str]:
+    """The keys of ``cfg``'s method, post-hoc step and runtime settings moved from their defaults that its
+    mode does not read (:func:`hetfl.params.inactive_settings`; each run warns of them)."""
+    params = cfg.algorithm.params
+    keys = inactive_keys(hyperparameters(cfg.algorithm.name, params), "algorithm.")
+    for step in parse_name(cfg.algorithm.name)[1]:
+        keys += inactive_keys(step_hyper(step, params.get(step, {})), f"algorithm.{step}.")
+    return keys + inactive_keys(cfg.runtime, "runtime.")
+
+
+def unset_dotted(tree: dict[str, Any], key: str) -> None:
+    """Remove ``key`` (dotted) from ``tree``: its default then applies."""
+    *parents, last = key.split(".")
+    node = tree
+    for part in parents:
+        node = node[part]
+    del node[last]
 
 
 def metric_value(run_dir: Path, metric: str) -> float:
@@ -243,11 +275,19 @@ def metric_value(run_dir: Path, metric: str) -> float:
     return float(summary[metric])
 
 
+def is_global_accuracy(metric: str) -> bool:
+    """Whether ``metric`` (a summary key, or ``best5:`` a metrics key) is an accuracy on the global test set:
+    the final or best one, or the one before a post-hoc step (``final_global_acc_before_ccvr``)."""
+    name = metric.removeprefix("best5:").removeprefix("final_").removeprefix("best_")
+    return name == "global_acc" or name.startswith("global_acc_before_")
+
+
 def chance_value(run_dir: Path, metric: str) -> float | None:
     """The accuracy at chance of a run's global test set (``summary.json``'s ``chance_global_acc``) where
-    ``metric`` is a global accuracy; None for other metrics (a personalised accuracy's chance differs per
-    client) and for runs written before hetfl recorded it."""
-    if metric.removeprefix("best5:") not in ("final_global_acc", "best_global_acc", "global_acc"):
+    ``metric`` is a global accuracy (also the model's before a post-hoc step: ``final_global_acc_before_ccvr``);
+    None for other metrics (a personalised accuracy's chance differs per client) and for runs written before
+    hetfl recorded it."""
+    if not is_global_accuracy(metric):
         return None
     value = json.loads((run_dir / "summary.json").read_text()).get("chance_global_acc")
     return None if value is None else float(value)

@@ -144,7 +144,7 @@ def test_a_run_with_a_step_after_every_round_cannot_start_from_another_ones_trai
     exp = Experiment(config.load(None, [*TINY, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.every_round=true"]))
     with pytest.raises(ConfigError) as err:
         exp.run(tmp_path / "forked", trained=trained_run)
-    assert str(err.value) == ("algorithm.ccvr.every_round = True: a step run after every round changes the training "
+    assert str(err.value) == ("algorithm.ccvr.every_round = true: a step run after every round changes the training "
                               "that follows it, so this run cannot start from another's training (trained=)")
     assert not (tmp_path / "forked").exists()
 
@@ -187,7 +187,7 @@ def test_a_resume_keeps_the_config_toml_the_run_was_started_with(tmp_path, monke
      "runtime.executor = 'flower': Experiment.run runs the clients in this process only; run a Flower experiment "
      "with hetfl.runtimes.run_experiment (or `hetfl run`), which starts Flower"),
     (["tracking.tensorboard=true"], {}, ConfigError,
-     "tracking.tensorboard = True: this Experiment was handed no trackers; run it with "
+     "tracking.tensorboard = true: this Experiment was handed no trackers; run it with "
      "hetfl.runtimes.run_experiment (or `hetfl run`, hetfl.run), or set it up with hetfl.runtimes.set_up(cfg), "
      "which hands hetfl.tracking's"),
     (["algorithm.name=fedavg+ccvr"], {"resume": True, "trained": "elsewhere"}, ValueError,

@@ -207,7 +207,7 @@ def test_the_refusal_of_secure_aggregation_names_the_key_its_value_the_method_an
     base = [o for o in SMALL if not o.startswith("algorithm.")]
     with pytest.raises(ConfigError) as err:
         Experiment(config.load(None, [*base, *method, "runtime.secure_aggregation=true"]))
-    assert str(err.value) == ("runtime.secure_aggregation = True: applies to additive post-hoc steps (e.g. "
+    assert str(err.value) == ("runtime.secure_aggregation = true: applies to additive post-hoc steps (e.g. "
                               f"algorithm.name = 'fedavg+ccvr'); {why}; set it to false")
 
 

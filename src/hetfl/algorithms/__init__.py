@@ -290,7 +290,16 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
     """Validated settings of the trainer of ``full_name`` (unknown keys are errors);
     the settings of each post-hoc step (sub-table ``algorithm.<step>``) are validated too.
     ``algorithm.plugin_source`` (:func:`plugin_source`) is no setting of the method: left out."""
-    trainer, steps = parse_name(full_name)
+    recorded = str(params.get(PLUGIN_SOURCE, "")).split(" sha256:")[0]
+    try:
+        trainer, steps = parse_name(full_name)
+    except ConfigError as err:
+        if err.key != "algorithm.name" or not recorded:
+            raise
+        # a plug-in's run (its config.toml, which records the file), resumed without the file
+        raise ConfigError(err.key, err.value, f"{err.allowed}; this run's method came from the plug-in file "
+                                              f"{recorded} (algorithm.{PLUGIN_SOURCE}): pass --plugin {recorded}"
+                          ) from None
     own = {k: v for k, v in params.items() if k not in steps and k != PLUGIN_SOURCE}
     for step in steps:
         step_hyper(step, params.get(step, {}))
@@ -303,7 +312,8 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
         if not takers:
             raise
         raise ConfigError(err.key, err.value, f"{err.allowed}; {trainer} has no {key}, which is a setting of "
-                                              f"{', '.join(takers)}: set algorithm.name to the method meant") from None
+                                              f"{', '.join(takers)}: name the method meant (algorithm.name; "
+                                              "hetfl compare: --methods)") from None
 
 
 def as_written_params(full_name: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetfl.params import shown_value
+
 PARTITIONS: tuple[str, ...] = (
     "iid", "dirichlet", "shards", "dominant", "quantity", "domain", "natural", "rotation", "concept",
 )
@@ -124,7 +126,7 @@ class PartitionError(ValueError):
 
 
 def _error(key: str, value: object, what: str) -> PartitionError:
-    shown = value if isinstance(value, str) and value.startswith("<") else repr(value)  # "<...>": a description
+    shown = value if isinstance(value, str) and value.startswith("<") else shown_value(value)  # "<...>": a description
     return PartitionError(f"{key} = {shown}: {what}")
 
 

@@ -137,8 +137,7 @@ def check_config(cfg: RunConfig, trackers: Trackers = NO_TRACKERS) -> torch.devi
     :class:`Experiment` reads the data and checks what needs it (``auto`` model and partition, clients per
     round, the partition, the plan's and the model's memory, the model parts the method needs)."""
     device = pick_device(cfg.runtime.device)
-    parse_name(cfg.algorithm.name)
-    hyperparameters(cfg.algorithm.name, cfg.algorithm.params)
+    hyperparameters(cfg.algorithm.name, cfg.algorithm.params)  # the method's name first (parse_name)
     secure_sum.check_config(cfg, build_posthoc(cfg.algorithm.name, cfg.algorithm.params, None))  # type: ignore[arg-type]
     trackers.check(cfg)
     bad_rounds = [r for r in cfg.runtime.save_client_models if not isinstance(r, int) or r < 1]
