@@ -448,6 +448,23 @@ TARGETS = (
            functions=("privacy_floor", "with_privacy_floor", "_floor_text", "own_client", "PrivateAnswers.__init__",
                       "PrivateAnswers._read", "PrivateAnswers.admit", "admit_private_answer", "plain_name",
                       "state_root")),
+    # (session 47) a client's state on its node: the version a message of round r may use (written before r, by this
+    # session or before the checkpoint it started from, no later than the last round the server counted), the
+    # versions pruned (in context.state and in the state folder: those a resume can still ask for kept), the kept
+    # state or the server's initial one, the shared tensors kept between messages
+    Target("flower_node_state", "src/hetfl/flower/node.py",
+           ("tests/flower",), ("-m", "not slow and not processes"),
+           functions=("StateStore.__init__", "StateStore._valid", "StateStore._kept", "StateStore._files",
+                      "StateStore.load", "StateStore.save", "StateStore._index", "StateStore._keep_from",
+                      "StateStore.prune", "shared_tensors", "client_state")),
+    # (session 47) the honest numbers of a reproduced table: each cell's mean over its seeds, its metric (a summary
+    # key or FedBR's best-5 mean), the difference to the paper only in the paper's setting (a --set that changes it
+    # drops them, a location or runtime key does not), runs that diverged counted, the row at chance, the ordering
+    # of the rows against the paper's (pairs the paper separates by a point or more), the Markdown that says all this
+    Target("reproduce_numbers", "src/hetfl/reproduce.py",
+           ("tests/test_reproduce.py", "tests/analysis/test_seed_bands.py"), ("-m", "not slow"),
+           functions=("metric_value", "chance_value", "run_diverged", "reproduce", "setting_changes", "ordering",
+                      "ordering_lines", "markdown", "quick_settings_text")),
     # (session 46) what a server accepts of a reply that crossed a network before a method reads it: the tensors'
     # form (names, shapes, dtypes, finite), class indices, CCVR's statistics (clear, private, the oracle's features),
     # FedMix's averaged data and FedBR's pseudo-data of the set-up round

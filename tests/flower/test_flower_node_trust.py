@@ -5,6 +5,7 @@ Node code called directly, no Ray, no processes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,28 @@ def test_a_node_that_requires_privacy_refuses_a_method_without_it():
         node.runtime(server_config("algorithm.name=fedavg"), context(**{"dp-epsilon": 2.0}))
 
 
-@pytest.mark.parametrize(("key", "value"), [("dp-epsilon", 0.0), ("dp-epsilon", "x"), ("dp-delta", 1.0),
-                                            ("dp-noise-source", "dice")])
-def test_a_bad_node_privacy_setting_is_named(key, value):
-    with pytest.raises(NodeError, match=key):
+@pytest.mark.parametrize(("key", "value", "allowed"), [("dp-epsilon", 0.0, "must be a number > 0"),
+                                                       ("dp-epsilon", "x", "must be a number > 0"),
+                                                       ("dp-delta", 1.0, "must be a number > 0 and < 1"),
+                                                       ("dp-noise-source", "dice", "must be one of seed, os")])
+def test_a_bad_node_privacy_setting_is_named(key, value, allowed):
+    with pytest.raises(NodeError) as info:
         node.runtime(server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8"),
                      context(**{key: value}))
+    assert str(info.value) == f"node config {key} = {value!r}: {allowed}"
+
+
+def test_a_node_trains_only_its_own_partitions_client():
+    """A message for another client than the node's partition-id (a server's mistake, or a message meant for
+    another node) is refused: the node holds only its own client's data and state."""
+    assert node.own_client({"client": 3}, context(**{"partition-id": 3})) == 3
+    with pytest.raises(NodeError) as info:
+        node.own_client({"client": 1}, context())  # partition-id 0
+    assert str(info.value) == "a message for client 1 reached the node of partition-id 0"
+    bare = context()
+    del bare.node_config["partition-id"]
+    with pytest.raises(NodeError, match="partition-id None"):
+        node.own_client({"client": 0}, bare)
 
 
 def test_a_nodes_floor_admits_repeats_and_the_planned_answers_and_refuses_more(tmp_path):
@@ -171,3 +188,95 @@ def test_a_node_without_a_floor_or_a_method_without_noise_counts_nothing(tmp_pat
     node.admit_private_answer(ctx, h, type("Private", (), {"name": "ccvr", "mechanism": object()})(),
                               {"t": torch.ones(2)})
     assert not any(k.endswith("private-answers") for k in ctx.state)
+
+
+def test_a_node_without_a_state_folder_counts_its_answers_in_its_context(monkeypatch):
+    """A deployed node without a state-dir (and no trusted server root) still holds its floor over the run: the
+    answers it gave are counted in Flower's context, which a second reading of the same context sees; the
+    refusal lists the rounds answered in round order (10 after 2)."""
+    monkeypatch.delenv(TRUSTED_ROOTS_ENV, raising=False)
+    floor = {"dp_epsilon": 2.0}
+    ctx = context(**{"dp-epsilon": 2.0})
+    answers = node.PrivateAnswers(ctx, header(**{"state-root": "/nowhere-trusted"}))
+    assert answers.path is None
+    answers.admit("ccvr", 10, "a", 2, floor)
+    answers.admit("ccvr", 2, "b", 2, floor)
+    with pytest.raises(NodeError, match=r"it has answered 2 \(round\(s\) 2, 10\), and another answer for round 11"):
+        node.PrivateAnswers(ctx, header()).admit("ccvr", 11, "c", 2, floor)
+    node.PrivateAnswers(ctx, header()).admit("ccvr", 10, "a", 2, floor)  # a repeat, read from the context
+
+
+@needs_accountant
+def test_the_floor_leaves_the_servers_configuration_as_it_was():
+    """The floored configuration is a copy: the server's (which the node decodes a secure sum with,
+    :func:`hetfl.flower.node.server_step`) keeps the server's settings."""
+    cfg = config.load(None, [*TINY, "algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8"])
+    before = config.to_tree(cfg)
+    floored = node.with_privacy_floor(cfg, {"dp_epsilon": 2.0, "dp_delta": 1e-6})
+    assert floored.algorithm.params["ccvr"]["dp_epsilon"] == 2.0
+    assert config.to_tree(cfg) == before
+
+
+def test_a_node_that_requires_privacy_refuses_a_trainer_run_without_it():
+    """A method that can train under differential privacy (FedPAC's released statistics) run with it off:
+    the refusal names the trainer's setting and the node's whole floor."""
+    with pytest.raises(NodeError, match=r"requires differential privacy \(dp-epsilon = 2\.0, dp-delta = 1e-06\); "
+                                        r"the run has none for algorithm \(algorithm\.dp_epsilon = inf\)"):
+        node.runtime(server_config("algorithm.name=fedpac", "model.options={hidden = [8]}"),
+                     context(**{"dp-epsilon": 2.0, "dp-delta": 1e-6}))
+
+
+@needs_accountant
+def test_a_node_logs_each_setting_its_floor_changes_and_only_those(caplog, monkeypatch):
+    """What the node's floor overrode is in its log, with the server's value beside the node's: the operator's
+    record that its upload is noisier than the server's run config says."""
+    monkeypatch.setattr(node, "_RUNTIME", {})  # built (and logged) here, not taken from an earlier test's
+    weak = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=8", "algorithm.ccvr.dp_delta=1e-6")
+    with caplog.at_level("WARNING", logger="hetfl"):
+        node.runtime(weak, context(**{"dp-epsilon": 2.0, "dp-delta": 1e-6, "dp-noise-source": "seed"}))
+    assert [r.getMessage() for r in caplog.records if r.name == "hetfl"] == [
+        "hetfl node: algorithm.ccvr.dp_epsilon = 2.0 (the server's 8): the node's privacy floor",
+        "hetfl node: algorithm.ccvr.dp_noise = 'local' (the server's 'distributed'): without secure aggregation the "
+        "server sees each upload, and the node's dp-epsilon floor holds for its own upload only with the whole "
+        "noise in it"]
+    caplog.clear()
+    local = server_config("algorithm.name=fedavg+ccvr", "algorithm.ccvr.dp_epsilon=2",
+                          "algorithm.ccvr.dp_noise='local'")
+    with caplog.at_level("WARNING", logger="hetfl"):
+        node.runtime(local, context(**{"dp-epsilon": 2.0}))
+    # nothing overridden: the server's own local noise is read as such (not as the default, distributed)
+    assert [r.getMessage() for r in caplog.records if r.name == "hetfl"] == []
+
+
+def test_an_answer_beyond_the_planned_releases_is_refused_naming_the_floor(tmp_path):
+    class Mechanism:
+        releases = 1
+
+    class Step:
+        name, mechanism = "ccvr", Mechanism()
+
+    ctx = context(**{"dp-epsilon": 2.0, "state-dir": str(tmp_path)})
+    node.admit_private_answer(ctx, {**header(), "round": 1}, Step(), {"t": torch.ones(2)})
+    with pytest.raises(NodeError, match=r"^this node's privacy floor \(dp-epsilon = 2\.0\) covers the 1 release\(s\) "
+                                        r"of ccvr the run plans; it has answered 1 \(round\(s\) 1\)"):
+        node.admit_private_answer(ctx, {**header(), "round": 2}, Step(), {"t": torch.zeros(2)})
+
+
+def test_a_header_without_a_run_or_session_name_is_refused_in_words():
+    h = header()
+    del h["session"]
+    with pytest.raises(NodeError) as info:
+        node.plain_name(h, "session")
+    assert str(info.value) == ("the server's session name '' is not a plain hexadecimal name; refused (this node "
+                               "writes only inside its own state folder)")
+
+
+def test_the_trusted_roots_are_a_path_list_and_no_root_is_offered_by_a_header_without_one(tmp_path, monkeypatch):
+    """TRUSTED_ROOTS_ENV lists folders as PATH does (os.pathsep); a header that offers no state-root gets none,
+    even where the environment trusts the working folder."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, os.pathsep.join([str(first), str(second)]))
+    assert node.state_root(context(), header(**{"state-root": str(second / "run")})) == second / "run"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(TRUSTED_ROOTS_ENV, str(tmp_path))
+    assert node.state_root(context(), header()) is None
