@@ -355,22 +355,7 @@ def reproduce(
         counter.done(i)
     changed = setting_changes(user_set or [])
     compared = not preset.is_quick and not changed  # the paper's setting: differences are meaningful
-    table: dict[str, Any] = {}
-    for row in preset.rows:
-        metric = row.metric or preset.metric
-        for column in preset.columns:
-            dirs = [out / column.id / specs[(row.label, column.id, s)].dirname for s in preset.seeds]
-            values = [metric_value(d, metric) for d in dirs]
-            ours = mean(values)
-            chance, chance_reached = at_chance(ours, [chance_value(d, metric) for d in dirs])
-            printed = row.paper.get(column.id)  # the paper's number as printed, in %
-            paper = None if printed is None else printed / 100
-            table.setdefault(row.label, {})[column.id] = {  # not the paper's setting (quick, --set): no diff
-                "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
-                "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
-                "diverged": sum(run_diverged(d) for d in dirs),  # kept in the mean: dropping them would flatter
-                "chance": chance, "at_chance": chance_reached,
-            }
+    table = reproduction_table(preset, specs, out, compared)
     result = {"preset": preset.name, "title": preset.title, "paper": preset.paper, "notes": preset.notes,
               "quick": preset.is_quick, "quick_settings": preset.quick if preset.is_quick else None,
               "user_set": list(user_set or []), "setting_changed": changed,
@@ -381,6 +366,30 @@ def reproduce(
     atomic_write_text(out / "reproduction.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(out / "reproduction.md", markdown(result))
     return result
+
+
+def reproduction_table(preset: Preset, specs: dict[tuple[str, str, int], RunSpec], out: Path,
+                       compared: bool) -> dict[str, dict[str, dict[str, Any]]]:
+    """Row label -> column id -> the cell: our mean over the seeds' runs under ``out`` of the row's metric
+    (:func:`metric_value`), its sample std, the values, the paper's number (a fraction) and, where ``compared``
+    (the paper's setting: no quick variant, no ``--set`` that changes it), the difference; how many of the runs
+    diverged (kept in the mean: dropping them would flatter it) and whether the mean is at chance."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in preset.rows:
+        metric = row.metric or preset.metric
+        for column in preset.columns:
+            dirs = [out / column.id / specs[(row.label, column.id, s)].dirname for s in preset.seeds]
+            values = [metric_value(d, metric) for d in dirs]
+            ours = mean(values)
+            chance, chance_reached = at_chance(ours, [chance_value(d, metric) for d in dirs])
+            printed = row.paper.get(column.id)  # the paper's number as printed, in %
+            paper = None if printed is None else printed / 100
+            table.setdefault(row.label, {})[column.id] = {
+                "ours": ours, "std": mean_std(values)[1], "seeds": preset.seeds, "values": values,
+                "paper": paper, "diff": None if paper is None or not compared else ours - paper, "metric": metric,
+                "diverged": sum(run_diverged(d) for d in dirs), "chance": chance, "at_chance": chance_reached,
+            }
+    return table
 
 
 #: ``--set`` keys that say where the data are or how the runs execute, not what they compute: a preset run with
