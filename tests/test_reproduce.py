@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from hetfl import reproduce, sweeps
+from hetfl import config, reproduce, sweeps
 from hetfl.algorithms import hyperparameters, parse_name, step_hyper
 from hetfl.cli import main
 from hetfl.models import model_options
@@ -101,6 +102,87 @@ def test_a_column_setting_an_oracle_row_does_not_read_is_left_out_of_it_only():
     assert virtual.algorithm.params["ccvr"]["num_virtual"] == 2000
 
 
+SHARED_PRESET = """
+[preset]
+title = "toy"
+paper = "nobody"
+metric = "final_global_acc"
+seeds = [0]
+[base.runtime]
+flower_timeout_s = 30.0
+[[columns]]
+id = "c"
+label = "C"
+set = { "algorithm.proxy_dataset" = "cifar100", "algorithm.ccvr.tukey_beta" = 0.3 }
+[[rows]]
+label = "proxy"
+algorithm = "fedbr+ccvr"
+set = { "algorithm.pseudo_source" = "proxy" }
+[[rows]]
+label = "plain"
+algorithm = "fedbr+ccvr"
+set = { "algorithm.ccvr.transform" = "none" }
+"""
+
+
+def test_shared_settings_are_left_out_where_the_trainer_its_step_or_the_runtime_does_not_read_them(tmp_path):
+    """The trainer's (FedBR's proxy_dataset without pseudo_source = "proxy"), a post-hoc step's (CCVR's
+    tukey_beta without its transform) and the runtime's (a Flower timeout in an in-process run) settings that
+    the base or the column gives every row: kept where read, left out where not."""
+    path = tmp_path / "shared.toml"
+    path.write_text(SHARED_PRESET)
+    preset = reproduce.load_preset(str(path))
+    specs = reproduce.run_specs(preset)
+    proxy = reproduce.build_config(preset, specs[("proxy", "c", 0)], [])
+    plain = reproduce.build_config(preset, specs[("plain", "c", 0)], [])
+    assert proxy.algorithm.params["proxy_dataset"] == "cifar100" and proxy.algorithm.params["ccvr"]["tukey_beta"] == 0.3
+    assert "proxy_dataset" not in plain.algorithm.params and "tukey_beta" not in plain.algorithm.params["ccvr"]
+    assert proxy.runtime.flower_timeout_s == plain.runtime.flower_timeout_s == 600.0  # the default: not on Flower
+    on_flower = reproduce.build_config(preset, specs[("plain", "c", 0)], ["runtime.executor=flower"])
+    assert on_flower.runtime.flower_timeout_s == 30.0
+    assert reproduce.unread_settings(config.load(None, ["algorithm.name=fedavg+ccvr"])) == []  # no step table
+
+
+def test_a_preset_name_is_refused_with_the_presets_there_are(tmp_path):
+    for name in ("a-table", "b-table"):
+        (tmp_path / f"{name}.toml").write_text("")
+    with pytest.raises(ConfigError) as info:
+        reproduce.preset_path("a-tabel", tmp_path)
+    assert str(info.value) == ("reproduce NAME = 'a-tabel': no such preset; did you mean 'a-table'? available: "
+                               "a-table, b-table")
+    with pytest.raises(ConfigError, match=r"available: none$"):
+        reproduce.preset_path("a-table", tmp_path / "empty")
+    with pytest.raises(ConfigError, match="no such preset"):  # a .toml name that is no file is no preset file
+        reproduce.preset_path("missing.toml", tmp_path)
+
+
+def test_a_metric_without_values_is_nan_and_one_not_in_the_summary_is_named(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "train_loss": 1.0}\n')
+    assert math.isnan(reproduce.metric_value(tmp_path, "best5:global_acc"))
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError) as info:
+        reproduce.metric_value(tmp_path, "final_x")
+    assert str(info.value) == f"preset metric = 'final_x': not in {tmp_path / 'summary.json'}"
+
+
+def test_a_location_or_runtime_set_is_no_change_of_setting_even_with_an_equals_sign_in_its_value():
+    assert reproduce.setting_changes(["data.root=/data/a=b", "runtime.threads=2"]) == []
+    assert reproduce.setting_changes(["train.lr=0.1", "data.root=x"]) == ["train.lr=0.1"]
+
+
+def test_the_ordering_counts_pairs_a_point_apart_skips_closer_ones_and_a_tie_is_not_in_order():
+    def cell(paper, ours):
+        return {"c": {"paper": paper, "ours": ours}}
+
+    # A-B half a point apart: skipped (the first pair: the others are still compared); D-E exactly a point apart
+    # (0.01 - 0.0): separated, and tied here, so not in order
+    table = {"A": cell(0.5, 0.6), "B": cell(0.505, 0.6), "C": cell(0.515, 0.7), "D": cell(0.0, 0.1),
+             "E": cell(0.01, 0.1)}
+    order = reproduce.ordering(table, "c")
+    assert (order["separated_pairs"], order["in_order"]) == (9, 8)
+    assert order["out_of_order"] == [{"above": "E", "below": "D", "paper": [0.01, 0.0], "ours": [0.1, 0.1]}]
+
+
 def test_an_unused_step_table_is_an_error_not_silently_ignored():
     """Why a column ``set`` of ``algorithm.ccvr.*`` may only be used when every row runs ``+ccvr``."""
     with pytest.raises(ConfigError, match="algorithm.ccvr"):
@@ -119,6 +201,7 @@ def test_table_means_diffs_and_best5(tmp_path):
     assert a["diff"] == pytest.approx(0.105) and a["paper"] == pytest.approx(0.5)
     assert b["ours"] == pytest.approx((0.9 + 0.8 + 0.7 + 0.6 + 0.2) / 5 + 0.005)  # 5 best, seed mean
     assert b["paper"] is None
+    assert (a["metric"], b["metric"]) == ("final_global_acc", "best5:global_acc")  # each row's own metric
     md = (tmp_path / "out" / "reproduction.md").read_text()
     assert "+10.50" in md and "| U |" in md and f"| 60.50 ± {100 * a['std']:.2f} |" in md
     quick = reproduce.reproduce(preset.variant(True), tmp_path / "q", fake_run(accs))

@@ -233,7 +233,7 @@ def build_config(preset: Preset, spec: RunSpec, user_set: list[str]) -> config_m
     tree["seed"] = spec.seed
     for assignment in user_set:
         config_mod.apply_override(tree, assignment)
-    cfg = config_mod.from_dict(tree)  # read with the user's settings: one may make a shared setting read
+    cfg = config_mod.from_dict(copy.deepcopy(tree))  # with the user's settings: one may make a shared setting read
     mine = {key for key, _ in spec.overrides} | {a.split("=", 1)[0].strip() for a in user_set}
     shared = (set(identity.flatten(preset.base)) | set(column.set)) - mine
     unread = [key for key in unread_settings(cfg) if key in shared]
