@@ -140,6 +140,9 @@ def test_shared_settings_are_left_out_where_the_trainer_its_step_or_the_runtime_
     assert proxy.runtime.flower_timeout_s == plain.runtime.flower_timeout_s == 600.0  # the default: not on Flower
     on_flower = reproduce.build_config(preset, specs[("plain", "c", 0)], ["runtime.executor=flower"])
     assert on_flower.runtime.flower_timeout_s == 30.0
+    # the user's own --set of a shared setting stays, also with an '=' in its value (its key is before the first)
+    mine = reproduce.build_config(preset, specs[("plain", "c", 0)], ["algorithm.proxy_dataset='x=y'"])
+    assert mine.algorithm.params["proxy_dataset"] == "x=y"
     assert reproduce.unread_settings(config.load(None, ["algorithm.name=fedavg+ccvr"])) == []  # no step table
 
 
