@@ -454,7 +454,8 @@ TARGETS = (
     # state or the server's initial one, the shared tensors kept between messages
     Target("flower_node_state", "src/hetfl/flower/node.py",
            ("tests/flower/test_flower_logic.py", "tests/flower/test_flower_node_trust.py",
-            "tests/flower/test_server_replies.py"), ("-m", "not slow and not processes"),
+            "tests/flower/test_server_replies.py", "tests/flower/test_node_state.py"),
+           ("-m", "not slow and not processes"),
            functions=("StateStore.__init__", "StateStore._valid", "StateStore._kept", "StateStore._files",
                       "StateStore.load", "StateStore.save", "StateStore._index", "StateStore._keep_from",
                       "StateStore.prune", "shared_tensors", "client_state")),
