@@ -88,6 +88,9 @@ KILLED_RUNS = ("--deselect", "tests/test_privacy_edges.py::"
 NO_PROCESSES = ("-m", "not processes")
 # the end-to-end runs marked slow (whole runs; the unit tests of the same files cover their code)
 NOT_SLOW = ("-m", "not slow")
+# the vectorised executor's targets: the slow tests marked engine_slow too (the compiled steps' Dynamo traces and a
+# profiled round, marked slow in session 47 so that plain `pytest -q` stays under five minutes)
+ENGINE_TESTS = "not processes and (not slow or engine_slow)"
 
 # the models' tests: the forwards against the authors' modules, parameter counts, shapes and refusals
 MODEL_TESTS = ("tests/models/test_paper_models.py", "tests/models/test_reference_forwards.py",
@@ -329,7 +332,7 @@ TARGETS = (
             "tests/engine/test_vectorized_host.py", "tests/engine/test_vectorized_mutants.py",
             "tests/engine/test_low_precision.py", "tests/engine/test_precision.py",
             "tests/engine/test_compiled_step.py", "tests/algorithms/test_personalized_batchnorm.py"),
-           ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
+           ("-m", ENGINE_TESTS,  # it names the step's line: under mutmut, its trampoline's
             "--deselect", "tests/engine/test_vectorized_static.py::"
                           "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),
            functions=("client_axes", "GroupBuffers.__init__", "GroupBuffers._rows", "GroupBuffers._shared_or_rows",
@@ -349,7 +352,7 @@ TARGETS = (
             "tests/engine/test_vectorized.py", "tests/engine/test_vectorized_host.py",
             "tests/engine/test_graph_build.py", "tests/engine/test_compiled_step.py",
             "tests/engine/test_vectorized_calls_mutants.py"),
-           ("-m", "not processes and not slow",  # it names the step's line: under mutmut, its trampoline's
+           ("-m", ENGINE_TESTS,  # it names the step's line: under mutmut, its trampoline's
             "--deselect", "tests/engine/test_vectorized_static.py::"
                           "test_a_step_that_reads_what_its_algorithm_leaves_out_of_step_reads_is_refused_by_name"),
            functions=("where_in_method", "_in_method", "callable_key", "stage_key", "tensors_key",

@@ -82,6 +82,7 @@ def job(tmp_path: Path, name: str, wait: float, **kw) -> jobs.Job:
     return jobs.Job(name, {"wait": wait, "fail": kw.pop("fail", False)}, tmp_path / name, "new", **kw)
 
 
+@pytest.mark.slow  # worker processes, 3 s
 def test_a_run_that_calibrates_another_runs_training_starts_once_that_run_has_ended(tmp_path):
     plan = [job(tmp_path, "trains", 1.0), job(tmp_path, "other", 0.1),
             job(tmp_path, "calibrates", 0.1, source=tmp_path / "trains", after=0)]
@@ -248,6 +249,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # worker processes killed with their parent, 3.4 s
 @pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc (Linux)")
 def test_workers_stop_when_this_process_is_killed_outright(tmp_path):

@@ -263,6 +263,7 @@ def test_apply_oracle_per_class_is_drawn_and_trained_on_the_steps_stream():
     torch.testing.assert_close(new.model["classifier.bias"], b)
 
 
+@pytest.mark.slow  # two end-to-end MNIST runs, 8 s
 @needs_shared_data
 @pytest.mark.parametrize("trainer", ["fedavg", "moon"])
 def test_ccvr_composes_and_raises_accuracy_under_label_skew(trainer, tmp_path):

@@ -36,6 +36,10 @@ inductor_on_request = pytest.mark.skipif(os.environ.get("HETFL_TEST_INDUCTOR") !
 # then runs it uncompiled, test_a_torch_that_cannot_compile_the_step_runs_it_uncompiled_saying_why)
 compiling_torch = pytest.mark.skipif(bool(compiled_step.unsupported()), reason=compiled_step.unsupported())
 
+# Dynamo's tracing takes seconds per step shape on two cores (18 s for the file): run with the slow tests (CI's
+# --run-slow), so that plain `pytest -q` stays under five minutes on two cores (session 47: 322 s before)
+pytestmark = [pytest.mark.slow, pytest.mark.engine_slow]
+
 # 10 sampled clients, two full batches of 16 each (every client has 42 samples or more): one step shape
 ONE_SHAPE = [*SYNTHETIC, "train.clients_per_round=10", "train.local_steps=2", "train.momentum=0.5",
              "runtime.compile=true"]

@@ -261,6 +261,8 @@ def build_phases(exp: Experiment, **settings) -> set[str]:
     return {e.key.removeprefix(f"{BUILD_PHASE}/") for e in prof.key_averages() if e.key.startswith(BUILD_PHASE)}
 
 
+@pytest.mark.slow  # a whole round under torch.profiler, 5 s
+@pytest.mark.engine_slow
 def test_a_profiled_rounds_build_phases_are_named_for_the_profile_script(monkeypatch):
     """``benchmarks/profile_round.py --round 1`` adds up the ``hetfl.build/<phase>`` ranges: a static call's first
     run; a graph's reference, capture and check; with compiled steps (``torch.compile`` standing in: the step
