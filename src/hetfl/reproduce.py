@@ -53,7 +53,7 @@ from typing import Any
 
 from hetfl import config as config_mod
 from hetfl import runtimes
-from hetfl.algorithms import hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import settings_by_prefix
 from hetfl.analysis.curves import default_accuracy_key, load_metrics
 from hetfl.analysis.plots import plot_seed_bands
 from hetfl.engine import identity
@@ -245,11 +245,8 @@ def build_config(preset: Preset, spec: RunSpec, user_set: list[str]) -> config_m
 def unread_settings(cfg: config_mod.RunConfig) -> list[str]:
     """The keys of ``cfg``'s method, post-hoc step and runtime settings moved from their defaults that its
     mode does not read (:func:`hetfl.params.inactive_settings`; each run warns of them)."""
-    params = cfg.algorithm.params
-    keys = inactive_keys(hyperparameters(cfg.algorithm.name, params), "algorithm.")
-    for step in parse_name(cfg.algorithm.name)[1]:
-        keys += inactive_keys(step_hyper(step, params.get(step, {})), f"algorithm.{step}.")
-    return keys + inactive_keys(cfg.runtime, "runtime.")
+    settings = [*settings_by_prefix(cfg.algorithm.name, cfg.algorithm.params), ("runtime.", cfg.runtime)]
+    return [key for prefix, hyper in settings for key in inactive_keys(hyper, prefix)]
 
 
 def unset_dotted(tree: dict[str, Any], key: str) -> None:

@@ -51,7 +51,7 @@ from rich.text import Text
 
 from hetfl import config as config_mod
 from hetfl import runs, runtimes, tables
-from hetfl.algorithms import algorithm_class, hyperparameters, parse_name, step_hyper
+from hetfl.algorithms import algorithm_class, hyperparameters, parse_name, settings_by_prefix
 from hetfl.console import check_output_dir
 from hetfl.engine import identity
 from hetfl.engine.experiment import keeps_trained_model
@@ -602,11 +602,8 @@ def inactive_notes(items: list[PlanItem]) -> list[str]:
     setting, said before the first run (each run says it again when it starts)."""
     notes: dict[str, None] = {}
     for item in items:
-        params = item.cfg.algorithm.params
-        _, steps = parse_name(item.cfg.algorithm.name)
-        found = inactive_settings(hyperparameters(item.cfg.algorithm.name, params), "algorithm.")
-        for step in steps:
-            found += inactive_settings(step_hyper(step, params.get(step, {})), f"algorithm.{step}.")
+        found = [note for prefix, hyper in settings_by_prefix(item.cfg.algorithm.name, item.cfg.algorithm.params)
+                 for note in inactive_settings(hyper, prefix)]
         notes.update(dict.fromkeys(f"{item.method}: {note}" for note in found))
     return list(notes)
 

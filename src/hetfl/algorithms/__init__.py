@@ -316,6 +316,15 @@ def hyperparameters(full_name: str, params: dict[str, Any]) -> Any:
                                               "hetfl compare: --methods)") from None
 
 
+def settings_by_prefix(full_name: str, params: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(prefix, settings)`` of the trainer of ``full_name`` (``"algorithm."``, :func:`hyperparameters`) and of
+    each of its post-hoc steps (``"algorithm.ccvr."``, :func:`step_hyper`), validated: what a run's notes of
+    unread settings (:func:`hetfl.params.inactive_settings`) go through."""
+    _, steps = parse_name(full_name)
+    return [("algorithm.", hyperparameters(full_name, params)),
+            *((f"algorithm.{step}.", step_hyper(step, params.get(step, {}))) for step in steps)]
+
+
 def as_written_params(full_name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The method settings of a configuration that a run wrote (its resolved ``config.toml``, which names
     every setting of its method and steps), with each setting it does not name because it was added to
