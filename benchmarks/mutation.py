@@ -472,6 +472,26 @@ TARGETS = (
            functions=("metric_value", "chance_value", "is_global_accuracy", "run_diverged", "reproduction_table",
                       "setting_changes", "ordering", "build_config", "unread_settings", "unset_dotted",
                       "preset_path")),
+    # (session 48) several runs at once (hetfl compare/reproduce --jobs N): the dependency order (a calibration run
+    # after the training it reads), never more workers than runs, the threads each worker starts from, a failed run
+    # stopping the plan with its folder and cause, the workers stopped with their parent, the time left. Its
+    # worker-process tests included (marked slow: a few seconds each)
+    Target("jobs", "src/hetfl/jobs.py", ("tests/test_jobs.py",)),
+    # (session 48) a sweep's plan (hetfl compare --grid/--sweep, hetfl.sweep): the grid's keys and values as --set
+    # takes them, each cell its own folder (named by its values as configured, two cells of one configuration
+    # refused), the plan's size bound, which runs share a training (a calibration after the run it reads), the
+    # settings meant for another method of the plan, the counter's time left. Not the plan's wording (its notes)
+    Target("sweeps_plan", "src/hetfl/sweeps.py",
+           ("tests/test_sweep.py", "tests/test_jobs.py", "tests/test_reproduce.py", "tests/test_api.py",
+            "tests/test_first_day.py", "tests/test_cli_errors.py", "tests/test_cli_usability.py"), ("-m", "not slow"),
+           functions=("toml_literal", "_canonical", "split_values", "parse_grid_option", "_flatten_grid",
+                      "read_sweep_file", "_dict_setting", "check_key", "_overlaps", "check_grid", "grid_from_cli",
+                      "Cell.assignments", "Cell.dirname", "_shown", "iter_cells", "count_cells", "check_plan_size",
+                      "run_cost", "rounds_done", "RunCounter.start", "RunCounter.round_done", "RunCounter.done",
+                      "RunCounter.time_left", "recorded_seconds", "planned_run", "run_dir_for", "as_configured",
+                      "check_distinct", "_write_cell_file", "method_settings", "settings_elsewhere",
+                      "without_settings", "plan_items", "check_plan", "training_key", "training_sources",
+                      "posthoc_only", "_run_in_turn", "_run_parallel")),
     # (session 46) what a server accepts of a reply that crossed a network before a method reads it: the tensors'
     # form (names, shapes, dtypes, finite), class indices, CCVR's statistics (clear, private, the oracle's features),
     # FedMix's averaged data and FedBR's pseudo-data of the set-up round

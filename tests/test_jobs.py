@@ -17,7 +17,7 @@ import pytest
 
 import hetfl
 from hetfl import jobs, reproduce
-from hetfl.algorithms import _CLASSES, register
+from hetfl.algorithms import _CLASSES, plugin_files, register
 from hetfl.algorithms.fedavg import FedAvg
 from hetfl.cli import main
 from hetfl.engine.checkpoint import TRAINED_NAME
@@ -279,3 +279,105 @@ def test_workers_stop_when_this_process_is_killed_outright(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)  # leave no orphan behind the failed test
         pytest.fail(f"worker {worker} still runs 30 s after its parent was killed")
+
+
+# ----------------------------------------------------------------- session 48: what mutation testing found untested
+def test_jobs_accepts_its_whole_range_and_names_the_option_it_is_given():
+    """1 and :data:`hetfl.jobs.MAX_JOBS` are accepted (the bound is inclusive); a refusal names ``--jobs`` by
+    default, else the option given (the API's ``jobs``), and says what 1 means."""
+    assert jobs.check_jobs(1) == 1 and jobs.check_jobs(jobs.MAX_JOBS) == jobs.MAX_JOBS == 1024
+    with pytest.raises(ConfigError) as err:
+        jobs.check_jobs(0)
+    assert str(err.value) == "--jobs = 0: must be a number of runs at once from 1 to 1024 (1: one after another)"
+    with pytest.raises(ConfigError, match=r"^jobs = 1025: "):
+        jobs.check_jobs(1025, "jobs")
+
+
+def test_a_method_a_worker_cannot_know_is_refused_naming_the_option_and_every_such_method():
+    class First(FedAvg):
+        name = "notebook_first"
+
+    class Second(FedAvg):
+        name = "notebook_second"
+
+    register(First)
+    register(Second)
+    try:
+        with pytest.raises(ConfigError) as err:
+            jobs.check_shippable(["fedavg", "notebook_first", "notebook_second"], 4)
+        assert str(err.value) == (
+            "--jobs = 4: the method(s) notebook_first, notebook_second were registered in this process, not by a "
+            "plug-in file, so a worker process cannot know them; put them in a file and pass it as --plugin FILE "
+            "(plugins= in Python), or run one at a time (jobs = 1)")
+        with pytest.raises(ConfigError, match=r"^jobs = 2: the method\(s\) notebook_first were"):
+            jobs.check_shippable(["notebook_first"], 2, "jobs")
+        jobs.check_shippable(["fedavg", "fedprox"], 2)  # built-in methods: every worker knows them
+    finally:
+        _CLASSES.pop("notebook_first")
+        _CLASSES.pop("notebook_second")
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(0.2, "1 s"), (40, "40 s"), (89.4, "89 s"), (90, "2 min"),
+                                                (150, "2 min"), (720, "12 min"), (5399, "90 min"), (5400, "1.5 h"),
+                                                (9000, "2.5 h"), (36000, "10.0 h")])
+def test_durations_are_shown_in_seconds_minutes_or_hours(seconds, shown):
+    assert jobs.format_duration(seconds) == shown
+
+
+@pytest.mark.parametrize(("threads", "workers", "each"), [(16, 4, 4), (5, 2, 2), (1, 2, 1), (3, 8, 1)])
+def test_each_worker_starts_from_its_share_of_the_threads(tmp_path, monkeypatch, threads, workers, each):
+    """A worker's torch thread count is this process's divided by the workers (rounded down, at least 1): an
+    integer, as ``torch.set_num_threads`` takes. The pool is not started: its initialiser's arguments are all
+    this test needs."""
+
+    class NotStarted(Exception):
+        """Raised in place of starting the pool."""
+
+    given, methods = [], []
+
+    def pool(processes, initializer, initargs):
+        given.append((processes, initializer, initargs))
+        raise NotStarted
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: methods.append(a) or SimpleNamespace(Pool=pool))
+    plan = [job(tmp_path, str(i), 0.0) for i in range(workers)]
+    with pytest.raises(NotStarted):
+        jobs.run_jobs(plan, workers, worker=waiting_worker, threads=threads)
+    ((processes, initializer, (plugins, count, parent)),) = given
+    assert methods == [("spawn",)]  # fresh interpreters (a fork would share this process's threads and state)
+    assert (processes, initializer, parent) == (workers, jobs._start_worker, os.getpid())
+    assert plugins == plugin_files()  # the plug-in files this process loaded, for each worker to load
+    assert count == each and type(count) is int
+
+
+def reporting_worker(tree: dict, run_dir: str, state: str, trained: str | None) -> tuple[str, float, str | None]:
+    """Stands for a run that took ``tree["seconds"]`` (at once), or raises as a worker's own plumbing could (an
+    exception that escapes :func:`hetfl.jobs._run`, e.g. a result that cannot be pickled)."""
+    if tree.get("raise"):
+        raise ValueError("cannot pickle the result")
+    return "ran", tree["seconds"], None
+
+
+@pytest.mark.slow  # a worker process, 3 s
+@pytest.mark.processes
+def test_the_time_left_is_the_seconds_per_cost_of_the_runs_done_and_an_escaped_error_stops_the_plan(tmp_path):
+    """One worker, runs of cost 1 taking 600 s each (a clock that stands still: the lines' times are the runs'):
+    after the first, two runs wait (20 min); after the second, one (10 min). The third run's worker raises rather
+    than returning its error as text: the plan stops all the same, naming the run and the exception."""
+    plan = [jobs.Job(name, {"seconds": 600.0, "raise": name == "c"}, tmp_path / name, "new") for name in "abc"]
+    said: list[str] = []
+    with pytest.raises(jobs.RunFailed) as err:
+        jobs.run_jobs(plan, 1, said.append, worker=reporting_worker, threads=1, clock=lambda: 0.0)
+    ended = [line for line in said if "done after" in line]
+    assert ended == ["run 1 of 3 (a): ran in 10 min; 1 of 3 done after 1 s, about 20 min left",
+                     "run 2 of 3 (b): ran in 10 min; 2 of 3 done after 1 s, about 10 min left"]
+    assert str(err.value) == (f"run 3 of 3 (c) in {tmp_path / 'c'} failed: ValueError('cannot pickle the result'). "
+                              "The other runs were stopped; run the same command again to resume them all")
+
+
+def test_runs_past_their_estimate_count_nothing_toward_the_time_left(tmp_path):
+    """Three running runs all past their estimate (10 s per unit of cost, started 50 s ago), none waiting, one
+    worker: none left of theirs to count; the line says at least 1 s, not 3."""
+    plan = [job(tmp_path, name, 0.0) for name in ("a", "b", "c")]
+    assert jobs._time_left(plan, [], {0: 50.0, 1: 50.0, 2: 50.0}, 10.0, 1, now=100.0) == "about 1 s left"
+    assert jobs._time_left(plan, [], {0: 95.0, 1: 50.0, 2: 50.0}, 10.0, 1, now=100.0) == "about 5 s left"

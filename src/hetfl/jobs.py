@@ -72,12 +72,12 @@ def check_jobs(jobs: Any, option: str = "--jobs") -> int:
     return jobs
 
 
-def check_shippable(methods: Iterable[str], option: str = "--jobs") -> None:
-    """Refuse runs in worker processes of a method registered outside a plug-in file (a worker cannot
-    import it), before any run starts."""
+def check_shippable(methods: Iterable[str], jobs: int, option: str = "--jobs") -> None:
+    """Refuse ``jobs`` runs at once (in worker processes) of a method registered outside a plug-in file (a
+    worker cannot import it), before any run starts."""
     unknown = registered_outside_files(methods)
     if unknown:
-        raise ConfigError(option, "> 1", f"the method(s) {', '.join(unknown)} were registered in this process, not "
+        raise ConfigError(option, jobs, f"the method(s) {', '.join(unknown)} were registered in this process, not "
                                          "by a plug-in file, so a worker process cannot know them; put them in a "
                                          "file and pass it as --plugin FILE (plugins= in Python), or run one at a "
                                          "time (jobs = 1)")

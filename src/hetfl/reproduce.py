@@ -322,7 +322,7 @@ def reproduce(
     specs = run_specs(preset)
     configs = {spec: build_config(preset, spec, user_set or []) for spec in set(specs.values())}
     if check_jobs(jobs) > 1:
-        check_shippable(cfg.algorithm.name for cfg in configs.values())
+        check_shippable((cfg.algorithm.name for cfg in configs.values()), jobs)
     for cfg in configs.values():  # the executor's own checks (Flower installed, ...) before the first run
         runtimes.check_runtime(cfg)
     order = sorted(configs, key=lambda s: (s.column, s.seed, s.algorithm, s.overrides))

@@ -628,7 +628,7 @@ def run_plan(methods: list[str], seeds: list[int], grid: Mapping[str, list[Any]]
     check_plan_size(len(methods) * count_cells(grid) * len(seeds), max_runs, option, what)
     jobs_option = "--jobs" if option == "--out" else "jobs"  # the command line's name, or the API's
     if check_jobs(jobs, jobs_option) > 1:
-        check_shippable(methods, jobs_option)
+        check_shippable(methods, jobs, jobs_option)
     checked = check_plan(plan_items(methods, seeds, grid, configure, out, progress), option)
     if say is not None:
         for line in settings_notes(methods, configure, grid):
