@@ -480,15 +480,15 @@ TARGETS = (
     # (session 48) a sweep's plan (hetfl compare --grid/--sweep, hetfl.sweep): the grid's keys and values as --set
     # takes them, each cell its own folder (named by its values as configured, two cells of one configuration
     # refused), the plan's size bound, which runs share a training (a calibration after the run it reads), the
-    # settings meant for another method of the plan, the counter's time left. Not the plan's wording (its notes)
+    # settings meant for another method of the plan, each run's cost. Not the plan's wording (its notes) nor the
+    # counter's estimates (RunCounter)
     Target("sweeps_plan", "src/hetfl/sweeps.py",
            ("tests/test_sweep.py", "tests/test_jobs.py", "tests/test_reproduce.py", "tests/test_api.py",
             "tests/test_first_day.py", "tests/test_cli_errors.py", "tests/test_cli_usability.py"), ("-m", "not slow"),
            functions=("toml_literal", "_canonical", "split_values", "parse_grid_option", "_flatten_grid",
                       "read_sweep_file", "_dict_setting", "check_key", "_overlaps", "check_grid", "grid_from_cli",
                       "Cell.assignments", "Cell.dirname", "_shown", "iter_cells", "count_cells", "check_plan_size",
-                      "run_cost", "rounds_done", "RunCounter.start", "RunCounter.round_done", "RunCounter.done",
-                      "RunCounter.time_left", "recorded_seconds", "planned_run", "run_dir_for", "as_configured",
+                      "run_cost", "rounds_done", "planned_run", "run_dir_for", "as_configured",
                       "check_distinct", "_write_cell_file", "method_settings", "settings_elsewhere",
                       "without_settings", "plan_items", "check_plan", "training_key", "training_sources",
                       "posthoc_only", "_run_in_turn", "_run_parallel")),

@@ -171,3 +171,14 @@ def test_quantity_sigma_zero_is_the_equal_sizes_control():
     assert cfg.data.quantity_sigma == 0.0
     with pytest.raises(ConfigError, match="data.quantity_sigma"):
         config.load(None, ["data.partition=quantity", "data.quantity_sigma=-0.5"])
+
+
+def test_an_errors_value_is_shown_as_a_config_file_writes_it_inside_lists_and_tables_too():
+    """``--set`` takes ``true``, not Python's ``True``: a message shows booleans as it takes them, also inside a
+    list or a table (session 48: ``runtime.progress = [True]`` before)."""
+    from hetfl.params import shown_value
+
+    assert shown_value(True) == "true" and shown_value(()) == "[]"
+    assert shown_value([True, 1, "a", (2, 3)]) == "[true, 1, 'a', [2, 3]]"
+    assert shown_value({"bn": False, "hidden": [16]}) == "{'bn': false, 'hidden': [16]}"
+    assert str(ConfigError("runtime.progress", [True, False], "x")) == "runtime.progress = [true, false]: x"

@@ -319,6 +319,7 @@ def test_a_method_a_worker_cannot_know_is_refused_naming_the_option_and_every_su
 
 @pytest.mark.parametrize(("seconds", "shown"), [(0.2, "1 s"), (40, "40 s"), (89.4, "89 s"), (90, "2 min"),
                                                 (150, "2 min"), (720, "12 min"), (5399, "90 min"), (5400, "1.5 h"),
+                                                (5581, "1.6 h"),  # 1.5503 h: an hour is 3,600 s
                                                 (9000, "2.5 h"), (36000, "10.0 h")])
 def test_durations_are_shown_in_seconds_minutes_or_hours(seconds, shown):
     assert jobs.format_duration(seconds) == shown
@@ -361,17 +362,21 @@ def reporting_worker(tree: dict, run_dir: str, state: str, trained: str | None) 
 @pytest.mark.slow  # a worker process, 3 s
 @pytest.mark.processes
 def test_the_time_left_is_the_seconds_per_cost_of_the_runs_done_and_an_escaped_error_stops_the_plan(tmp_path):
-    """One worker, runs of cost 1 taking 600 s each (a clock that stands still: the lines' times are the runs'):
-    after the first, two runs wait (20 min); after the second, one (10 min). The third run's worker raises rather
-    than returning its error as text: the plan stops all the same, naming the run and the exception."""
-    plan = [jobs.Job(name, {"seconds": 600.0, "raise": name == "c"}, tmp_path / name, "new") for name in "abc"]
+    """One worker; a run with no work left (cost 0: no rate yet), then runs of cost 1 taking 600 s each (a clock
+    that stands still: the lines' times are the runs'): after the second, two runs wait (20 min); after the
+    third, one (10 min). The last run's worker raises rather than returning its error as text: the plan stops all
+    the same, naming the run and the exception."""
+    plan = [jobs.Job(name, {"seconds": 600.0 * (name != "a"), "raise": name == "d"}, tmp_path / name, "new",
+                     cost=float(name != "a")) for name in "abcd"]
     said: list[str] = []
     with pytest.raises(jobs.RunFailed) as err:
-        jobs.run_jobs(plan, 1, said.append, worker=reporting_worker, threads=1, clock=lambda: 0.0)
+        jobs.run_jobs(plan, 1, said.append, worker=reporting_worker, threads=1, clock=lambda: 1000.0)
     ended = [line for line in said if "done after" in line]
-    assert ended == ["run 1 of 3 (a): ran in 10 min; 1 of 3 done after 1 s, about 20 min left",
-                     "run 2 of 3 (b): ran in 10 min; 2 of 3 done after 1 s, about 10 min left"]
-    assert str(err.value) == (f"run 3 of 3 (c) in {tmp_path / 'c'} failed: ValueError('cannot pickle the result'). "
+    assert ended == ["run 1 of 4 (a): ran in 1 s; 1 of 4 done after 1 s, time left known once a run with work has "
+                     "finished",
+                     "run 2 of 4 (b): ran in 10 min; 2 of 4 done after 1 s, about 20 min left",
+                     "run 3 of 4 (c): ran in 10 min; 3 of 4 done after 1 s, about 10 min left"]
+    assert str(err.value) == (f"run 4 of 4 (d) in {tmp_path / 'd'} failed: ValueError('cannot pickle the result'). "
                               "The other runs were stopped; run the same command again to resume them all")
 
 

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 import hetfl
-from hetfl import reproduce, sweeps, tables
+from hetfl import config, reproduce, runs, sweeps, tables
 from hetfl.api import make_config
 from hetfl.cli import main
 from hetfl.config import parse_value
@@ -536,3 +536,171 @@ def test_the_table_says_which_std_and_how_rounds_to_target_are_averaged():
     assert "first evaluated round whose accuracy is at or above 80%" in note
     assert "mean over the seeds that reached it" in note and "(k/n): k of the row's n seeds" in note
     assert "rounds to" not in tables.aggregation_line(rows, None)
+
+
+# ------------------------------------------------------------- session 48: the plan handed to the worker processes
+def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and_reuses_finished_runs(
+        tmp_path, monkeypatch):
+    """``--jobs 2`` of ``fedavg+ccvr`` over ``algorithm.ccvr.epochs``: what :func:`hetfl.sweeps._run_parallel`
+    hands :func:`hetfl.jobs.run_jobs` (the runs to compute, each as a configuration tree, its state and cost, and
+    for a calibration the folder of the training it reads and that run's place in the plan). The runs are done
+    here, in this process, as a worker does them (:func:`hetfl.jobs._run`), to keep the test fast. Run again with
+    one more seed and one more cell: the finished runs are reused (and said to be), the new seed's calibration
+    waits for the new seed's training (its place among the runs still to compute), and the new cell's calibrates
+    a training finished earlier (no run to wait for)."""
+    from hetfl import jobs
+
+    handed: list[list[jobs.Job]] = []
+
+    def inline(plan, workers, say):
+        handed.append(plan)
+        assert workers == 2
+        statuses = {}
+        for i, job in enumerate(plan):
+            assert job.after is None or job.after in statuses  # the order run_jobs keeps
+            trained = jobs.trained_folder(job.state, job.source)
+            status, _, error = jobs._run(job.tree, str(job.run_dir), job.state, None if trained is None else
+                                         str(trained))
+            assert error is None, error
+            statuses[i] = status
+        return statuses
+
+    monkeypatch.setattr(sweeps, "run_jobs", inline)
+    overrides = [*TINY, "model.name=mlp", "model.options={hidden = [16]}"]
+    configure = lambda extra: make_config(overrides=[*overrides, *extra])
+    out = tmp_path / "sweep"
+    printed = io.StringIO()
+    first = sweeps.run_plan(["fedavg+ccvr"], [0], {"algorithm.ccvr.epochs": [2, 5]}, configure, out, None,
+                            progress=False, console=Console(file=io.StringIO()), jobs=2)
+    (plan,) = handed
+    train, calibrate = (out / "fedavg-ccvr" / f"algorithm.ccvr.epochs={e}" / "seed0" for e in (2, 5))
+    full = sweeps.run_cost(configure(["algorithm.name=fedavg+ccvr"]))
+    last_round = full / 2  # 2 rounds: the calibration run computes its last only
+    assert [(j.run_dir, j.state, j.cost, j.source, j.after) for j in plan] == [
+        (train, "new", full, None, None), (calibrate, "new", last_round, train, 0)]
+    assert plan[1].tree == config.to_tree(runs.with_progress(configure(
+        ["algorithm.name=fedavg+ccvr", "seed=0", "algorithm.ccvr.epochs=5"]), False))
+    assert [r.status for r in first.runs] == ["ran", "ran"]
+
+    handed.clear()
+    again = sweeps.run_plan(["fedavg+ccvr"], [0, 1], {"algorithm.ccvr.epochs": [2, 5, 9]}, configure, out, None,
+                            progress=False, console=Console(file=printed, width=400), jobs=2)
+    (plan,) = handed
+    train1, calibrate1 = (out / "fedavg-ccvr" / f"algorithm.ccvr.epochs={e}" / "seed1" for e in (2, 5))
+    nine0, nine1 = (out / "fedavg-ccvr" / "algorithm.ccvr.epochs=9" / f"seed{s}" for s in (0, 1))
+    assert [(j.run_dir, j.state, j.cost, j.source, j.after) for j in plan] == [
+        (train1, "new", full, None, None), (calibrate1, "new", last_round, train1, 0),
+        (nine0, "new", last_round, train, None), (nine1, "new", last_round, train1, 0)]
+    assert [r.status for r in again.runs] == ["reused", "ran", "reused", "ran", "ran", "ran"]
+    assert printed.getvalue().count("finished earlier, reusing (same configuration)") == 2
+    assert f"{train}: finished earlier, reusing" in " ".join(printed.getvalue().split())
+
+
+# ------------------------------------------------------------- session 48: what mutation testing found untested
+def test_grid_values_split_at_top_level_commas_with_toml_strings_escapes_and_any_letters():
+    """A double-quoted string's ``\\"`` and ``\\\\`` are escapes (the quote after ``\\\\`` closes it); a single-quoted
+    (literal) string has none; letters, upper case too, neither quote nor nest."""
+    assert sweeps.split_values(r'"a\",b",c') == [r'"a\",b"', "c"]
+    assert sweeps.split_values(r'"a\\",b') == [r'"a\\"', "b"]
+    assert sweeps.split_values(r"'a\',b") == [r"'a\'", "b"]
+    assert sweeps.split_values("MAX,MIN, X") == ["MAX", "MIN", "X"]
+    assert sweeps.split_values('[1, "]"],{a = "}"},x') == ['[1, "]"]', '{a = "}"}', "x"]
+    assert sweeps.parse_grid_option(r'model.name="a\",b",X') == ("model.name", ['a",b', "X"])
+
+
+def test_grid_and_sweep_file_errors_say_the_option_the_value_and_what_is_allowed(tmp_path):
+    def message(call, *args) -> str:
+        with pytest.raises(ConfigError) as err:
+            call(*args)
+        return str(err.value)
+
+    assert message(sweeps.parse_grid_option, "train.lr") == (
+        "--grid = 'train.lr': must look like KEY=VALUE1,VALUE2, e.g. train.lr=0.01,0.1")
+    missing = tmp_path / "none.toml"
+    assert message(sweeps.read_sweep_file, missing) == f"--sweep = '{missing}': no such file"
+    path = tmp_path / "s.toml"
+    path.write_bytes(b"[grid\n")
+    assert message(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
+    path.write_bytes(b'[grid]\n"train.lr" = ["\xff"]\n')
+    assert message(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
+    for text, found in [('[grid]\n"train.lr" = [0.1]\n[seeds]\nx = 1\n[more]\n', "more, seeds"), ("", "no [grid]"),
+                        ("grid = 3\n", "no [grid]")]:
+        path.write_text(text)
+        assert message(sweeps.read_sweep_file, path) == (
+            f"--sweep = '{path}': must hold one [grid] table of KEY = [values] (found: {found})")
+    path.write_text('[grid.data]\noptions.alpha = 0.5\n')
+    assert message(sweeps.read_sweep_file, path) == (
+        f"data.options.alpha = 0.5: in --sweep {path}: a grid key takes a list of values, e.g. [0.01, 0.1]")
+
+
+def test_a_key_inside_a_table_setting_is_a_grid_key():
+    """``data.options`` is a table (``dict[str, Any]``): a key inside it is a sweep axis; inside a value it is not."""
+    sweeps.check_key("data.options.alpha", [0.1])
+    sweeps.check_key("model.options.hidden", [[16]])
+    with pytest.raises(ConfigError, match="train.lr is a value, not a table"):
+        sweeps.check_key("train.lr.x", [0.1])
+
+
+def test_the_rounds_an_interrupted_run_wrote_are_its_metrics_lines(tmp_path):
+    assert sweeps.rounds_done(tmp_path) == 0
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n\n{"round": 2}\n{"round": 3}\n')
+    assert sweeps.rounds_done(tmp_path) == 3
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert sweeps.rounds_done(tmp_path) == 0
+
+
+def test_a_calibration_of_another_runs_training_counts_as_its_last_round():
+    cfg = make_config(None, ["train.rounds=3", "data.num_clients=4", "train.local_steps=2"])
+    planned = sweeps.PlannedRun("fedavg+ccvr, seed 0", sweeps.run_cost(cfg), "new", None, 3)
+    assert sweeps.posthoc_only(planned, cfg, 2) == sweeps.PlannedRun(
+        "fedavg+ccvr, seed 0; post-hoc steps only, on run 3's training", 4 * 2, "new", None, 1)
+
+
+@pytest.mark.parametrize(("key", "values", "message"), [
+    (3, [1], "grid = 3: keys are dotted configuration keys, e.g. train.lr"),
+    ("", [1], "grid = '': keys are dotted configuration keys, e.g. train.lr"),
+    ("train..lr", [1], "grid = 'train..lr': keys are dotted configuration keys, e.g. train.lr"),
+    ("seed", [0, 1], "seed = [0, 1]: seeds are their own axis: use --seeds (seeds= in Python)"),
+    ("runtime.progress", [True], "runtime.progress = [true]: does not change a run's numbers, so it is no sweep axis"),
+    ("optimizer.lr", [0.1], "optimizer.lr = [0.1]: not a configuration key (see hetfl list config); sections: "
+                            "algorithm.*, data.*, model.*, train.*, runtime.*, tracking.*"),
+    ("train", [1], "train = [1]: not a configuration key (see hetfl list config); sections: algorithm.*, data.*, "
+                   "model.*, train.*, runtime.*, tracking.*"),
+    ("train.lrr", [0.1], "train.lrr = [0.1]: not a configuration key; train. has: rounds, clients_per_round, "
+                         "local_epochs, local_steps, batch_size, drop_last, lr, lr_schedule, lr_min, momentum, "
+                         "weight_decay, max_grad_norm, weighting, precision, eval_every, eval_batch_size"),
+    ("train.lr.x", [0.1], "train.lr.x = [0.1]: not a configuration key: train.lr is a value, not a table"),
+])
+def test_a_key_that_is_no_sweep_axis_is_refused_with_the_whole_reason(key, values, message):
+    with pytest.raises(ConfigError) as err:
+        sweeps.check_key(key, values)
+    assert str(err.value) == message
+
+
+def test_grid_option_and_grid_errors_in_full(tmp_path):
+    def message(call, *args) -> str:
+        with pytest.raises(ConfigError) as err:
+            call(*args)
+        return str(err.value)
+
+    assert message(sweeps.parse_grid_option, "train.lr=0.1,") == (
+        "train.lr = '0.1,': needs comma-separated values, none empty, e.g. 0.01,0.1")
+    assert message(sweeps.parse_grid_option, " =1,,2") == (
+        "--grid = '1,,2': needs comma-separated values, none empty, e.g. 0.01,0.1")
+    path = tmp_path / "s.toml"
+    path.write_text('[grid]\n"train.lr" = [0.1]\n')
+    assert message(sweeps.grid_from_cli, ["train.lr=0.2"], str(path), []) == (
+        "train.lr = [0.1]: given twice (--grid options and the --sweep file together)")
+    # a table value given twice in another key order is the same value; keys within one another in either order,
+    # in the grid or with --set
+    assert message(sweeps.check_grid, {"model.options": [{"a": 1, "b": 2}, {"b": 2, "a": 1}]}) == (
+        "model.options = [{'a': 1, 'b': 2}, {'b': 2, 'a': 1}]: the value {'b': 2, 'a': 1} is given twice")
+    assert message(sweeps.check_grid, {"model.options.hidden": [[4]], "model.options": [{}]}) == (
+        "model.options = [{}]: given twice in the grid (with model.options.hidden)")
+    assert message(sweeps.check_grid, {"data.options": [{}]}, ["data.options.alpha=0.5"]) == (
+        "data.options = [{}]: is also set with --set data.options.alpha=...: a key is either fixed or swept; drop one")
+
+
+def test_a_false_grid_value_is_set_as_false():
+    assert sweeps.toml_literal(False) == "false" and sweeps.toml_literal(True) == "true"
+    assert sweeps.Cell((("train.drop_last", False),)).assignments() == ["train.drop_last=false"]

@@ -43,11 +43,14 @@ class ConfigError(ValueError):
 
 def shown_value(value: Any) -> str:
     """``value`` as a message shows it: as written in a config file or ``--set`` for booleans (``true``, which
-    ``--set`` takes; Python's ``True`` it refuses) and tuples (``[]``), else Python's ``repr`` (strings quoted)."""
+    ``--set`` takes; Python's ``True`` it refuses) and tuples (``[]``), also inside lists and tables
+    (``[true, false]``, ``{'bn': true}``), else Python's ``repr`` (strings quoted)."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, tuple):
-        return repr(list(value))
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(shown_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {shown_value(item)}" for key, item in value.items()) + "}"
     return repr(value)
 
 
