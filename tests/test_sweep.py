@@ -129,8 +129,9 @@ def test_grid_product_folder_layout_and_one_row_per_cell(tmp_path):
     for lr, batch in cells:  # the folder names keys in key order, whatever the grid's order
         cell = out / "fedavg" / f"train.batch_size={batch},train.lr={lr}"
         assert sorted(p.name for p in cell.iterdir()) == ["cell.json", "seed0", "seed1"]
-        assert json.loads((cell / "cell.json").read_text()) == {
-            "method": "fedavg", "grid": {"train.lr": float(lr), "train.batch_size": int(batch)}}
+        assert (cell / "cell.json").read_text() == (  # indented, for a reader
+            f'{{\n  "method": "fedavg",\n  "grid": {{\n    "train.lr": {lr},\n'
+            f'    "train.batch_size": {batch}\n  }}\n}}\n')
     assert [r.run_dir.relative_to(out).parts[-1] for r in table.runs] == ["seed0", "seed1"] * 4
     assert [(row["train.lr"], row["train.batch_size"], row["seeds"]) for row in table.rows] == [
         (lr, batch, 2) for lr, batch in cells]
@@ -704,3 +705,29 @@ def test_grid_option_and_grid_errors_in_full(tmp_path):
 def test_a_false_grid_value_is_set_as_false():
     assert sweeps.toml_literal(False) == "false" and sweeps.toml_literal(True) == "true"
     assert sweeps.Cell((("train.drop_last", False),)).assignments() == ["train.drop_last=false"]
+
+
+def test_grid_values_toml_can_hold_are_written_back_as_it_reads_them_and_others_refused():
+    assert [sweeps.toml_literal(v) for v in (math.nan, math.inf, -math.inf, 0.5)] == ["nan", "inf", "-inf", "0.5"]
+    assert sweeps.toml_literal("façade") == '"façade"'  # not "fa\\u00e7ade": readable in a folder name
+    for value in (math.inf, -math.inf, "façade", [True, False]):
+        assert parse_value(sweeps.toml_literal(value)) == value
+    with pytest.raises(ConfigError) as err:
+        sweeps.toml_literal(None)
+    assert str(err.value) == "grid = None: values must be numbers, booleans, strings, lists or tables"
+
+
+@pytest.mark.parametrize(("grid", "message"), [
+    ([("train.lr", [0.1])], "grid = [['train.lr', [0.1]]]: must map configuration keys to lists of values, e.g. "
+                            "{'train.lr': [0.01, 0.1]}"),
+    ({"seed": [0, 1]}, "seed = [0, 1]: seeds are their own axis: use --seeds (seeds= in Python)"),
+    ({"train.lr": "0.1"}, "train.lr = '0.1': takes a list of values, e.g. [0.01, 0.1]"),
+    ({"train.lr": []}, "train.lr = []: needs at least one value"),
+    ({"train.lr": [0.1, 0.2, 0.1]}, "train.lr = [0.1, 0.2, 0.1]: the value 0.1 is given twice"),
+    ({"data.options": [{}], "data.options.alpha": [0.5]},
+     "data.options.alpha = [0.5]: given twice in the grid (with data.options)"),
+])
+def test_a_bad_grid_is_refused_with_the_whole_reason(grid, message):
+    with pytest.raises(ConfigError) as err:
+        sweeps.check_grid(grid)
+    assert str(err.value) == message

@@ -98,7 +98,7 @@ def toml_literal(value: Any) -> str:
         return "[" + ", ".join(toml_literal(v) for v in value) + "]"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_literal(v)}" for k, v in value.items()) + "}"
-    raise ConfigError("grid", repr(value), "values must be numbers, booleans, strings, lists or tables")
+    raise ConfigError("grid", value, "values must be numbers, booleans, strings, lists or tables")
 
 
 def _canonical(value: Any) -> str:
