@@ -97,6 +97,11 @@ MODEL_TESTS = ("tests/models/test_paper_models.py", "tests/models/test_reference
                "tests/models/test_models.py", "tests/models/test_paper_models_mutants.py",
                "tests/models/test_resnet_mutants.py", "tests/models/test_small_models_mutants.py")
 
+# a sweep's tests (hetfl.sweeps): its own, the worker processes', reproduce's (which plans with it), the API's and the
+# command line's refusals
+SWEEP_TESTS = ("tests/test_sweep.py", "tests/test_jobs.py", "tests/test_reproduce.py", "tests/test_api.py",
+               "tests/test_first_day.py", "tests/test_cli_errors.py", "tests/test_cli_usability.py")
+
 TARGETS = (
     # the four seed methods
     Target("feduv", "src/hetfl/algorithms/feduv.py", ("tests/algorithms/test_feduv.py",)),
@@ -477,21 +482,23 @@ TARGETS = (
     # stopping the plan with its folder and cause, the workers stopped with their parent, the time left. Its
     # worker-process tests included (marked slow: a few seconds each)
     Target("jobs", "src/hetfl/jobs.py", ("tests/test_jobs.py",)),
-    # (session 48) a sweep's plan (hetfl compare --grid/--sweep, hetfl.sweep): the grid's keys and values as --set
-    # takes them, each cell its own folder (named by its values as configured, two cells of one configuration
-    # refused), the plan's size bound, which runs share a training (a calibration after the run it reads), the
-    # settings meant for another method of the plan, each run's cost. Not the plan's wording (its notes) nor the
-    # counter's estimates (RunCounter)
-    Target("sweeps_plan", "src/hetfl/sweeps.py",
-           ("tests/test_sweep.py", "tests/test_jobs.py", "tests/test_reproduce.py", "tests/test_api.py",
-            "tests/test_first_day.py", "tests/test_cli_errors.py", "tests/test_cli_usability.py"), ("-m", "not slow"),
+    # (session 48) a sweep's grid and folders (hetfl compare --grid/--sweep, hetfl.sweep): the grid's keys and values
+    # as --set takes them, each cell its own folder (named by its values as configured, two cells of one
+    # configuration refused, cell.json), which runs calibrate another's training, the plan handed to worker
+    # processes (each run's source, order and cost; finished runs reused)
+    Target("sweeps_grid", "src/hetfl/sweeps.py", SWEEP_TESTS, ("-m", "not slow"),
            functions=("toml_literal", "_canonical", "split_values", "parse_grid_option", "_flatten_grid",
                       "read_sweep_file", "_dict_setting", "check_key", "_overlaps", "check_grid", "grid_from_cli",
-                      "Cell.assignments", "Cell.dirname", "_shown", "iter_cells", "count_cells", "check_plan_size",
-                      "run_cost", "rounds_done", "planned_run", "run_dir_for", "as_configured",
-                      "check_distinct", "_write_cell_file", "method_settings", "settings_elsewhere",
-                      "without_settings", "plan_items", "check_plan", "training_key", "training_sources",
-                      "posthoc_only", "_run_in_turn", "_run_parallel")),
+                      "Cell.assignments", "Cell.dirname", "_shown", "iter_cells", "run_dir_for", "as_configured",
+                      "check_distinct", "_write_cell_file", "method_settings", "rounds_done", "posthoc_only",
+                      "_run_in_turn", "_run_parallel")),
+    # (session 48, not run yet: its 213 mutants each run the plan's whole runs; stopped at the session's end) the
+    # plan's size bound, configuration and check before any run, each run's cost, the settings meant for another
+    # method of the plan, which runs share a training. Not the plan's wording (its notes) nor the counter's
+    # estimates (RunCounter)
+    Target("sweeps_plan", "src/hetfl/sweeps.py", SWEEP_TESTS, ("-m", "not slow"),
+           functions=("count_cells", "check_plan_size", "run_cost", "planned_run", "settings_elsewhere",
+                      "without_settings", "plan_items", "check_plan", "training_key", "training_sources")),
     # (session 46) what a server accepts of a reply that crossed a network before a method reads it: the tensors'
     # form (names, shapes, dtypes, finite), class indices, CCVR's statistics (clear, private, the oracle's features),
     # FedMix's averaged data and FedBR's pseudo-data of the set-up round

@@ -386,3 +386,21 @@ def test_runs_past_their_estimate_count_nothing_toward_the_time_left(tmp_path):
     plan = [job(tmp_path, name, 0.0) for name in ("a", "b", "c")]
     assert jobs._time_left(plan, [], {0: 50.0, 1: 50.0, 2: 50.0}, 10.0, 1, now=100.0) == "about 1 s left"
     assert jobs._time_left(plan, [], {0: 95.0, 1: 50.0, 2: 50.0}, 10.0, 1, now=100.0) == "about 5 s left"
+
+
+def threads_worker(tree: dict, run_dir: str, state: str, trained: str | None) -> tuple[str, float, str | None]:
+    """Stands for a run: reports as its status the thread count its worker started from (hetfl's and torch's)."""
+    import torch
+
+    from hetfl.engine import threads as threads_mod
+
+    return f"{threads_mod.PROCESS_THREADS},{torch.get_num_threads()}", 0.0, None
+
+
+@pytest.mark.slow  # two worker processes, 3 s
+@pytest.mark.processes
+def test_a_worker_runs_from_its_share_of_the_threads(tmp_path):
+    """Six threads over two workers: each run sees three, as hetfl's process count (what ``runtime.threads``
+    resolves against) and as torch's."""
+    plan = [job(tmp_path, name, 0.0) for name in "ab"]
+    assert jobs.run_jobs(plan, 2, worker=threads_worker, threads=6) == {0: "3,3", 1: "3,3"}

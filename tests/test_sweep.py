@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 import hetfl
-from hetfl import config, reproduce, runs, sweeps, tables
+from hetfl import config, reproduce, runs, runtimes, sweeps, tables
 from hetfl.api import make_config
 from hetfl.cli import main
 from hetfl.config import parse_value
@@ -545,10 +545,11 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
     """``--jobs 2`` of ``fedavg+ccvr`` over ``algorithm.ccvr.epochs``: what :func:`hetfl.sweeps._run_parallel`
     hands :func:`hetfl.jobs.run_jobs` (the runs to compute, each as a configuration tree, its state and cost, and
     for a calibration the folder of the training it reads and that run's place in the plan). The runs are done
-    here, in this process, as a worker does them (:func:`hetfl.jobs._run`), to keep the test fast. Run again with
-    one more seed and one more cell: the finished runs are reused (and said to be), the new seed's calibration
-    waits for the new seed's training (its place among the runs still to compute), and the new cell's calibrates
-    a training finished earlier (no run to wait for)."""
+    here, in this process, as a worker does them (:func:`hetfl.jobs._run`: a calibration on its source's model,
+    an interrupted run resumed), to keep the test fast. Run again with one more seed and one more cell, a
+    calibration interrupted: the finished runs are reused (and said to be), the interrupted one resumes, the new
+    seed's calibration waits for the new seed's training (its place among the runs still to compute), and the new
+    cell's calibrates a training finished earlier (no run to wait for)."""
     from hetfl import jobs
 
     handed: list[list[jobs.Job]] = []
@@ -567,6 +568,9 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
         return statuses
 
     monkeypatch.setattr(sweeps, "run_jobs", inline)
+    real_run, started = runtimes.run_experiment, []
+    monkeypatch.setattr(runtimes, "run_experiment", lambda target, run_dir, **kw: started.append(
+        (run_dir, kw["resume"], kw["trained"])) or real_run(target, run_dir, **kw))
     overrides = [*TINY, "model.name=mlp", "model.options={hidden = [16]}"]
     configure = lambda extra: make_config(overrides=[*overrides, *extra])
     out = tmp_path / "sweep"
@@ -582,18 +586,24 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
     assert plan[1].tree == config.to_tree(runs.with_progress(configure(
         ["algorithm.name=fedavg+ccvr", "seed=0", "algorithm.ccvr.epochs=5"]), False))
     assert [r.status for r in first.runs] == ["ran", "ran"]
+    assert started == [(train, False, None), (calibrate, False, train)]  # post-hoc steps only, on train's model
 
     handed.clear()
+    started.clear()
+    (calibrate / "summary.json").unlink()  # as if killed before its summary: resumed, from its own checkpoint
     again = sweeps.run_plan(["fedavg+ccvr"], [0, 1], {"algorithm.ccvr.epochs": [2, 5, 9]}, configure, out, None,
                             progress=False, console=Console(file=printed, width=400), jobs=2)
     (plan,) = handed
     train1, calibrate1 = (out / "fedavg-ccvr" / f"algorithm.ccvr.epochs={e}" / "seed1" for e in (2, 5))
     nine0, nine1 = (out / "fedavg-ccvr" / "algorithm.ccvr.epochs=9" / f"seed{s}" for s in (0, 1))
     assert [(j.run_dir, j.state, j.cost, j.source, j.after) for j in plan] == [
-        (train1, "new", full, None, None), (calibrate1, "new", last_round, train1, 0),
-        (nine0, "new", last_round, train, None), (nine1, "new", last_round, train1, 0)]
-    assert [r.status for r in again.runs] == ["reused", "ran", "reused", "ran", "ran", "ran"]
-    assert printed.getvalue().count("finished earlier, reusing (same configuration)") == 2
+        (train1, "new", full, None, None), (calibrate, "unfinished", 0.0, train, None),
+        (calibrate1, "new", last_round, train1, 0), (nine0, "new", last_round, train, None),
+        (nine1, "new", last_round, train1, 0)]
+    assert [r.status for r in again.runs] == ["reused", "ran", "resumed", "ran", "ran", "ran"]
+    assert started == [(train1, False, None), (calibrate, True, None), (calibrate1, False, train1),
+                       (nine0, False, train), (nine1, False, train1)]
+    assert printed.getvalue().count("finished earlier, reusing (same configuration)") == 1
     assert f"{train}: finished earlier, reusing" in " ".join(printed.getvalue().split())
 
 
