@@ -561,9 +561,10 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
         for i, job in enumerate(plan):
             assert job.after is None or job.after in statuses  # the order run_jobs keeps
             trained = jobs.trained_folder(job.state, job.source)
-            status, _, error = jobs._run(job.tree, str(job.run_dir), job.state, None if trained is None else
-                                         str(trained))
+            status, seconds, error = jobs._run(job.tree, str(job.run_dir), job.state, None if trained is None else
+                                               str(trained))
             assert error is None, error
+            assert 0 < seconds < 30, seconds  # the run's own seconds (a tiny run: well under one)
             statuses[i] = status
         return statuses
 
@@ -723,8 +724,8 @@ def test_grid_values_toml_can_hold_are_written_back_as_it_reads_them_and_others_
     for value in (math.inf, -math.inf, "façade", [True, False]):
         assert parse_value(sweeps.toml_literal(value)) == value
     with pytest.raises(ConfigError) as err:
-        sweeps.toml_literal(None)
-    assert str(err.value) == "grid = None: values must be numbers, booleans, strings, lists or tables"
+        sweeps.toml_literal({1, 2})
+    assert str(err.value) == "grid = {1, 2}: values must be numbers, booleans, strings, lists or tables"
 
 
 @pytest.mark.parametrize(("grid", "message"), [
@@ -741,3 +742,40 @@ def test_a_bad_grid_is_refused_with_the_whole_reason(grid, message):
     with pytest.raises(ConfigError) as err:
         sweeps.check_grid(grid)
     assert str(err.value) == message
+
+
+def test_two_cells_of_one_configuration_are_refused_naming_the_folder_they_would_share(tmp_path):
+    cfg = make_config(overrides=["train.lr=1.0"])
+    cell = sweeps.Cell((("train.lr", 1.0),))
+    item = sweeps.PlanItem("fedavg", cell, 0, cfg, tmp_path / "fedavg" / "train.lr=1.0" / "seed0")
+    seen: dict = {}
+    sweeps.check_distinct(item, seen)
+    assert seen == {item.run_dir: cell}
+    with pytest.raises(ConfigError) as err:
+        sweeps.check_distinct(item, seen)
+    assert str(err.value) == (f"train.lr = 'train.lr=1.0': two grid cells give the same configuration "
+                              f"({item.run_dir}); give each value once")
+    plain = sweeps.PlanItem("mine", sweeps.Cell(), 0, cfg, tmp_path / "mine-seed0")  # no grid: named "grid"
+    sweeps.check_distinct(plain, seen)
+    with pytest.raises(ConfigError, match=r"^grid = '': two grid cells give the same configuration"):
+        sweeps.check_distinct(plain, seen)
+
+
+def test_a_table_value_names_its_cell_as_given_when_the_configuration_holds_it_as_inner_keys():
+    """The configuration's flat form holds ``model.options.hidden``, not ``model.options``: the cell keeps the
+    table as given (and its folder is named by it)."""
+    cfg = make_config(overrides=["model.options={hidden = [16]}"])
+    cell = sweeps.as_configured(sweeps.Cell((("model.options", {"hidden": [16]}),)), cfg)
+    assert cell == sweeps.Cell((("model.options", {"hidden": [16]}),))
+    assert cell.dirname.startswith('model.options=__hidden_____16__-h')  # {"hidden" = [16]}, made safe
+
+
+def test_a_cells_file_of_other_text_is_rewritten_in_its_existing_folder(tmp_path):
+    cfg = make_config(overrides=["train.lr=0.5"])
+    item = sweeps.PlanItem("fedavg", sweeps.Cell((("train.lr", 0.5),)), 0, cfg,
+                           tmp_path / "fedavg" / "train.lr=0.5" / "seed0")
+    path = item.run_dir.parent / "cell.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"method": "fedavg", "grid": {"train.lr": 0.5}}')  # an older writer's form
+    sweeps._write_cell_file(item)
+    assert path.read_text() == '{\n  "method": "fedavg",\n  "grid": {\n    "train.lr": 0.5\n  }\n}\n'
