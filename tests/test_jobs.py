@@ -404,3 +404,11 @@ def test_a_worker_runs_from_its_share_of_the_threads(tmp_path):
     resolves against) and as torch's."""
     plan = [job(tmp_path, name, 0.0) for name in "ab"]
     assert jobs.run_jobs(plan, 2, worker=threads_worker, threads=6) == {0: "3,3", 1: "3,3"}
+
+
+def test_a_run_that_fails_in_a_worker_reports_its_exception_by_type_and_message(tmp_path):
+    """:func:`hetfl.jobs._run` (here in this process) sends an exception back as text: not every exception can
+    be pickled back intact."""
+    status, seconds, error = jobs._run({"train": {"rounds": 0}}, str(tmp_path / "run"), "new", None)
+    assert status == "failed" and 0 <= seconds < 30
+    assert error is not None and error.startswith("ConfigError: train.rounds = 0: "), error

@@ -556,7 +556,7 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
 
     def inline(plan, workers, say):
         handed.append(plan)
-        assert workers == 2
+        assert workers == 2 and say is not None  # the lines as each run starts and ends, on the console given
         statuses = {}
         for i, job in enumerate(plan):
             assert job.after is None or job.after in statuses  # the order run_jobs keeps
