@@ -609,6 +609,13 @@ def test_the_parallel_plan_gives_each_run_its_training_source_order_and_cost_and
 
 
 # ------------------------------------------------------------- session 48: what mutation testing found untested
+def refusal(call, *args) -> str:
+    """The message of the ConfigError ``call(*args)`` raises."""
+    with pytest.raises(ConfigError) as err:
+        call(*args)
+    return str(err.value)
+
+
 def test_grid_values_split_at_top_level_commas_with_toml_strings_escapes_and_any_letters():
     """A double-quoted string's ``\\"`` and ``\\\\`` are escapes (the quote after ``\\\\`` closes it); a single-quoted
     (literal) string has none; letters, upper case too, neither quote nor nest."""
@@ -621,27 +628,22 @@ def test_grid_values_split_at_top_level_commas_with_toml_strings_escapes_and_any
 
 
 def test_grid_and_sweep_file_errors_say_the_option_the_value_and_what_is_allowed(tmp_path):
-    def message(call, *args) -> str:
-        with pytest.raises(ConfigError) as err:
-            call(*args)
-        return str(err.value)
-
-    assert message(sweeps.parse_grid_option, "train.lr") == (
+    assert refusal(sweeps.parse_grid_option, "train.lr") == (
         "--grid = 'train.lr': must look like KEY=VALUE1,VALUE2, e.g. train.lr=0.01,0.1")
     missing = tmp_path / "none.toml"
-    assert message(sweeps.read_sweep_file, missing) == f"--sweep = '{missing}': no such file"
+    assert refusal(sweeps.read_sweep_file, missing) == f"--sweep = '{missing}': no such file"
     path = tmp_path / "s.toml"
     path.write_bytes(b"[grid\n")
-    assert message(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
+    assert refusal(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
     path.write_bytes(b'[grid]\n"train.lr" = ["\xff"]\n')
-    assert message(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
+    assert refusal(sweeps.read_sweep_file, path).startswith(f"--sweep = '{path}': not a readable UTF-8 TOML file (")
     for text, found in [('[grid]\n"train.lr" = [0.1]\n[seeds]\nx = 1\n[more]\n', "more, seeds"), ("", "no [grid]"),
                         ("grid = 3\n", "no [grid]")]:
         path.write_text(text)
-        assert message(sweeps.read_sweep_file, path) == (
+        assert refusal(sweeps.read_sweep_file, path) == (
             f"--sweep = '{path}': must hold one [grid] table of KEY = [values] (found: {found})")
     path.write_text('[grid.data]\noptions.alpha = 0.5\n')
-    assert message(sweeps.read_sweep_file, path) == (
+    assert refusal(sweeps.read_sweep_file, path) == (
         f"data.options.alpha = 0.5: in --sweep {path}: a grid key takes a list of values, e.g. [0.01, 0.1]")
 
 
@@ -690,26 +692,21 @@ def test_a_key_that_is_no_sweep_axis_is_refused_with_the_whole_reason(key, value
 
 
 def test_grid_option_and_grid_errors_in_full(tmp_path):
-    def message(call, *args) -> str:
-        with pytest.raises(ConfigError) as err:
-            call(*args)
-        return str(err.value)
-
-    assert message(sweeps.parse_grid_option, "train.lr=0.1,") == (
+    assert refusal(sweeps.parse_grid_option, "train.lr=0.1,") == (
         "train.lr = '0.1,': needs comma-separated values, none empty, e.g. 0.01,0.1")
-    assert message(sweeps.parse_grid_option, " =1,,2") == (
+    assert refusal(sweeps.parse_grid_option, " =1,,2") == (
         "--grid = '1,,2': needs comma-separated values, none empty, e.g. 0.01,0.1")
     path = tmp_path / "s.toml"
     path.write_text('[grid]\n"train.lr" = [0.1]\n')
-    assert message(sweeps.grid_from_cli, ["train.lr=0.2"], str(path), []) == (
+    assert refusal(sweeps.grid_from_cli, ["train.lr=0.2"], str(path), []) == (
         "train.lr = [0.1]: given twice (--grid options and the --sweep file together)")
     # a table value given twice in another key order is the same value; keys within one another in either order,
     # in the grid or with --set
-    assert message(sweeps.check_grid, {"model.options": [{"a": 1, "b": 2}, {"b": 2, "a": 1}]}) == (
+    assert refusal(sweeps.check_grid, {"model.options": [{"a": 1, "b": 2}, {"b": 2, "a": 1}]}) == (
         "model.options = [{'a': 1, 'b': 2}, {'b': 2, 'a': 1}]: the value {'b': 2, 'a': 1} is given twice")
-    assert message(sweeps.check_grid, {"model.options.hidden": [[4]], "model.options": [{}]}) == (
+    assert refusal(sweeps.check_grid, {"model.options.hidden": [[4]], "model.options": [{}]}) == (
         "model.options = [{}]: given twice in the grid (with model.options.hidden)")
-    assert message(sweeps.check_grid, {"data.options": [{}]}, ["data.options.alpha=0.5"]) == (
+    assert refusal(sweeps.check_grid, {"data.options": [{}]}, ["data.options.alpha=0.5"]) == (
         "data.options = [{}]: is also set with --set data.options.alpha=...: a key is either fixed or swept; drop one")
 
 
